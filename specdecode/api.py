@@ -1,0 +1,98 @@
+"""Python API: `LLM(model=..., draft=..., method=..., num_speculative_tokens=5).generate(...)`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .drafters.base import Drafter, DrafterError, build_drafter
+from .engine.engine import SpecEngine, StreamCallback
+from .models.loader import LoadedModel, load_model
+from .params import ParamError, SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    prompt: str
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str
+    stats: dict = field(default_factory=dict)   # acceptance_rate, mean_accepted_length, tokens_per_s, ...
+
+
+def default_method(draft: object | None) -> str:
+    return "model" if draft is not None else "ngram"
+
+
+class LLM:
+    """A target model plus (optionally) a drafter.
+
+    model: None (the embedded SmolLM2-135M-Instruct), a .gguf file or an HF directory.
+    draft: a draft model path (method "model"); method: "ngram", "model" or "none".
+    num_speculative_tokens: draft length k; 0 means plain decoding.
+    """
+
+    def __init__(self, model: str | None = None, draft: str | None = None, method: str | None = None,
+                 num_speculative_tokens: int = 5, dtype: str = "bf16", device: str | None = "cpu",
+                 threads: int | None = None, fast: bool = False, progress: bool = True,
+                 **drafter_options) -> None:
+        if threads is not None:
+            if not isinstance(threads, int) or threads < 1:
+                raise ParamError(f"threads must be an integer >= 1, got {threads!r}")
+            torch.set_num_threads(threads)
+        if not isinstance(num_speculative_tokens, int) or not 0 <= num_speculative_tokens <= 32:
+            raise ParamError(f"num_speculative_tokens must be an integer in [0, 32], got {num_speculative_tokens!r}")
+        self.target: LoadedModel = load_model(model, dtype, device, progress=progress, fast=fast)
+        self.draft: LoadedModel | None = None
+        if draft is not None:
+            self.draft = load_model(draft, dtype, device, progress=progress, fast=fast)
+        self.method = method or default_method(draft)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.drafter: Drafter | None = None
+        if self.method != "none" and num_speculative_tokens > 0:
+            self.drafter = build_drafter(self.method, self.target, draft=self.draft, **drafter_options)
+        elif self.method not in ("none", "ngram", "model"):
+            raise DrafterError(f"method must be one of model, ngram, none, got {self.method!r}")
+        self.tokenizer = self.target.tokenizer
+
+    def engine(self, num_speculative_tokens: int | None = None) -> SpecEngine:
+        k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        return SpecEngine(self.target, self.drafter, k)
+
+    def encode(self, prompt: str | list[dict[str, str]], chat: bool) -> list[int]:
+        if isinstance(prompt, list):
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt), add_special=False)
+        if chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(text, add_special=False)
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 chat: bool = False, num_speculative_tokens: int | None = None,
+                 on_tokens: StreamCallback | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a list (run as one batch). A prompt is a string, a
+        list of chat messages, or a list of token ids."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
+        prompt_list = [prompts] if single else list(prompts)
+        if not prompt_list:
+            raise ParamError("prompts must hold at least one prompt")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompt_list)
+        if len(params) != len(prompt_list):
+            raise ParamError(f"got {len(params)} sampling_params for {len(prompt_list)} prompts")
+        ids = [list(p) if isinstance(p, (list, tuple)) and p and isinstance(p[0], int) else self.encode(p, chat)
+               for p in prompt_list]
+        seqs = self.engine(num_speculative_tokens).generate(ids, params, on_tokens)
+        outputs = []
+        for prompt, s in zip(prompt_list, seqs):
+            text = self.tokenizer.decode(s.output_ids)
+            if s.stop_text_index is not None:
+                text = text[:s.stop_text_index]
+            outputs.append(RequestOutput(prompt=prompt if isinstance(prompt, str) else str(prompt), text=text,
+                                         token_ids=s.output_ids, prompt_token_ids=s.prompt_ids,
+                                         finish_reason=s.finish_reason or "length",
+                                         stats=s.stats.as_dict(s.num_output)))
+        return outputs
+

@@ -1,0 +1,196 @@
+"""Command line: `specdecode generate "PROMPT" [--compare] [--json] ...`.
+
+Every user error is one line on stderr (exit code 2); set SPECDECODE_DEBUG=1 for tracebacks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .params import ParamError
+
+
+class CliError(ValueError):
+    """A bad command-line argument."""
+
+
+def _positive_int(name: str, low: int = 1, high: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            limit = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"{name} must be {limit}, got {value}")
+        return value
+    return parse
+
+
+def _number(name: str):
+    def parse(text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+    return parse
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--logit-bias takes TOKEN_ID=BIAS, got {text!r}") from None
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="target: a .gguf file or an HF directory (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--draft", default=None, help="draft model (.gguf or HF directory) sharing the target's tokenizer")
+    g.add_argument("--method", default=None, choices=["ngram", "model", "none"],
+                   help="drafter (default: model when --draft is given, else ngram)")
+    g.add_argument("-k", "--num-speculative-tokens", dest="k", type=_positive_int("-k", 0, 32), default=5,
+                   help="draft tokens per step; 0 = plain decoding (default 5)")
+    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights dtype (default bf16)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
+    g.add_argument("--threads", type=_positive_int("--threads", 1, 1024), default=None,
+                   help="CPU threads (default: torch's choice)")
+    g.add_argument("--eager", action="store_true", help="disable the fast kernels (reference eager path)")
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=_number("--temperature"), default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=_positive_int("--top-k", 0), default=0)
+    g.add_argument("--top-p", type=_number("--top-p"), default=1.0)
+    g.add_argument("--min-p", type=_number("--min-p"), default=0.0)
+    g.add_argument("--repetition-penalty", type=_number("--repetition-penalty"), default=1.0)
+    g.add_argument("--presence-penalty", type=_number("--presence-penalty"), default=0.0)
+    g.add_argument("--frequency-penalty", type=_number("--frequency-penalty"), default=0.0)
+    g.add_argument("--logit-bias", type=_logit_bias, action="append", default=[], metavar="TOKEN_ID=BIAS")
+    g.add_argument("--seed", type=_positive_int("--seed", 0), default=None)
+    g.add_argument("--max-tokens", type=_positive_int("--max-tokens", 1), default=128)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace):
+    from .params import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, logit_bias=dict(args.logit_bias),
+                          seed=args.seed, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding on CPU and CUDA.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt, streaming it as it is accepted")
+    gen.add_argument("prompt", help="the prompt (use - to read it from stdin)")
+    add_model_options(gen)
+    add_sampling_options(gen)
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                     help="wrap the prompt in the model's chat template (default: on)")
+    gen.add_argument("--compare", action="store_true",
+                     help="also run plain decoding; print the measured speed-up and whether outputs are identical")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming")
+    gen.set_defaults(run=cmd_generate)
+    return parser
+
+
+class Streamer:
+    """Prints each sequence's new text as tokens are accepted (holding back split UTF-8)."""
+
+    def __init__(self, tokenizer, out=sys.stdout) -> None:
+        self.tokenizer, self.out, self.printed = tokenizer, out, 0
+
+    def __call__(self, seq, tokens) -> None:
+        text = self.tokenizer.decode(seq.output_ids)
+        if seq.stop_text_index is not None:
+            text = text[:seq.stop_text_index]
+        elif not seq.finished:
+            text = text.rstrip("\ufffd")          # an incomplete UTF-8 character
+            hold = max((len(s) - 1 for s in seq.params.stop), default=0)
+            text = text[:max(0, len(text) - hold)]  # may still become part of a stop string
+        if len(text) > self.printed:
+            self.out.write(text[self.printed:])
+            self.out.flush()
+            self.printed = len(text)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .api import LLM
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise CliError("prompt is empty")
+    params = sampling_params(args)
+    llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
+              dtype=args.dtype, device=args.device, threads=args.threads, fast=not args.eager,
+              progress=not args.json)
+    ids = llm.encode(prompt, chat=args.chat)
+    # warm-up so that the first measured run does not pay one-time costs (allocations, kernels)
+    llm.generate([ids], type(params)(max_tokens=4, ignore_eos=True), num_speculative_tokens=min(args.k, 2))
+    stream = not (args.json or args.no_stream)
+    if args.compare and stream:
+        print(f"--- speculative ({llm.method}, k={args.k}) ---", file=sys.stderr)
+    out = llm.generate([ids], params, on_tokens=Streamer(llm.tokenizer) if stream else None)[0]
+    if stream:
+        print()
+    elif not args.json:
+        print(out.text)
+    result = {"text": out.text, "tokens": out.token_ids, "num_tokens": len(out.token_ids),
+              "finish_reason": out.finish_reason, "method": llm.method if args.k else "none", "k": args.k,
+              **{key: out.stats[key] for key in ("tokens_per_s", "acceptance_rate", "mean_accepted_length",
+                                                 "acceptance_per_position", "draft_s", "verify_s",
+                                                 "prefill_s", "total_s")}}
+    if args.compare:
+        base = llm.generate([ids], params, num_speculative_tokens=0)[0]
+        result["baseline_tokens_per_s"] = base.stats["tokens_per_s"]
+        result["speedup"] = round(out.stats["tokens_per_s"] / base.stats["tokens_per_s"], 3)
+        result["identical"] = base.token_ids == out.token_ids
+        if not result["identical"]:
+            diverge = next((i for i, (a, b) in enumerate(zip(base.token_ids, out.token_ids)) if a != b),
+                           min(len(base.token_ids), len(out.token_ids)))
+            result["first_divergence"] = diverge
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"[{result['method']} k={args.k}] {result['num_tokens']} tokens, {result['tokens_per_s']:.1f} tok/s, "
+          f"acceptance rate {result['acceptance_rate']:.2f}, mean accepted length "
+          f"{result['mean_accepted_length']:.2f}", file=sys.stderr)
+    if args.compare:
+        note = "" if params.greedy else " (sampling: outputs differ by design; the distribution is the same)"
+        print(f"[plain] {base.stats['tokens_per_s']:.1f} tok/s -> speed-up {result['speedup']:.2f}x, "
+              f"identical output: {'yes' if result['identical'] else 'no'}{note}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .drafters.base import DrafterError
+    from .models.config import ModelError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ParamError, ModelError, DrafterError, CliError, FileNotFoundError) as exc:
+        print(f"specdecode: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nspecdecode: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # last resort: one line, not a traceback (SPECDECODE_DEBUG=1 shows it)
+        if os.environ.get("SPECDECODE_DEBUG"):
+            raise
+        print(f"specdecode: internal error: {type(exc).__name__}: {exc} (set SPECDECODE_DEBUG=1 for details)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

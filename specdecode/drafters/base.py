@@ -1,0 +1,87 @@
+"""The drafter interface, the proposal contract and the registry.
+
+A drafter proposes up to k tokens per running sequence. It never touches the target's
+KV cache; it gets the sequences (token ids, sampling params, generators) and keeps any
+state of its own (a draft model's cache) keyed by the sequence's cache row.
+
+`DraftProposal` is the whole contract between drafting and verification.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from ..engine.sequence import Sequence
+    from ..models.loader import LoadedModel
+
+
+@dataclass
+class DraftProposal:
+    tokens: torch.Tensor          # [batch, k] int64 draft tokens; row b valid in [:num_tokens[b]], padding 0
+    num_tokens: torch.Tensor      # [batch] int64, 0..k
+    probs: torch.Tensor | None    # [batch, k, vocab] float32 distributions the drafts were sampled from
+                                  # (after the shared logits transform); None = point mass (lookup drafts)
+
+    @property
+    def k(self) -> int:
+        return self.tokens.shape[1]
+
+    @staticmethod
+    def empty(batch: int) -> "DraftProposal":
+        return DraftProposal(torch.zeros(batch, 0, dtype=torch.long), torch.zeros(batch, dtype=torch.long), None)
+
+    @staticmethod
+    def from_lists(drafts: list[list[int]]) -> "DraftProposal":
+        """Point-mass proposal from per-row token lists (ragged)."""
+        k = max((len(d) for d in drafts), default=0)
+        tokens = torch.zeros(len(drafts), k, dtype=torch.long)
+        for row, draft in enumerate(drafts):
+            tokens[row, :len(draft)] = torch.tensor(draft, dtype=torch.long)
+        return DraftProposal(tokens, torch.tensor([len(d) for d in drafts], dtype=torch.long), None)
+
+
+class Drafter(ABC):
+    """Two required methods and a feedback hook, in the spirit of HF's CandidateGenerator."""
+
+    name: ClassVar[str]
+
+    def prepare(self, batch_size: int, max_len: int) -> None:
+        """Called once before a batch of sequences starts (allocate per-row state)."""
+
+    @abstractmethod
+    def propose(self, seqs: list["Sequence"], max_tokens: list[int]) -> DraftProposal:
+        """Up to max_tokens[b] draft tokens for each sequence (0 allowed)."""
+
+    def commit(self, seqs: list["Sequence"], proposal: DraftProposal, num_accepted: list[int]) -> None:
+        """Feedback after verification: the first num_accepted[b] drafts were kept and
+        seqs[b].token_ids already holds them plus one recovered/bonus token."""
+
+    def close(self) -> None:
+        """Free per-batch state."""
+
+
+class DrafterError(ValueError):
+    """A drafter cannot be built with these options; the message says why."""
+
+
+DrafterFactory = Callable[..., Drafter]
+DRAFTERS: dict[str, type[Drafter]] = {}
+
+
+def register(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
+    def wrap(cls: type[Drafter]) -> type[Drafter]:
+        cls.name = name
+        DRAFTERS[name] = cls
+        return cls
+    return wrap
+
+
+def build_drafter(method: str, target: "LoadedModel", **options) -> Drafter:
+    from . import model, ngram  # noqa: F401  (registers the built-in drafters)
+    if method not in DRAFTERS:
+        raise DrafterError(f"method must be one of {', '.join(sorted(DRAFTERS))}, got {method!r}")
+    return DRAFTERS[method](target, **options)

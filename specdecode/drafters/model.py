@@ -1,0 +1,94 @@
+"""A separate, smaller draft model that shares the target's tokenizer.
+
+The draft runs k autoregressive steps with its own KV cache (never the target's),
+applying the very same logits transform and the sequence's own random generator, and
+returns the distributions it sampled from so the verifier can do rejection sampling.
+
+Cache rule: after verification its cache keeps the entries of the tokens the target
+accepted; tokens it has not yet seen (the recovered/bonus token, or the last draft when
+all were accepted) are fed at the start of the next proposal (catch-up).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..models.config import ModelError
+from ..sampling import probs_from_logits, sample, transform_logits
+from .base import DraftProposal, Drafter, DrafterError, register
+
+
+def check_same_tokenizer(target, draft) -> None:
+    """Refuse a pair whose vocabularies differ, naming both models and the first difference."""
+    target_vocab = target.tokenizer.vocab_fingerprint()
+    draft_vocab = draft.tokenizer.vocab_fingerprint()
+    if target_vocab == draft_vocab:
+        return
+    for i, (a, b) in enumerate(zip(target_vocab, draft_vocab)):
+        if a != b:
+            raise DrafterError(f"draft {draft.name} does not share the tokenizer of target {target.name}: "
+                               f"token {i} is {b!r} in the draft but {a!r} in the target")
+    raise DrafterError(f"draft {draft.name} does not share the tokenizer of target {target.name}: "
+                       f"vocabulary sizes differ ({len(draft_vocab)} vs {len(target_vocab)} tokens)")
+
+
+@register("model")
+class ModelDrafter(Drafter):
+    def __init__(self, target, draft=None, **_: object) -> None:
+        if draft is None:
+            raise DrafterError("method 'model' needs a draft model (--draft PATH / LLM(draft=...))")
+        check_same_tokenizer(target, draft)
+        self.draft = draft                    # LoadedModel
+        self.model = draft.model
+        self.cache = None
+
+    def prepare(self, batch_size: int, max_len: int) -> None:
+        if max_len > self.model.max_len + 64:
+            raise ModelError(f"draft {self.draft.name} has a context of {self.model.max_len} tokens, "
+                             f"fewer than the {max_len} this batch needs")
+        self.cache = self.model.new_cache(batch_size, max_len)
+
+    def close(self) -> None:
+        self.cache = None
+
+    @torch.inference_mode()
+    def propose(self, seqs, max_tokens):
+        k = max(max_tokens)
+        batch = len(seqs)
+        device = self.model.device
+        draft_tokens = torch.zeros(batch, k, dtype=torch.long)
+        draft_probs = None
+        params = [s.params for s in seqs]
+        needs_history = any(p.uses_penalties for p in params)
+        generators = [s.generator for s in seqs]
+        rows = torch.tensor([s.row for s in seqs], device=device)
+        # feed: tokens this row's draft cache has not seen yet (catch-up), then one draft at a time
+        feed = [s.token_ids[self.cache.lengths[s.row]:] for s in seqs]
+        self._base_len = {s.row: len(s.token_ids) for s in seqs}
+        for step in range(k):
+            starts = [self.cache.lengths[s.row] for s in seqs]
+            width = max(len(f) for f in feed)
+            tokens = torch.tensor([f + [0] * (width - len(f)) for f in feed], dtype=torch.long, device=device)
+            last = torch.tensor([[len(f) - 1] for f in feed], device=device)
+            logits = self.model.forward(tokens, self.cache, torch.tensor(starts, device=device), rows=rows,
+                                        logit_index=last)                          # [B, 1, vocab]
+            history = [s.token_ids + draft_tokens[b, :step].tolist() for b, s in enumerate(seqs)] \
+                if needs_history else None
+            transformed = transform_logits(logits, params, history,
+                                           [s.prompt_len for s in seqs] if needs_history else None, None)
+            probs = probs_from_logits(transformed, params)[:, 0]                    # [B, vocab]
+            if draft_probs is None:
+                draft_probs = torch.zeros(batch, k, probs.shape[-1], dtype=torch.float32, device=device)
+            draft_probs[:, step] = probs
+            draft_tokens[:, step] = sample(probs, generators).cpu()
+            for b, s in enumerate(seqs):
+                self.cache.truncate(s.row, starts[b] + len(feed[b]))
+            feed = [[int(t)] for t in draft_tokens[:, step]]
+        num_tokens = torch.tensor(max_tokens, dtype=torch.long)
+        return DraftProposal(draft_tokens, num_tokens, draft_probs)
+
+    def commit(self, seqs, proposal, num_accepted):
+        # Keep entries for tokens that are now part of the sequence: the old tokens plus the
+        # accepted drafts, bounded by what was actually written (the last draft never is).
+        for s, accepted in zip(seqs, num_accepted):
+            keep = min(self.cache.lengths[s.row], self._base_len[s.row] + accepted)
+            self.cache.truncate(s.row, keep)

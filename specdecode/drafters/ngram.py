@@ -1,0 +1,40 @@
+"""Prompt lookup (n-gram) drafting: find the latest earlier occurrence of the sequence's
+last n tokens (n from `ngram_max` down to `ngram_min`) in the prompt and the text
+generated so far, and propose the tokens that followed it (Saxena 2023, "prompt lookup
+decoding"; HF `prompt_lookup_num_tokens`). Drafts are point masses: no probabilities.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .base import DraftProposal, Drafter, DrafterError, register
+
+
+def lookup(token_ids: np.ndarray, max_tokens: int, ngram_min: int, ngram_max: int) -> list[int]:
+    """Draft for one sequence: continuation of the latest earlier match of its suffix."""
+    length = len(token_ids)
+    for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
+        pattern = token_ids[length - n:]
+        # windows[i] = token_ids[i:i+n] for i in 0..length-n-1 (excludes the suffix itself)
+        windows = np.lib.stride_tricks.sliding_window_view(token_ids[:length - 1], n)
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return token_ids[start:start + max_tokens].tolist()
+    return []
+
+
+@register("ngram")
+class NgramDrafter(Drafter):
+    def __init__(self, target=None, ngram_min: int = 1, ngram_max: int = 4, **_: object) -> None:
+        if not 1 <= ngram_min <= ngram_max <= 16:
+            raise DrafterError(f"ngram sizes must satisfy 1 <= ngram_min <= ngram_max <= 16, "
+                               f"got ngram_min={ngram_min}, ngram_max={ngram_max}")
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+
+    def propose(self, seqs, max_tokens):
+        drafts = []
+        for s, k in zip(seqs, max_tokens):
+            ids = np.asarray(s.token_ids, dtype=np.int64)
+            drafts.append(lookup(ids, k, self.ngram_min, self.ngram_max) if k > 0 else [])
+        return DraftProposal.from_lists(drafts)

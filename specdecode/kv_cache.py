@@ -1,0 +1,68 @@
+"""Position-addressed, preallocated KV cache.
+
+Entry `p` of a row holds the keys/values of the token at position `p` of that sequence.
+A forward pass writes its tokens at positions `start .. start+T-1`; attention reads
+positions `< start + t + 1`. Rejected draft tokens therefore need no undo: rolling back
+is setting the row's length (`truncate`), and the stale entries are masked until they
+are overwritten. Nothing is ever copied on rollback.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
+                 max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.batch_size = batch_size
+        # Committed length of each row (python ints: read on the host every step anyway).
+        self.lengths = [0] * batch_size
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def truncate(self, row: int, length: int) -> None:
+        """Roll a row back (or forward after a write) to `length` valid positions."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"cache length must be in [0, {self.max_len}], got {length}")
+        self.lengths[row] = length
+
+    def reset(self, row: int | None = None) -> None:
+        rows = range(self.batch_size) if row is None else [row]
+        for r in rows:
+            self.lengths[r] = 0
+
+    def write(self, layer: int, rows: torch.Tensor | None, start: int | torch.Tensor,
+              keys: torch.Tensor,     # [B, kv_heads, T, head_dim]
+              values: torch.Tensor,   # [B, kv_heads, T, head_dim]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store keys/values at positions start..start+T-1 and return this layer's cache
+        for the rows, cut to the longest position needed: [B, kv_heads, L, head_dim].
+
+        `start` is an int when every row starts at the same position and rows is None
+        (the fast path: one slice assignment), else a [B] tensor of per-row starts."""
+        cache_k, cache_v = self.keys[layer], self.values[layer]
+        num_tokens = keys.shape[2]
+        if isinstance(start, int) and rows is None:
+            end = start + num_tokens
+            cache_k[:, :, start:end] = keys
+            cache_v[:, :, start:end] = values
+            return cache_k[:, :, :end], cache_v[:, :, :end]
+        start_t = torch.as_tensor(start, device=keys.device).reshape(-1)
+        positions = start_t[:, None] + torch.arange(num_tokens, device=keys.device)  # [B, T]
+        row_ids = rows if rows is not None else torch.arange(keys.shape[0], device=keys.device)
+        end = int(positions.max()) + 1
+        # Advanced indexing puts the indexed dims first: cache[row, :, pos] -> [B, T, kv_heads, hd].
+        cache_k[row_ids[:, None], :, positions] = keys.transpose(1, 2)
+        cache_v[row_ids[:, None], :, positions] = values.transpose(1, 2)
+        if rows is None:
+            return cache_k[:, :, :end], cache_v[:, :, :end]
+        return cache_k[row_ids, :, :end], cache_v[row_ids, :, :end]

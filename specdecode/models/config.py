@@ -1,0 +1,113 @@
+"""Architecture hyper-parameters of a Llama/Qwen2-family decoder, read from an HF config.json
+or from GGUF metadata. Validated on construction."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3")
+
+
+class ModelError(ValueError):
+    """A model file or directory cannot be used; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str                      # "llama" or "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False   # q/k/v projections have biases (Qwen2)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ModelError(f"architecture {self.arch!r} is not native (native: {', '.join(SUPPORTED_ARCHS)})")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
+        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type"))
+        if kind not in SUPPORTED_ROPE_SCALING:
+            raise ModelError(f"rope_scaling type {kind!r} is not supported natively "
+                             f"(supported: linear, llama3)")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        model_type = cfg.get("model_type", "")
+        arch = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama"}.get(model_type)
+        if arch is None:
+            raise ModelError(f"model_type {model_type!r} is not native")
+        if model_type == "mistral" and cfg.get("sliding_window") not in (None, 0):
+            if cfg.get("sliding_window", 0) < cfg.get("max_position_embeddings", 0):
+                raise ModelError("mistral with a sliding window is not native")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json that transformers can load (used for the converted-GGUF cache)."""
+        model_type = self.arch
+        arch_name = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.arch]
+        eos: Any = list(self.eos_token_ids)
+        if len(eos) == 1:
+            eos = eos[0]
+        return {
+            "architectures": [arch_name],
+            "model_type": model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias if self.arch == "llama" else None,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def weight_count(self) -> int:
+        """Parameters read per decoded token (the LM head counted once even when tied)."""
+        d, i, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * (self.num_heads + 2 * self.num_kv_heads) * hd + self.num_heads * hd * d
+        per_layer = attn + 3 * d * i + 2 * d
+        return self.num_layers * per_layer + self.vocab_size * d + d

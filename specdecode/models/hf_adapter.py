@@ -1,0 +1,80 @@
+"""Adapter that runs any causal LM transformers can load behind the native forward contract.
+
+Slower than the native engine (one row at a time, transformers' own cache), but lossless:
+rollback is `DynamicCache.crop`, so speculative and plain decoding see the same model.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import ModelError
+
+
+class AdapterCache:
+    """Per-row transformers caches with the same length bookkeeping as `KVCache`."""
+
+    def __init__(self, batch_size: int, max_len: int) -> None:
+        self.rows: list = [None] * batch_size
+        self.lengths = [0] * batch_size
+        self.batch_size = batch_size
+        self.max_len = max_len
+
+    def truncate(self, row: int, length: int) -> None:
+        self.lengths[row] = length
+
+    def reset(self, row: int | None = None) -> None:
+        for r in (range(self.batch_size) if row is None else [row]):
+            self.lengths[r] = 0
+            self.rows[r] = None
+
+    def nbytes(self) -> int:
+        return 0
+
+
+class HFAdapter:
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
+        from transformers import AutoModelForCausalLM
+        try:
+            self.hf = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=dtype).to(device).eval()
+        except Exception as exc:  # transformers raises many kinds for unsupported models
+            raise ModelError(f"transformers cannot load {model_dir}: {exc}") from None
+        cfg = self.hf.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_len = int(getattr(cfg, "max_position_embeddings", 2048) or 2048)
+        self.dtype, self.device = dtype, device
+        eos = getattr(cfg, "eos_token_id", None)
+        self.eos_token_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+
+    def new_cache(self, batch_size: int, max_len: int) -> AdapterCache:
+        return AdapterCache(batch_size, max_len)
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.hf.parameters())
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor,            # [B, T]
+                cache: AdapterCache, start, rows: torch.Tensor | None = None,
+                logit_index: torch.Tensor | None = None,  # [B, n]
+                ) -> torch.Tensor:                     # [B, n, vocab] float32
+        from transformers import DynamicCache
+        batch, num_tokens = tokens.shape
+        starts = [start] * batch if isinstance(start, int) else [int(s) for s in torch.as_tensor(start).reshape(-1)]
+        row_ids = list(range(batch)) if rows is None else [int(r) for r in rows]
+        outputs = []
+        for b, (row, pos) in enumerate(zip(row_ids, starts)):
+            past = cache.rows[row]
+            if past is None or pos == 0:
+                past = DynamicCache()
+            elif past.get_seq_length() > pos:
+                past.crop(pos)
+            positions = torch.arange(pos, pos + num_tokens, device=self.device)[None]
+            out = self.hf(input_ids=tokens[b:b + 1].to(self.device), past_key_values=past,
+                          position_ids=positions, use_cache=True)
+            cache.rows[row] = out.past_key_values
+            logits = out.logits[0].float()                              # [T, vocab]
+            if logit_index is not None:
+                logits = logits[logit_index[b]]
+            outputs.append(logits)
+        return torch.stack(outputs)

@@ -1,0 +1,153 @@
+"""A lean Llama / Qwen2 decoder (GQA, RoPE with optional scaling, RMSNorm, SwiGLU).
+
+Qwen2 differs from Llama only by biases on the q/k/v projections, which `ModelConfig.attention_bias`
+switches on; tied or untied LM heads both work. Weights use the Hugging Face layout
+(q/k rows in rotate-half order); q/k/v and gate/up are fused into one matrix each at load.
+
+The forward pass takes a batch of sequences at different positions (ragged), writes
+keys/values into a position-addressed `KVCache` and returns logits only for the
+positions asked for (prefill needs one row of logits, verification needs k+1).
+
+References: Touvron et al. 2023 (Llama), Su et al. 2021 (RoPE), Ainslie et al. 2023 (GQA).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..kv_cache import KVCache
+from .config import ModelConfig
+
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def eager_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearFn:
+    return lambda x: F.linear(x, weight, bias)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in float64, with linear or llama3 scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Transformer:
+    """Inference-only decoder. `weights` maps HF parameter names to tensors already in the
+    target dtype/device; `make_linear` builds each projection (eager here, fused/fast in
+    `specdecode.fast`)."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+                 make_linear: Callable[[torch.Tensor, torch.Tensor | None], LinearFn] = eager_linear) -> None:
+        self.config = config
+        self.embed = weights["model.embed_tokens.weight"]
+        self.dtype, self.device = self.embed.dtype, self.embed.device
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+            qkv_bias = None
+            if config.attention_bias:
+                qkv_bias = torch.cat([weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+            gate_up = torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
+            self.layers.append({
+                "attn_norm": weights[p + "input_layernorm.weight"],
+                "qkv": make_linear(qkv, qkv_bias),
+                "o": make_linear(weights[p + "self_attn.o_proj.weight"], None),
+                "mlp_norm": weights[p + "post_attention_layernorm.weight"],
+                "gate_up": make_linear(gate_up, None),
+                "down": make_linear(weights[p + "mlp.down_proj.weight"], None),
+            })
+        self.final_norm = weights["model.norm.weight"]
+        head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = make_linear(head, None)
+        self.lm_head_weight = head
+        positions = torch.arange(config.max_position_embeddings + 64, dtype=torch.float64)
+        angles = torch.outer(positions, rope_inv_freq(config))
+        angles = torch.cat([angles, angles], dim=-1)                     # [max_pos, head_dim]
+        self.rope_cos = angles.cos().to(self.dtype).to(self.device)
+        self.rope_sin = angles.sin().to(self.dtype).to(self.device)
+
+    @property
+    def max_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, max_len, self.dtype, self.device)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights read per decoded token."""
+        return self.config.weight_count() * self.embed.element_size()
+
+    @torch.inference_mode()
+    def forward(self,
+                tokens: torch.Tensor,                 # [B, T] int64
+                cache: KVCache,
+                start: int | torch.Tensor,            # position of tokens[:, 0]: int (all rows) or [B]
+                rows: torch.Tensor | None = None,     # [B] cache rows; None = rows 0..B-1 of the cache
+                logit_index: torch.Tensor | None = None,  # [B, n] positions in 0..T-1 that need logits; None = all
+                ) -> torch.Tensor:                    # [B, n, vocab] float32
+        c = self.config
+        batch, num_tokens = tokens.shape
+        uniform = isinstance(start, int) and rows is None
+        if uniform:
+            positions = torch.arange(start, start + num_tokens, device=self.device)
+            cos, sin = self.rope_cos[positions][None, None], self.rope_sin[positions][None, None]
+            key_len = start + num_tokens
+            mask = None
+            if num_tokens > 1:
+                mask = torch.arange(key_len, device=self.device)[None, :] <= positions[:, None]
+        else:
+            start_t = torch.as_tensor(start, device=self.device).reshape(-1)
+            positions = start_t[:, None] + torch.arange(num_tokens, device=self.device)  # [B, T]
+            cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+            key_len = int(positions.max()) + 1
+            mask = (torch.arange(key_len, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+        hidden = F.embedding(tokens, self.embed)                              # [B, T, D]
+        for index, layer in enumerate(self.layers):
+            # 1. attention: fused qkv projection, RoPE, cache write, GQA attention
+            x = F.rms_norm(hidden, (c.hidden_size,), layer["attn_norm"], c.rms_norm_eps)
+            qkv = layer["qkv"](x)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(batch, num_tokens, c.num_heads, c.head_dim).transpose(1, 2)
+            k = k.view(batch, num_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            v = v.view(batch, num_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            keys, values = cache.write(index, rows, start, k, v)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            attn = attn.transpose(1, 2).reshape(batch, num_tokens, q_size)
+            hidden = hidden + layer["o"](attn)
+            # 2. MLP: SwiGLU with fused gate/up
+            x = F.rms_norm(hidden, (c.hidden_size,), layer["mlp_norm"], c.rms_norm_eps)
+            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+            hidden = hidden + layer["down"](F.silu(gate) * up)
+
+        if logit_index is not None:
+            hidden = torch.gather(hidden, 1, logit_index[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        hidden = F.rms_norm(hidden, (c.hidden_size,), self.final_norm, c.rms_norm_eps)
+        return self.lm_head(hidden).float()

@@ -1,0 +1,100 @@
+"""User-facing parameter dataclasses, validated on construction.
+
+Every invalid value raises `ParamError` naming the parameter and its limit, so the
+CLI and (later) the server can show one clear line instead of a traceback.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+class ParamError(ValueError):
+    """A user-supplied parameter is out of range; the message names it and its limit."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ParamError(message)
+
+
+def _finite(name: str, value: float) -> None:
+    _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+           f"{name} must be a finite number, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How tokens are chosen. The same transform is applied to drafter and target logits,
+    so speculation is lossless under every combination of these.
+
+    Order of the logits transform (see `specdecode.sampling`): logit_bias, repetition
+    penalty (prompt + output tokens), presence and frequency penalties (output tokens),
+    temperature, top_k, top_p, min_p. temperature == 0 means greedy: argmax of the
+    biased and penalized logits (top_k / top_p / min_p are then irrelevant).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0                  # 0 = disabled
+    top_p: float = 1.0              # 1 = disabled
+    min_p: float = 0.0              # 0 = disabled
+    repetition_penalty: float = 1.0  # 1 = disabled; >1 discourages repeats (CTRL-style, prompt + output)
+    presence_penalty: float = 0.0   # OpenAI-style, output tokens only
+    frequency_penalty: float = 0.0  # OpenAI-style, output tokens only
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    max_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _finite("temperature", self.temperature)
+        _check(0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}")
+        _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0,
+               f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        _finite("top_p", self.top_p)
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _finite("min_p", self.min_p)
+        _check(0.0 <= self.min_p < 1.0, f"min_p must be in [0, 1), got {self.min_p}")
+        _finite("repetition_penalty", self.repetition_penalty)
+        _check(0.0 < self.repetition_penalty <= 10.0,
+               f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _finite(name, value)
+            _check(-2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value}")
+        _check(isinstance(self.logit_bias, dict), "logit_bias must be a mapping {token_id: bias}")
+        clean: dict[int, float] = {}
+        for token, bias in self.logit_bias.items():
+            try:
+                token_id = int(token)
+            except (TypeError, ValueError):
+                raise ParamError(f"logit_bias keys must be token ids (integers), got {token!r}") from None
+            _check(token_id >= 0, f"logit_bias token ids must be >= 0, got {token_id}")
+            _finite(f"logit_bias[{token_id}]", bias)
+            _check(-100.0 <= bias <= 100.0, f"logit_bias[{token_id}] must be in [-100, 100], got {bias}")
+            clean[token_id] = float(bias)
+        self.logit_bias = clean
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+               f"seed must be an integer in [0, 2^63) or None, got {self.seed!r}")
+        _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
+        _check(len(self.stop) <= 16, f"stop accepts at most 16 strings, got {len(self.stop)}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def validate_vocab(self, vocab_size: int) -> None:
+        """Checks that depend on the model: logit_bias ids must exist in the vocabulary."""
+        for token_id in self.logit_bias:
+            _check(token_id < vocab_size,
+                   f"logit_bias token id {token_id} is outside the vocabulary (size {vocab_size})")
