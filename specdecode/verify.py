@@ -113,6 +113,8 @@ def verify(
     rows = torch.arange(batch, device=device)
     positions = torch.arange(k, device=device)
     is_draft = positions.unsqueeze(0) < num_draft.unsqueeze(1)                   # [batch, k]
+    if k and bool((is_draft & ((draft_tokens < 0) | (draft_tokens >= vocab))).any()):
+        raise ValueError(f"draft tokens (within num_draft) must be in [0, {vocab})")
     draft_index = draft_tokens.clamp(0, vocab - 1)                               # [batch, k] padding-safe
 
     # --- acceptance of each draft position --------------------------------------------------

@@ -52,6 +52,12 @@ class ModelConfig:
             if cfg.get("sliding_window", 0) < cfg.get("max_position_embeddings", 0):
                 raise ModelError("mistral with a sliding window is not native")
         heads = cfg["num_attention_heads"]
+        # transformers >= 5 writes "rope_parameters" (with rope_theta inside); older "rope_scaling"
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = cfg.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0
+        rope.pop("rope_theta", None)
+        if rope.get("rope_type", rope.get("type")) in (None, "default"):
+            rope = {}
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -64,8 +70,8 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope or None,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),

@@ -29,9 +29,10 @@ def eager_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Line
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] in float64, with linear or llama3 scaling applied."""
+    """Inverse frequencies [head_dim/2] in float32 (as transformers and llama.cpp compute
+    them), with linear or llama3 scaling applied."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
@@ -83,7 +84,7 @@ class Transformer:
         head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
         self.lm_head = make_linear(head, None)
         self.lm_head_weight = head
-        positions = torch.arange(config.max_position_embeddings + 64, dtype=torch.float64)
+        positions = torch.arange(config.max_position_embeddings + 64, dtype=torch.float32)
         angles = torch.outer(positions, rope_inv_freq(config))
         angles = torch.cat([angles, angles], dim=-1)                     # [max_pos, head_dim]
         self.rope_cos = angles.cos().to(self.dtype).to(self.device)

@@ -1,0 +1,80 @@
+"""Shared fixtures: tiny random Llama/Qwen2 models with a tiny trained BPE tokenizer, made
+on the fly (no network), and the embedded SmolLM2-135M for the slow tests."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog. " * 3,
+    "speculative decoding drafts tokens and verifies them in one pass of the target model.",
+    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n",
+    "Summarize the following text. The cat sat on the mat. The mat was red. The cat was happy.",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_tokenizer(folder: Path, vocab_size: int = 300) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "add_bos_token": False, "chat_template": CHAT_TEMPLATE}))
+
+
+def make_model(folder: Path, arch: str, seed: int, layers: int = 2, hidden: int = 64, heads: int = 4,
+               kv_heads: int = 2, tie: bool = True, rope_scaling=None, scale: float = 1.0) -> Path:
+    """A random model saved like any HF checkpoint. `scale` sharpens the output distribution."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(folder)
+    vocab = json.loads((folder / "tokenizer.json").read_text())
+    vocab_size = len(vocab["model"]["vocab"]) + len([t for t in vocab["added_tokens"] if t["id"] >= len(vocab["model"]["vocab"])])
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie, eos_token_id=2, bos_token_id=None,
+                  rope_scaling=rope_scaling)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+        with torch.no_grad():   # give the q/k/v biases real values so they are tested
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(scale / 0.02 * 0.05)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """Targets and drafts of both architectures (drafts share the tokenizer, other weights)."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "llama": make_model(root / "llama", "llama", seed=1, layers=3),
+        "llama_draft": make_model(root / "llama_draft", "llama", seed=2, layers=1),
+        "qwen2": make_model(root / "qwen2", "qwen2", seed=3, layers=2, tie=False),
+        "qwen2_draft": make_model(root / "qwen2_draft", "qwen2", seed=4, layers=1, tie=False),
+    }
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default target in fp32 (loaded once per session)."""
+    from specdecode.models.loader import load_model
+    return load_model(None, dtype="fp32", progress=False)

@@ -1,0 +1,49 @@
+"""Greedy speculative output equals target-only greedy output, token for token, for every
+drafter, on tiny random models of both architectures (batched, ragged prompts)."""
+import pytest
+
+from specdecode import LLM, SamplingParams
+
+PROMPTS = [
+    "the quick brown fox jumps over the lazy dog. the quick brown fox",
+    "def add(a, b):\n    return a + b\n",
+    "Summarize the following text. The cat sat on the mat.",
+    "1 2 3 4 5 6 7 8",
+]
+
+
+def run(llm, k, prompts=PROMPTS, max_tokens=40):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate(prompts, params, num_speculative_tokens=k)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("method", ["ngram", "model", "self"])
+def test_greedy_equality(tiny_models, arch, method):
+    draft = {"ngram": None, "model": tiny_models[arch + "_draft"], "self": tiny_models[arch]}[method]
+    llm = LLM(model=str(tiny_models[arch]), draft=str(draft) if draft else None, dtype="fp32", progress=False,
+              method="ngram" if method == "ngram" else "model")
+    plain = run(llm, 0)
+    for k in (1, 3, 5):
+        spec = run(llm, k)
+        for p, s in zip(plain, spec):
+            assert s.token_ids == p.token_ids, (method, k)
+        # batch of one equals the batch
+        alone = run(llm, k, prompts=[PROMPTS[1]])[0]
+        assert alone.token_ids == plain[1].token_ids
+    stats = spec[0].stats
+    if method == "self":   # draft == target: everything accepted, k+1 tokens per step
+        assert stats["acceptance_rate"] == 1.0
+        full_steps = [o.stats for o in spec]
+        assert all(st["mean_accepted_length"] >= 5.0 for st in full_steps)
+        assert spec[0].stats["acceptance_per_position"] == [1.0] * 5
+
+
+def test_self_draft_mean_accepted_length_is_k_plus_1(tiny_models):
+    llm = LLM(model=str(tiny_models["llama"]), draft=str(tiny_models["llama"]), dtype="fp32", progress=False)
+    k = 4
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=5 * (k + 1), ignore_eos=True),
+                       num_speculative_tokens=k)[0]
+    assert out.stats["acceptance_rate"] == 1.0
+    assert out.stats["mean_accepted_length"] == k + 1
+    assert out.stats["steps"] == 5
