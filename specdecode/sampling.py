@@ -97,10 +97,10 @@ def transform_logits(
                 rows.append(b)
                 tokens.append(token_id)
                 values.append(bias)
-        bias_table = torch.zeros(batch, vocab, dtype=torch.float32, device=device)
-        bias_table[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] = torch.tensor(
-            values, dtype=torch.float32, device=device)
-        out += bias_table[:, None, :]
+        # (row, token) pairs are unique (logit_bias is a dict): a sparse in-place add over T.
+        row_index = torch.tensor(rows, device=device)
+        token_index = torch.tensor(tokens, device=device)
+        out[row_index, :, token_index] += torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
 
     if penalty_rows:
         _apply_penalties(out, params, penalty_rows, history, prompt_lens, block_tokens)
@@ -134,6 +134,9 @@ def _apply_penalties(
     prompt_lens: Sequence[int] | None,
     block_tokens: torch.Tensor | None,      # [batch, T-1]
 ) -> None:
+    """Penalties touch only the tokens present in history + block, so each row works on the
+    [T, n_unique] slice of those tokens (gather, penalize, scatter back) -- never on the full
+    vocabulary. Per-position counts: history counts + cumulative counts of block tokens."""
     batch, block_len, vocab = out.shape
     device = out.device
     if history is None or len(history) != batch:
@@ -144,91 +147,119 @@ def _apply_penalties(
         raise ValueError("prompt_lens (one per row) is required with presence/frequency penalties")
     if block_len > 1 and (block_tokens is None or tuple(block_tokens.shape) != (batch, block_len - 1)):
         raise ValueError(f"block_tokens must be [batch, T-1] = [{batch}, {block_len - 1}] when T > 1")
-
-    n = len(rows)
-    # Per-row counts of tokens before block position 0.
-    all_counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)     # prompt + output
-    output_counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)  # output only
-    for i, b in enumerate(rows):
-        tokens = torch.as_tensor(history[b], dtype=torch.long, device=device).reshape(-1)
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
-            raise ValueError(f"history of row {b} has token ids outside [0, {vocab})")
-        ones = torch.ones(tokens.numel(), dtype=torch.float32, device=device)
-        all_counts[i].index_add_(0, tokens, ones)
-        if uses_output_counts:
-            start = int(prompt_lens[b])
-            output_counts[i].index_add_(0, tokens[start:], ones[start:])
-
-    # Counts of block tokens strictly before each position: [n, T, vocab] (position 0 -> 0).
-    block_counts = None
     if block_len > 1:
-        index = torch.tensor(rows, device=device)
-        block = block_tokens.to(device=device, dtype=torch.long)[index]          # [n, T-1]
-        valid = (block >= 0).to(torch.float32)
-        one_hot = torch.zeros(n, block_len - 1, vocab, dtype=torch.float32, device=device)
-        one_hot.scatter_(2, block.clamp(0, vocab - 1).unsqueeze(-1), valid.unsqueeze(-1))
-        block_counts = torch.cat([torch.zeros(n, 1, vocab, dtype=torch.float32, device=device),
-                                  one_hot.cumsum(dim=1)], dim=1)
+        block_tokens = block_tokens.to(device=device, dtype=torch.long)
 
-    sub, index = _select(out, rows)
-    repetition = [params[b].repetition_penalty for b in rows]
-    if any(r != 1.0 for r in repetition):
-        seen = all_counts.unsqueeze(1) if block_counts is None else all_counts.unsqueeze(1) + block_counts
-        penalty = _row_tensor(repetition, device)
-        penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
-        sub = torch.where(seen > 0, penalized, sub)
-    if uses_output_counts:
-        counts = output_counts.unsqueeze(1) if block_counts is None else output_counts.unsqueeze(1) + block_counts
-        presence = _row_tensor([params[b].presence_penalty for b in rows], device)
-        frequency = _row_tensor([params[b].frequency_penalty for b in rows], device)
-        sub = sub - presence * (counts > 0).to(torch.float32) - frequency * counts
-    if index is None:
-        out.copy_(sub)
-    else:
-        out[index] = sub
+    for b in rows:
+        p = params[b]
+        past = torch.as_tensor(history[b], dtype=torch.long, device=device).reshape(-1)   # [H]
+        block = block_tokens[b] if block_len > 1 else past[:0]                            # [T-1]
+        if past.numel() and (int(past.min()) < 0 or int(past.max()) >= vocab):
+            raise ValueError(f"history of row {b} has token ids outside [0, {vocab})")
+        if block.numel() and int(block.max()) >= vocab:
+            raise ValueError(f"block_tokens of row {b} has token ids >= {vocab}")
+        token_ids, inverse = torch.unique(torch.cat([past, block.clamp(min=0)]), return_inverse=True)  # [U]
+        n_unique = token_ids.numel()
+        if n_unique == 0:
+            continue
+        past_inverse, block_inverse = inverse[:past.numel()], inverse[past.numel():]
+        # Counts before block position 0, per unique token: [U].
+        seen_counts = torch.bincount(past_inverse, minlength=n_unique).to(torch.float32)
+        start = int(prompt_lens[b]) if uses_output_counts else 0
+        output_counts = torch.bincount(past_inverse[start:], minlength=n_unique).to(torch.float32)
+        # Block tokens strictly before each position: [T, U] (position 0 -> 0); padding (< 0) ignored.
+        prefix_counts = torch.zeros(block_len, n_unique, dtype=torch.float32, device=device)
+        if block_len > 1:
+            block_one_hot = torch.zeros(block_len - 1, n_unique, dtype=torch.float32, device=device)
+            block_one_hot.scatter_(1, block_inverse.unsqueeze(1), (block >= 0).to(torch.float32).unsqueeze(1))
+            prefix_counts[1:] = block_one_hot.cumsum(dim=0)
+
+        row_logits = out[b]                                                          # [T, vocab] view
+        values = row_logits[:, token_ids]                                            # [T, U]
+        if p.repetition_penalty != 1.0:
+            seen = (seen_counts + prefix_counts) > 0
+            penalized = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+            values = torch.where(seen, penalized, values)
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            counts = output_counts + prefix_counts
+            values = values - p.presence_penalty * (counts > 0).to(torch.float32) - p.frequency_penalty * counts
+        row_logits[:, token_ids] = values
 
 
 def _apply_filters(out: torch.Tensor, params: Sequence[SamplingParams], rows: list[int]) -> None:
-    """top_k, then top_p, then min_p on the (already temperature-scaled) rows, in place."""
+    """top_k, then top_p, then min_p on the (already temperature-scaled) rows, in place.
+
+    Each filter is a per-(row, position) logit cutoff; rows where a filter is disabled get a
+    cutoff of -inf. (Avoid exp() of -inf entries: on CPU it is ~20x slower than softmax.)
+    """
     vocab = out.shape[-1]
     device = out.device
     sub, index = _select(out, rows)
     neg_inf = float("-inf")
 
     top_k = [params[b].top_k if 0 < params[b].top_k < vocab else vocab for b in rows]
+    top_p = [params[b].top_p for b in rows]
+    window = None
     if any(k < vocab for k in top_k):
         max_k = max(k for k in top_k if k < vocab)
-        top_values = sub.topk(max_k, dim=-1).values                              # [n, T, max_k]
+        top_values, top_indices = sub.topk(max_k, dim=-1)                          # [n, T, max_k]
         kth = torch.tensor([min(k, max_k) - 1 for k in top_k], device=device)
         cutoff = top_values.gather(-1, kth.view(-1, 1, 1).expand(-1, sub.shape[1], 1))  # [n, T, 1]
-        enabled = torch.tensor([k < vocab for k in top_k], device=device).view(-1, 1, 1)
-        sub = sub.masked_fill(enabled & (sub < cutoff), neg_inf)
+        disabled = torch.tensor([k >= vocab for k in top_k], device=device).view(-1, 1, 1)
+        sub.masked_fill_(sub < cutoff.masked_fill(disabled, neg_inf), neg_inf)
+        # The filtered logits at these indices are still in descending order (entries past a
+        # row's k are -inf or tied with its k-th): the nucleus search can start from them.
+        window = (sub.gather(-1, top_indices), top_indices)
 
-    top_p = [params[b].top_p for b in rows]
     if any(p < 1.0 for p in top_p):
-        sorted_logits = sub.sort(dim=-1, descending=True).values                  # [n, T, vocab]
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        cumulative = sorted_probs.cumsum(dim=-1)
-        # Probability mass strictly before each sorted token; a token is kept while the mass
-        # before it is < top_p -> the smallest set reaching top_p, always incl. the top token.
-        mass_before = torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1)
-        keep = mass_before < _row_tensor(top_p, device)
-        num_keep = keep.sum(dim=-1, keepdim=True).clamp(min=1)                     # [n, T, 1]
-        cutoff = sorted_logits.gather(-1, num_keep - 1)
-        enabled = torch.tensor([p < 1.0 for p in top_p], device=device).view(-1, 1, 1)
-        sub = sub.masked_fill(enabled & (sub < cutoff), neg_inf)
+        # The nucleus is usually a few hundred tokens at most: look for its cutoff among the top
+        # `candidates` logits and widen only if some row's nucleus does not end inside them --
+        # a full sort of a 49k vocabulary costs ~20x more than topk(256).
+        if not all(p >= 1.0 or k < vocab for p, k in zip(top_p, top_k)):
+            window = None                      # some top_p row has no top_k: its own window
+        cutoff = _nucleus_cutoff(sub, _row_tensor(top_p, device), window)
+        disabled = torch.tensor([p >= 1.0 for p in top_p], device=device).view(-1, 1, 1)
+        sub.masked_fill_(sub < cutoff.masked_fill(disabled, neg_inf), neg_inf)
 
     min_p = [params[b].min_p for b in rows]
     if any(p > 0.0 for p in min_p):
         # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p)
         log_min_p = _row_tensor([math.log(p) if p > 0.0 else neg_inf for p in min_p], device)
-        max_logit = sub.amax(dim=-1, keepdim=True)
-        sub = sub.masked_fill(sub < max_logit + log_min_p, neg_inf)
+        sub.masked_fill_(sub < sub.amax(dim=-1, keepdim=True) + log_min_p, neg_inf)
 
-    if index is None:
-        out.copy_(sub)
-    else:
+    if index is not None:
         out[index] = sub
+
+
+_TOP_P_CANDIDATES = 256
+
+
+def _nucleus_cutoff(
+    logits: torch.Tensor,                                   # [n, T, vocab] temperature-scaled, top_k-filtered
+    top_p: torch.Tensor,                                    # [n, 1, 1]
+    window: tuple[torch.Tensor, torch.Tensor] | None,       # ([n, T, c] descending logits, their indices) or None
+) -> torch.Tensor:                                          # [n, T, 1] smallest logit kept by top_p
+    """Keep the smallest set of tokens whose probability reaches top_p (always the top token):
+    a sorted token is kept while the probability mass strictly before it is < top_p."""
+    vocab = logits.shape[-1]
+    probs = logits.softmax(dim=-1)                                              # [n, T, vocab]
+    candidates = window[0].shape[-1] if window is not None else min(_TOP_P_CANDIDATES, vocab)
+    while True:
+        if window is not None:
+            top_logits, top_indices = window
+        elif candidates < vocab:
+            top_logits, top_indices = logits.topk(candidates, dim=-1)           # [n, T, c] descending
+        else:
+            top_logits, top_indices = logits.sort(dim=-1, descending=True)      # [n, T, vocab]
+        window = None
+        cumulative = probs.gather(-1, top_indices).cumsum(dim=-1)
+        mass_before = torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1)
+        num_keep = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp(min=1)   # [n, T, 1]
+        # num_keep < candidates: the first dropped token is among the candidates -> exact.
+        if candidates >= vocab or bool((num_keep < candidates).all()):
+            return top_logits.gather(-1, num_keep - 1)
+        # Widen 8x, or go straight to the full sort once the window would be >= vocab / 4.
+        candidates = candidates * 8 if candidates * 32 < vocab else vocab
 
 
 def probs_from_logits(transformed: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -249,7 +280,8 @@ def probs_from_logits(transformed: torch.Tensor, params: Sequence[SamplingParams
     return torch.where(greedy_mask, one_hot, transformed.softmax(dim=-1))
 
 
-def uniforms(batch: int, counts: Sequence[int] | int, generators: Generators, device: torch.device | str = "cpu") -> torch.Tensor:
+def uniforms(batch: int, counts: Sequence[int] | int, generators: Generators,
+             device: torch.device | str = "cpu") -> torch.Tensor:
     """Uniform [0, 1) float64 draws, [batch, max(counts)].
 
     generators: None (default RNG), a single torch.Generator (one vectorized draw for the

@@ -34,10 +34,11 @@ rejecting at such a position is exactly that residual mass, so the fallback move
 distribution by at most RESIDUAL_EPS in total variation.
 
 Random draws: all acceptance uniforms are drawn up front (one per draft), then one uniform per
-row for the recovered / bonus token. ``generators`` follows `specdecode.sampling`: None (torch
-default RNG), one torch.Generator (vectorized draws for the batch), or a list with one
-torch.Generator per row -- then row b draws exactly ``num_draft[b] + 1`` numbers from its own
-generator, so its result depends only on its own generator and inputs, never on the batch.
+sampled row for the recovered / bonus token; greedy rows need no randomness. ``generators``
+follows `specdecode.sampling`: None (torch default RNG), one torch.Generator (vectorized draws
+for the batch), or a list with one torch.Generator per row -- then a sampled row b draws exactly
+``num_draft[b] + 1`` numbers from its own generator (a greedy row draws none), so its result
+depends only on its own generator and inputs, never on the rest of the batch.
 """
 from __future__ import annotations
 
@@ -108,7 +109,6 @@ def verify(
         raise ValueError(f"num_draft must be in [0, k={k}], got {num_draft.tolist()}")
     greedy = greedy.to(device=device, dtype=torch.bool).reshape(batch)
     draft_tokens = draft_tokens.to(device=device, dtype=torch.long)
-    any_greedy = bool(greedy.any())
 
     rows = torch.arange(batch, device=device)
     positions = torch.arange(k, device=device)
@@ -117,39 +117,54 @@ def verify(
         raise ValueError(f"draft tokens (within num_draft) must be in [0, {vocab})")
     draft_index = draft_tokens.clamp(0, vocab - 1)                               # [batch, k] padding-safe
 
-    # --- acceptance of each draft position --------------------------------------------------
+    sampled = ~greedy
+    greedy_rows = greedy.nonzero().squeeze(1)                                    # [n_greedy]
+    sampled_rows = sampled.nonzero().squeeze(1)                                  # [n_sampled]
+    all_sampled = sampled_rows.numel() == batch
     per_row = generators is not None and not isinstance(generators, torch.Generator)
-    accept_uniforms = uniforms(batch, num_draft.tolist() if per_row else k, generators, device)  # [batch, <=k]
-    accept_uniforms = torch.nn.functional.pad(accept_uniforms, (0, k - accept_uniforms.shape[1]))  # [batch, k]
-    target_at_draft = target_probs[:, :k].gather(-1, draft_index.unsqueeze(-1)).squeeze(-1).double()  # [batch, k]
-    if draft_probs is None:
-        draft_at_draft = torch.ones_like(target_at_draft)
-    else:
-        draft_at_draft = draft_probs.gather(-1, draft_index.unsqueeze(-1)).squeeze(-1).double()    # [batch, k]
-    # u < p/q  <=>  u * q < p  (no division: q == 0 accepts iff p > 0; p == q > 0 always accepts).
-    accepted = accept_uniforms * draft_at_draft < target_at_draft                 # [batch, k]
-    if any_greedy and k:
-        target_argmax = target_probs[:, :k].argmax(dim=-1)                         # [batch, k]
-        accepted = torch.where(greedy.unsqueeze(1), draft_tokens == target_argmax, accepted)
+
+    # --- acceptance of each draft position --------------------------------------------------
+    accepted = torch.zeros(batch, k, dtype=torch.bool, device=device)            # [batch, k]
+    if k and sampled_rows.numel():
+        # Greedy rows draw nothing from per-row generators; vectorized draws cover the batch.
+        counts = torch.where(sampled, num_draft, 0).tolist() if per_row else k
+        accept_uniforms = uniforms(batch, counts, generators, device)             # [batch, <=k]
+        accept_uniforms = torch.nn.functional.pad(accept_uniforms, (0, k - accept_uniforms.shape[1]))  # [batch, k]
+        target_at_draft = target_probs[:, :k].gather(-1, draft_index.unsqueeze(-1)).squeeze(-1).double()  # [batch, k]
+        if draft_probs is None:
+            draft_at_draft = torch.ones_like(target_at_draft)
+        else:
+            draft_at_draft = draft_probs.gather(-1, draft_index.unsqueeze(-1)).squeeze(-1).double()    # [batch, k]
+        # u < p/q  <=>  u * q < p  (no division: q == 0 accepts iff p > 0; p == q > 0 always accepts).
+        accepted = accept_uniforms * draft_at_draft < target_at_draft
+    if k and greedy_rows.numel():
+        greedy_target = target_probs[:, :k] if greedy_rows.numel() == batch else target_probs[greedy_rows, :k]
+        accepted[greedy_rows] = draft_tokens[greedy_rows] == greedy_target.argmax(dim=-1)   # [n_greedy, k]
     accepted &= is_draft
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)                      # [batch]
 
     # --- recovered (first rejection) or bonus (all accepted) token --------------------------
     target_next = target_probs[rows, num_accepted]                                # [batch, vocab] (a copy)
-    rejected_rows = (num_accepted < num_draft).nonzero().squeeze(1)               # [n_rejected]
-    next_probs = target_next                                                      # bonus rows: target
-    if rejected_rows.numel():
-        reject_pos = num_accepted[rejected_rows]                                   # < num_draft <= k
-        if draft_probs is None:
-            draft_rejected = torch.zeros(rejected_rows.numel(), vocab, dtype=target_next.dtype, device=device)
-            draft_rejected.scatter_(-1, draft_index[rejected_rows, reject_pos].unsqueeze(-1), 1.0)  # point mass
+    next_tokens = torch.empty(batch, dtype=torch.long, device=device)             # [batch]
+    if greedy_rows.numel():
+        next_tokens[greedy_rows] = target_next[greedy_rows].argmax(dim=-1)
+    if sampled_rows.numel():
+        rejected_rows = (sampled & (num_accepted < num_draft)).nonzero().squeeze(1)   # [n_rejected]
+        next_probs = target_next                                                  # bonus rows: target
+        if rejected_rows.numel():
+            reject_pos = num_accepted[rejected_rows]                               # < num_draft <= k
+            if draft_probs is None:
+                draft_rejected = torch.zeros(rejected_rows.numel(), vocab, dtype=target_next.dtype, device=device)
+                draft_rejected.scatter_(-1, draft_index[rejected_rows, reject_pos].unsqueeze(-1), 1.0)  # point mass
+            else:
+                draft_rejected = draft_probs[rejected_rows, reject_pos].to(target_next.dtype)  # [n_rejected, vocab]
+            next_probs = target_next.clone()
+            next_probs[rejected_rows] = _residual_probs(target_next[rejected_rows], draft_rejected)
+        if all_sampled:
+            next_tokens = sample(next_probs, generators)
         else:
-            draft_rejected = draft_probs[rejected_rows, reject_pos].to(target_next.dtype)  # [n_rejected, vocab]
-        next_probs = target_next.clone()
-        next_probs[rejected_rows] = _residual_probs(target_next[rejected_rows], draft_rejected)
-    next_tokens = sample(next_probs, generators)                                  # [batch]
-    if any_greedy:
-        next_tokens = torch.where(greedy, target_next.argmax(dim=-1), next_tokens)
+            row_generators = [generators[b] for b in sampled_rows.tolist()] if per_row else generators
+            next_tokens[sampled_rows] = sample(next_probs[sampled_rows], row_generators)
 
     tokens = torch.full((batch, k + 1), PAD_TOKEN, dtype=torch.long, device=device)
     if k:

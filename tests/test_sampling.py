@@ -101,6 +101,8 @@ def test_penalties_require_history():
         transform_logits(one_row([0.0, 1.0]), [SamplingParams(repetition_penalty=1.5)], None, None, None)
     with pytest.raises(ValueError, match="prompt_lens"):
         transform_logits(one_row([0.0, 1.0]), [SamplingParams(presence_penalty=1.0)], [[1]], None, None)
+    empty = transform_logits(one_row([0.0, 1.0]), [SamplingParams(presence_penalty=1.0)], [[]], [0], None)
+    assert empty[0, 0].tolist() == [0.0, 1.0]
 
 
 def test_temperature():
@@ -194,7 +196,7 @@ def reference_transform(logits, params, history, prompt_lens, block_tokens):
             x = logits[b, t].double().clone()
             for token, bias in p.logit_bias.items():
                 x[token] += bias
-            block_prefix = [int(v) for v in block_tokens[b, :t] if v >= 0] if t else []
+            block_prefix = [int(v) for v in block_tokens[b, :t] if v >= 0] if t and block_tokens is not None else []
             seen = list(history[b]) + block_prefix
             output = list(history[b][prompt_lens[b]:]) + block_prefix
             for token in set(seen):
@@ -250,6 +252,34 @@ def test_matches_reference_on_random_mixed_rows():
         single = transform_logits(logits[b:b + 1], params[b:b + 1], history[b:b + 1], prompt_lens[b:b + 1],
                                   block_tokens[b:b + 1])
         assert torch.equal(single[0], out[b])
+
+
+def test_top_p_wide_nucleus_and_ties_match_reference():
+    """Nuclei wider than the first topk candidate window (256 -> 2048 -> full sort), and ties."""
+    gen = torch.Generator().manual_seed(321)
+    vocab = 10_000
+    scales = torch.tensor([0.1, 1.0, 3.0, 2.0]).view(-1, 1, 1)
+    logits = torch.randn(4, 2, vocab, generator=gen) * scales
+    params = [SamplingParams(temperature=1.0, top_p=0.9),                 # ~8800 tokens: full sort
+              SamplingParams(temperature=0.8, top_p=0.95, top_k=500),     # ~450: second window
+              SamplingParams(temperature=1.0, top_p=0.5, min_p=0.001),    # first window
+              SamplingParams(temperature=1.0, top_p=0.7)]                 # ~700: second window
+    out = transform_logits(logits, params, None, None, None)
+    expected = reference_transform(logits, params, [[]] * 4, [0] * 4, None)
+    assert torch.equal(torch.isfinite(out), torch.isfinite(expected))
+    kept = torch.isfinite(out).sum(-1)
+    assert kept[0].min() > 2048 and 256 < kept[3].min() and kept[3].max() < 2048 and kept[2].max() < 256
+    # Each row alone (different candidate windows) gives the same result.
+    for b in range(4):
+        assert torch.equal(transform_logits(logits[b:b + 1], params[b:b + 1], None, None, None)[0], out[b])
+    # Ties: top_k keeps every token tied with the k-th; top_p widens past the top_k window.
+    tied = one_row([3.0, 3.0, 3.0, 1.0, 0.0])
+    params = [SamplingParams(temperature=1.0, top_k=2, top_p=0.9)]
+    out = transform_logits(tied, params, None, None, None)
+    assert torch.isfinite(out[0, 0]).tolist() == [True, True, True, False, False]
+    params = [SamplingParams(temperature=1.0, top_k=2, top_p=0.5)]
+    out = transform_logits(tied, params, None, None, None)
+    assert torch.isfinite(out[0, 0]).tolist() == [True, True, True, False, False]   # tied cutoff
 
 
 # ----------------------------------------------------------------------------- probs

@@ -190,6 +190,26 @@ def test_per_row_generators_reproducible_and_independent_of_batch():
         assert run([r], len(rows[r][2]))[r] == full[r]       # alone == in a batch
 
 
+def test_per_row_generators_unaffected_by_greedy_rows_in_batch():
+    gen = torch.Generator().manual_seed(6)
+    batch, k, vocab = 3, 3, 16
+    target_probs = torch.randn(batch, k + 1, vocab, generator=gen).softmax(-1)
+    draft_probs = torch.randn(batch, k, vocab, generator=gen).softmax(-1)
+    draft_tokens = torch.multinomial(draft_probs.view(-1, vocab), 1, generator=gen).view(batch, k)
+    num_draft = torch.tensor([3, 2, 3])
+
+    def run(greedy):
+        generators = [torch.Generator().manual_seed(50 + b) for b in range(batch)]
+        return verify(draft_tokens, num_draft, draft_probs, target_probs, torch.tensor(greedy), generators)
+
+    all_sampled = run([False, False, False])
+    mixed = run([True, False, True])
+    assert mixed.tokens[1].tolist() == all_sampled.tokens[1].tolist()
+    for b in (0, 2):   # greedy rows: argmax semantics
+        n_acc = mixed.num_accepted[b].item()
+        assert mixed.tokens[b, n_acc].item() == target_probs[b, n_acc].argmax().item()
+
+
 def test_per_row_generators_change_results():
     vocab = 50
     target_probs = torch.full((8, 1, vocab), 1.0 / vocab)

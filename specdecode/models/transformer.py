@@ -91,6 +91,10 @@ class Transformer:
         self.rope_sin = angles.sin().to(self.dtype).to(self.device)
 
     @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
     def max_len(self) -> int:
         return self.config.max_position_embeddings
 
