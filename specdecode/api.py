@@ -73,7 +73,8 @@ class LLM:
                  on_tokens: StreamCallback | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list (run as one batch). A prompt is a string, a
         list of chat messages, or a list of token ids."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
+        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) > 0
+                                              and isinstance(prompts[0], (dict, int)))   # chat or token ids
         prompt_list = [prompts] if single else list(prompts)
         if not prompt_list:
             raise ParamError("prompts must hold at least one prompt")
@@ -82,8 +83,8 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompt_list)
         if len(params) != len(prompt_list):
             raise ParamError(f"got {len(params)} sampling_params for {len(prompt_list)} prompts")
-        ids = [list(p) if isinstance(p, (list, tuple)) and p and isinstance(p[0], int) else self.encode(p, chat)
-               for p in prompt_list]
+        ids = [list(p) if isinstance(p, (list, tuple)) and (not p or isinstance(p[0], int)) else self.encode(p, chat)
+               for p in prompt_list]   # an empty list is an empty prompt (ParamError), not an empty chat
         seqs = self.engine(num_speculative_tokens).generate(ids, params, on_tokens)
         outputs = []
         for prompt, s in zip(prompt_list, seqs):

@@ -129,6 +129,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise CliError("prompt is empty")
     params = sampling_params(args)
+    if args.method == "model" and args.draft is None:   # before loading anything (no progress bar)
+        raise CliError("--method model needs a draft model: add --draft PATH")
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
               dtype=args.dtype, device=args.device, threads=args.threads, fast=not args.eager,
               progress=not args.json)

@@ -81,8 +81,12 @@ class SamplingParams:
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
+        _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
+               f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        self.stop = list(self.stop)
         _check(len(self.stop) <= 16, f"stop accepts at most 16 strings, got {len(self.stop)}")
+
+        _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:

@@ -31,6 +31,10 @@ def check_same_tokenizer(target, draft) -> None:
                        f"vocabulary sizes differ ({len(draft_vocab)} vs {len(target_vocab)} tokens)")
 
 
+def _vocab_size(model) -> int:
+    return model.vocab_size if hasattr(model, "vocab_size") else model.config.vocab_size
+
+
 @register("model")
 class ModelDrafter(Drafter):
     def __init__(self, target, draft=None, **_: object) -> None:
@@ -40,6 +44,11 @@ class ModelDrafter(Drafter):
         self.draft = draft                    # LoadedModel
         self.model = draft.model
         self.cache = None
+        # Same tokenizer, but the embedding tables may be padded to different sizes (e.g.
+        # Qwen2.5-0.5B: 151936 rows, Qwen2.5-7B: 152064): draft logits are cut / padded with
+        # -inf to the target's size so draft and target distributions share one vocabulary.
+        self.draft_vocab = _vocab_size(draft.model)
+        self.target_vocab = _vocab_size(target.model)
 
     def prepare(self, batch_size: int, max_len: int) -> None:
         if max_len > self.model.max_len + 64:
@@ -69,8 +78,14 @@ class ModelDrafter(Drafter):
             width = max(len(f) for f in feed)
             tokens = torch.tensor([f + [0] * (width - len(f)) for f in feed], dtype=torch.long, device=device)
             last = torch.tensor([[len(f) - 1] for f in feed], device=device)
+            if self.target_vocab > self.draft_vocab:     # a (padding) token the draft cannot embed: feed any
+                tokens = tokens.clamp(max=self.draft_vocab - 1)   # valid id (drafts only; still lossless)
             logits = self.model.forward(tokens, self.cache, torch.tensor(starts, device=device), rows=rows,
                                         logit_index=last)                          # [B, 1, vocab]
+            if self.draft_vocab != self.target_vocab:
+                logits = torch.nn.functional.pad(logits[..., :self.target_vocab],
+                                                 (0, max(0, self.target_vocab - self.draft_vocab)),
+                                                 value=float("-inf"))
             history = [s.token_ids + draft_tokens[b, :step].tolist() for b, s in enumerate(seqs)] \
                 if needs_history else None
             transformed = transform_logits(logits, params, history,
@@ -89,6 +104,8 @@ class ModelDrafter(Drafter):
     def commit(self, seqs, proposal, num_accepted):
         # Keep entries for tokens that are now part of the sequence: the old tokens plus the
         # accepted drafts, bounded by what was actually written (the last draft never is).
+        if proposal.k == 0:     # the engine skipped propose (no room for drafts): nothing to keep
+            return
         for s, accepted in zip(seqs, num_accepted):
             keep = min(self.cache.lengths[s.row], self._base_len[s.row] + accepted)
             self.cache.truncate(s.row, keep)

@@ -38,14 +38,17 @@ class SpecEngine:
                  on_tokens: StreamCallback | None = None) -> list[Sequence]:
         """Run every prompt to completion as one batch; returns the finished sequences."""
         context = self.model.max_len
+        vocab = self.model.vocab_size if hasattr(self.model, "vocab_size") else self.model.config.vocab_size
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             if not prompt:
                 raise ParamError(f"prompt {i} is empty: at least one token is required")
             if len(prompt) + p.max_tokens > context:
                 raise ParamError(f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds the "
                                  f"model's context of {context} tokens")
-            p.validate_vocab(self.model.vocab_size if hasattr(self.model, "vocab_size")
-                             else self.model.config.vocab_size)
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ParamError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+            p.validate_vocab(vocab)
         started = time.perf_counter()
         device = self.model.device
         seqs = [Sequence(i, prompt, p, self.target.eos_token_ids, row=i, device=device)

@@ -1,0 +1,173 @@
+"""The command line, run as users run it: `python -m specdecode.cli generate ...` in a
+subprocess against the tiny model directories. Good runs print the documented JSON / the
+streamed text; bad arguments exit with code 2 and a one-line error, never a traceback.
+
+Every subprocess pays for importing torch, so all commands are started up front, two at a
+time (one torch thread each), and the tests read their results."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+
+from specdecode import SamplingParams
+
+ENV = {k: v for k, v in os.environ.items() if k != "SPECDECODE_DEBUG"}
+ENV.update(OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8")
+JSON_KEYS = {"text", "tokens", "tokens_per_s", "acceptance_rate", "mean_accepted_length"}
+COMPARE_KEYS = {"baseline_tokens_per_s", "speedup", "identical"}
+MAX_TOKENS = 16
+
+
+class Run:
+    def __init__(self, proc: subprocess.CompletedProcess) -> None:
+        self.returncode = proc.returncode
+        # bytes -> str by hand: text mode would turn a generated "\r" into "\n"
+        self.stdout = proc.stdout.decode("utf-8")
+        self.stderr = proc.stderr.decode("utf-8")
+
+
+def cli(args: list[str], stdin: str | None = None) -> Run:
+    proc = subprocess.run([sys.executable, "-m", "specdecode.cli", "generate", *args], env=ENV,
+                          input=None if stdin is None else stdin.encode(), capture_output=True, timeout=300)
+    return Run(proc)
+
+
+@pytest.fixture(scope="module")
+def paths(tiny_models, tmp_path_factory):
+    txt = tmp_path_factory.mktemp("cli") / "model.txt"
+    txt.write_text("not a model")
+    return {"model": str(tiny_models["llama"]), "draft": str(tiny_models["llama_draft"]), "txt": str(txt),
+            "missing": str(txt.parent / "no_such_model")}
+
+
+def commands(paths) -> dict[str, tuple[list[str], str | None]]:
+    model = paths["model"]
+    common = ["--model", model, "--max-tokens", str(MAX_TOKENS), "--dtype", "fp32", "--threads", "1", "--eager"]
+    return {
+        # good runs
+        "json_compare": (["the quick brown fox", "--no-chat", "--json", "--compare", "--draft", paths["draft"],
+                          "-k", "3", *common], None),
+        "json_chat": (["hello there", "--chat", "--json", *common], None),
+        "stream_chat": (["hello there", "--chat", "--compare", *common], None),
+        "stdin_no_stream": (["-", "--no-chat", "--no-stream", "--method", "none", *common], "1 2 3 4 5"),
+        "default_path": (["the quick brown fox", "--no-chat", "--json", "--model", model, "--max-tokens", "6"], None),
+        # our own errors: one line "specdecode: error: ..."
+        "missing_model": (["hi", "--model", paths["missing"]], None),
+        "txt_model": (["hi", "--model", paths["txt"]], None),
+        "model_without_draft": (["hi", "--model", model, "--method", "model"], None),
+        "temperature": (["hi", "--model", model, "--temperature", "-1"], None),
+        "top_p": (["hi", "--model", model, "--top-p", "2"], None),
+        # argparse usage errors
+        "k_99": (["hi", "--model", model, "-k", "99"], None),
+        "max_tokens_0": (["hi", "--model", model, "--max-tokens", "0"], None),
+        "dtype_int8": (["hi", "--model", model, "--dtype", "int8"], None),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(paths) -> dict[str, Future]:
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures = {name: pool.submit(cli, args, stdin) for name, (args, stdin) in commands(paths).items()}
+    yield futures
+    pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def reference(paths):
+    """Plain greedy decoding in-process, what the CLI's outputs must equal."""
+    import torch
+
+    from specdecode import LLM
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(model=paths["model"], dtype="fp32", progress=False)
+        params = SamplingParams(max_tokens=MAX_TOKENS)
+        return {"fox": llm.generate("the quick brown fox", params, num_speculative_tokens=0)[0],
+                "chat": llm.generate("hello there", params, chat=True, num_speculative_tokens=0)[0],
+                "digits": llm.generate("1 2 3 4 5", params, num_speculative_tokens=0)[0]}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def ok(run: Run) -> Run:
+    assert run.returncode == 0, run.stderr
+    assert "Traceback" not in run.stderr
+    return run
+
+
+def test_json_with_compare(runs, reference):
+    run = ok(runs["json_compare"].result())
+    assert len(run.stdout.strip().splitlines()) == 1           # one JSON object on stdout, nothing else
+    out = json.loads(run.stdout)
+    assert JSON_KEYS | COMPARE_KEYS <= set(out)
+    assert out["identical"] is True                           # greedy: speculation changes nothing
+    assert out["method"] == "model" and out["k"] == 3
+    assert out["tokens"] == reference["fox"].token_ids and out["text"] == reference["fox"].text
+    assert out["tokens_per_s"] > 0 and out["baseline_tokens_per_s"] > 0 and out["speedup"] > 0
+    assert 0.0 <= out["acceptance_rate"] <= 1.0 and 1.0 <= out["mean_accepted_length"] <= 4.0
+
+
+def test_json_chat(runs, reference):
+    out = json.loads(ok(runs["json_chat"].result()).stdout)
+    assert JSON_KEYS <= set(out) and not COMPARE_KEYS & set(out)
+    assert out["method"] == "ngram"
+    assert out["tokens"] == reference["chat"].token_ids      # the chat template was applied
+    assert out["tokens"] != reference["fox"].token_ids
+
+
+def test_streaming_prints_the_text(runs):
+    text = json.loads(ok(runs["json_chat"].result()).stdout)["text"]
+    run = ok(runs["stream_chat"].result())
+    assert run.stdout == text + "\n"
+    assert "identical output: yes" in run.stderr and "tok/s" in run.stderr
+
+
+def test_prompt_from_stdin_without_streaming(runs, reference):
+    run = ok(runs["stdin_no_stream"].result())
+    assert run.stdout == reference["digits"].text + "\n"
+    assert "[none k=5]" in run.stderr
+
+
+def test_default_path(runs):
+    """Without --eager / --threads / --dtype (the fast kernels, bf16)."""
+    run = runs["default_path"].result()
+    if run.returncode != 0 and "specdecode.fast" in run.stderr and "ImportError" in run.stderr:
+        pytest.skip(f"fast kernels not available yet: {run.stderr.strip()}")
+    out = json.loads(ok(run).stdout)
+    assert JSON_KEYS <= set(out) and 1 <= len(out["tokens"]) <= 6
+
+
+@pytest.mark.parametrize("name,words", [
+    ("missing_model", ["no_such_model"]),
+    ("txt_model", ["model.txt", ".gguf"]),
+    ("model_without_draft", ["--draft"]),
+    ("temperature", ["temperature", "-1"]),
+    ("top_p", ["top_p", "2"]),
+])
+def test_bad_argument_is_one_line(runs, name, words):
+    run = runs[name].result()
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr and run.stdout == ""
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specdecode: error:"), run.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+@pytest.mark.parametrize("name,option", [
+    ("k_99", "-k"),
+    ("max_tokens_0", "--max-tokens"),
+    ("dtype_int8", "--dtype"),
+])
+def test_bad_argument_usage_error(runs, name, option):
+    run = runs[name].result()
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr and run.stdout == ""
+    lines = run.stderr.splitlines()
+    assert lines[0].startswith("usage: specdecode generate")
+    assert "error:" in lines[-1] and option in lines[-1], lines[-1]
