@@ -90,7 +90,7 @@ def main() -> int:
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
         dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-        hf = AutoModelForCausalLM.from_pretrained(str(llm.target.path), torch_dtype=dtype).eval()
+        hf = AutoModelForCausalLM.from_pretrained(str(llm.target.path), dtype=dtype).eval()
         time_plain_hf(hf, ids, 8)
     native, base = [], []
     for _ in range(args.repeats):

@@ -35,7 +35,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, draft: str | None = None, method: str | None = None,
                  num_speculative_tokens: int = 5, dtype: str = "bf16", device: str | None = "cpu",
-                 threads: int | None = None, fast: bool = False, progress: bool = True,
+                 threads: int | None = None, fast: bool = True, progress: bool = True,
                  **drafter_options) -> None:
         if threads is not None:
             if not isinstance(threads, int) or threads < 1:

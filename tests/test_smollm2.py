@@ -25,7 +25,7 @@ def test_gguf_loading_matches_transformers_gguf_loader(smollm2):
     from transformers import AutoModelForCausalLM
     from specdecode.models.loader import default_model_path
     path = default_model_path()
-    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     ids = torch.tensor([smollm2.tokenizer.encode("The capital of France is")])
     expected = ref(ids).logits
     got = smollm2.model.forward(ids, smollm2.model.new_cache(1, 16), 0)

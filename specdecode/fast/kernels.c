@@ -34,12 +34,15 @@ int sd_amx_init(void) {
 }
 
 #ifndef SD_PREFETCH
-#define SD_PREFETCH 4096   /* software prefetch distance in bytes (0 = off) */
+#define SD_PREFETCH 16384  /* software prefetch distance in bytes (0 = off) */
+#endif
+#ifndef SD_PF_HINT
+#define SD_PF_HINT _MM_HINT_T0
 #endif
 
 static inline void prefetch(const void *p) {
 #if SD_PREFETCH
-    _mm_prefetch((const char *)p + SD_PREFETCH, _MM_HINT_T0);
+    _mm_prefetch((const char *)p + SD_PREFETCH, SD_PF_HINT);
 #else
     (void)p;
 #endif
@@ -73,22 +76,51 @@ void sd_pack_fp32(const float *W, float *Wp, int N, int K, int Np) {
 
 /* ---------------------------------------------------------------- shared helpers */
 
+/* Output modes of the store epilogue (the fused decoder uses 2..4). */
+enum { OUT_F32 = 0,        /* y fp32 = acc + bias                                */
+       OUT_BF16 = 1,       /* y bf16 = rne(acc + bias)                           */
+       OUT_F32_VIA_BF16 = 2, /* y fp32 = (float) rne_bf16(acc + bias)            */
+       OUT_BF16_ADD = 3,   /* y bf16 = rne(y + rne(acc + bias))   (residual add) */
+       OUT_F32_ADD = 4 };  /* y fp32 = y + (acc + bias)           (residual add) */
+
+static inline __m512 bf16x16_to_ps(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+static inline __m512 round_bf16(__m512 v) { return bf16x16_to_ps((__m256i)_mm512_cvtneps_pbh(v)); }
+
 /* Write acc[rows][16] (row stride 16 floats) + bias to y columns n0..n0+15 (clipped to N). */
 static inline void store_block(const float *acc, int rows, int n0, int N, const float *bias,
-                               void *y, int ldy, int out_bf16) {
+                               void *y, int ldy, int mode) {
     if (n0 >= N) return;
     int cnt = N - n0 < 16 ? N - n0 : 16;
     __mmask16 mk = (__mmask16)((1u << cnt) - 1);
     __m512 b = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
     for (int m = 0; m < rows; m++) {
         __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + 16 * m), b);
-        if (out_bf16)
-            _mm256_mask_storeu_epi16((bf16 *)y + (size_t)m * ldy + n0, mk,
-                                     (__m256i)_mm512_cvtneps_pbh(v));
-        else
-            _mm512_mask_storeu_ps((float *)y + (size_t)m * ldy + n0, mk, v);
+        bf16 *yb = (bf16 *)y + (size_t)m * ldy + n0;
+        float *yf = (float *)y + (size_t)m * ldy + n0;
+        switch (mode) {
+        case OUT_BF16:
+            _mm256_mask_storeu_epi16(yb, mk, (__m256i)_mm512_cvtneps_pbh(v));
+            break;
+        case OUT_F32_VIA_BF16:
+            _mm512_mask_storeu_ps(yf, mk, round_bf16(v));
+            break;
+        case OUT_BF16_ADD: {
+            __m512 h = bf16x16_to_ps(_mm256_maskz_loadu_epi16(mk, yb));
+            _mm256_mask_storeu_epi16(yb, mk, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(h, round_bf16(v))));
+            break;
+        }
+        case OUT_F32_ADD:
+            _mm512_mask_storeu_ps(yf, mk, _mm512_add_ps(_mm512_maskz_loadu_ps(mk, yf), v));
+            break;
+        default:
+            _mm512_mask_storeu_ps(yf, mk, v);
+        }
     }
 }
+
+static inline int out_esz(int mode) { return (mode == OUT_BF16 || mode == OUT_BF16_ADD) ? 2 : 4; }
 
 /* Column groups [g0, g1) of G owned by thread t of nt. */
 static inline void split(int G, int t, int nt, int *g0, int *g1) {
@@ -114,61 +146,72 @@ static void amx_config(int rows) {
     _tile_loadconfig(&c);
 }
 
-/* y[M, N] = x[M, Kp] @ W^T + bias.  x bf16 with row stride lda (elements), y fp32 or bf16
- * with row stride ldy.  Any M (processed in chunks of 16 rows). */
-void sd_linear_bf16_amx(const bf16 *x, int lda, const bf16 *Wp, const float *bias, void *y,
-                        int ldy, int M, int N, int Kp, int out_bf16, int nthreads) {
-    const int G = (N + 31) / 32, KB = Kp / 32;
+/* One thread's share: column groups [g0, g1), all M rows (chunks of 16 rows inside each group,
+ * so a prefill block re-reads a 32-column group from L1/L2, not from memory).  Every output row
+ * is computed by the same tile sequence whatever M is: row results do not depend on M.
+ * *cfg_rows caches the current tile configuration (-1 = none); call _tile_release() after. */
+static void amx_part(const bf16 *x, int lda, const bf16 *Wp, const float *bias, void *y, int ldy,
+                     int M, int N, int Kp, int mode, int g0, int g1, int *cfg_rows) {
+    const int KB = Kp / 32;
     const size_t gstride = (size_t)Kp * 32;              /* elements per column group */
-    const int esz = out_bf16 ? 2 : 4;
-#pragma omp parallel num_threads(nthreads)
-    {
-        int g0, g1;
-        split(G, omp_get_thread_num(), omp_get_num_threads(), &g0, &g1);
-        float acc[2][16 * 16] __attribute__((aligned(64)));
+    const int esz = out_esz(mode);
+    float acc[2][16 * 16] __attribute__((aligned(64)));
+    for (int g = g0; g < g1; g++) {
         for (int m0 = 0; m0 < M; m0 += 16) {
             const int rows = M - m0 < 16 ? M - m0 : 16;
             const bf16 *xm = x + (size_t)m0 * lda;
             char *ym = (char *)y + (size_t)m0 * ldy * esz;
-            amx_config(rows);
-            for (int g = g0; g < g1; g++) {
-                const bf16 *w = Wp + g * gstride;
-                _tile_zero(0);
-                _tile_zero(1);
-                int kb = 0;
-                for (; kb + 2 <= KB; kb += 2, w += 2048) { /* 2 k-blocks = 4 KB of weights */
-                    prefetch(w); prefetch(w + 512); prefetch(w + 1024); prefetch(w + 1536);
-                    _tile_loadd(2, xm + kb * 32, lda * 2);
-                    _tile_loadd(3, w, 64);
-                    _tile_loadd(4, w + 512, 64);
-                    _tile_dpbf16ps(0, 2, 3);
-                    _tile_dpbf16ps(1, 2, 4);
-                    _tile_loadd(2, xm + kb * 32 + 32, lda * 2);
-                    _tile_loadd(5, w + 1024, 64);
-                    _tile_loadd(6, w + 1536, 64);
-                    _tile_dpbf16ps(0, 2, 5);
-                    _tile_dpbf16ps(1, 2, 6);
-                }
-                if (kb < KB) {
-                    _tile_loadd(2, xm + kb * 32, lda * 2);
-                    _tile_loadd(3, w, 64);
-                    _tile_loadd(4, w + 512, 64);
-                    _tile_dpbf16ps(0, 2, 3);
-                    _tile_dpbf16ps(1, 2, 4);
-                }
-                _tile_stored(0, acc[0], 64);
-                _tile_stored(1, acc[1], 64);
-                store_block(acc[0], rows, g * 32, N, bias, ym, ldy, out_bf16);
-                store_block(acc[1], rows, g * 32 + 16, N, bias, ym, ldy, out_bf16);
+            if (*cfg_rows != rows) { amx_config(rows); *cfg_rows = rows; }
+            const bf16 *w = Wp + g * gstride;
+            _tile_zero(0);
+            _tile_zero(1);
+            int kb = 0;
+            for (; kb + 2 <= KB; kb += 2, w += 2048) { /* 2 k-blocks = 4 KB of weights */
+                prefetch(w); prefetch(w + 512); prefetch(w + 1024); prefetch(w + 1536);
+                _tile_loadd(2, xm + kb * 32, lda * 2);
+                _tile_loadd(3, w, 64);
+                _tile_loadd(4, w + 512, 64);
+                _tile_dpbf16ps(0, 2, 3);
+                _tile_dpbf16ps(1, 2, 4);
+                _tile_loadd(2, xm + kb * 32 + 32, lda * 2);
+                _tile_loadd(5, w + 1024, 64);
+                _tile_loadd(6, w + 1536, 64);
+                _tile_dpbf16ps(0, 2, 5);
+                _tile_dpbf16ps(1, 2, 6);
             }
+            if (kb < KB) {
+                _tile_loadd(2, xm + kb * 32, lda * 2);
+                _tile_loadd(3, w, 64);
+                _tile_loadd(4, w + 512, 64);
+                _tile_dpbf16ps(0, 2, 3);
+                _tile_dpbf16ps(1, 2, 4);
+            }
+            _tile_stored(0, acc[0], 64);
+            _tile_stored(1, acc[1], 64);
+            store_block(acc[0], rows, g * 32, N, bias, ym, ldy, mode);
+            store_block(acc[1], rows, g * 32 + 16, N, bias, ym, ldy, mode);
         }
+    }
+}
+
+/* y[M, N] = x[M, Kp] @ W^T + bias.  x bf16 with row stride lda (elements), y fp32 or bf16
+ * with row stride ldy.  Any M (processed in chunks of 16 rows). */
+void sd_linear_bf16_amx(const bf16 *x, int lda, const bf16 *Wp, const float *bias, void *y,
+                        int ldy, int M, int N, int Kp, int out_bf16, int nthreads) {
+    const int G = (N + 31) / 32;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int g0, g1, cfg = -1;
+        split(G, omp_get_thread_num(), omp_get_num_threads(), &g0, &g1);
+        amx_part(x, lda, Wp, bias, y, ldy, M, N, Kp, out_bf16 ? OUT_BF16 : OUT_F32, g0, g1, &cfg);
         _tile_release();
     }
 }
 
 /* ---------------------------------------------------------------- AVX512-BF16 */
 
-/* MR rows x 32 columns of one column group; MR is a compile-time constant after inlining. */
+/* MR rows x 32 columns of one column group; MR is a compile-time constant after inlining.
+ * Each row has its own accumulators and the same k order for any MR: batch invariant. */
 static inline __attribute__((always_inline)) void
 dpbf16_group(const bf16 *x, int lda, const bf16 *w, int KB, int MR, float *acc /*[MR][32]*/) {
     __m512 c0[8], c1[8];
@@ -193,39 +236,45 @@ dpbf16_group(const bf16 *x, int lda, const bf16 *w, int KB, int MR, float *acc /
     }
 }
 
+static void avx512bf16_part(const bf16 *x, int lda, const bf16 *Wp, const float *bias, void *y,
+                            int ldy, int M, int N, int Kp, int mode, int g0, int g1) {
+    const int KB = Kp / 32;
+    const size_t gstride = (size_t)Kp * 32;
+    const int esz = out_esz(mode);
+    float acc[8 * 32] __attribute__((aligned(64)));
+    for (int g = g0; g < g1; g++) {
+        const bf16 *w = Wp + g * gstride;
+        for (int m0 = 0; m0 < M; m0 += 8) {           /* >8 rows: re-read group from L2 */
+            int mr = M - m0 < 8 ? M - m0 : 8;
+            const bf16 *xm = x + (size_t)m0 * lda;
+            switch (mr) {
+            case 1: dpbf16_group(xm, lda, w, KB, 1, acc); break;
+            case 2: dpbf16_group(xm, lda, w, KB, 2, acc); break;
+            case 3: dpbf16_group(xm, lda, w, KB, 3, acc); break;
+            case 4: dpbf16_group(xm, lda, w, KB, 4, acc); break;
+            case 5: dpbf16_group(xm, lda, w, KB, 5, acc); break;
+            case 6: dpbf16_group(xm, lda, w, KB, 6, acc); break;
+            case 7: dpbf16_group(xm, lda, w, KB, 7, acc); break;
+            default: dpbf16_group(xm, lda, w, KB, 8, acc); break;
+            }
+            char *ym = (char *)y + (size_t)m0 * ldy * esz;
+            for (int h = 0; h < 2; h++) {
+                float tmp[8 * 16] __attribute__((aligned(64)));
+                for (int m = 0; m < mr; m++) memcpy(tmp + 16 * m, acc + 32 * m + 16 * h, 64);
+                store_block(tmp, mr, g * 32 + 16 * h, N, bias, ym, ldy, mode);
+            }
+        }
+    }
+}
+
 void sd_linear_bf16_avx512(const bf16 *x, int lda, const bf16 *Wp, const float *bias, void *y,
                            int ldy, int M, int N, int Kp, int out_bf16, int nthreads) {
-    const int G = (N + 31) / 32, KB = Kp / 32;
-    const size_t gstride = (size_t)Kp * 32;
-    const int esz = out_bf16 ? 2 : 4;
+    const int G = (N + 31) / 32;
 #pragma omp parallel num_threads(nthreads)
     {
         int g0, g1;
         split(G, omp_get_thread_num(), omp_get_num_threads(), &g0, &g1);
-        float acc[8 * 32] __attribute__((aligned(64)));
-        for (int g = g0; g < g1; g++) {
-            const bf16 *w = Wp + g * gstride;
-            for (int m0 = 0; m0 < M; m0 += 8) {           /* >8 rows: re-read group from L2 */
-                int mr = M - m0 < 8 ? M - m0 : 8;
-                const bf16 *xm = x + (size_t)m0 * lda;
-                switch (mr) {
-                case 1: dpbf16_group(xm, lda, w, KB, 1, acc); break;
-                case 2: dpbf16_group(xm, lda, w, KB, 2, acc); break;
-                case 3: dpbf16_group(xm, lda, w, KB, 3, acc); break;
-                case 4: dpbf16_group(xm, lda, w, KB, 4, acc); break;
-                case 5: dpbf16_group(xm, lda, w, KB, 5, acc); break;
-                case 6: dpbf16_group(xm, lda, w, KB, 6, acc); break;
-                case 7: dpbf16_group(xm, lda, w, KB, 7, acc); break;
-                default: dpbf16_group(xm, lda, w, KB, 8, acc); break;
-                }
-                char *ym = (char *)y + (size_t)m0 * ldy * esz;
-                for (int h = 0; h < 2; h++) {
-                    float tmp[8 * 16] __attribute__((aligned(64)));
-                    for (int m = 0; m < mr; m++) memcpy(tmp + 16 * m, acc + 32 * m + 16 * h, 64);
-                    store_block(tmp, mr, g * 32 + 16 * h, N, bias, ym, ldy, out_bf16);
-                }
-            }
-        }
+        avx512bf16_part(x, lda, Wp, bias, y, ldy, M, N, Kp, out_bf16 ? OUT_BF16 : OUT_F32, g0, g1);
     }
 }
 
@@ -250,38 +299,43 @@ fma_group(const float *x, int lda, const float *w, int K, int MR, float *acc /*[
     }
 }
 
+static void fp32_part(const float *x, int lda, const float *Wp, const float *bias, float *y,
+                      int ldy, int M, int N, int K, int mode, int g0, int g1) {
+    const size_t gstride = (size_t)K * 32;
+    float acc[8 * 32] __attribute__((aligned(64)));
+    for (int g = g0; g < g1; g++) {
+        const float *w = Wp + g * gstride;
+        for (int m0 = 0; m0 < M; m0 += 8) {
+            int mr = M - m0 < 8 ? M - m0 : 8;
+            const float *xm = x + (size_t)m0 * lda;
+            switch (mr) {
+            case 1: fma_group(xm, lda, w, K, 1, acc); break;
+            case 2: fma_group(xm, lda, w, K, 2, acc); break;
+            case 3: fma_group(xm, lda, w, K, 3, acc); break;
+            case 4: fma_group(xm, lda, w, K, 4, acc); break;
+            case 5: fma_group(xm, lda, w, K, 5, acc); break;
+            case 6: fma_group(xm, lda, w, K, 6, acc); break;
+            case 7: fma_group(xm, lda, w, K, 7, acc); break;
+            default: fma_group(xm, lda, w, K, 8, acc); break;
+            }
+            for (int h = 0; h < 2; h++) {
+                float tmp[8 * 16] __attribute__((aligned(64)));
+                for (int m = 0; m < mr; m++) memcpy(tmp + 16 * m, acc + 32 * m + 16 * h, 64);
+                store_block(tmp, mr, g * 32 + 16 * h, N, bias, y + (size_t)m0 * ldy, ldy, mode);
+            }
+        }
+    }
+}
+
 /* y[M, N] = x[M, K] @ W^T + bias, all fp32. */
 void sd_linear_fp32(const float *x, int lda, const float *Wp, const float *bias, float *y,
                     int ldy, int M, int N, int K, int nthreads) {
     const int G = (N + 31) / 32;
-    const size_t gstride = (size_t)K * 32;
 #pragma omp parallel num_threads(nthreads)
     {
         int g0, g1;
         split(G, omp_get_thread_num(), omp_get_num_threads(), &g0, &g1);
-        float acc[8 * 32] __attribute__((aligned(64)));
-        for (int g = g0; g < g1; g++) {
-            const float *w = Wp + g * gstride;
-            for (int m0 = 0; m0 < M; m0 += 8) {
-                int mr = M - m0 < 8 ? M - m0 : 8;
-                const float *xm = x + (size_t)m0 * lda;
-                switch (mr) {
-                case 1: fma_group(xm, lda, w, K, 1, acc); break;
-                case 2: fma_group(xm, lda, w, K, 2, acc); break;
-                case 3: fma_group(xm, lda, w, K, 3, acc); break;
-                case 4: fma_group(xm, lda, w, K, 4, acc); break;
-                case 5: fma_group(xm, lda, w, K, 5, acc); break;
-                case 6: fma_group(xm, lda, w, K, 6, acc); break;
-                case 7: fma_group(xm, lda, w, K, 7, acc); break;
-                default: fma_group(xm, lda, w, K, 8, acc); break;
-                }
-                for (int h = 0; h < 2; h++) {
-                    float tmp[8 * 16] __attribute__((aligned(64)));
-                    for (int m = 0; m < mr; m++) memcpy(tmp + 16 * m, acc + 32 * m + 16 * h, 64);
-                    store_block(tmp, mr, g * 32 + 16 * h, N, bias, y + (size_t)m0 * ldy, ldy, 0);
-                }
-            }
-        }
+        fp32_part(x, lda, Wp, bias, y, ldy, M, N, K, OUT_F32, g0, g1);
     }
 }
 
@@ -305,3 +359,6 @@ float sd_read_bw(const float *p, size_t n, int nthreads) {
     }
     return total;
 }
+
+/* ---------------------------------------------------------------- fused decoder */
+#include "decoder.c"

@@ -35,9 +35,11 @@ class AdapterCache:
 
 class HFAdapter:
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
+        import transformers
         from transformers import AutoModelForCausalLM
+        dtype_arg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
         try:
-            self.hf = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=dtype).to(device).eval()
+            self.hf = AutoModelForCausalLM.from_pretrained(str(model_dir), **{dtype_arg: dtype}).to(device).eval()
         except Exception as exc:  # transformers raises many kinds for unsupported models
             raise ModelError(f"transformers cannot load {model_dir}: {exc}") from None
         cfg = self.hf.config
@@ -68,7 +70,7 @@ class HFAdapter:
             if past is None or pos == 0:
                 past = DynamicCache()
             elif past.get_seq_length() > pos:
-                past.crop(pos)
+                past.crop(pos - past.get_seq_length())     # a negative count removes that many tokens
             positions = torch.arange(pos, pos + num_tokens, device=self.device)[None]
             out = self.hf(input_ids=tokens[b:b + 1].to(self.device), past_key_values=past,
                           position_ids=positions, use_cache=True)

@@ -96,7 +96,7 @@ def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device, prog
 
 
 def load_model(spec: str | None = None, dtype: str | torch.dtype = "bf16", device: str | None = "cpu",
-               progress: bool = True, fast: bool = False) -> LoadedModel:
+               progress: bool = True, fast: bool = True) -> LoadedModel:
     """Load `spec`: None or "smollm2" (embedded default), a .gguf file, or an HF model directory."""
     started = time.perf_counter()
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype

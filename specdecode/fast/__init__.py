@@ -1,0 +1,18 @@
+"""Native fast paths for CPU decoding (see README.md). Import is cheap; compilation is lazy.
+
+This package is the one place where fast kernels live; `specdecode.models.transformer.eager_linear`
+is the reference path kept for tests (`--eager`, `LLM(fast=False)`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .linear import PackedLinear, available, reason, self_check
+
+__all__ = ["PackedLinear", "available", "reason", "self_check", "make_linear"]
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """A projection x[..., in] -> [..., out]: the packed native kernel on CPU when it loads,
+    else F.linear (PackedLinear falls back by itself)."""
+    return PackedLinear(weight, bias)
