@@ -31,10 +31,6 @@ def check_same_tokenizer(target, draft) -> None:
                        f"vocabulary sizes differ ({len(draft_vocab)} vs {len(target_vocab)} tokens)")
 
 
-def _vocab_size(model) -> int:
-    return model.vocab_size if hasattr(model, "vocab_size") else model.config.vocab_size
-
-
 @register("model")
 class ModelDrafter(Drafter):
     def __init__(self, target, draft=None, **_: object) -> None:
@@ -47,8 +43,8 @@ class ModelDrafter(Drafter):
         # Same tokenizer, but the embedding tables may be padded to different sizes (e.g.
         # Qwen2.5-0.5B: 151936 rows, Qwen2.5-7B: 152064): draft logits are cut / padded with
         # -inf to the target's size so draft and target distributions share one vocabulary.
-        self.draft_vocab = _vocab_size(draft.model)
-        self.target_vocab = _vocab_size(target.model)
+        self.draft_vocab = draft.model.vocab_size
+        self.target_vocab = target.model.vocab_size
 
     def prepare(self, batch_size: int, max_len: int) -> None:
         if max_len > self.model.max_len + 64:
@@ -97,7 +93,7 @@ class ModelDrafter(Drafter):
             draft_tokens[:, step] = sample(probs, generators).cpu()
             for b, s in enumerate(seqs):
                 self.cache.truncate(s.row, starts[b] + len(feed[b]))
-            feed = [[int(t)] for t in draft_tokens[:, step]]
+            feed = [[t] for t in draft_tokens[:, step].tolist()]
         num_tokens = torch.tensor(max_tokens, dtype=torch.long)
         return DraftProposal(draft_tokens, num_tokens, draft_probs)
 

@@ -38,7 +38,7 @@ class SpecEngine:
                  on_tokens: StreamCallback | None = None) -> list[Sequence]:
         """Run every prompt to completion as one batch; returns the finished sequences."""
         context = self.model.max_len
-        vocab = self.model.vocab_size if hasattr(self.model, "vocab_size") else self.model.config.vocab_size
+        vocab = self.model.vocab_size
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             if not prompt:
                 raise ParamError(f"prompt {i} is empty: at least one token is required")
