@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming")
     gen.set_defaults(run=cmd_generate)
+    from .bench import add_parser as add_bench_parser   # `specdecode bench` lives in specdecode/bench
+    add_bench_parser(sub)
     return parser
 
 

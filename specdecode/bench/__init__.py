@@ -1,0 +1,12 @@
+"""`specdecode bench`: Spec-Bench and HumanEval, specdecode side by side with Hugging Face
+transformers and llama.cpp, on the same prompts, weights, dtype and machine, in one run.
+
+Modules: cli (options, `cmd_bench`), workload (prompt selection), systems (specdecode and
+transformers runners), llamacpp (optional llama-cpp-python runner), runner (the interleaved
+measuring loop), store (run.json + measurements.jsonl, resume), aggregate (rows of
+results.json), report (report.md, PNG plots, console summary). The output schema is
+documented in specdecode/bench/README.md.
+"""
+from .cli import add_parser, cmd_bench
+
+__all__ = ["add_parser", "cmd_bench"]

@@ -1,0 +1,158 @@
+"""`specdecode bench`: options, defaults of --quick / --full, and the command itself."""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from ..datasets import SPEC_BENCH_TASKS, TASKS
+
+SYSTEMS = ("specdecode", "transformers", "llama.cpp")
+METHODS = ("plain", "ngram", "model")
+MODES = {"quick": {"prompts_per_task": 2, "max_tokens": 64},
+         "full": {"prompts_per_task": None, "max_tokens": 128}}
+
+
+def _choices(name: str, allowed: tuple[str, ...], aliases: dict[str, tuple[str, ...]] | None = None):
+    def parse(text: str) -> list[str]:
+        out: list[str] = []
+        for item in (x.strip() for x in text.split(",") if x.strip()):
+            if aliases and item in aliases:
+                out += aliases[item]
+            elif item in allowed:
+                out.append(item)
+            else:
+                raise argparse.ArgumentTypeError(f"{name}: unknown {item!r} (choose from {', '.join(allowed)})")
+        if not out:
+            raise argparse.ArgumentTypeError(f"{name} is empty")
+        return list(dict.fromkeys(out))
+    return parse
+
+
+def _ks(text: str) -> list[int]:
+    try:
+        ks = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"-k takes integers like 5 or 1,3,5,8, got {text!r}") from None
+    if not ks or not all(1 <= k <= 32 for k in ks):
+        raise argparse.ArgumentTypeError(f"-k values must be in [1, 32], got {text!r}")
+    return ks
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    from ..cli import _number, _positive_int
+    p = sub.add_parser("bench", help="benchmark specdecode against transformers and llama.cpp on Spec-Bench "
+                                     "and HumanEval, interleaved per prompt",
+                       description="Measure every system on the same prompts, weights, dtype and machine, in one "
+                                   "run, interleaved per prompt. Writes results.json, report.md, PNG plots and "
+                                   "measurements.jsonl (appended as it goes) under --out.")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
+                      help="small run: 2 prompts per task, 64 new tokens (default)")
+    mode.add_argument("--full", dest="mode", action="store_const", const="full",
+                      help="every prompt of every task (480 Spec-Bench + 164 HumanEval), 128 new tokens")
+    p.set_defaults(mode="quick")
+    w = p.add_argument_group("workload")
+    w.add_argument("--tasks", type=_choices("--tasks", TASKS, {"spec_bench": SPEC_BENCH_TASKS}), default=list(TASKS),
+                   help=f"comma-separated, from {', '.join(TASKS)} (spec_bench = the six Spec-Bench tasks); "
+                        "default all")
+    w.add_argument("--prompts-per-task", type=_positive_int("--prompts-per-task", 1), default=None,
+                   help="first N prompts of each task (default: 2 with --quick, all with --full)")
+    w.add_argument("--prompts-file", default=None,
+                   help="custom prompts instead: JSONL with 'text' and optional 'task', 'id', 'chat'")
+    w.add_argument("--max-tokens", type=_positive_int("--max-tokens", 1), default=None,
+                   help="max new tokens; EOS stops earlier (default: 64 with --quick, 128 with --full)")
+    w.add_argument("--temperature", type=_number("--temperature"), default=0.0,
+                   help="0 = greedy (default; losslessness is then checked token by token)")
+    w.add_argument("--seed", type=_positive_int("--seed", 0), default=0, help="base seed for sampling runs")
+    s = p.add_argument_group("what to compare")
+    s.add_argument("--systems", type=_choices("--systems", SYSTEMS), default=list(SYSTEMS),
+                   help="comma-separated, from specdecode, transformers, llama.cpp (default all; llama.cpp is "
+                        "skipped with a note when llama-cpp-python is missing)")
+    s.add_argument("--methods", type=_choices("--methods", METHODS), default=list(METHODS),
+                   help="comma-separated, from plain, ngram (prompt lookup), model (needs --draft); default all")
+    s.add_argument("-k", "--num-speculative-tokens", dest="ks", type=_ks, default=[5],
+                   help="draft tokens per step; a list (e.g. 1,3,5,8) measures each (default 5)")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None, help="target .gguf or HF directory (default: embedded SmolLM2-135M)")
+    m.add_argument("--draft", default=None, help="draft model sharing the target's tokenizer (method model)")
+    m.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights dtype (default bf16)")
+    m.add_argument("--threads", type=_positive_int("--threads", 1, 1024), default=None,
+                   help="CPU threads for every system (default: torch's choice)")
+    m.add_argument("--eager", action="store_true", help="specdecode without its fast kernels")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
+    o.add_argument("--resume", action="store_true",
+                   help="keep the measurements already in --out and measure only the missing cells")
+    o.add_argument("--rebuild", action="store_true",
+                   help="measure nothing: rebuild results.json, report.md and plots from --out/measurements.jsonl")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=cmd_bench)
+    return p
+
+
+def config_from(args: argparse.Namespace) -> dict:
+    """The resolved settings of a run (stored in run.json / results.json), with the canonical
+    command line that reproduces them."""
+    defaults = MODES[args.mode]
+    cfg = {"mode": args.mode, "tasks": args.tasks, "prompts_file": args.prompts_file,
+           "prompts_per_task": args.prompts_per_task or defaults["prompts_per_task"],
+           "max_tokens": args.max_tokens or defaults["max_tokens"], "temperature": args.temperature,
+           "seed": args.seed, "systems": args.systems, "methods": args.methods, "ks": args.ks,
+           "model": args.model, "draft": args.draft, "dtype": args.dtype, "threads": args.threads,
+           "eager": args.eager, "resume": args.resume}
+    words = ["specdecode", "bench", f"--{args.mode}"]
+    if args.prompts_file:
+        words += ["--prompts-file", args.prompts_file]
+    elif args.tasks != list(TASKS):
+        words += ["--tasks", ",".join(args.tasks)]
+    if args.prompts_per_task:
+        words += ["--prompts-per-task", str(args.prompts_per_task)]
+    if args.max_tokens:
+        words += ["--max-tokens", str(args.max_tokens)]
+    if args.temperature:
+        words += ["--temperature", str(args.temperature), "--seed", str(args.seed)]
+    if args.systems != list(SYSTEMS):
+        words += ["--systems", ",".join(args.systems)]
+    if args.methods != list(METHODS):
+        words += ["--methods", ",".join(args.methods)]
+    words += ["-k", ",".join(map(str, args.ks))]
+    for flag, value in (("--model", args.model), ("--draft", args.draft), ("--threads", args.threads)):
+        if value is not None:
+            words += [flag, str(value)]
+    words += ["--dtype", args.dtype] + (["--eager"] if args.eager else []) + ["--out", args.out]
+    cfg["command"] = " ".join(shlex.quote(w) for w in words)
+    return cfg
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ..cli import CliError
+    from .runner import build_outputs, measure
+    from .report import console_summary
+    from .store import Store
+
+    if args.rebuild and args.resume:
+        raise CliError("--rebuild and --resume exclude each other")
+    if args.methods == ["model"] and not args.draft:
+        raise CliError("--methods model needs a draft model: add --draft PATH")
+    store = Store(args.out)
+    if not args.rebuild:
+        config = config_from(args)
+        try:
+            run = measure(config, store, progress=not args.no_progress)
+        except ValueError as exc:
+            if type(exc) is not ValueError:   # ParamError, ModelError, ...: main() reports them
+                raise
+            raise CliError(str(exc)) from None
+        except KeyboardInterrupt:
+            if store.read_run() is not None and store.records():
+                build_outputs(store)
+                print(f"\ninterrupted: what was measured is in {store.dir} (--resume continues)", file=sys.stderr)
+            raise
+        results = build_outputs(store, run)
+    else:
+        results = build_outputs(store)
+    print(console_summary(results))
+    print(f"\nwrote {store.dir}/results.json, report.md, {', '.join(sorted(p.name for p in store.dir.glob('*.png')))}",
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,171 @@
+"""The systems a bench run compares, behind one small interface.
+
+A `Cell` is one configuration of one system: (system, method, k). Methods are named the
+same way for every system so rows line up: "plain" (k = 0), "ngram" (prompt lookup) and
+"model" (a separate draft model; transformers calls it assisted generation).
+
+`System.run(cell, prompt_ids, max_tokens, temperature, seed)` generates once and returns a
+measurement dict (see `measurement`): generated token ids (EOS included when it was
+produced; generation stops at EOS or max_tokens, for every system), wall seconds
+including prefill, time to first token, and, where the system exposes them, speculation
+counters. Nothing here is aggregated: that is `aggregate.py`'s job.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Cell:
+    system: str     # "specdecode", "transformers", "llama.cpp"
+    method: str     # "plain", "ngram", "model"
+    k: int          # draft tokens per step; 0 for plain
+
+    @property
+    def label(self) -> str:
+        return f"{self.system} {self.method}" + (f" k={self.k}" if self.k else "")
+
+
+def measurement(token_ids: list[int], seconds: float, first_token_s: float | None, steps: int | None = None,
+                **extra) -> dict:
+    """One generation's figures. decode_ms_per_token excludes the first token (prefill)."""
+    n = len(token_ids)
+    ttft = first_token_s if first_token_s is not None else (seconds if n else None)
+    decode = (seconds - ttft) / (n - 1) * 1e3 if n > 1 and ttft is not None else None
+    return {"tokens": n, "token_ids": list(token_ids), "seconds": seconds,
+            "tokens_per_s": n / seconds if seconds > 0 else 0.0, "ttft_s": ttft,
+            "decode_ms_per_token": decode, "steps": steps, **extra}
+
+
+class System:
+    """Interface: `cells(methods, ks)` lists what this system can run; `run` measures one."""
+
+    name = "?"
+
+    def cells(self, methods: list[str], ks: list[int]) -> list[Cell]:
+        out = [Cell(self.name, "plain", 0)] if "plain" in methods else []
+        return out + [Cell(self.name, m, k) for m in methods if m != "plain" and self.supports(m) for k in ks]
+
+    def supports(self, method: str) -> bool:
+        return False
+
+    def run(self, cell: Cell, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int) -> dict:
+        raise NotImplementedError
+
+
+class SpecdecodeSystem(System):
+    """specdecode's own engine: one target, one drafter object per method, any k."""
+
+    name = "specdecode"
+
+    def __init__(self, llm) -> None:
+        from ..drafters.base import build_drafter
+        self.llm = llm
+        self.drafters = {"ngram": build_drafter("ngram", llm.target)}
+        if llm.draft is not None:
+            self.drafters["model"] = build_drafter("model", llm.target, draft=llm.draft)
+
+    def supports(self, method: str) -> bool:
+        return method in self.drafters
+
+    def run(self, cell: Cell, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int) -> dict:
+        from ..engine.engine import SpecEngine
+        from ..params import SamplingParams
+
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+        engine = SpecEngine(self.llm.target, self.drafters.get(cell.method), cell.k)
+        first: list[float] = []
+
+        def on_tokens(seq, tokens) -> None:
+            if not first and tokens:
+                first.append(time.perf_counter())
+
+        started = time.perf_counter()
+        seq = engine.generate([list(prompt_ids)], [params], on_tokens)[0]
+        seconds = time.perf_counter() - started
+        st = seq.stats
+        return measurement(seq.output_ids, seconds, first[0] - started if first else None, steps=st.steps,
+                           emitted=st.emitted, drafted=st.drafted, accepted=st.accepted,
+                           drafted_per_position=list(st.drafted_per_position),
+                           accepted_per_position=list(st.accepted_per_position),
+                           draft_s=st.draft_seconds, verify_s=st.verify_seconds, prefill_s=st.prefill_seconds,
+                           total_s=st.total_seconds, finish_reason=seq.finish_reason)
+
+    def logit_gap(self, prompt_ids: list[int], prefix: list[int], token_a: int, token_b: int) -> dict:
+        """The target's logits after prompt + prefix: how far apart the two diverging tokens are
+        (a near-tie explains a reduced-precision divergence) and the top-1/top-2 gap."""
+        model = self.llm.target.model
+        ids = list(prompt_ids) + list(prefix)
+        cache = model.new_cache(1, len(ids) + 4)
+        index = torch.tensor([[len(ids) - 1]], device=model.device)
+        logits = model.forward(torch.tensor([ids], device=model.device), cache, 0, logit_index=index)
+        row = logits.reshape(-1, logits.shape[-1])[-1].float()
+        top2 = torch.topk(row, 2).values.tolist()
+        return {"logit_a": round(row[token_a].item(), 4), "logit_b": round(row[token_b].item(), 4),
+                "gap": round(abs(row[token_a].item() - row[token_b].item()), 4),
+                "top1_top2_gap": round(top2[0] - top2[1], 4)}
+
+
+class _Clock:
+    """A transformers streamer that only records time: `put` gets the prompt first, then
+    the tokens of each decoding step (one call per step, also in assisted generation)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first: float | None = None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class TransformersSystem(System):
+    """Hugging Face transformers `generate` on the same weights (the target's HF directory;
+    for a GGUF target, the directory specdecode converted it into) and the same dtype."""
+
+    name = "transformers"
+
+    def __init__(self, llm, dtype: torch.dtype, notes: list[str]) -> None:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+        hf_logging.set_verbosity_error()
+        self.model = AutoModelForCausalLM.from_pretrained(str(llm.target.path), dtype=dtype).eval()
+        self.draft = None
+        if llm.draft is not None:
+            try:
+                self.draft = AutoModelForCausalLM.from_pretrained(str(llm.draft.path), dtype=dtype).eval()
+            except Exception as exc:  # noqa: BLE001  (any loader failure means: no assisted generation)
+                notes.append(f"transformers: draft not loadable ({type(exc).__name__}: {exc}); "
+                             f"assisted generation skipped")
+        self.eos = list(llm.target.eos_token_ids)
+
+    def supports(self, method: str) -> bool:
+        return method == "ngram" or (method == "model" and self.draft is not None)
+
+    def run(self, cell: Cell, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int) -> dict:
+        x = torch.tensor([list(prompt_ids)])
+        clock = _Clock()
+        kwargs = dict(max_new_tokens=max_tokens, eos_token_id=self.eos, pad_token_id=self.eos[0],
+                      attention_mask=torch.ones_like(x), streamer=clock, do_sample=temperature > 0)
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+            torch.manual_seed(seed)
+        if cell.method == "ngram":
+            kwargs["prompt_lookup_num_tokens"] = cell.k
+        elif cell.method == "model":
+            kwargs.update(assistant_model=self.draft, num_assistant_tokens=cell.k,
+                          num_assistant_tokens_schedule="constant")
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(x, **kwargs)
+        seconds = time.perf_counter() - started
+        ids = out[0, x.shape[1]:].tolist()   # batch 1: no padding, every id after the prompt was generated
+        return measurement(ids, seconds, None if clock.first is None else clock.first - started,
+                           steps=max(clock.calls - 1, 0) or None)

@@ -1,0 +1,185 @@
+"""`specdecode bench` end to end on the tiny random models (specdecode + transformers, and
+llama.cpp's skip note when llama-cpp-python is missing): the results.json schema, the
+markdown report, the plots, --resume, --rebuild, a custom prompt set, and the aggregation
+arithmetic on synthetic records."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from specdecode.bench import aggregate
+from specdecode.cli import main
+
+ROW_KEYS = {"system", "method", "k", "task", "tokens_per_s", "tokens_per_s_total", "speedup",
+            "speedup_vs_transformers_plain", "mean_accepted_length", "identical_share", "acceptance_per_position",
+            "time_share", "ttft_s", "prompts", "first_divergence"}
+TASKS = "translation,qa,math_reasoning"
+
+
+def llamacpp_installed() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def bench(out, tiny_models, *extra: str) -> int:
+    return main(["bench", "--model", str(tiny_models["llama"]), "--draft", str(tiny_models["llama_draft"]),
+                 "--max-tokens", "8", "--prompts-per-task", "1", "--no-progress", "--out", str(out), *extra])
+
+
+@pytest.fixture(scope="module")
+def run(tiny_models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "out"
+    code = bench(out, tiny_models, "--tasks", TASKS, "-k", "2,3",
+                 "--systems", "specdecode,transformers,llama.cpp")
+    assert code == 0
+    return out
+
+
+def lines(out) -> list[dict]:
+    return [json.loads(x) for x in (out / "measurements.jsonl").read_text().splitlines()]
+
+
+def test_results_schema(run):
+    results = json.loads((run / "results.json").read_text())
+    assert {"rows", "machine", "config", "roofline", "notes", "summary"} <= results.keys()
+    assert {"cpu", "cores", "threads", "torch", "transformers", "llama_cpp"} <= results["machine"].keys()
+    assert results["config"]["command"].startswith("specdecode bench")
+    rows = results["rows"]
+    for row in rows:
+        assert ROW_KEYS <= row.keys(), ROW_KEYS - row.keys()
+    cells = {(r["system"], r["method"], r["k"]) for r in rows}
+    for system in ("specdecode", "transformers"):
+        assert {(system, "plain", 0), (system, "ngram", 2), (system, "ngram", 3), (system, "model", 2),
+                (system, "model", 3)} <= cells
+    assert {r["task"] for r in rows} == set(TASKS.split(",")) | {"all"}
+    roof = results["roofline"]
+    assert roof["read_bandwidth_gbs"] > 0 and roof["floor_ms_per_token"] > 0
+    assert {"specdecode", "transformers"} <= roof["systems"].keys()
+
+
+def test_specdecode_greedy_is_lossless(run):
+    rows = json.loads((run / "results.json").read_text())["rows"]
+    spec = [r for r in rows if r["system"] == "specdecode"]
+    assert spec and all(r["identical_share"] == 1.0 for r in spec)
+    for r in spec:
+        if r["method"] == "plain":
+            assert r["speedup"] == 1.0 and r["mean_accepted_length"] == 1.0
+        else:
+            assert 1.0 <= r["mean_accepted_length"] <= r["k"] + 1
+            assert len(r["acceptance_per_position"]) == r["k"]
+            assert abs(sum(r["time_share"][x] for x in ("draft", "verify", "prefill", "other")) - 1) < 1e-6
+        assert r["ttft_s"] > 0
+
+
+def test_llamacpp_skip_note(run):
+    results = json.loads((run / "results.json").read_text())
+    if llamacpp_installed():
+        pytest.skip("llama-cpp-python is installed")
+    assert "llama.cpp: skipped — pip install 'specdecode[llamacpp]'" in results["notes"]
+    assert "llama.cpp: skipped" in (run / "report.md").read_text()
+    assert not any(r["system"] == "llama.cpp" for r in results["rows"])
+
+
+def test_report_and_plots(run):
+    md = (run / "report.md").read_text()
+    assert "| system | method | k | tok/s | speed-up |" in md
+    assert "## Roofline" in md and "## Losslessness" in md
+    for name in ("speedup_by_task.png", "acceptance_by_position.png", "tokens_per_s_vs_k.png"):
+        data = (run / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+        assert f"]({name})" in md
+
+
+def test_measurements_appended_per_generation(run):
+    recs = [r for r in lines(run) if r["type"] == "measurement"]
+    assert len(recs) == 3 * 10   # 3 prompts x (2 systems x (plain + 2 methods x 2 k))
+    assert all(r["tokens"] == len(r["token_ids"]) > 0 and r["seconds"] > 0 for r in recs)
+
+
+def test_resume_measures_only_missing_cells(run, tiny_models, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(run, out)
+    kept = (out / "measurements.jsonl").read_text().splitlines()
+    kept = [x for x in kept if json.loads(x)["type"] == "measurement"][:-4]
+    (out / "measurements.jsonl").write_text("\n".join(kept) + "\n" + '{"type": "measurem')   # cut by a kill
+    assert bench(out, tiny_models, "--tasks", TASKS, "-k", "2,3", "--systems", "specdecode,transformers,llama.cpp",
+                 "--resume") == 0
+    recs = [r for r in lines_lenient(out) if r["type"] == "measurement"]
+    assert [json.dumps(r) for r in recs[:len(kept)]] == [json.dumps(json.loads(x)) for x in kept]
+    keys = [aggregate_key(r) for r in recs]
+    assert len(recs) == 30 and len(set(keys)) == 30
+    # nothing left: a second resume measures nothing
+    assert bench(out, tiny_models, "--tasks", TASKS, "-k", "2,3", "--systems", "specdecode,transformers,llama.cpp",
+                 "--resume") == 0
+    assert len([r for r in lines_lenient(out) if r["type"] == "measurement"]) == 30
+
+
+def lines_lenient(out) -> list[dict]:
+    recs = []
+    for x in (out / "measurements.jsonl").read_text().splitlines():
+        try:
+            recs.append(json.loads(x))
+        except ValueError:
+            pass
+    return recs
+
+
+def aggregate_key(r: dict) -> tuple:
+    return (r["system"], r["method"], r["k"], r["task"], r["prompt_id"])
+
+
+def test_resume_refuses_other_settings(run, tiny_models, tmp_path, capsys):
+    out = tmp_path / "out"
+    shutil.copytree(run, out)
+    assert bench(out, tiny_models, "--tasks", TASKS, "--max-tokens", "9", "--resume") == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_rebuild_from_jsonl(run, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(run, out)
+    before = json.loads((out / "results.json").read_text())["rows"]
+    for name in ("results.json", "report.md", "speedup_by_task.png"):
+        (out / name).unlink()
+    assert main(["bench", "--rebuild", "--out", str(out)]) == 0
+    assert json.loads((out / "results.json").read_text())["rows"] == before
+    assert (out / "report.md").is_file() and (out / "speedup_by_task.png").is_file()
+
+
+def test_custom_prompts_and_sampling(tiny_models, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text": "the quick brown fox jumps over the lazy dog. the quick brown", "task": "mine"}\n'
+                       '{"text": "1 2 3 4 5 6 7 8 9 10 11", "chat": false, "task": "mine"}\n')
+    out = tmp_path / "out"
+    assert main(["bench", "--model", str(tiny_models["llama"]), "--prompts-file", str(prompts), "--max-tokens", "6",
+                 "--systems", "specdecode", "--methods", "plain,ngram", "--temperature", "0.8",
+                 "--no-progress", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert {r["task"] for r in results["rows"]} == {"mine", "all"}
+    assert all(r["prompts"] == 2 and r["identical_share"] is None for r in results["rows"])
+    assert all(r["speedup_vs_transformers_plain"] is None for r in results["rows"])
+
+
+def test_aggregate_arithmetic():
+    def rec(system, method, k, pid, tps, ids):
+        return {"type": "measurement", "system": system, "method": method, "k": k, "task": "qa", "prompt_id": pid,
+                "tokens": len(ids), "token_ids": ids, "seconds": len(ids) / tps, "tokens_per_s": tps}
+    records = [rec("transformers", "plain", 0, "1", 10.0, [1, 2, 3]), rec("transformers", "plain", 0, "2", 20.0, [4]),
+               rec("transformers", "ngram", 3, "1", 30.0, [1, 2, 3]), rec("transformers", "ngram", 3, "2", 30.0, [5]),
+               {"type": "divergence", "system": "transformers", "method": "ngram", "k": 3, "task": "qa",
+                "prompt_id": "2", "gap": 0.01, "top1_top2_gap": 0.01}]
+    rows = {(r["method"], r["task"]): r for r in aggregate.build_rows(records, ["qa"], greedy=True)}
+    ngram = rows[("ngram", "qa")]
+    assert ngram["speedup"] == pytest.approx(30.0 / 15.0)        # ratio of per-prompt means
+    assert ngram["speedup_vs_transformers_plain"] == pytest.approx(2.0)
+    assert ngram["tokens_per_s_total"] == pytest.approx(4 / (3 / 30 + 1 / 30))
+    assert ngram["identical_share"] == 0.5 and ngram["divergences"] == 1
+    assert ngram["first_divergence"] == {"task": "qa", "prompt_id": "2", "position": 0, "plain_token": 4,
+                                         "token": 5, "gap": 0.01, "top1_top2_gap": 0.01}
+    assert rows[("plain", "all")]["identical_share"] == 1.0
+    assert aggregate.first_difference([1, 2], [1, 2, 3]) == 2 and aggregate.first_difference([1], [1]) is None
