@@ -9,10 +9,20 @@ import torch
 
 from .linear import PackedLinear, available, reason, self_check
 
-__all__ = ["PackedLinear", "available", "reason", "self_check", "make_linear"]
+__all__ = ["PackedLinear", "available", "reason", "self_check", "make_linear", "fused_decoder"]
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
     """A projection x[..., in] -> [..., out]: the packed native kernel on CPU when it loads,
     else F.linear (PackedLinear falls back by itself)."""
     return PackedLinear(weight, bias)
+
+
+def fused_decoder(model):
+    """The fused native decoder for a Transformer built with make_linear (None if unavailable).
+    Transformer.__init__ calls this through `make_linear.fused_decoder`."""
+    from .decoder import fused_decoder as _fused
+    return _fused(model)
+
+
+make_linear.fused_decoder = fused_decoder

@@ -4,7 +4,7 @@ PyTorch's CPU GEMV for a handful of rows reaches only ~35-50% of the memory band
 machine (bf16 worse than fp32).  ``PackedLinear`` repacks a weight once into a blocked layout and
 calls a tiny native kernel (``kernels.c`` beside this file) through ctypes:
 
-    bf16 weights:  AVX512-BF16 (1 row) or AMX tiles (>= 2 rows), fp32 accumulation
+    bf16 weights:  AMX tiles (any row count), else AVX512-BF16; fp32 accumulation
     fp32 weights:  AVX512F FMA
 
 The C file is compiled lazily on first use with the system C compiler into
@@ -35,9 +35,14 @@ from torch import Tensor
 __all__ = ["PackedLinear", "available", "reason", "self_check"]
 
 _SRC = Path(__file__).with_name("kernels.c")
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_SOURCES = (_SRC, _SRC.with_name("decoder.c"))  # kernels.c #includes decoder.c
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
 _CACHE = Path(os.environ.get("SPECDECODE_KERNEL_CACHE", "~/.cache/specdecode/kernels")).expanduser()
-AMX_MIN_ROWS = 2  # AMX tiles win from 2 rows up; a single row streams faster with AVX512-BF16
+# bf16 uses AMX for every row count when available: each output row is then bitwise identical
+# whether computed alone or in a block (AVX512-BF16 at M=1 sums in another order than AMX), which
+# keeps greedy speculative decoding identical to plain decoding.  AVX512-BF16 (also row invariant,
+# but not equal to AMX) is only the fallback for CPUs without AMX.
+AMX_MIN_ROWS = 1
 
 _state: dict = {}  # lazily filled by _load(): lib, amx, bf16, fp32, reason
 
@@ -57,7 +62,7 @@ def _compile() -> Path:
     if not cc:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(_SRC.read_bytes() + " ".join(_CFLAGS + [cc, version]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(_CFLAGS + [cc, version]).encode()).hexdigest()[:16]
     so = _CACHE / f"kernels-{key}.so"
     if so.exists():
         return so

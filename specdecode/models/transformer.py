@@ -89,6 +89,10 @@ class Transformer:
         angles = torch.cat([angles, angles], dim=-1)                     # [max_pos, head_dim]
         self.rope_cos = angles.cos().to(self.dtype).to(self.device)
         self.rope_sin = angles.sin().to(self.dtype).to(self.device)
+        # Fused native stack for batch-1 blocks (specdecode.fast.decoder); None = eager only.
+        self.fused = None
+        if getattr(make_linear, "fused_decoder", None) is not None:
+            self.fused = make_linear.fused_decoder(self)
 
     @property
     def vocab_size(self) -> int:
@@ -114,6 +118,9 @@ class Transformer:
                 rows: torch.Tensor | None = None,     # [B] cache rows; None = rows 0..B-1 of the cache
                 logit_index: torch.Tensor | None = None,  # [B, n] positions in 0..T-1 that need logits; None = all
                 ) -> torch.Tensor:                    # [B, n, vocab] float32
+        if (self.fused is not None and rows is None and isinstance(start, int)
+                and tokens.shape[0] == 1 and tokens.shape[1] <= 64):
+            return self.fused.forward(tokens, cache, start, logit_index)
         c = self.config
         batch, num_tokens = tokens.shape
         uniform = isinstance(start, int) and rows is None

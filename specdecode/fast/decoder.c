@@ -1,0 +1,290 @@
+/*
+ * specdecode/fast/decoder.c -- fused Llama/Qwen2 decoder stack for batch 1 (included by kernels.c).
+ *
+ * sd_decoder_forward runs embedding -> L x (rmsnorm, qkv(+bias), RoPE, KV-cache write, causal GQA
+ * attention, o-proj + residual, rmsnorm, gate_up, silu*up, down + residual) -> final rmsnorm ->
+ * LM head (selected rows) for T <= 64 tokens in ONE OpenMP parallel region with barriers between
+ * phases.  Activations are kept in the model dtype (bf16 or fp32) with the eager path's rounding
+ * points (after every projection, rmsnorm, rope product/sum, silu, silu*up, residual add).
+ *
+ * Batch invariance: every token row is computed by the same instruction sequence whatever T is:
+ *   - matmuls: per-row accumulators, fixed k order (amx_part / avx512bf16_part / fp32_part);
+ *   - attention for row t: scores over keys 0..start+t in order, one 16-lane fp32 accumulator per
+ *     dot product over head_dim chunks, max, exp, sum in 16-lane blocks of keys starting at key 0,
+ *     weighted value sum in key order; no split of the key range across threads;
+ *   - rmsnorm / rope / silu: per row, fixed vector order.
+ * Work is split between threads by output columns (matmuls) and by (row, head) units (attention),
+ * which changes who computes a value, never how.
+ */
+
+#define SD_MAX_T 64
+
+typedef struct {
+    int D, H, KVH, HD, I, V, L;     /* hidden, q heads, kv heads, head_dim, intermediate, vocab, layers */
+    int is_bf16, use_amx;
+    int Dp, Qp, Ip;                  /* padded K (row stride) of the inputs of qkv/gate_up/head, o, down */
+    int rope_len;                    /* rows of the rope tables */
+    float eps, scale;
+    const void *embed;               /* [V, D] */
+    const void *rope_cos, *rope_sin; /* [rope_len, HD] */
+    const void *const *attn_norm;    /* [L] -> [D] */
+    const void *const *mlp_norm;
+    const void *const *qkv_w;        /* [L] packed [(H+2KVH)*HD, Dp] */
+    const float *const *qkv_b;       /* [L] fp32 bias or NULL */
+    const void *const *o_w;          /* [L] packed [D, Qp] */
+    const void *const *gu_w;         /* [L] packed [2I, Dp] */
+    const void *const *down_w;       /* [L] packed [D, Ip] */
+    const void *final_norm;
+    const void *head_w;              /* packed [V, Dp] */
+    const float *head_b;             /* NULL */
+    /* scratch (model dtype, zero padded), all [SD_MAX_T, ld] */
+    void *hid;                       /* ld D */
+    void *xn;                        /* ld Dp */
+    void *qkv;                       /* ld (H+2KVH)*HD */
+    void *q;                         /* ld H*HD (roped q) */
+    void *att;                       /* ld Qp */
+    void *gu;                        /* ld 2I */
+    void *act;                       /* ld Ip */
+} sd_model;
+
+/* ---- element helpers: model dtype <-> fp32 vectors of 16 (masked) */
+static inline __m512 ld16(const void *p, size_t i, int bf, __mmask16 m) {
+    if (bf) return bf16x16_to_ps(_mm256_maskz_loadu_epi16(m, (const bf16 *)p + i));
+    return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+}
+static inline void st16(void *p, size_t i, int bf, __mmask16 m, __m512 v) {
+    if (bf) _mm256_mask_storeu_epi16((bf16 *)p + i, m, (__m256i)_mm512_cvtneps_pbh(v));
+    else _mm512_mask_storeu_ps((float *)p + i, m, v);
+}
+static inline __m512 rnd(__m512 v, int bf) { return bf ? round_bf16(v) : v; }
+static inline __mmask16 lanes(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+/* exp(x) for fp32 lanes: Cody-Waite range reduction + degree-6 polynomial + scalef (~2 ulp).
+ * Elementwise, so results do not depend on lane position. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-104.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    __m512 r2 = _mm512_mul_ps(r, r);
+    p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* out[0:D] = rne(x * rsqrt(mean(x^2) + eps) * w)   (torch's fused rms_norm: one rounding) */
+static void rmsnorm_row(const void *x, const void *w, void *out, int D, float eps, int bf) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int i = 0; i < D; i += 16) {
+        __m512 v = ld16(x, i, bf, lanes(D - i));
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    float r = 1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(_mm512_reduce_add_ps(ss) / (float)D + eps)));
+    __m512 rv = _mm512_set1_ps(r);
+    for (int i = 0; i < D; i += 16) {
+        __mmask16 m = lanes(D - i);
+        st16(out, i, bf, m, _mm512_mul_ps(_mm512_mul_ps(ld16(x, i, bf, m), rv), ld16(w, i, bf, m)));
+    }
+}
+
+/* RoPE (rotate-half) of one head vector x[HD] -> out[HD], rounding like q*cos + rotate_half(q)*sin */
+static void rope_head(const void *x, const void *cs, const void *sn, void *out, int HD, int bf) {
+    const int half = HD / 2;
+    for (int i = 0; i < half; i += 16) {
+        __mmask16 m = lanes(half - i);
+        __m512 x1 = ld16(x, i, bf, m), x2 = ld16(x, half + i, bf, m);
+        __m512 c1 = ld16(cs, i, bf, m), c2 = ld16(cs, half + i, bf, m);
+        __m512 s1 = ld16(sn, i, bf, m), s2 = ld16(sn, half + i, bf, m);
+        __m512 o1 = _mm512_sub_ps(rnd(_mm512_mul_ps(x1, c1), bf), rnd(_mm512_mul_ps(x2, s1), bf));
+        __m512 o2 = _mm512_add_ps(rnd(_mm512_mul_ps(x2, c2), bf), rnd(_mm512_mul_ps(x1, s2), bf));
+        st16(out, i, bf, m, o1);
+        st16(out, half + i, bf, m, o2);
+    }
+}
+
+/* Sum each of 16 vectors: returns r with lane l = sum of the lanes of v[perm[l]] (a fixed tree). */
+static inline __m512 reduce16(__m512 v[16]) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xee));
+    for (int i = 0; i < 4; i++)
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xdd));
+    for (int i = 0; i < 2; i++)
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[i], x[i + 2], 0x44), _mm512_shuffle_ps(x[i], x[i + 2], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xdd));
+}
+
+static int32_t reduce16_inv[16];   /* lane of reduce16's result that holds vector j */
+static void reduce16_init(void) {
+    if (reduce16_inv[1]) return;
+    __m512 v[16];
+    float r[16];
+    for (int i = 0; i < 16; i++) v[i] = _mm512_set1_ps((float)i);
+    _mm512_storeu_ps(r, reduce16(v));
+    for (int l = 0; l < 16; l++) reduce16_inv[(int)(r[l] / 16.f)] = l;
+}
+
+/* Attention for one query row and one q head: keys/values [len, HD] (model dtype), q [HD]
+ * (model dtype), out [HD].  scores: scratch of >= len + 16 floats.  Keys go in blocks of 16
+ * starting at key 0, so key j's dot product always takes slot j % 16 of the same tree. */
+static void attend(const void *q, const void *keys, const void *vals, int len, int HD, float scale,
+                   int bf, float *scores, void *out) {
+    const int C = HD / 16;                 /* HD % 16 == 0, HD <= 256 */
+    __m512 qv[16];
+    for (int c = 0; c < C; c++) qv[c] = ld16(q, 16 * c, bf, 0xffff);
+    const __m512i inv = _mm512_loadu_si512(reduce16_inv);
+    const __m512 sv = _mm512_set1_ps(scale);
+    const int esz = bf ? 2 : 4;
+    __m512 mxv = _mm512_set1_ps(-__builtin_inff());
+    char tail[16 * 256 * 4] __attribute__((aligned(64)));
+    for (int j0 = 0; j0 < len; j0 += 16) {
+        const int nk = len - j0 < 16 ? len - j0 : 16;
+        const void *kb = (const char *)keys + (size_t)j0 * HD * esz;
+        if (nk < 16) {          /* last partial block: zero-padded copy, same arithmetic */
+            memset(tail, 0, (size_t)16 * HD * esz);
+            memcpy(tail, kb, (size_t)nk * HD * esz);
+            kb = tail;
+        }
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+        for (int c = 0; c < C; c++)
+            for (int i = 0; i < 16; i++)
+                acc[i] = _mm512_fmadd_ps(qv[c], ld16(kb, (size_t)i * HD + 16 * c, bf, 0xffff), acc[i]);
+        __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(inv, reduce16(acc)), sv);
+        __mmask16 m = lanes(nk);
+        _mm512_mask_storeu_ps(scores + j0, m, s);
+        mxv = _mm512_mask_max_ps(mxv, m, mxv, s);
+    }
+    __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mxv)), sum = _mm512_setzero_ps();
+    for (int j = 0; j < len; j += 16) {
+        __mmask16 m = lanes(len - j);
+        __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), mv));
+        p = _mm512_maskz_mov_ps(m, p);
+        _mm512_mask_storeu_ps(scores + j, m, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    __m512 invs = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    __m512 o[16];
+    for (int c = 0; c < C; c++) o[c] = _mm512_setzero_ps();
+    for (int j = 0; j < len; j++) {
+        __m512 p = _mm512_set1_ps(scores[j]);
+        for (int c = 0; c < C; c++) o[c] = _mm512_fmadd_ps(p, ld16(vals, (size_t)j * HD + 16 * c, bf, 0xffff), o[c]);
+    }
+    for (int c = 0; c < C; c++) st16(out, 16 * c, bf, 0xffff, _mm512_mul_ps(o[c], invs));
+}
+
+/* One thread's share of y[M, N] (op) x[M, Kp] @ W^T: dispatch on dtype / AMX. */
+static inline void mm_part(const sd_model *md, const void *x, int lda, const void *Wp, const float *bias,
+                           void *y, int ldy, int M, int N, int Kp, int mode, int t, int nt, int *cfg) {
+    int g0, g1;
+    split((N + 31) / 32, t, nt, &g0, &g1);
+    if (!md->is_bf16) fp32_part((const float *)x, lda, (const float *)Wp, bias, (float *)y, ldy, M, N, Kp, mode, g0, g1);
+    else if (md->use_amx) amx_part((const bf16 *)x, lda, (const bf16 *)Wp, bias, y, ldy, M, N, Kp, mode, g0, g1, cfg);
+    else avx512bf16_part((const bf16 *)x, lda, (const bf16 *)Wp, bias, y, ldy, M, N, Kp, mode, g0, g1);
+}
+
+/* Even split of n units: [a, b) for thread t of nt. */
+static inline void range(int n, int t, int nt, int *a, int *b) {
+    *a = (int)((long)n * t / nt);
+    *b = (int)((long)n * (t + 1) / nt);
+}
+
+/* tokens[T] (T <= SD_MAX_T) at positions start..start+T-1.  kc/vc: per layer, batch row 0 of the
+ * cache [KVH, max_len, HD].  idx[n]: rows (0..T-1) that get logits, written to out[n, V] fp32.
+ * scores: nthreads * (max_len + 16) floats.  Returns 0, or -1 on bad arguments. */
+int sd_decoder_forward(const sd_model *md, const int64_t *tokens, int T, int start,
+                       void *const *kc, void *const *vc, int max_len,
+                       const int32_t *idx, int n, float *out, float *scores, int nthreads) {
+    if (T < 1 || T > SD_MAX_T || start < 0 || start + T > max_len || start + T > md->rope_len || n < 0)
+        return -1;
+    const int bf = md->is_bf16, esz = bf ? 2 : 4;
+    const int D = md->D, H = md->H, KVH = md->KVH, HD = md->HD, I = md->I;
+    const int NQKV = (H + 2 * KVH) * HD, QS = H * HD, grp = H / KVH;
+    const size_t hstride = (size_t)max_len * HD;   /* cache: kv head stride (elements) */
+    char *hid = md->hid, *xn = md->xn, *qkv = md->qkv, *qb = md->q, *att = md->att, *gu = md->gu, *act = md->act;
+    const int mode_res = bf ? OUT_BF16_ADD : OUT_F32_ADD, mode_out = bf ? OUT_BF16 : OUT_F32;
+    reduce16_init();
+
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        float *sc = scores + (size_t)t * (max_len + 16);
+        int cfg = -1, a, b;
+        /* embedding */
+        range(T, t, nt, &a, &b);
+        for (int r = a; r < b; r++)
+            memcpy(hid + (size_t)r * D * esz, (const char *)md->embed + (size_t)tokens[r] * D * esz, (size_t)D * esz);
+#pragma omp barrier
+        for (int l = 0; l < md->L; l++) {
+            char *kl = kc[l], *vl = vc[l];
+            range(T, t, nt, &a, &b);
+            for (int r = a; r < b; r++)
+                rmsnorm_row(hid + (size_t)r * D * esz, md->attn_norm[l], xn + (size_t)r * md->Dp * esz, D, md->eps, bf);
+#pragma omp barrier
+            mm_part(md, xn, md->Dp, md->qkv_w[l], md->qkv_b[l], qkv, NQKV, T, NQKV, md->Dp, mode_out, t, nt, &cfg);
+#pragma omp barrier
+            /* RoPE on q and k heads, k/v into the cache */
+            range(T * (H + 2 * KVH), t, nt, &a, &b);
+            for (int u = a; u < b; u++) {
+                int r = u / (H + 2 * KVH), h = u % (H + 2 * KVH), pos = start + r;
+                const char *src = qkv + ((size_t)r * NQKV + (size_t)h * HD) * esz;
+                const char *cs = (const char *)md->rope_cos + (size_t)pos * HD * esz;
+                const char *sn = (const char *)md->rope_sin + (size_t)pos * HD * esz;
+                if (h < H)
+                    rope_head(src, cs, sn, qb + ((size_t)r * QS + (size_t)h * HD) * esz, HD, bf);
+                else if (h < H + KVH)
+                    rope_head(src, cs, sn, kl + ((h - H) * hstride + (size_t)pos * HD) * esz, HD, bf);
+                else
+                    memcpy(vl + ((h - H - KVH) * hstride + (size_t)pos * HD) * esz, src, (size_t)HD * esz);
+            }
+#pragma omp barrier
+            range(T * H, t, nt, &a, &b);
+            for (int u = a; u < b; u++) {
+                int r = u / H, h = u % H, kvh = h / grp;
+                attend(qb + ((size_t)r * QS + (size_t)h * HD) * esz, kl + kvh * hstride * esz,
+                       vl + kvh * hstride * esz, start + r + 1, HD, md->scale, bf, sc,
+                       att + ((size_t)r * md->Qp + (size_t)h * HD) * esz);
+            }
+#pragma omp barrier
+            mm_part(md, att, md->Qp, md->o_w[l], NULL, hid, D, T, D, md->Qp, mode_res, t, nt, &cfg);
+#pragma omp barrier
+            range(T, t, nt, &a, &b);
+            for (int r = a; r < b; r++)
+                rmsnorm_row(hid + (size_t)r * D * esz, md->mlp_norm[l], xn + (size_t)r * md->Dp * esz, D, md->eps, bf);
+#pragma omp barrier
+            mm_part(md, xn, md->Dp, md->gu_w[l], NULL, gu, 2 * I, T, 2 * I, md->Dp, mode_out, t, nt, &cfg);
+#pragma omp barrier
+            /* act = rne(rne(silu(gate)) * up) */
+            {
+                const int CH = (I + 15) / 16;
+                range(T * CH, t, nt, &a, &b);
+                for (int u = a; u < b; u++) {
+                    int r = u / CH, i = (u % CH) * 16;
+                    __mmask16 m = lanes(I - i);
+                    __m512 g = ld16(gu, (size_t)r * 2 * I + i, bf, m), up = ld16(gu, (size_t)r * 2 * I + I + i, bf, m);
+                    __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+                    st16(act, (size_t)r * md->Ip + i, bf, m, _mm512_mul_ps(rnd(s, bf), up));
+                }
+            }
+#pragma omp barrier
+            mm_part(md, act, md->Ip, md->down_w[l], NULL, hid, D, T, D, md->Ip, mode_res, t, nt, &cfg);
+#pragma omp barrier
+        }
+        if (n > 0) {
+            range(n, t, nt, &a, &b);
+            for (int r = a; r < b; r++)
+                rmsnorm_row(hid + (size_t)idx[r] * D * esz, md->final_norm, xn + (size_t)r * md->Dp * esz, D, md->eps, bf);
+#pragma omp barrier
+            mm_part(md, xn, md->Dp, md->head_w, md->head_b, out, md->V, n, md->V, md->Dp,
+                    bf ? OUT_F32_VIA_BF16 : OUT_F32, t, nt, &cfg);
+        }
+        if (cfg >= 0) _tile_release();
+    }
+    return 0;
+}

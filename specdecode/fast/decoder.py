@@ -1,0 +1,192 @@
+"""Fused native decoder stack for batch 1 (see decoder.c and README.md).
+
+``FusedDecoder(model).forward(tokens[1, T], cache, start, logit_index)`` runs the whole layer
+stack in one ctypes call (one OpenMP parallel region) per block of <= 64 tokens, reusing the
+``PackedLinear`` weights of the model.  Token rows are computed independently of each other and of
+T (batch invariant): a verify block's logits are bitwise equal to single-token decodes given the
+same cache contents, so greedy speculative decoding in bf16 matches plain decoding exactly.
+
+``fused_decoder(model)`` returns None when the fused path cannot run (no native kernels, non-CPU
+tensors, head_dim not a multiple of 16, ...); ``why_not(model)`` says why.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from . import linear as _lin
+from .linear import PackedLinear
+
+__all__ = ["FusedDecoder", "fused_decoder", "why_not", "MAX_T"]
+
+MAX_T = 64  # rows per native call (SD_MAX_T in decoder.c); longer blocks run in chunks
+
+P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class _Model(ctypes.Structure):  # must match sd_model in decoder.c
+    _fields_ = [(n, I) for n in ("D", "H", "KVH", "HD", "I", "V", "L", "is_bf16", "use_amx",
+                                 "Dp", "Qp", "Ip", "rope_len")] + [
+        ("eps", F), ("scale", F),
+        ("embed", P), ("rope_cos", P), ("rope_sin", P),
+        ("attn_norm", P), ("mlp_norm", P), ("qkv_w", P), ("qkv_b", P), ("o_w", P), ("gu_w", P),
+        ("down_w", P), ("final_norm", P), ("head_w", P), ("head_b", P),
+        ("hid", P), ("xn", P), ("qkv", P), ("q", P), ("att", P), ("gu", P), ("act", P)]
+
+
+def why_not(model) -> str | None:
+    """None if `model` can use the fused decoder, else the reason."""
+    if os.environ.get("SPECDECODE_FUSED", "1") == "0":
+        return "disabled by SPECDECODE_FUSED=0"
+    st = _lin._load()
+    if st["lib"] is None:
+        return f"native kernels unavailable: {st['reason']}"
+    if not hasattr(st["lib"], "sd_decoder_forward"):
+        return "kernel library has no sd_decoder_forward"
+    c = getattr(model, "config", None)
+    if c is None or not hasattr(model, "layers"):
+        return "not a specdecode Transformer"
+    if model.device.type != "cpu":
+        return f"tensors on {model.device}"
+    if model.dtype not in (torch.bfloat16, torch.float32):
+        return f"dtype {model.dtype} (bf16/fp32 only)"
+    if model.dtype == torch.bfloat16 and not st["bf16"]:
+        return "CPU lacks avx512_bf16"
+    if c.head_dim % 16 or c.head_dim > 256:
+        return f"head_dim {c.head_dim} (needs a multiple of 16, <= 256)"
+    if c.num_heads % c.num_kv_heads:
+        return "num_heads not a multiple of num_kv_heads"
+    lins = [model.lm_head] + [ly[k] for ly in model.layers for k in ("qkv", "o", "gate_up", "down")]
+    for lin in lins:
+        if not isinstance(lin, PackedLinear) or not lin.fast or lin.dtype != model.dtype:
+            return "projections are not native PackedLinear (eager make_linear?)"
+    if model.lm_head.bias32 is not None or any(ly[k].bias32 is not None for ly in model.layers
+                                               for k in ("o", "gate_up", "down")):
+        return "unexpected bias on o/gate_up/down/lm_head"
+    return None
+
+
+def fused_decoder(model) -> "FusedDecoder | None":
+    """A FusedDecoder for `model`, or None when unavailable (see why_not)."""
+    if why_not(model) is not None:
+        return None
+    return FusedDecoder(model)
+
+
+def _ptrs(tensors) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
+
+
+class FusedDecoder:
+    def __init__(self, model):
+        reason = why_not(model)
+        if reason is not None:
+            raise RuntimeError(f"fused decoder unavailable: {reason}")
+        st = _lin._load()
+        self._lib = st["lib"]
+        fn = self._lib.sd_decoder_forward
+        fn.argtypes = [P, P, I, I, P, P, I, P, I, P, P, I]
+        fn.restype = I
+        self._fn = fn
+        c, dt = model.config, model.dtype
+        self.model, self.dtype, self.vocab = model, dt, c.vocab_size
+        L, D, H, KVH, HD, Im = c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+        ly0 = model.layers[0]
+        Dp, Qp, Ip = ly0["qkv"].Kp, ly0["o"].Kp, ly0["down"].Kp
+        assert ly0["gate_up"].Kp == Dp and model.lm_head.Kp == Dp
+        keep = []  # everything the C side points to
+        norms_a = [ly["attn_norm"].contiguous() for ly in model.layers]
+        norms_m = [ly["mlp_norm"].contiguous() for ly in model.layers]
+        keep += norms_a + norms_m
+
+        def arr(ts):
+            a = _ptrs(ts)
+            keep.append(a)
+            return ctypes.cast(a, P)
+
+        z = lambda cols: torch.zeros(MAX_T, cols, dtype=dt)  # noqa: E731  (zero pads stay zero)
+        self._scratch = dict(hid=z(D), xn=z(Dp), qkv=z((H + 2 * KVH) * HD), q=z(H * HD), att=z(Qp),
+                             gu=z(2 * Im), act=z(Ip))
+        self._embed = model.embed.contiguous()
+        self._cos, self._sin = model.rope_cos.contiguous(), model.rope_sin.contiguous()
+        self._final = model.final_norm.contiguous()
+        m = _Model(D=D, H=H, KVH=KVH, HD=HD, I=Im, V=c.vocab_size, L=L,
+                   is_bf16=int(dt == torch.bfloat16), use_amx=int(bool(st["amx"])),
+                   Dp=Dp, Qp=Qp, Ip=Ip, rope_len=self._cos.shape[0],
+                   eps=c.rms_norm_eps, scale=1.0 / math.sqrt(HD),
+                   embed=self._embed.data_ptr(), rope_cos=self._cos.data_ptr(), rope_sin=self._sin.data_ptr(),
+                   attn_norm=arr(norms_a), mlp_norm=arr(norms_m),
+                   qkv_w=arr([ly["qkv"].wp for ly in model.layers]),
+                   qkv_b=arr([ly["qkv"].bias32 for ly in model.layers]),
+                   o_w=arr([ly["o"].wp for ly in model.layers]),
+                   gu_w=arr([ly["gate_up"].wp for ly in model.layers]),
+                   down_w=arr([ly["down"].wp for ly in model.layers]),
+                   final_norm=self._final.data_ptr(), head_w=model.lm_head.wp.data_ptr(), head_b=None,
+                   **{k: v.data_ptr() for k, v in self._scratch.items()})
+        self._m, self._keep = m, keep
+        self._mref = ctypes.byref(m)
+        self._cache_key = None
+        self._scores = torch.empty(0)
+        self._all_idx = torch.arange(MAX_T, dtype=torch.int32)
+
+    def _bind_cache(self, cache):
+        key = (id(cache), cache.keys[0].data_ptr(), cache.values[0].data_ptr())
+        if key != self._cache_key:
+            c = self.model.config
+            for t in cache.keys + cache.values:
+                if (t.dtype != self.dtype or t.device.type != "cpu" or not t.is_contiguous()
+                        or tuple(t.shape[1:]) != (c.num_kv_heads, cache.max_len, c.head_dim)):
+                    raise ValueError("cache does not match the model (dtype/layout)")
+            self._kc, self._vc = _ptrs(cache.keys), _ptrs(cache.values)
+            self._cache_ref = cache  # keep the tensors alive while their pointers are cached
+            self._cache_key = key
+        need = torch.get_num_threads() * (cache.max_len + 16)
+        if self._scores.numel() < need:
+            self._scores = torch.empty(need, dtype=torch.float32)
+
+    def forward(self, tokens: Tensor, cache, start: int, logit_index: Tensor | None = None) -> Tensor:
+        """tokens [1, T] int64 at positions start..start+T-1 -> logits [1, n, vocab] float32 for
+        the rows in logit_index ([1, n] positions in 0..T-1; None = all rows)."""
+        T = tokens.shape[1]
+        if tokens.shape[0] != 1:
+            raise ValueError("FusedDecoder runs batch 1")
+        if start < 0 or start + T > cache.max_len or start + T > self._m.rope_len:
+            raise ValueError(f"positions {start}..{start + T - 1} exceed the cache ({cache.max_len})")
+        self._bind_cache(cache)
+        tok = tokens[0]
+        if tok.dtype != torch.int64 or not tok.is_contiguous():
+            tok = tok.to(torch.int64).contiguous()
+        if logit_index is None:
+            rows = None
+            n = T
+        else:
+            rows = logit_index.reshape(-1)
+            n = rows.numel()
+            if n and not 0 <= min(lst := rows.tolist()) <= max(lst) < T:
+                raise ValueError(f"logit_index outside 0..{T - 1}")
+        out = torch.empty(1, n, self.vocab, dtype=torch.float32)
+        nt = torch.get_num_threads()
+        for c0 in range(0, T, MAX_T):
+            Tc = min(MAX_T, T - c0)
+            if rows is None:
+                idx, ni, dst, gather = self._all_idx, Tc, out[0, c0:c0 + Tc], None
+            else:
+                sel = ((rows >= c0) & (rows < c0 + Tc)).nonzero().reshape(-1) if T > MAX_T else None
+                if sel is None:
+                    idx, ni = rows.to(torch.int32).contiguous(), n
+                    dst, gather = out[0], None
+                else:
+                    idx, ni = (rows[sel] - c0).to(torch.int32).contiguous(), sel.numel()
+                    dst = torch.empty(ni, self.vocab, dtype=torch.float32)
+                    gather = sel
+            rc = self._fn(self._mref, tok.data_ptr() + 8 * c0, Tc, start + c0, self._kc, self._vc,
+                          cache.max_len, idx.data_ptr(), ni, dst.data_ptr(), self._scores.data_ptr(), nt)
+            if rc != 0:
+                raise ValueError("sd_decoder_forward rejected its arguments")
+            if gather is not None and ni:
+                out[0, gather] = dst
+        return out

@@ -1,0 +1,158 @@
+"""Native fast paths: batch (row) invariance of PackedLinear and of the fused decoder, and the
+fused decoder against the eager reference."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_model
+from specdecode.fast import linear as fast_linear
+from specdecode.fast.decoder import MAX_T, fused_decoder, why_not
+from specdecode.models.loader import load_model
+
+needs_native = pytest.mark.skipif(not fast_linear.available(), reason=fast_linear.reason())
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _bf16_ok():
+    return fast_linear._load()["bf16"]
+
+
+def _skip_if_unsupported(dtype):
+    if dtype == "bf16" and not _bf16_ok():
+        pytest.skip("no avx512_bf16")
+
+
+# ------------------------------------------------------------------ PackedLinear row invariance
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("path", ["default", "avx512bf16"])
+@pytest.mark.parametrize("shape", [(960, 576), (40, 70)])
+def test_packed_linear_rows_are_batch_invariant(dtype, path, shape):
+    _skip_if_unsupported(dtype)
+    if path != "default" and dtype != "bf16":
+        pytest.skip("fp32 has one path")
+    N, K = shape
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(N, K, generator=g).to(DTYPES[dtype])
+    b = torch.randn(N, generator=g).to(DTYPES[dtype])
+    lin = fast_linear.PackedLinear(w, b)
+    assert lin.fast
+    if path == "avx512bf16":
+        lin._amx = False            # the fallback kernel for CPUs without AMX
+    x = torch.randn(16, K, generator=g).to(DTYPES[dtype])
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(16)])
+    for M in range(1, 17):
+        block = lin(x[:M])
+        assert torch.equal(block, alone[:M]), f"M={M}: rows differ from single-row results"
+
+
+# ------------------------------------------------------------------ fused decoder
+
+@pytest.fixture(scope="session")
+def odd_model(tmp_path_factory) -> Path:
+    """Qwen2 with hidden 80 (not a multiple of 32: padded K), 5 q heads / 1 kv head (GQA 5:1)."""
+    return make_model(tmp_path_factory.mktemp("odd") / "qwen2_odd", "qwen2", seed=5, layers=2,
+                      hidden=80, heads=5, kv_heads=1, tie=False)
+
+
+@pytest.fixture(scope="session")
+def wide_head_model(tmp_path_factory) -> Path:
+    """Llama with head_dim 32 and GQA 4:1."""
+    return make_model(tmp_path_factory.mktemp("wide") / "llama_wide", "llama", seed=6, layers=2,
+                      hidden=128, heads=4, kv_heads=1)
+
+
+def _models(tiny_models, odd_model, wide_head_model):
+    return {"llama": tiny_models["llama"], "qwen2": tiny_models["qwen2"], "qwen2_odd": odd_model,
+            "llama_hd32": wide_head_model}
+
+
+def _load(path, dtype):
+    lm = load_model(str(path), dtype=dtype, progress=False)
+    if lm.model.fused is None:
+        pytest.skip(f"fused decoder unavailable: {why_not(lm.model)}")
+    return lm.model
+
+
+ARCHES = ["llama", "qwen2", "qwen2_odd", "llama_hd32"]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("arch", ARCHES)
+def test_fused_verify_block_equals_single_token_decodes(tiny_models, odd_model, wide_head_model, arch, dtype):
+    """Row t of a T=6 block is bitwise equal to decoding its tokens one at a time (same prefix)."""
+    _skip_if_unsupported(dtype)
+    model = _load(_models(tiny_models, odd_model, wide_head_model)[arch], dtype)
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, model.vocab_size, (1, 37), generator=gen)
+    block = torch.randint(0, model.vocab_size, (1, 6), generator=gen)
+    p = prompt.shape[1]
+    a, b = model.new_cache(1, 96), model.new_cache(1, 96)
+    model.forward(prompt, a, 0, logit_index=torch.zeros(1, 0, dtype=torch.long))
+    model.forward(prompt, b, 0, logit_index=torch.zeros(1, 0, dtype=torch.long))
+    verify = model.forward(block, a, p)                                   # [1, 6, V]
+    for t in range(6):
+        single = model.forward(block[:, t:t + 1], b, p + t)
+        assert torch.equal(single[0, 0], verify[0, t]), f"row {t} differs"
+    for layer in range(len(a.keys)):
+        assert torch.equal(a.keys[layer][:, :, :p + 6], b.keys[layer][:, :, :p + 6])
+        assert torch.equal(a.values[layer][:, :, :p + 6], b.values[layer][:, :, :p + 6])
+    # a subset of rows via logit_index, and a partial block
+    sub = model.forward(block[:, :4], a, p, logit_index=torch.tensor([[3, 1]]))
+    assert torch.equal(sub[0], verify[0, [3, 1]])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("arch", ARCHES)
+def test_fused_matches_eager(tiny_models, odd_model, wide_head_model, arch, dtype):
+    _skip_if_unsupported(dtype)
+    path = _models(tiny_models, odd_model, wide_head_model)[arch]
+    model = _load(path, dtype)
+    eager = load_model(str(path), dtype=dtype, progress=False, fast=False).model
+    assert eager.fused is None
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, model.vocab_size, (1, 150), generator=gen)
+    cf, ce = model.new_cache(1, 200), eager.new_cache(1, 200)
+    # prefill longer than one native block (chunks of MAX_T) with an unsorted logit subset
+    assert tokens.shape[1] - 10 > MAX_T
+    index = torch.tensor([[139, 0, 70, 63, 64]])
+    got = model.fused.forward(tokens[:, :140], cf, 0, index)   # chunked fused prefill (hook: T <= 64)
+    ref = eager.forward(tokens[:, :140], ce, 0, logit_index=index)
+    blocks = [got.clone()], [ref.clone()]
+    for pos in (140, 141):                                                # decode
+        blocks[0].append(model.forward(tokens[:, pos:pos + 1], cf, pos))
+        blocks[1].append(eager.forward(tokens[:, pos:pos + 1], ce, pos))
+    blocks[0].append(model.forward(tokens[:, 142:150], cf, 142))          # verify-sized
+    blocks[1].append(eager.forward(tokens[:, 142:150], ce, 142))
+    got, ref = torch.cat(blocks[0], 1), torch.cat(blocks[1], 1)
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    err, scale = (got - ref).abs().max().item(), ref.abs().max().item()
+    if dtype == "fp32":
+        assert err < 1e-3 * max(1.0, scale), err
+    else:
+        assert err < 0.05 * scale, (err, scale)
+        # and the argmax agrees except at near-ties
+        agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        assert agree >= 0.9
+
+
+@needs_native
+def test_fused_edge_cases(tiny_models):
+    model = _load(tiny_models["llama"], "fp32")
+    cache = model.new_cache(1, 16)
+    tokens = torch.tensor([[5, 6, 7]])
+    empty = model.forward(tokens, cache, 0, logit_index=torch.zeros(1, 0, dtype=torch.long))
+    assert empty.shape == (1, 0, model.vocab_size)
+    with pytest.raises(ValueError):
+        model.forward(tokens, cache, 14)                                  # past the cache end
+    with pytest.raises(ValueError):
+        model.forward(tokens, cache, 0, logit_index=torch.tensor([[3]]))  # row outside the block
+    # batch > 1 and ragged calls still take the eager path
+    cache2 = model.new_cache(2, 16)
+    out = model.forward(torch.tensor([[5, 6], [7, 8]]), cache2, 0)
+    assert out.shape == (2, 2, model.vocab_size)
+    assert fused_decoder(load_model(str(tiny_models["llama"]), dtype="fp32", progress=False, fast=False).model) is None
