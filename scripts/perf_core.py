@@ -19,17 +19,7 @@ import time
 
 import torch
 
-
-def read_bandwidth_gbs(megabytes: int = 1024, repeats: int = 5) -> float:
-    """Sustained read bandwidth: sum over a buffer much larger than the last-level cache."""
-    buf = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
-    buf.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t)
-    return megabytes * (1 << 20) / best / 1e9
+from specdecode.bench.runner import read_bandwidth_gbs
 
 
 def time_plain_native(llm, ids, tokens: int) -> float:
