@@ -109,9 +109,11 @@ class SpecEngine:
         t1 = time.perf_counter()
         # 2. score all drafts in one target pass, then verify
         target_probs = self._score(seqs, proposal)                      # [B, k+1, vocab]
-        greedy = torch.tensor([s.params.greedy for s in seqs])
+        device = target_probs.device            # drafts may come from the host (n-gram lookup)
+        greedy = torch.tensor([s.params.greedy for s in seqs], device=device)
         generators = [s.generator for s in seqs]
-        result = verify(proposal.tokens, proposal.num_tokens, proposal.probs, target_probs, greedy, generators)
+        result = verify(proposal.tokens.to(device), proposal.num_tokens.to(device), proposal.probs,
+                        target_probs, greedy, generators)
         t2 = time.perf_counter()
         # 3. commit: append tokens, roll the target cache back to the accepted prefix
         num_accepted = result.num_accepted.tolist()
