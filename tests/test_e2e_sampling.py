@@ -36,14 +36,7 @@ TV_MAX = 0.01                   # total-variation threshold at NUM_SAMPLES (scal
 
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread is as fast when the cores are idle and ~7x faster when other
-    work shares the 2 cores (spinning OpenMP workers); restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 def params(seed: int | None = None) -> SamplingParams:
     return SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True, seed=seed)

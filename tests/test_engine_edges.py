@@ -27,14 +27,7 @@ DRAFTERS = ["ngram", "model", "self"]
 
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread is as fast when the cores are idle and ~7x faster when other
-    work shares the 2 cores (spinning OpenMP workers); restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def llms(tiny_models):
