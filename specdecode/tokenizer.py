@@ -37,6 +37,7 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template: str | None = template
+        self._template = None                      # compiled on first use
         self.bos_token = _special(cfg.get("bos_token"))
         self.eos_token = _special(cfg.get("eos_token"))
         self.add_bos = bool(cfg.get("add_bos_token", False))
@@ -61,20 +62,25 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ModelError("this model has no chat template; use --no-chat (chat=False)")
-        from jinja2 import StrictUndefined  # noqa: F401  (kept lenient like transformers)
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
+        return self._compiled_template().render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def _compiled_template(self):
+        """The chat template compiled once, in a sandbox, with the helpers transformers provides."""
+        if self._template is None:
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str) -> None:
+                raise TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self.chat_template)
+        return self._template
 
     def vocab_fingerprint(self, count: int = 0) -> list[str]:
         """The first `count` tokens by id (all when 0): what two models must share to draft for each other."""

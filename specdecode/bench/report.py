@@ -126,6 +126,16 @@ def markdown(results: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _save(fig, ax, path: Path, legend: bool) -> None:
+    """Legend (when something is plotted), layout, PNG, and free the figure."""
+    import matplotlib.pyplot as plt
+    if legend:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plots(out_dir: Path, results: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -150,11 +160,7 @@ def plots(out_dir: Path, results: dict) -> None:
     ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(tasks))], tasks, rotation=20)
     ax.set_ylabel("speed-up over own plain decoding")
     ax.set_title("Speed-up by task and system")
-    if series:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / PLOTS["speedup"], dpi=110)
-    plt.close(fig)
+    _save(fig, ax, out_dir / PLOTS["speedup"], legend=bool(series))
     # 2. acceptance rate by draft position (all prompts)
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in rows:
@@ -165,11 +171,7 @@ def plots(out_dir: Path, results: dict) -> None:
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance by draft position (all prompts)")
-    if ax.lines:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / PLOTS["acceptance"], dpi=110)
-    plt.close(fig)
+    _save(fig, ax, out_dir / PLOTS["acceptance"], legend=bool(ax.lines))
     # 3. tokens/s against k (k = 0 is plain decoding)
     fig, ax = plt.subplots(figsize=(6, 4))
     for system in dict.fromkeys(r["system"] for r in rows):
@@ -184,11 +186,7 @@ def plots(out_dir: Path, results: dict) -> None:
     ax.set_xlabel("k (draft tokens per step; 0 = plain decoding)")
     ax.set_ylabel("tokens/s (mean over prompts)")
     ax.set_title("Tokens/s vs k (all prompts)")
-    if ax.lines:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / PLOTS["k"], dpi=110)
-    plt.close(fig)
+    _save(fig, ax, out_dir / PLOTS["k"], legend=bool(ax.lines))
 
 
 def write_all(out_dir: Path, results: dict) -> None:
