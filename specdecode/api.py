@@ -21,15 +21,25 @@ class RequestOutput:
     stats: dict = field(default_factory=dict)   # acceptance_rate, mean_accepted_length, tokens_per_s, ...
 
 
-def default_method(draft: object | None) -> str:
-    return "model" if draft is not None else "ngram"
+def default_method(draft: object | None, target: LoadedModel | None = None, drafter_path: str | None = None) -> str:
+    """model with a draft model; eagle with a trained drafter (given, or shipped for this target); else ngram."""
+    if draft is not None:
+        return "model"
+    if drafter_path is not None:
+        return "eagle"
+    if target is not None and target.native:
+        from .distill.format import shipped_drafter
+        if shipped_drafter(target, "eagle") is not None:
+            return "eagle"
+    return "ngram"
 
 
 class LLM:
     """A target model plus (optionally) a drafter.
 
     model: None (the embedded SmolLM2-135M-Instruct), a .gguf file or an HF directory.
-    draft: a draft model path (method "model"); method: "ngram", "model" or "none".
+    draft: a draft model path (method "model"); method: "eagle", "ngram", "model" or "none"
+    (default: see default_method); drafter_path: a trained drafter directory (method "eagle").
     num_speculative_tokens: draft length k; 0 means plain decoding.
     """
 
@@ -47,13 +57,13 @@ class LLM:
         self.draft: LoadedModel | None = None
         if draft is not None:
             self.draft = load_model(draft, dtype, device, progress=progress, fast=fast)
-        self.method = method or default_method(draft)
+        self.method = method or default_method(draft, self.target, drafter_options.get("drafter_path"))
         self.num_speculative_tokens = num_speculative_tokens
         self.drafter: Drafter | None = None
         if self.method != "none" and num_speculative_tokens > 0:
             self.drafter = build_drafter(self.method, self.target, draft=self.draft, **drafter_options)
-        elif self.method not in ("none", "ngram", "model"):
-            raise DrafterError(f"method must be one of model, ngram, none, got {self.method!r}")
+        elif self.method not in ("none", "ngram", "model", "eagle"):
+            raise DrafterError(f"method must be one of eagle, model, ngram, none, got {self.method!r}")
         self.tokenizer = self.target.tokenizer
 
     def engine(self, num_speculative_tokens: int | None = None) -> SpecEngine:

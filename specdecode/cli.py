@@ -50,8 +50,11 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="target: a .gguf file or an HF directory (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--draft", default=None, help="draft model (.gguf or HF directory) sharing the target's tokenizer")
-    g.add_argument("--method", default=None, choices=["ngram", "model", "none"],
-                   help="drafter (default: model when --draft is given, else ngram)")
+    g.add_argument("--method", default=None, choices=["eagle", "ngram", "model", "none"],
+                   help="drafter (default: model when --draft is given, else eagle when a trained drafter for "
+                        "the target ships with specdecode or --drafter is given, else ngram)")
+    g.add_argument("--drafter", default=None, metavar="DIR",
+                   help="trained drafter directory from `specdecode distill` (method eagle)")
     g.add_argument("-k", "--num-speculative-tokens", dest="k", type=_positive_int("-k", 0, 32), default=5,
                    help="draft tokens per step; 0 = plain decoding (default 5)")
     g.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights dtype (default bf16)")
@@ -99,8 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming")
     gen.set_defaults(run=cmd_generate)
+    from .serve.cli import add_serve_parser          # `specdecode serve` lives in specdecode/serve
+    add_serve_parser(sub, add_model_options)
     from .bench import add_parser as add_bench_parser   # `specdecode bench` lives in specdecode/bench
     add_bench_parser(sub)
+    from .distill.cli import add_parser as add_distill_parser   # `specdecode distill`: specdecode/distill
+    add_distill_parser(sub)
     return parser
 
 
@@ -135,7 +142,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError("--method model needs a draft model: add --draft PATH")
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
               dtype=args.dtype, device=args.device, threads=args.threads, fast=not args.eager,
-              progress=not args.json)
+              progress=not args.json, drafter_path=args.drafter)
     ids = llm.encode(prompt, chat=args.chat)
     # warm-up so that the first measured run does not pay one-time costs (allocations, kernels)
     llm.generate([ids], type(params)(max_tokens=4, ignore_eos=True), num_speculative_tokens=min(args.k, 2))

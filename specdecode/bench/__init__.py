@@ -6,6 +6,11 @@ transformers runners), llamacpp (optional llama-cpp-python runner), runner (the 
 measuring loop), store (run.json + measurements.jsonl, resume), aggregate (rows of
 results.json), report (report.md, PNG plots, console summary). The output schema is
 documented in specdecode/bench/README.md.
+
+`specdecode bench serve` load-tests a server: serve_cli (options, levels, interleaved
+speculation arms), serve_load (streaming requests, concurrency / Poisson arrivals),
+serve_server (a local `specdecode serve`, memory sampling), serve_report (percentiles,
+goodput, results.json, requests.jsonl, report.md).
 """
 from .cli import add_parser, cmd_bench
 

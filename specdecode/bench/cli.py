@@ -8,7 +8,7 @@ import sys
 from ..datasets import SPEC_BENCH_TASKS, TASKS
 
 SYSTEMS = ("specdecode", "transformers", "llama.cpp")
-METHODS = ("plain", "ngram", "model")
+METHODS = ("plain", "ngram", "eagle", "model")
 MODES = {"quick": {"prompts_per_task": 2, "max_tokens": 64},
          "full": {"prompts_per_task": None, "max_tokens": 128}}
 
@@ -70,12 +70,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="comma-separated, from specdecode, transformers, llama.cpp (default all; llama.cpp is "
                         "skipped with a note when llama-cpp-python is missing)")
     s.add_argument("--methods", type=_choices("--methods", METHODS), default=list(METHODS),
-                   help="comma-separated, from plain, ngram (prompt lookup), model (needs --draft); default all")
+                   help="comma-separated, from plain, ngram (prompt lookup), eagle (a trained head: --drafter, or the "
+                        "one shipped for the target), model (needs --draft); default all")
     s.add_argument("-k", "--num-speculative-tokens", dest="ks", type=_ks, default=[5],
                    help="draft tokens per step; a list (e.g. 1,3,5,8) measures each (default 5)")
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None, help="target .gguf or HF directory (default: embedded SmolLM2-135M)")
     m.add_argument("--draft", default=None, help="draft model sharing the target's tokenizer (method model)")
+    m.add_argument("--drafter", default=None, metavar="DIR",
+                   help="trained EAGLE drafter from `specdecode distill` (method eagle; default: the shipped one)")
     m.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights dtype (default bf16)")
     m.add_argument("--threads", type=_positive_int("--threads", 1, 1024), default=None,
                    help="CPU threads for every system (default: torch's choice)")
@@ -88,6 +91,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="measure nothing: rebuild results.json, report.md and plots from --out/measurements.jsonl")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_bench)
+    from .serve_cli import add_serve_parser     # `specdecode bench serve ...`: the server load generator
+    add_serve_parser(p.add_subparsers(dest="bench_command", title="load-test a server", metavar="serve"))
     return p
 
 
@@ -99,7 +104,7 @@ def config_from(args: argparse.Namespace) -> dict:
            "prompts_per_task": args.prompts_per_task or defaults["prompts_per_task"],
            "max_tokens": args.max_tokens or defaults["max_tokens"], "temperature": args.temperature,
            "seed": args.seed, "systems": args.systems, "methods": args.methods, "ks": args.ks,
-           "model": args.model, "draft": args.draft, "dtype": args.dtype, "threads": args.threads,
+           "model": args.model, "draft": args.draft, "drafter": args.drafter, "dtype": args.dtype, "threads": args.threads,
            "eager": args.eager, "resume": args.resume}
     words = ["specdecode", "bench", f"--{args.mode}"]
     if args.prompts_file:
@@ -117,7 +122,8 @@ def config_from(args: argparse.Namespace) -> dict:
     if args.methods != list(METHODS):
         words += ["--methods", ",".join(args.methods)]
     words += ["-k", ",".join(map(str, args.ks))]
-    for flag, value in (("--model", args.model), ("--draft", args.draft), ("--threads", args.threads)):
+    for flag, value in (("--model", args.model), ("--draft", args.draft), ("--drafter", args.drafter),
+                        ("--threads", args.threads)):
         if value is not None:
             words += [flag, str(value)]
     words += ["--dtype", args.dtype] + (["--eager"] if args.eager else []) + ["--out", args.out]

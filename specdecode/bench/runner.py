@@ -59,7 +59,7 @@ def build_systems(config: dict, llm, prompts: list[workload.BenchPrompt], notes:
     systems: list[System] = []
     wanted = config["systems"]
     if "specdecode" in wanted:
-        systems.append(SpecdecodeSystem(llm))
+        systems.append(SpecdecodeSystem(llm, config.get("drafter")))
     if "transformers" in wanted:
         try:
             systems.append(TransformersSystem(llm, parse_dtype(config["dtype"]), notes))
@@ -84,6 +84,8 @@ def build_systems(config: dict, llm, prompts: list[workload.BenchPrompt], notes:
                 notes.append("llama.cpp: method model skipped — llama-cpp-python only drafts by prompt lookup")
     if "model" in config["methods"] and not config["draft"]:
         notes.append("method model skipped — no --draft given")
+    if "eagle" in config["methods"] and not any(sys_.supports("eagle") for sys_ in systems):
+        notes.append("method eagle skipped — no trained drafter for this target (--drafter DIR)")
     return systems
 
 

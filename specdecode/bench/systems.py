@@ -61,10 +61,13 @@ class SpecdecodeSystem(System):
 
     name = "specdecode"
 
-    def __init__(self, llm) -> None:
+    def __init__(self, llm, drafter_path: str | None = None) -> None:
+        from ..distill.format import shipped_drafter
         from ..drafters.base import build_drafter
         self.llm = llm
         self.drafters = {"ngram": build_drafter("ngram", llm.target)}
+        if llm.target.native and (drafter_path or shipped_drafter(llm.target, "eagle")):
+            self.drafters["eagle"] = build_drafter("eagle", llm.target, drafter_path=drafter_path)
         if llm.draft is not None:
             self.drafters["model"] = build_drafter("model", llm.target, draft=llm.draft)
 

@@ -48,6 +48,7 @@ class Drafter(ABC):
     """Two required methods and a feedback hook, in the spirit of HF's CandidateGenerator."""
 
     name: ClassVar[str]
+    uses_target_hidden: ClassVar[bool] = False   # True: the engine hands over the target's hidden states
 
     def prepare(self, batch_size: int, max_len: int) -> None:
         """Called once before a batch of sequences starts (allocate per-row state)."""
@@ -59,6 +60,13 @@ class Drafter(ABC):
     def commit(self, seqs: list["Sequence"], proposal: DraftProposal, num_accepted: list[int]) -> None:
         """Feedback after verification: the first num_accepted[b] drafts were kept and
         seqs[b].token_ids already holds them plus one recovered/bonus token."""
+
+    def observe(self, seqs: list["Sequence"], starts: list[int],
+                hidden: torch.Tensor,      # [batch, T, hidden] target states before the final norm
+                ) -> None:
+        """Called (only when uses_target_hidden) after every target pass, prefill included:
+        hidden[b, t] belongs to position starts[b] + t of seqs[b]. Positions past what the step
+        commits (rejected drafts, padding) are overwritten by later passes."""
 
     def close(self) -> None:
         """Free per-batch state."""
@@ -81,7 +89,7 @@ def register(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
 
 
 def build_drafter(method: str, target: "LoadedModel", **options) -> Drafter:
-    from . import model, ngram  # noqa: F401  (registers the built-in drafters)
+    from . import eagle, model, ngram  # noqa: F401  (registers the built-in drafters)
     if method not in DRAFTERS:
         raise DrafterError(f"method must be one of {', '.join(sorted(DRAFTERS))}, got {method!r}")
     return DRAFTERS[method](target, **options)

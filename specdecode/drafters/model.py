@@ -10,6 +10,8 @@ all were accepted) are fed at the start of the next proposal (catch-up).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ..models.config import ModelError
@@ -37,6 +39,9 @@ class ModelDrafter(Drafter):
         if draft is None:
             raise DrafterError("method 'model' needs a draft model (--draft PATH / LLM(draft=...))")
         check_same_tokenizer(target, draft)
+        if (Path(draft.path) / "drafter.json").is_file():     # trained by `specdecode distill --kind draft-lm`
+            from ..distill.format import check_target, read_meta
+            check_target(read_meta(Path(draft.path), "draft-lm"), target, Path(draft.path))
         self.draft = draft                    # LoadedModel
         self.model = draft.model
         self.cache = None

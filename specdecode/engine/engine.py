@@ -33,6 +33,10 @@ class SpecEngine:
         self.k = num_speculative_tokens if drafter is not None else 0
         self.slack = self.k + 2                   # cache room for padded writes past a row's end
 
+    @property
+    def _wants_hidden(self) -> bool:
+        return self.drafter is not None and self.drafter.uses_target_hidden
+
     # ------------------------------------------------------------------ public
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
                  on_tokens: StreamCallback | None = None) -> list[Sequence]:
@@ -86,8 +90,10 @@ class SpecEngine:
         tokens = torch.zeros(len(seqs), width, dtype=torch.long)
         for row, s in enumerate(seqs):
             tokens[row, :lengths[row]] = torch.tensor(s.prompt_ids[:-1])
-        self.model.forward(tokens.to(self.model.device), self.cache, 0,
-                           logit_index=torch.zeros(len(seqs), 0, dtype=torch.long, device=self.model.device))
+        out = self.model.forward(tokens.to(self.model.device), self.cache, 0, return_hidden=self._wants_hidden,
+                                 logit_index=torch.zeros(len(seqs), 0, dtype=torch.long, device=self.model.device))
+        if self._wants_hidden:
+            self.drafter.observe(seqs, [0] * len(seqs), out[1])
         for s, n in zip(seqs, lengths):
             self.cache.truncate(s.row, n)
 
@@ -152,11 +158,16 @@ class SpecEngine:
                                     for p, w in zip(pending, widths)], device=device)
         same_start = all(x == starts[0] for x in starts) and len(seqs) == self.cache.batch_size
         if same_start and [s.row for s in seqs] == list(range(len(seqs))):
-            logits = self.model.forward(tokens, self.cache, starts[0], logit_index=logit_index)
+            out = self.model.forward(tokens, self.cache, starts[0], logit_index=logit_index,
+                                     return_hidden=self._wants_hidden)
         else:
             row_ids = torch.tensor([s.row for s in seqs], device=device)
-            logits = self.model.forward(tokens, self.cache, torch.tensor(starts, device=device),
-                                        rows=row_ids, logit_index=logit_index)
+            out = self.model.forward(tokens, self.cache, torch.tensor(starts, device=device),
+                                     rows=row_ids, logit_index=logit_index, return_hidden=self._wants_hidden)
+        logits = out
+        if self._wants_hidden:
+            logits, hidden = out
+            self.drafter.observe(seqs, starts, hidden)
         needs_history = any(s.params.uses_penalties for s in seqs)
         transformed = transform_logits(
             logits, [s.params for s in seqs],

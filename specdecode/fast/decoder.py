@@ -148,9 +148,11 @@ class FusedDecoder:
         if self._scores.numel() < need:
             self._scores = torch.empty(need, dtype=torch.float32)
 
-    def forward(self, tokens: Tensor, cache, start: int, logit_index: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, cache, start: int, logit_index: Tensor | None = None,
+                return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """tokens [1, T] int64 at positions start..start+T-1 -> logits [1, n, vocab] float32 for
-        the rows in logit_index ([1, n] positions in 0..T-1; None = all rows)."""
+        the rows in logit_index ([1, n] positions in 0..T-1; None = all rows); with return_hidden
+        also the last hidden states before the final norm, [1, T, D] in the model dtype."""
         T = tokens.shape[1]
         if tokens.shape[0] != 1:
             raise ValueError("FusedDecoder runs batch 1")
@@ -169,6 +171,7 @@ class FusedDecoder:
             if n and not 0 <= min(lst := rows.tolist()) <= max(lst) < T:
                 raise ValueError(f"logit_index outside 0..{T - 1}")
         out = torch.empty(1, n, self.vocab, dtype=torch.float32)
+        hidden = torch.empty(1, T, self.model.config.hidden_size, dtype=self.dtype) if return_hidden else None
         nt = torch.get_num_threads()
         for c0 in range(0, T, MAX_T):
             Tc = min(MAX_T, T - c0)
@@ -189,4 +192,6 @@ class FusedDecoder:
                 raise ValueError("sd_decoder_forward rejected its arguments")
             if gather is not None and ni:
                 out[0, gather] = dst
-        return out
+            if hidden is not None:       # the native stack leaves the pre-norm states in its scratch
+                hidden[0, c0:c0 + Tc] = self._scratch["hid"][:Tc]
+        return (out, hidden) if return_hidden else out

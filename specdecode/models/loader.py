@@ -62,6 +62,22 @@ class LoadedModel:
     native: bool
     eos_token_ids: tuple[int, ...]
     load_seconds: float
+    fingerprint: str = ""    # weights_fingerprint: which weights these are, whatever the dtype
+
+
+def weights_fingerprint(weights: dict[str, torch.Tensor]) -> str:
+    """A short hash of a model's weights that does not depend on the load dtype or device:
+    names, shapes and a strided sample of every tensor rounded to bf16. Drafters record it to
+    say which target they were trained for."""
+    import hashlib
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        tensor = weights[name].detach().reshape(-1)
+        stride = max(1, tensor.numel() // 4096)
+        sample = tensor[::stride][:4096].to("cpu", torch.float32).to(torch.bfloat16)
+        digest.update(f"{name}:{tuple(weights[name].shape)};".encode())
+        digest.update(sample.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def _eos_ids(model_dir: Path, tokenizer: Tokenizer, config_eos: tuple[int, ...]) -> tuple[int, ...]:
@@ -131,6 +147,7 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype = "bf16", devic
     if fast:
         from ..fast import make_linear as fast_linear
         make_linear = fast_linear
+    fingerprint = weights_fingerprint(weights)
     model = Transformer(config, weights, make_linear)
     eos = _eos_ids(model_dir, tokenizer, config.eos_token_ids)
-    return LoadedModel(model, tokenizer, name, model_dir, True, eos, time.perf_counter() - started)
+    return LoadedModel(model, tokenizer, name, model_dir, True, eos, time.perf_counter() - started, fingerprint)

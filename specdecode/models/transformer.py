@@ -117,10 +117,13 @@ class Transformer:
                 start: int | torch.Tensor,            # position of tokens[:, 0]: int (all rows) or [B]
                 rows: torch.Tensor | None = None,     # [B] cache rows; None = rows 0..B-1 of the cache
                 logit_index: torch.Tensor | None = None,  # [B, n] positions in 0..T-1 that need logits; None = all
-                ) -> torch.Tensor:                    # [B, n, vocab] float32
+                return_hidden: bool = False,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, n, vocab] float32; with return_hidden also the last hidden states of every
+        position, before the final norm ([B, T, D], model dtype: the features EAGLE heads read)."""
         if (self.fused is not None and rows is None and isinstance(start, int)
                 and tokens.shape[0] == 1 and tokens.shape[1] <= 64):
-            return self.fused.forward(tokens, cache, start, logit_index)
+            return self.fused.forward(tokens, cache, start, logit_index, return_hidden)
         c = self.config
         batch, num_tokens = tokens.shape
         uniform = isinstance(start, int) and rows is None
@@ -159,7 +162,9 @@ class Transformer:
             gate, up = layer["gate_up"](x).chunk(2, dim=-1)
             hidden = hidden + layer["down"](F.silu(gate) * up)
 
+        features = hidden
         if logit_index is not None:
             hidden = torch.gather(hidden, 1, logit_index[:, :, None].expand(-1, -1, hidden.shape[-1]))
         hidden = F.rms_norm(hidden, (c.hidden_size,), self.final_norm, c.rms_norm_eps)
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        return (logits, features) if return_hidden else logits

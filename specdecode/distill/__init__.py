@@ -1,0 +1,1 @@
+"""Draft training: self-distillation corpus, EAGLE-style heads and small draft models."""

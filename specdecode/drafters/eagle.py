@@ -1,0 +1,180 @@
+"""EAGLE-style drafter: a one-layer head that reads the target's features (see distill/head.py).
+
+State per batch row (both position-addressed, so rollback is a length change):
+  * `features[row, p]`: the target's feature at position p, written by `observe` after every
+    target pass (prefill and verification). Valid for p < the target cache length.
+  * the head's one-layer KV cache: slot j holds keys/values computed from feature j and token j+1.
+
+propose: first catch up the slots the head has not computed from TRUE features (the accepted
+drafts and the recovered/bonus token of the last step: about one mean accepted length of slots,
+one batched pass), whose last output drafts token 1; then chain k-1 single-slot passes, each
+reading the feature the previous slot predicted. commit: cut the head cache back to the slots
+computed from true features; the next propose redoes the rest with the target's real features.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..distill.head import head_block
+from ..kv_cache import KVCache
+from ..sampling import probs_from_logits, sample, transform_logits
+from .base import DraftProposal, Drafter, DrafterError, register
+
+
+@register("eagle")
+class EagleDrafter(Drafter):
+    uses_target_hidden = True
+
+    def __init__(self, target, drafter_path: str | Path | None = None, fast: bool = True, **_: object) -> None:
+        from ..distill.format import check_target, read_meta, shipped_drafter
+        from ..distill.head import HeadConfig, rope_tables
+        if not getattr(target, "native", False):
+            raise DrafterError(f"method 'eagle' needs a natively loaded target (Llama/Qwen2); {target.name} runs "
+                               f"through the transformers adapter")
+        path = Path(drafter_path).expanduser() if drafter_path is not None else shipped_drafter(target, "eagle")
+        if path is None:
+            raise DrafterError(f"no EAGLE drafter for {target.name}: train one with `specdecode distill --target "
+                               f"{target.name} --out DIR` and pass --drafter DIR")
+        meta = read_meta(path, "eagle")
+        self.matches_target = check_target(meta, target, path)
+        self.path = path
+        self.config = HeadConfig(**meta["config"])
+        model = target.model
+        self.dtype, self.device = model.dtype, model.device
+        from safetensors.torch import load_file
+        try:
+            weights = load_file(str(path / "model.safetensors"))
+        except (OSError, RuntimeError) as exc:
+            raise DrafterError(f"cannot read {path / 'model.safetensors'}: {exc}") from None
+        make_linear = None
+        if fast and self.device.type == "cpu":
+            from ..fast import make_linear
+        link = make_linear or (lambda w, b=None: (lambda x: F.linear(x, w, b)))
+        cast = lambda t: t.to(self.dtype).to(self.device)          # noqa: E731
+        self.params = {"fc": link(cast(weights["fc.weight"]), cast(weights["fc.bias"]))}
+        for name in ("qkv", "o", "gate_up", "down"):
+            self.params[name] = link(cast(weights[f"{name}.weight"]), None)
+        for name in ("in_norm", "attn_norm", "mlp_norm"):
+            self.params[name] = cast(weights[name])
+        self.draft_vocab = weights["draft_vocab"].long().to(self.device)               # [V_draft]
+        self.embed = model.embed                                                           # [V, D] (shared)
+        self.final_norm = model.final_norm
+        self.lm_head = link(model.lm_head_weight.index_select(0, self.draft_vocab).contiguous(), None)
+        self.vocab = model.vocab_size
+        self.cos, self.sin = rope_tables(self.config, model.max_len + 64, self.dtype, self.device)
+        self.cache = None
+        self.features = None
+
+    # ------------------------------------------------------------------ state
+    def prepare(self, batch_size: int, max_len: int) -> None:
+        c = self.config
+        self.cache = KVCache(1, batch_size, c.num_kv_heads, c.head_dim, max_len, self.dtype, self.device)
+        self.features = torch.zeros(batch_size, max_len, c.hidden_size, dtype=self.dtype, device=self.device)
+        self._true_len: dict[int, int] = {}
+
+    def close(self) -> None:
+        self.cache = self.features = None
+
+    def observe(self, seqs, starts, hidden):
+        width = hidden.shape[1]
+        for b, s in enumerate(seqs):
+            n = min(width, self.features.shape[1] - starts[b])
+            self.features[s.row, starts[b]:starts[b] + n] = hidden[b, :n]
+
+    # ------------------------------------------------------------------ one head pass
+    def _pass(self, rows: torch.Tensor, starts: list[int],
+              tokens: torch.Tensor,        # [B, T] token j+1 of each slot j
+              features: torch.Tensor,      # [B, T, D]
+              ) -> torch.Tensor:           # -> [B, T, D] predicted features
+        c = self.config
+        num_tokens = tokens.shape[1]
+        start_t = torch.tensor(starts, device=self.device)
+        positions = start_t[:, None] + torch.arange(num_tokens, device=self.device)     # [B, T]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        key_len = int(positions.max()) + 1
+        mask = (torch.arange(key_len, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]
+
+        def attend(q, k, v):
+            keys, values = self.cache.write(0, rows, start_t, k, v)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return head_block(self.params, c, F.embedding(tokens, self.embed), features, cos, sin, attend)
+
+    def _draft_logits(self, predicted: torch.Tensor) -> torch.Tensor:   # [B, D] -> [B, V_draft] float32
+        normed = F.rms_norm(predicted, (self.config.hidden_size,), self.final_norm, self.config.rms_norm_eps)
+        return self.lm_head(normed).float()
+
+    def _logits(self, predicted: torch.Tensor) -> torch.Tensor:   # [B, D] -> [B, 1, vocab] float32
+        """Draft logits scattered into the target's vocabulary (-inf outside the draft vocabulary)."""
+        draft_logits = self._draft_logits(predicted)                                       # [B, V_draft]
+        logits = torch.full((predicted.shape[0], 1, self.vocab), float("-inf"), device=self.device)
+        logits[:, 0].index_copy_(1, self.draft_vocab, draft_logits)
+        return logits
+
+    # ------------------------------------------------------------------ drafting
+    @torch.inference_mode()
+    def propose(self, seqs, max_tokens):
+        k = max(max_tokens)
+        batch = len(seqs)
+        params = [s.params for s in seqs]
+        needs_history = any(p.uses_penalties for p in params)
+        generators = [s.generator for s in seqs]
+        rows = torch.tensor([s.row for s in seqs], device=self.device)
+        draft_tokens = torch.zeros(batch, k, dtype=torch.long)
+        draft_probs = None
+        # 1. catch up: slots head_len .. n-1 from true features (n = positions the target has seen)
+        starts = [self.cache.lengths[s.row] for s in seqs]
+        ends = [len(s.token_ids) - 1 for s in seqs]
+        width = max(e - st for st, e in zip(starts, ends))
+        if min(ends) == 0:       # a one-token prompt: no target feature yet, so nothing to draft from
+            max_tokens = [0 if e == 0 else m for e, m in zip(ends, max_tokens)]
+            if width == 0:
+                return DraftProposal.empty(batch)
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        features = torch.zeros(batch, width, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        for b, s in enumerate(seqs):
+            n = ends[b] - starts[b]
+            tokens[b, :n] = torch.tensor(s.token_ids[starts[b] + 1:ends[b] + 1])
+            features[b, :n] = self.features[s.row, starts[b]:ends[b]]
+        predicted = self._pass(rows, starts, tokens.to(self.device), features)
+        last = torch.tensor([max(0, e - st - 1) for st, e in zip(starts, ends)], device=self.device)
+        feature = predicted[torch.arange(batch, device=self.device), last]               # [B, D]
+        for b, s in enumerate(seqs):
+            self._true_len[s.row] = ends[b]
+            self.cache.truncate(s.row, ends[b])
+        # 2. chain: each draft comes from the feature the previous slot predicted. Greedy rows with
+        # no logit bias or penalties only need the argmax (a point-mass proposal: verify then
+        # accepts a draft iff it is the target's argmax), so the full-vocabulary work is skipped.
+        argmax_only = all(p.greedy and not p.logit_bias and not p.uses_penalties for p in params)
+        for step in range(k):
+            if argmax_only:
+                draft_tokens[:, step] = self.draft_vocab[self._draft_logits(feature).argmax(-1)].cpu()
+            else:
+                logits = self._logits(feature)
+                history = [s.token_ids + draft_tokens[b, :step].tolist() for b, s in enumerate(seqs)] \
+                    if needs_history else None
+                transformed = transform_logits(logits, params, history,
+                                               [s.prompt_len for s in seqs] if needs_history else None, None)
+                probs = probs_from_logits(transformed, params)[:, 0]                        # [B, vocab]
+                if draft_probs is None:
+                    draft_probs = torch.zeros(batch, k, self.vocab, dtype=torch.float32, device=self.device)
+                draft_probs[:, step] = probs
+                draft_tokens[:, step] = sample(probs, generators).cpu()
+            if step + 1 == k:
+                break
+            slot = [e + step for e in ends]
+            predicted = self._pass(rows, slot, draft_tokens[:, step:step + 1].to(self.device), feature[:, None])
+            feature = predicted[:, 0]
+            for b, s in enumerate(seqs):
+                self.cache.truncate(s.row, slot[b] + 1)
+        return DraftProposal(draft_tokens, torch.tensor(max_tokens, dtype=torch.long),
+                             None if argmax_only else draft_probs)
+
+    def commit(self, seqs, proposal, num_accepted):
+        if proposal.k == 0:
+            return
+        for s in seqs:    # keep only slots computed from true features
+            self.cache.truncate(s.row, min(self.cache.lengths[s.row], self._true_len.get(s.row, 0)))
+

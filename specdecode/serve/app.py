@@ -1,0 +1,292 @@
+"""The ASGI app (Starlette): OpenAI-compatible endpoints, health, metrics, stats, dashboard.
+
+Handlers parse and validate a request (`protocol.parse`), submit it to the scheduler and
+turn the scheduler's events into an OpenAI response or server-sent events. A stream whose
+client goes away aborts its request (the scheduler frees its blocks between two steps).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HttpRequest
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from ..params import SamplingParams
+from .protocol import ApiError, ParsedRequest, error_body, parse
+from .scheduler import Failed, Finished, QueueFull, Request, Tokens
+
+log = logging.getLogger("specdecode.serve")
+STATIC = Path(__file__).parent / "static"
+
+
+def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+class TextStream:
+    """Incremental detokenization: text deltas that never split a UTF-8 character and never
+    show text that may still turn out to be part of a stop string."""
+
+    def __init__(self, tokenizer, params: SamplingParams) -> None:
+        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
+        self.hold = max((len(s) - 1 for s in params.stop), default=0)
+        self.token_text_len = 0
+
+    def add(self, ids: list[int], with_token_texts: bool) -> tuple[str, list[str]]:
+        texts = []
+        for token in ids:
+            self.ids.append(token)
+            if with_token_texts:
+                text = self.tokenizer.decode(self.ids).rstrip("\ufffd")
+                texts.append(text[self.token_text_len:])
+                self.token_text_len = max(self.token_text_len, len(text))
+        text = self.tokenizer.decode(self.ids).rstrip("\ufffd")
+        text = text[:max(self.sent, len(text) - self.hold)]
+        delta, self.sent = text[self.sent:], max(self.sent, len(text))
+        return delta, texts
+
+    def finish(self, stop_text_index: int | None) -> str:
+        text = self.tokenizer.decode(self.ids)
+        if stop_text_index is not None:
+            text = text[:stop_text_index]
+        delta, self.sent = text[self.sent:], max(self.sent, len(text))
+        return delta
+
+    def full_text(self, stop_text_index: int | None) -> str:
+        text = self.tokenizer.decode(self.ids)
+        return text[:stop_text_index] if stop_text_index is not None else text
+
+
+class Generation:
+    """One request's trip through the scheduler, as seen by the handler."""
+
+    def __init__(self, state, parsed: ParsedRequest) -> None:
+        self.state, self.parsed = state, parsed
+        self.queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def sink(event) -> None:
+            try:
+                loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            except RuntimeError:       # the event loop is gone (shutdown)
+                pass
+        self.request = Request(parsed.prompt_ids, parsed.params, sink, parsed.speculate,
+                               parsed.num_speculative_tokens)
+        self.text = TextStream(state.tokenizer, parsed.params)
+        self.done = False
+        self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def choice(self, text: str, kinds: list[str], ids: list[int], texts: list[str], finish: str | None) -> dict:
+        p = self.parsed
+        out: dict = {"index": 0}
+        if p.chat:
+            out["message" if not p.stream else "delta"] = (
+                {"role": "assistant", "content": text} if not p.stream else ({"content": text} if text else {}))
+        else:
+            out["text"] = text
+        out["logprobs"] = None
+        out["finish_reason"] = finish
+        if p.return_token_kinds:
+            out["token_kinds"] = [{"text": t, "kind": k} for t, k in zip(texts, kinds)]
+        if p.return_token_ids:
+            out["token_ids"] = ids
+        return out
+
+    def envelope(self, choices: list[dict], **extra) -> dict:
+        p = self.parsed
+        kind = ("chat.completion.chunk" if p.stream else "chat.completion") if p.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": p.model, "choices": choices,
+                **extra}
+
+
+def sse(data) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def stream_events(gen: Generation):
+    """Server-sent events of one request; cancelled (client gone) -> the request is aborted."""
+    p = gen.parsed
+    try:
+        if p.chat:
+            yield sse(gen.envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}]))
+        while True:
+            event = await gen.queue.get()
+            if isinstance(event, Tokens):
+                delta, texts = gen.text.add(event.ids, p.return_token_kinds)
+                if delta or p.return_token_kinds or p.return_token_ids:
+                    yield sse(gen.envelope([gen.choice(delta, event.kinds, event.ids, texts, None)]))
+            elif isinstance(event, Finished):
+                gen.done = True
+                delta = gen.text.finish(event.stop_text_index)
+                yield sse(gen.envelope([gen.choice(delta, [], [], [], event.reason)], speculation=event.speculation))
+                if p.include_usage:
+                    yield sse(gen.envelope([], usage=event.usage))
+                yield "data: [DONE]\n\n"
+                return
+            else:
+                gen.done = True
+                yield sse(error_body(event.status, event.message))
+                yield "data: [DONE]\n\n"
+                return
+    finally:
+        if not gen.done:
+            gen.state.scheduler.abort(gen.request.id)
+
+
+async def collect(gen: Generation, http: HttpRequest) -> Response:
+    ids: list[int] = []
+    kinds: list[str] = []
+    texts: list[str] = []
+    while True:
+        try:
+            event = await asyncio.wait_for(gen.queue.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await http.is_disconnected():
+                gen.state.scheduler.abort(gen.request.id)
+                return Response(status_code=499)
+            continue
+        if isinstance(event, Tokens):
+            ids += event.ids
+            kinds += event.kinds
+            texts += gen.text.add(event.ids, gen.parsed.return_token_kinds)[1]
+        elif isinstance(event, Finished):
+            text = gen.text.full_text(event.stop_text_index)
+            body = gen.envelope([gen.choice(text, kinds, ids, texts, event.reason)], usage=event.usage,
+                                speculation=event.speculation)
+            return JSONResponse(body)
+        else:
+            return error(event.status, event.message)
+
+
+async def generate(http: HttpRequest, chat: bool) -> Response:
+    state = http.app.state.serve
+    try:
+        raw = await http.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"malformed JSON body: {exc}") from None
+        parsed = parse(body, state.ctx, chat)
+        needed = len(parsed.prompt_ids) + parsed.params.max_tokens
+        if not state.scheduler.engine.fits(needed):
+            cache = state.scheduler.engine.cache
+            raise ApiError(400, f"prompt ({len(parsed.prompt_ids)} tokens) + max_tokens ({parsed.params.max_tokens}) "
+                                f"needs {cache.blocks_for(needed)} KV blocks of {cache.block_size} tokens, more than "
+                                f"the {cache.usable_blocks} the server has (--num-blocks)", param="max_tokens",
+                           code="context_length_exceeded")
+        gen = Generation(state, parsed)
+        try:
+            state.scheduler.submit(gen.request)
+        except QueueFull as exc:
+            raise ApiError(429, str(exc), code="queue_full") from None
+        if parsed.stream:
+            return StreamingResponse(stream_events(gen), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await collect(gen, http)
+    except ApiError as exc:
+        return JSONResponse(exc.body(), status_code=exc.status)
+    except Exception as exc:  # noqa: BLE001 -- never a traceback to the client
+        log.exception("request failed")
+        return error(500, f"internal server error ({type(exc).__name__})")
+
+
+async def completions(http: HttpRequest) -> Response:
+    return await generate(http, chat=False)
+
+
+async def chat_completions(http: HttpRequest) -> Response:
+    return await generate(http, chat=True)
+
+
+async def models(http: HttpRequest) -> Response:
+    state = http.app.state.serve
+    return JSONResponse({"object": "list", "data": [
+        {"id": state.ctx.model_names[0], "object": "model", "created": state.created, "owned_by": "specdecode",
+         "max_model_len": state.ctx.max_model_len}]})
+
+
+async def health(http: HttpRequest) -> Response:
+    """200 only when a one-token generation through the engine finishes within the timeout."""
+    state = http.app.state.serve
+    queue: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    request = Request([state.health_token], SamplingParams(max_tokens=1, ignore_eos=True),
+                      lambda e: loop.call_soon_threadsafe(queue.put_nowait, e), speculate=False, internal=True)
+    state.scheduler.submit(request)
+    timeout = state.scheduler.config.health_timeout
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            event = await asyncio.wait_for(queue.get(), timeout=max(deadline - time.monotonic(), 0.001))
+            if isinstance(event, Finished):
+                return JSONResponse({"status": "ok"})
+            if isinstance(event, Failed):
+                return error(503, f"unhealthy: a one-token generation failed ({event.message})")
+    except asyncio.TimeoutError:
+        state.scheduler.abort(request.id)
+        return error(503, f"unhealthy: a one-token generation did not finish within {timeout:g} s")
+
+
+async def metrics(http: HttpRequest) -> Response:
+    return Response(http.app.state.serve.scheduler.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def stats(http: HttpRequest) -> Response:
+    return JSONResponse(http.app.state.serve.scheduler.metrics.stats())
+
+
+async def index(http: HttpRequest) -> Response:
+    page = STATIC / "index.html"
+    if page.is_file():
+        return FileResponse(page)
+    return error(404, "no dashboard installed (specdecode/serve/static/index.html is missing)")
+
+
+async def http_error(http: HttpRequest, exc: HTTPException) -> Response:
+    return error(exc.status_code, f"{exc.detail}: {http.method} {http.url.path}")
+
+
+async def internal_error(http: HttpRequest, exc: Exception) -> Response:
+    log.error("unhandled %s on %s", type(exc).__name__, http.url.path)
+    return error(500, f"internal server error ({type(exc).__name__})")
+
+
+def create_app(state) -> Starlette:
+    """`state`: a `server.ServeState` (scheduler, tokenizer, parsing context)."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state.scheduler.start()
+        try:
+            yield
+        finally:
+            state.scheduler.stop()
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/api/stats", stats, methods=["GET"]),
+        Route("/", index, methods=["GET"]),
+    ]
+    if STATIC.is_dir():
+        routes.append(Mount("/static", app=StaticFiles(directory=STATIC), name="static"))
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: http_error, Exception: internal_error})
+    app.state.serve = state
+    return app

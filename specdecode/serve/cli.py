@@ -1,0 +1,66 @@
+"""`specdecode serve`: options and the command (heavy imports happen only when it runs)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_serve_parser(sub, add_model_options) -> None:
+    from ..cli import _number, _positive_int
+    p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching, per-request "
+                                     "speculation, Prometheus metrics and a live dashboard at /")
+    add_model_options(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=_positive_int("--port", 0, 65535), default=8000, help="default 8000")
+    g.add_argument("--served-model-name", default=None, help="model name in the API (default: --model as given)")
+    g.add_argument("--max-batch-size", type=_positive_int("--max-batch-size", 1, 1024), default=8,
+                   help="requests decoded together (default 8)")
+    g.add_argument("--max-queue", type=_positive_int("--max-queue", 1), default=64,
+                   help="requests waiting for a row in the batch; more get HTTP 429 (default 64)")
+    g.add_argument("--max-model-len", type=_positive_int("--max-model-len", 2), default=None,
+                   help="prompt + max_tokens limit per request (default: the model's context)")
+    g.add_argument("--block-size", type=_positive_int("--block-size", 1, 1024), default=16,
+                   help="tokens per KV cache block (default 16)")
+    g.add_argument("--num-blocks", type=_positive_int("--num-blocks", 2), default=0,
+                   help="KV blocks per model (default: a full batch at --max-model-len)")
+    g.add_argument("--prefill-chunk", type=_positive_int("--prefill-chunk", 1), default=256,
+                   help="prompt tokens prefilled between two decode steps (default 256)")
+    g.add_argument("--spec-max-batch-size", type=_positive_int("--spec-max-batch-size", 1), default=None,
+                   help="switch speculation off while more requests run (default: only the measured policy)")
+    g.add_argument("--health-timeout", type=_number("--health-timeout"), default=10.0,
+                   help="seconds /health waits for its one-token generation (default 10)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(run=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..api import LLM
+    from ..cli import CliError
+    from .app import create_app
+    from .memory import weights_bytes
+    from .scheduler import ServeConfig
+    from .server import build_state
+    if args.method == "model" and args.draft is None:
+        raise CliError("--method model needs a draft model: add --draft PATH")
+    config = ServeConfig(max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                         max_model_len=args.max_model_len, block_size=args.block_size, num_blocks=args.num_blocks,
+                         prefill_chunk=args.prefill_chunk, num_speculative_tokens=args.k,
+                         spec_max_batch_size=args.spec_max_batch_size, health_timeout=args.health_timeout,
+                         served_model_name=args.served_model_name)
+    llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
+              dtype=args.dtype, device=args.device, threads=args.threads, fast=not args.eager)
+    state = build_state(llm, config)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sched = state.scheduler
+    print(f"specdecode serve: {state.ctx.model_names[0]} ({sched.metrics.method}, k={config.num_speculative_tokens}), "
+          f"batch {config.max_batch_size}, context {state.ctx.max_model_len}, KV "
+          f"{sched.engine.cache.nbytes() / 2**20:.0f} MiB target + "
+          f"{(sched.engine.draft_cache.nbytes() if sched.engine.draft_cache else 0) / 2**20:.0f} MiB draft, "
+          f"weights {weights_bytes(llm.target.model) / 2**20:.0f} MiB; http://{args.host}:{args.port}/",
+          file=sys.stderr)
+    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
+    return 0

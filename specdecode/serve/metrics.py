@@ -1,0 +1,233 @@
+"""Server metrics: Prometheus series (named after vLLM's where they exist, prefix `specdecode:`)
+and the `/api/stats` JSON of the dashboard, both fed by the engine thread.
+
+Counters are exposed with the `_total` suffix, as prometheus-client does (and vLLM):
+`specdecode:spec_decode_num_drafts_total` is vLLM's `vllm:spec_decode_num_drafts_total`.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+P = "specdecode:"
+disable_created_metrics()          # no `_created` series next to every counter (as vLLM)
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+HISTORY_LEN = 120          # one sample per second
+RATE_WINDOW_S = 10.0
+
+
+class ServeMetrics:
+    def __init__(self, model: str, method: str, k: int, weights_bytes: dict[str, int], caches: dict) -> None:
+        self.model, self.method, self.k = model, method, k
+        self.weights_bytes = weights_bytes            # {"target": int, "draft": int}
+        self.caches = caches                          # {"target": PagedKVCache, "draft": PagedKVCache | None}
+        self.started = time.time()
+        self.started_mono = time.monotonic()
+        self.lock = threading.Lock()
+        r = self.registry = CollectorRegistry()
+        self.num_drafts = Counter(P + "spec_decode_num_drafts", "Verification steps of a request that had drafts",
+                                  registry=r)
+        self.num_draft_tokens = Counter(P + "spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.num_accepted = Counter(P + "spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.accepted_per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position", ["position"], registry=r)
+        self.drafted_per_pos = Counter(P + "spec_decode_num_draft_tokens_per_pos",
+                                       "Draft tokens proposed at each draft position", ["position"], registry=r)
+        self.mean_accepted_length = Gauge(P + "spec_decode_mean_accepted_length",
+                                          "Emitted tokens per verification step of a request (bonus included)",
+                                          registry=r)
+        self.acceptance_rate = Gauge(P + "spec_decode_acceptance_rate", "Accepted / drafted tokens", registry=r)
+        self.draft_time = Counter(P + "spec_decode_draft_time_seconds", "Time spent drafting", registry=r)
+        self.verify_time = Counter(P + "spec_decode_verify_time_seconds",
+                                   "Time spent scoring and verifying (target pass)", registry=r)
+        self.disabled = Counter(P + "spec_decode_auto_disabled", "Automatic switches of speculation to off",
+                                ["scope", "reason"], registry=r)
+        self.enabled = Counter(P + "spec_decode_auto_enabled", "Automatic switches of speculation back on",
+                               ["scope", "reason"], registry=r)
+        self.probes = Counter(P + "spec_decode_probes", "Probe steps speculating while switched off", ["scope"],
+                              registry=r)
+        self.shadow = Counter(P + "spec_decode_shadow_drafts",
+                              "Lookup drafts scored for free while a request's speculation was off", registry=r)
+        self.speculating = Gauge(P + "num_requests_speculating", "Running requests with speculation on", registry=r)
+        self.batch_disabled = Gauge(P + "spec_decode_batch_disabled", "1 while speculation is off for the batch",
+                                    registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram(P + "time_per_output_token_seconds", "Mean time per output token after the first",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Request latency", buckets=E2E_BUCKETS, registry=r)
+        self.running = Gauge(P + "num_requests_running", "Requests in the batch (prefilling or decoding)",
+                             registry=r)
+        self.waiting = Gauge(P + "num_requests_waiting", "Requests queued", registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens", registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prefilled prompt tokens", registry=r)
+        self.tokens_per_s = Gauge(P + "generation_tokens_per_second",
+                                  f"Generated tokens per second over the last {RATE_WINDOW_S:.0f} s", registry=r)
+        self.success = Counter(P + "request_success", "Finished requests", ["finished_reason"], registry=r)
+        self.failed = Counter(P + "request_failed", "Requests ended by an internal error", registry=r)
+        self.aborted = Counter(P + "request_aborted", "Requests aborted (client gone)", registry=r)
+        self.steps = Counter(P + "engine_steps", "Batched verification steps", registry=r)
+        self.weights = Gauge(P + "memory_weights_bytes", "Bytes of model weights", ["model"], registry=r)
+        self.kv_used = Gauge(P + "kv_cache_used_bytes", "KV cache bytes in allocated blocks", ["model"], registry=r)
+        self.kv_capacity = Gauge(P + "kv_cache_capacity_bytes", "KV cache pool bytes", ["model"], registry=r)
+        self.kv_usage = Gauge(P + "kv_cache_usage_perc", "Fraction of the target's KV blocks in use", registry=r)
+        for name, value in weights_bytes.items():
+            self.weights.labels(name).set(value)
+        # aggregates for /api/stats (under self.lock)
+        self.totals = dict(row_steps=0, drafted=0, accepted=0, emitted=0, steps=0, draft_s=0.0, verify_s=0.0,
+                           finished=0, failed=0, aborted=0)
+        self.drafted_pos: list[int] = []
+        self.accepted_pos: list[int] = []
+        self.counts = dict(running=0, waiting=0, speculating=0, batch_off=False)
+        self.rate_points: deque[tuple[float, int]] = deque()
+        self.history: deque[dict] = deque(maxlen=HISTORY_LEN)
+        self._last_sample = (time.monotonic(), dict(self.totals))
+
+    # ------------------------------------------------------------ engine thread
+    def record_step(self, drafted: list[int], accepted: list[int], emitted: list[int],
+                    draft_s: float, verify_s: float) -> None:
+        with self.lock:
+            t = self.totals
+            t["steps"] += 1
+            t["row_steps"] += len(emitted)
+            t["drafted"] += sum(drafted)
+            t["accepted"] += sum(accepted)
+            t["emitted"] += sum(emitted)
+            t["draft_s"] += draft_s
+            t["verify_s"] += verify_s
+            for n, a in zip(drafted, accepted):
+                while len(self.drafted_pos) < n:
+                    self.drafted_pos.append(0)
+                    self.accepted_pos.append(0)
+                for i in range(n):
+                    self.drafted_pos[i] += 1
+                    self.accepted_pos[i] += i < a
+            self.rate_points.append((time.monotonic(), sum(emitted)))
+        self.steps.inc()
+        self.num_drafts.inc(sum(1 for n in drafted if n))
+        self.num_draft_tokens.inc(sum(drafted))
+        self.num_accepted.inc(sum(accepted))
+        for n, a in zip(drafted, accepted):
+            for i in range(n):
+                self.drafted_per_pos.labels(str(i)).inc()
+                if i < a:
+                    self.accepted_per_pos.labels(str(i)).inc()
+        self.generation_tokens.inc(sum(emitted))
+        self.draft_time.inc(draft_s)
+        self.verify_time.inc(verify_s)
+
+    def record_decisions(self, decisions) -> None:
+        for d in decisions:
+            if d.action == "disabled":
+                self.disabled.labels(d.scope, d.reason).inc()
+            elif d.action == "enabled":
+                self.enabled.labels(d.scope, d.reason).inc()
+            else:
+                self.probes.labels(d.scope).inc()
+
+    def request_done(self, seq, reason: str, now: float) -> None:
+        """A request ended: reason stop/length (success), abort or error."""
+        with self.lock:
+            key = {"abort": "aborted", "error": "failed"}.get(reason, "finished")
+            self.totals[key] += 1
+        if reason == "abort":
+            self.aborted.inc()
+            return
+        if reason == "error":
+            self.failed.inc()
+            return
+        self.success.labels(reason).inc()
+        arrival = seq.request.arrival
+        if seq.first_token_at is not None:
+            self.ttft.observe(seq.first_token_at - arrival)
+            if seq.num_output > 1:
+                self.tpot.observe((seq.last_token_at - seq.first_token_at) / (seq.num_output - 1))
+        self.e2e.observe(now - arrival)
+
+    def set_counts(self, running: int, waiting: int, speculating: int, batch_off: bool) -> None:
+        with self.lock:
+            self.counts = dict(running=running, waiting=waiting, speculating=speculating, batch_off=batch_off)
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.speculating.set(speculating)
+        self.batch_disabled.set(int(batch_off))
+
+    def sample(self) -> None:
+        """One history point per second (called by the engine thread, busy or idle)."""
+        now = time.monotonic()
+        last_t, last = self._last_sample
+        if now - last_t < 1.0:
+            return
+        with self.lock:
+            t = dict(self.totals)
+            dt = now - last_t
+            drafted, accepted = t["drafted"] - last["drafted"], t["accepted"] - last["accepted"]
+            row_steps = t["row_steps"] - last["row_steps"]
+            self.history.append({
+                "t": round(time.time(), 3),
+                "tokens_per_s": round((t["emitted"] - last["emitted"]) / dt, 3),
+                "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+                "mean_accepted_length": round((t["emitted"] - last["emitted"]) / row_steps, 4) if row_steps else 0.0,
+                "running": self.counts["running"], "waiting": self.counts["waiting"]})
+            self._last_sample = (now, t)
+
+    # ------------------------------------------------------------ readers
+    def _rate(self) -> float:
+        """Tokens emitted by the steps of the last RATE_WINDOW_S seconds, per second."""
+        now = time.monotonic()
+        points = self.rate_points
+        while points and now - points[0][0] > RATE_WINDOW_S:
+            points.popleft()
+        window = min(RATE_WINDOW_S, max(now - self.started_mono, 1e-3))
+        return sum(n for _, n in points) / window
+
+    def kv_bytes(self) -> tuple[dict[str, int], dict[str, int]]:
+        used = {name: (c.used_bytes() if c is not None else 0) for name, c in self.caches.items()}
+        capacity = {name: (c.nbytes() if c is not None else 0) for name, c in self.caches.items()}
+        return used, capacity
+
+    def stats(self) -> dict:
+        used, capacity = self.kv_bytes()
+        with self.lock:
+            t = self.totals
+            rate = self._rate()
+            return {
+                "model": self.model, "method": self.method, "uptime_s": round(time.time() - self.started, 3),
+                "requests": {"running": self.counts["running"], "waiting": self.counts["waiting"],
+                             "finished": t["finished"], "failed": t["failed"], "aborted": t["aborted"]},
+                "speculation": {
+                    "requests_on": self.counts["speculating"], "batch_auto_off": self.counts["batch_off"],
+                    "k": self.k,
+                    "acceptance_rate": round(t["accepted"] / t["drafted"], 4) if t["drafted"] else 0.0,
+                    "mean_accepted_length": round(t["emitted"] / t["row_steps"], 4) if t["row_steps"] else 0.0,
+                    "tokens_per_step": round(t["emitted"] / t["steps"], 4) if t["steps"] else 0.0,
+                    "acceptance_per_position": [round(a / d, 4) if d else 0.0
+                                                for a, d in zip(self.accepted_pos, self.drafted_pos)],
+                    "draft_s": round(t["draft_s"], 4), "verify_s": round(t["verify_s"], 4),
+                    "drafted_tokens": t["drafted"], "accepted_tokens": t["accepted"], "steps": t["steps"]},
+                "throughput_tokens_per_s": round(rate, 3),
+                "generated_tokens": t["emitted"],
+                "memory": {"weights_bytes": dict(self.weights_bytes), "kv_bytes_used": used,
+                           "kv_bytes_capacity": capacity},
+                "history": list(self.history),
+            }
+
+    def render(self) -> bytes:
+        used, capacity = self.kv_bytes()
+        for name in used:
+            self.kv_used.labels(name).set(used[name])
+            self.kv_capacity.labels(name).set(capacity[name])
+        target = self.caches.get("target")
+        if target is not None and target.usable_blocks:
+            self.kv_usage.set(target.used_blocks / target.usable_blocks)
+        with self.lock:
+            t = self.totals
+            self.tokens_per_s.set(self._rate())
+            self.acceptance_rate.set(t["accepted"] / t["drafted"] if t["drafted"] else 0.0)
+            self.mean_accepted_length.set(t["emitted"] / t["row_steps"] if t["row_steps"] else 0.0)
+        return generate_latest(self.registry)

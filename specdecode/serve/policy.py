@@ -1,0 +1,250 @@
+"""When to speculate: per request and for the whole batch, from measured acceptance and costs.
+
+Torch-free, so it is unit-testable. The scheduler asks `plan` for each row's k before a
+step and reports the step to `observe`; every decision comes back as a `Decision` that the
+metrics count.
+
+Model. Draft acceptance is treated as i.i.d. per position with rate alpha, estimated per
+request by the geometric maximum likelihood (accepted / (accepted + rejections), decayed so
+recent steps weigh more). A step with k drafts then emits E(alpha, k) = 1 + alpha + ... +
+alpha^k tokens on average. Its cost relative to a plain step is r(B, k) = (draft + verify
+time) / plain step time at batch size B, measured by exponential moving averages; until both
+were measured, a prior from the drafter's relative cost is used. Speculation pays when
+E > r: a request stays on while E >= r * (1 + margin) and comes back on at E >= r * (1 +
+margin) * (1 + hysteresis).
+
+Switching off:
+* request ("low_acceptance"): its own alpha gives E below the bar;
+* batch ("batch_cost"): at batch size B >= 2 the pooled alpha of the rows that speculate gives
+  E below the bar, i.e. verifying B rows' drafts costs more than they save;
+* batch ("batch_size"): more rows than `max_batch_size` (a fixed limit, off by default).
+
+Calibration: the first step at a batch size, and one in `recalibrate_every` after, is plain
+(no drafts) so the plain step time at that size is measured, not assumed.
+
+Switching back on (the draft's cache catches up by itself, see `drafters/model.py`):
+* lookup drafters (no model, `shadow=True`): a disabled request keeps drafting for free and
+  its drafts are scored against the tokens it then emits ("acceptance_recovered");
+* model drafters: a disabled request speculates for one probe step after `probe_interval`
+  plain steps (doubling after each failed probe, up to `max_probe_interval`) ("probe");
+* the batch: when it shrinks below the size it was switched off at ("batch_size_dropped"),
+  or after a probe step whose pooled acceptance pays again ("probe").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+AUTO, ON, OFF = "auto", "on", "off"
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Mean tokens emitted by a step with k drafts at per-position acceptance alpha."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class Decision:
+    scope: str       # "request" | "batch"
+    action: str      # "disabled" | "enabled" | "probe"
+    reason: str
+
+
+@dataclass
+class RowPolicy:
+    """Per-request speculation state."""
+    mode: str = AUTO               # "auto" (policy decides), "on" (forced), "off" (never)
+    k: int = 0                     # draft length asked for
+    on: bool = True                # the policy's current choice (auto mode)
+    successes: float = 0.0         # decayed accepted drafts
+    trials: float = 0.0            # decayed accepted drafts + rejections
+    observations: int = 0          # steps (or shadow drafts) seen since the last switch
+    steps_off: int = 0
+    probe_wait: int = 0
+    probing: bool = False
+    shadow: tuple[int, list[int]] | None = None   # (output length when drafted, draft tokens)
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / self.trials if self.trials > 0 else 0.0
+
+    def record(self, drafted: int, accepted: int, decay: float) -> None:
+        self.successes = self.successes * decay + accepted
+        self.trials = self.trials * decay + accepted + (1 if accepted < drafted else 0)
+        self.observations += 1
+
+
+@dataclass
+class Costs:
+    """Exponential moving averages of step times, keyed by batch size (and k)."""
+    plain: dict[int, float] = field(default_factory=dict)
+    spec: dict[tuple[int, int], float] = field(default_factory=dict)
+    plain_age: dict[int, int] = field(default_factory=dict)
+
+    @staticmethod
+    def _ema(table: dict, key, value: float, weight: float = 0.2) -> None:
+        table[key] = value if key not in table else table[key] + weight * (value - table[key])
+
+
+class SpeculationPolicy:
+    def __init__(self, shadow: bool, draft_cost: float, max_batch_size: int | None = None,
+                 margin: float = 0.05, hysteresis: float = 0.10, min_observations: int = 3,
+                 probe_interval: int = 8, max_probe_interval: int = 128, decay: float = 0.8,
+                 recalibrate_every: int = 256) -> None:
+        self.shadow = shadow                  # drafts are free to compute (lookup): score them while off
+        self.draft_cost = draft_cost          # prior: draft time per draft token / plain step time
+        self.max_batch_size = max_batch_size
+        self.margin, self.hysteresis = margin, hysteresis
+        self.min_observations, self.decay = min_observations, decay
+        self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
+        self.recalibrate_every = recalibrate_every
+        self.costs = Costs()
+        self.batch_on = True
+        self.batch_off_at = 0                 # batch size at which the batch was switched off
+        self.batch_reason = ""
+        self.batch_probe_wait = probe_interval
+        self.batch_steps_off = 0
+        self.batch_probing = False
+        self.batch_observations = 0
+        self.calibrating = False
+
+    # ---------------------------------------------------------------- costs
+    def cost_ratio(self, batch: int, k: int) -> float:
+        """r(B, k): a speculative step's time over a plain step's time."""
+        plain, spec = self.costs.plain.get(batch), self.costs.spec.get((batch, k))
+        if plain and spec:
+            return spec / plain
+        return 1.0 + k * (self.draft_cost + 0.03)       # prior: drafting + a little verify overhead
+
+    def bar(self, batch: int, k: int, turning_on: bool) -> float:
+        needed = max(self.cost_ratio(batch, k), 1.0) * (1.0 + self.margin)
+        return needed * (1.0 + self.hysteresis) if turning_on else needed
+
+    def pays(self, alpha: float, batch: int, k: int, turning_on: bool) -> bool:
+        return expected_tokens(alpha, k) >= self.bar(batch, k, turning_on)
+
+    # ---------------------------------------------------------------- before a step
+    def plan(self, rows: list[RowPolicy]) -> tuple[list[int], list[Decision]]:
+        """Draft length of each row for the next step (0 = no drafts)."""
+        batch = len(rows)
+        decisions: list[Decision] = []
+        if self.max_batch_size is not None:
+            over = batch > self.max_batch_size
+            if over and self.batch_on:
+                self._batch_off(batch, "batch_size", decisions)
+            elif not over and not self.batch_on and self.batch_reason == "batch_size":
+                self._batch_on_again("batch_size_dropped", decisions)
+        if not self.batch_on and self.batch_reason == "batch_cost" and batch < self.batch_off_at:
+            self._batch_on_again("batch_size_dropped", decisions)
+        self.batch_probing = False
+        if not self.batch_on and self.batch_reason == "batch_cost" and self.batch_steps_off >= self.batch_probe_wait:
+            self.batch_probing = True
+            decisions.append(Decision("batch", "probe", "periodic"))
+        # a plain step now and then measures the plain cost at this batch size
+        age = self.costs.plain_age.get(batch)
+        self.calibrating = (self.batch_on and any(r.mode == AUTO and r.k > 0 for r in rows)
+                            and not any(r.mode == ON and r.k > 0 for r in rows)     # a forced row drafts anyway
+                            and (age is None or age >= self.recalibrate_every))
+        if self.calibrating:
+            decisions.append(Decision("calibration", "probe", "plain_cost"))
+        ks = []
+        for r in rows:
+            r.probing = False
+            if r.mode == OFF or r.k == 0:
+                ks.append(0)
+            elif r.mode == ON:
+                ks.append(r.k)
+            elif self.calibrating:
+                ks.append(0)
+            elif not self.batch_on:
+                ks.append(r.k if self.batch_probing and r.on else 0)
+            elif r.on:
+                ks.append(r.k)
+            elif not self.shadow and r.steps_off >= r.probe_wait:
+                r.probing = True
+                decisions.append(Decision("request", "probe", "periodic"))
+                ks.append(r.k)
+            else:
+                ks.append(0)
+        return ks, decisions
+
+    # ---------------------------------------------------------------- after a step
+    def observe(self, rows: list[RowPolicy], ks: list[int], drafted: list[int], accepted: list[int],
+                step_seconds: float) -> list[Decision]:
+        batch = len(rows)
+        decisions: list[Decision] = []
+        kmax = max(ks, default=0)
+        for key in list(self.costs.plain_age):
+            self.costs.plain_age[key] += 1
+        if sum(drafted) == 0:
+            Costs._ema(self.costs.plain, batch, step_seconds)
+            self.costs.plain_age[batch] = 0
+        else:
+            Costs._ema(self.costs.spec, (batch, kmax), step_seconds)
+        pooled_s = pooled_t = 0.0
+        for r, k, n, a in zip(rows, ks, drafted, accepted):
+            if n > 0:
+                r.record(n, a, self.decay)
+                if r.mode == AUTO:
+                    pooled_s += a
+                    pooled_t += a + (1 if a < n else 0)
+            if r.mode != AUTO or r.k == 0:
+                continue
+            if r.on and self.batch_on and n > 0 and r.observations >= self.min_observations \
+                    and not self.pays(r.alpha, batch, r.k, turning_on=False):
+                self._row_off(r, decisions)
+            elif not r.on:
+                r.steps_off += 1
+                if r.probing:
+                    if self.pays(r.alpha, batch, r.k, turning_on=True):
+                        self._row_on(r, "probe", decisions)
+                    else:
+                        r.steps_off = 0
+                        r.probe_wait = min(2 * r.probe_wait, self.max_probe_interval)
+        self._observe_batch(batch, kmax, pooled_s, pooled_t, decisions)
+        return decisions
+
+    def observe_shadow(self, row: RowPolicy, batch: int, drafted: int, matched: int) -> list[Decision]:
+        """A lookup draft made while the row was off, scored against the tokens it then emitted."""
+        decisions: list[Decision] = []
+        row.record(drafted, matched, self.decay)
+        if not row.on and row.mode == AUTO and self.pays(row.alpha, batch, row.k, turning_on=True):
+            self._row_on(row, "acceptance_recovered", decisions)
+        return decisions
+
+    def _observe_batch(self, batch: int, kmax: int, successes: float, trials: float,
+                       decisions: list[Decision]) -> None:
+        if trials == 0:
+            if not self.batch_on:
+                self.batch_steps_off = 0 if self.batch_probing else self.batch_steps_off + 1
+            return
+        alpha = successes / trials
+        if self.batch_on and batch >= 2:
+            self.batch_observations += 1
+            if self.batch_observations >= self.min_observations and not self.pays(alpha, batch, kmax, False):
+                self._batch_off(batch, "batch_cost", decisions)
+        elif self.batch_probing:
+            if self.pays(alpha, batch, kmax, turning_on=True):
+                self._batch_on_again("probe", decisions)
+            else:
+                self.batch_steps_off = 0
+                self.batch_probe_wait = min(2 * self.batch_probe_wait, self.max_probe_interval)
+
+    # ---------------------------------------------------------------- switches
+    def _row_off(self, r: RowPolicy, decisions: list[Decision]) -> None:
+        r.on, r.steps_off, r.probe_wait, r.observations = False, 0, self.probe_interval, 0
+        decisions.append(Decision("request", "disabled", "low_acceptance"))
+
+    def _row_on(self, r: RowPolicy, reason: str, decisions: list[Decision]) -> None:
+        r.on, r.observations, r.shadow = True, 0, None
+        decisions.append(Decision("request", "enabled", reason))
+
+    def _batch_off(self, batch: int, reason: str, decisions: list[Decision]) -> None:
+        self.batch_on, self.batch_off_at, self.batch_reason = False, batch, reason
+        self.batch_steps_off, self.batch_probe_wait = 0, self.probe_interval
+        decisions.append(Decision("batch", "disabled", reason))
+
+    def _batch_on_again(self, reason: str, decisions: list[Decision]) -> None:
+        self.batch_on, self.batch_reason, self.batch_observations = True, "", 0
+        decisions.append(Decision("batch", "enabled", reason))

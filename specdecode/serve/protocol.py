@@ -1,0 +1,246 @@
+"""OpenAI request parsing and validation, and the error shape.
+
+Every bad field is an `ApiError` naming the field and its limit; the app turns it into
+OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}`. Extra request fields
+(vLLM's names where vLLM has them): `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+`speculate`, `num_speculative_tokens`, `return_token_kinds`, `return_token_ids`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..params import ParamError, SamplingParams
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "logit_bias", "seed", "max_tokens", "stop", "ignore_eos")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_K = 32
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code if code is not None else status}}
+
+
+@dataclass
+class ServeContext:
+    """What parsing needs to know about the server."""
+    tokenizer: object
+    vocab_size: int
+    max_model_len: int
+    model_names: tuple[str, ...]     # the first is the one /v1/models lists
+    has_drafter: bool
+
+
+@dataclass
+class ParsedRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    speculate: bool | None           # None = automatic
+    num_speculative_tokens: int | None
+    stream: bool
+    include_usage: bool
+    return_token_kinds: bool
+    return_token_ids: bool
+    model: str
+    chat: bool
+
+
+def _bad(name: str, message: str) -> ApiError:
+    return ApiError(400, f"{name} {message}", param=name)
+
+
+def _bool(body: dict, name: str, default=False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(name, f"must be true or false, got {value!r}")
+    return value
+
+
+def _int(body: dict, name: str, low: int, high: int | None = None):
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(name, f"must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        raise _bad(name, f"must be in [{low}, {high}], got {value}" if high is not None else f"must be >= {low}, got {value}")
+    return value
+
+
+def _number(body: dict, name: str):
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad(name, f"must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _unsupported(body: dict) -> None:
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise _bad("n", f"must be 1 (one choice per request), got {n!r}")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise _bad("best_of", f"must be 1, got {best_of!r}")
+    if body.get("echo"):
+        raise _bad("echo", "is not supported")
+    if body.get("suffix"):
+        raise _bad("suffix", "is not supported")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise _bad("logprobs", "is not supported by this server")
+    if body.get("tools") or body.get("functions"):
+        raise _bad("tools", "(function calling) is not supported")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
+        raise _bad("response_format", "only {'type': 'text'} is supported (no structured output)")
+
+
+def _sampling(body: dict, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+    values: dict = {"temperature": 1.0}
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        value = _number(body, name)
+        if value is not None:
+            values[name] = value
+    top_k = _int(body, "top_k", -1)
+    if top_k is not None:
+        values["top_k"] = max(top_k, 0)          # -1 (vLLM) or 0 disable it
+    seed = _int(body, "seed", 0, 2**63 - 1)
+    if seed is not None:
+        values["seed"] = seed
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise _bad("logit_bias", f"must be an object {{token_id: bias}}, got {bias!r}")
+        values["logit_bias"] = bias
+    stop = body.get("stop")
+    if stop is not None:
+        values["stop"] = stop
+    values["ignore_eos"] = _bool(body, "ignore_eos")
+    values["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+    try:
+        return SamplingParams(**values)
+    except ParamError as exc:
+        message = str(exc)
+        head = message.split()[0].split("[")[0]
+        raise ApiError(400, message, param=head if head in SAMPLING_FIELDS else None) from None
+
+
+def _prompt_ids(body: dict, ctx: ServeContext) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]                      # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _bad("prompt", "must not be empty")
+        ids = ctx.tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < ctx.vocab_size]
+        if bad:
+            raise _bad("prompt", f"token ids must be in [0, {ctx.vocab_size}), got {bad[:5]}")
+        ids = list(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise _bad("prompt", "must be one prompt (a string or a list of token ids); send one request per prompt")
+    else:
+        raise _bad("prompt", f"must be a non-empty string or list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise _bad("prompt", "encodes to no tokens")
+    return ids
+
+
+def _chat_ids(body: dict, ctx: ServeContext) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "must be a non-empty list of {role, content} objects")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise _bad(f"messages[{i}]", f"must be an object with role one of {', '.join(ROLES)}")
+        content = m.get("content")
+        if isinstance(content, list):       # content parts: only text
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise _bad(f"messages[{i}].content", "parts must be {'type': 'text', 'text': str} (text only)")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise _bad(f"messages[{i}].content", f"must be a string or a list of text parts, got {content!r}")
+        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    from jinja2.exceptions import TemplateError
+
+    from ..models.config import ModelError
+    try:
+        text = ctx.tokenizer.apply_chat_template(clean)
+    except ModelError:
+        raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages") from None
+    except TemplateError as exc:
+        raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages") from None
+    ids = ctx.tokenizer.encode(text, add_special=False)
+    if not ids:
+        raise _bad("messages", "encode to no tokens")
+    return ids
+
+
+def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is None:
+        model = ctx.model_names[0]
+    if not isinstance(model, str) or model not in ctx.model_names:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{ctx.model_names[0]}`",
+                       param="model", code="model_not_found")
+    _unsupported(body)
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("stream_options", f"must be an object, got {options!r}")
+    include_usage = bool((options or {}).get("include_usage", False))
+    ids = _chat_ids(body, ctx) if chat else _prompt_ids(body, ctx)
+    name = "max_tokens"
+    max_tokens = _int(body, "max_tokens", 1)
+    if chat and max_tokens is None and body.get("max_completion_tokens") is not None:
+        name, max_tokens = "max_completion_tokens", _int(body, "max_completion_tokens", 1)
+    room = ctx.max_model_len - len(ids)
+    if room < 1:
+        raise ApiError(400, f"prompt ({len(ids)} tokens) leaves no room in the maximum context of "
+                            f"{ctx.max_model_len} tokens", param="messages" if chat else "prompt",
+                       code="context_length_exceeded")
+    default = room if chat else min(16, room)
+    params = _sampling(body, max_tokens, default)
+    if len(ids) + params.max_tokens > ctx.max_model_len:
+        raise ApiError(400, f"prompt ({len(ids)} tokens) + {name} ({params.max_tokens}) = "
+                            f"{len(ids) + params.max_tokens} tokens exceeds the maximum context of "
+                            f"{ctx.max_model_len} tokens", param=name, code="context_length_exceeded")
+    try:
+        params.validate_vocab(ctx.vocab_size)
+    except ParamError as exc:
+        raise ApiError(400, str(exc), param="logit_bias") from None
+    speculate = body.get("speculate")
+    if speculate is not None and not isinstance(speculate, bool):
+        raise _bad("speculate", f"must be true, false or absent (automatic), got {speculate!r}")
+    k = _int(body, "num_speculative_tokens", 0, MAX_K)
+    if (speculate or k) and not ctx.has_drafter:
+        raise ApiError(400, "this server has no drafter (started with --method none or -k 0): "
+                            "speculate / num_speculative_tokens cannot turn speculation on",
+                       param="speculate" if speculate else "num_speculative_tokens")
+    return ParsedRequest(ids, params, speculate, k, stream, include_usage, _bool(body, "return_token_kinds"),
+                         _bool(body, "return_token_ids"), model, chat)

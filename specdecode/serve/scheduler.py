@@ -1,0 +1,368 @@
+"""Continuous batching: one engine thread; requests join and leave between steps.
+
+Each iteration of the engine thread:
+1. aborts   -- requests whose client went away leave the queue or the batch; blocks are freed;
+2. admit    -- waiting requests (FIFO) take a free row once the KV blocks their prompt +
+               max_tokens can need are reserved in the target (and draft) cache;
+3. prefill  -- up to `prefill_chunk` prompt tokens of admitted requests, in one ragged pass;
+4. step     -- one speculative step over all decoding rows (`SpecEngine.step`: every row's
+               drafts verified in one batched target pass, ragged acceptance), with each row's
+               draft length chosen by the speculation policy; tokens stream out as events;
+5. finish   -- finished rows release their blocks and rows.
+
+Requests talk to the thread through `Request.sink` (a callable taking an event; the app
+passes one that hands events to its asyncio loop). An exception inside an iteration fails
+the requests in the batch (500, sanitized), frees their blocks, and the thread goes on.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..params import ParamError, SamplingParams
+from .batch import BatchEngine, ServeSequence
+from .metrics import ServeMetrics
+from .policy import AUTO, OFF, ON, RowPolicy, SpeculationPolicy
+
+log = logging.getLogger("specdecode.serve")
+_ids = itertools.count(1)
+
+
+@dataclass
+class ServeConfig:
+    max_batch_size: int = 8
+    max_queue: int = 64
+    max_model_len: int | None = None     # None: the target's context
+    block_size: int = 16
+    num_blocks: int = 0                  # 0: enough for max_batch_size rows of max_model_len tokens
+    prefill_chunk: int = 256
+    num_speculative_tokens: int = 5      # default k of a request
+    spec_max_batch_size: int | None = None   # speculation off for the batch above this many rows
+    health_timeout: float = 10.0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("max_batch_size", 1, 1024), ("max_queue", 1, 1_000_000), ("block_size", 1, 1024),
+                                ("prefill_chunk", 1, 1_000_000), ("num_speculative_tokens", 0, 32),
+                                ("num_blocks", 0, 100_000_000)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ParamError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ParamError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.spec_max_batch_size is not None and self.spec_max_batch_size < 1:
+            raise ParamError(f"spec_max_batch_size must be >= 1, got {self.spec_max_batch_size}")
+        if not self.health_timeout > 0:
+            raise ParamError(f"health_timeout must be > 0 seconds, got {self.health_timeout}")
+
+    def blocks(self, context: int) -> int:
+        """KV blocks per cache: --num-blocks, or enough for a full batch at the full context
+        (plus the scratch block)."""
+        per_row = -(-(context + 1) // self.block_size)
+        return self.num_blocks or self.max_batch_size * per_row + 1
+
+
+@dataclass
+class Tokens:
+    ids: list[int]
+    kinds: list[str]          # "accepted" | "recovered" | "bonus", one per id
+
+
+@dataclass
+class Finished:
+    reason: str               # "stop" | "length"
+    stop_text_index: int | None
+    usage: dict
+    speculation: dict
+
+
+@dataclass
+class Failed:
+    status: int
+    message: str
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[object], None]
+    speculate: bool | None = None
+    num_speculative_tokens: int | None = None
+    internal: bool = False            # health checks: not counted in request metrics, never queued out
+    id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+class Scheduler:
+    def __init__(self, target, drafter, config: ServeConfig, method: str, weights_bytes: dict[str, int]) -> None:
+        self.config = config
+        self.target = target
+        self.context = config.max_model_len or target.model.max_len
+        rows = config.max_batch_size
+        num_blocks = config.blocks(self.context)
+        # one row more than the batch: the engine then always passes explicit rows to the model
+        # (its batch-1 fused path needs a contiguous cache)
+        self.engine = BatchEngine(target, drafter, 32, self.context, rows + 1, num_blocks, config.block_size)
+        self.inner_drafter = drafter
+        draft_cost = 0.01
+        if self.engine.draft_model is not None:
+            draft_cost = weights_bytes.get("draft", 0) / max(weights_bytes.get("target", 1), 1)
+        # a drafter without per-row state (a lookup) can draft for switched-off rows for free
+        self.policy = SpeculationPolicy(shadow=drafter is not None and getattr(drafter, "cache", None) is None
+                                        and not hasattr(drafter, "model"),
+                                        draft_cost=draft_cost, max_batch_size=config.spec_max_batch_size)
+        self.metrics = ServeMetrics(config.served_model_name or target.name, method if drafter else "none",
+                                    config.num_speculative_tokens if drafter else 0, weights_bytes,
+                                    {"target": self.engine.cache, "draft": self.engine.draft_accounting})
+        self.cond = threading.Condition()
+        self.gate = threading.Lock()              # held by `hold()`: the engine thread waits
+        self.inbox: deque[Request] = deque()
+        self.aborts: set[str] = set()
+        self.free_rows = list(range(rows - 1, -1, -1))
+        self.prefilling: list[ServeSequence] = []
+        self.running: list[ServeSequence] = []
+        self._before: dict[int, tuple] = {}
+        self._stop = False
+        self.thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ any thread
+    def submit(self, request: Request) -> None:
+        with self.cond:
+            if not request.internal and sum(not r.internal for r in self.inbox) >= self.config.max_queue:
+                raise QueueFull(f"the queue is full ({self.config.max_queue} requests waiting, --max-queue); "
+                                f"retry later")
+            if request.internal:
+                self.inbox.appendleft(request)      # a health check takes the next free row
+            else:
+                self.inbox.append(request)
+            self.cond.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self.cond:
+            waiting = len(self.inbox)
+            self.inbox = deque(r for r in self.inbox if r.id != request_id)
+            if len(self.inbox) == waiting:          # not waiting: leaves the batch between two steps
+                self.aborts.add(request_id)
+                self.cond.notify()
+
+    def start(self) -> None:
+        self._stop = False
+        self.thread = threading.Thread(target=self._loop, name="specdecode-engine", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stop = True
+            self.cond.notify()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+        for s in self.prefilling + self.running:
+            s.request.sink(Failed(503, "the server is shutting down"))
+        for r in self.inbox:
+            r.sink(Failed(503, "the server is shutting down"))
+
+    @contextlib.contextmanager
+    def hold(self):
+        """Keep the engine thread between iterations (queue and admission can be observed)."""
+        with self.gate:
+            yield
+
+    # ------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                if not self._stop and not (self.inbox or self.aborts or self.prefilling or self.running):
+                    self.cond.wait(timeout=1.0)
+                if self._stop:
+                    return
+                aborts, self.aborts = self.aborts, set()
+            try:
+                with self.gate:
+                    self._iteration(aborts)
+                self.metrics.sample()
+            except Exception:  # noqa: BLE001 -- the engine thread never dies
+                log.exception("engine loop error")
+                time.sleep(0.1)
+
+    def _iteration(self, aborts: set[str]) -> None:
+        try:
+            self._apply_aborts(aborts)
+            self._admit()
+            self._prefill_some()
+            self._step()
+        except Exception as exc:  # noqa: BLE001 -- fail the batch, keep serving
+            log.exception("engine step failed; failing %d request(s)", len(self.prefilling) + len(self.running))
+            for s in self.prefilling + self.running:
+                self._end(s, "error", Failed(500, f"internal error while generating ({type(exc).__name__}); "
+                                                  f"the request was aborted"))
+            self.prefilling, self.running = [], []
+            if self.engine.drafter is not None:
+                self.engine.drafter._sub = None
+        self._publish_counts()
+
+    def _publish_counts(self) -> None:
+        active = self.prefilling + self.running
+        on = sum(1 for s in active if s.drafts_ever and (s.policy.mode == ON or (s.policy.on and self.policy.batch_on)))
+        self.metrics.set_counts(len(active), len(self.inbox), on, not self.policy.batch_on)
+
+    def _apply_aborts(self, ids: set[str]) -> None:
+        if not ids:
+            return
+        with self.cond:
+            self.inbox = deque(r for r in self.inbox if r.id not in ids)
+        for group in (self.prefilling, self.running):
+            for s in [s for s in group if s.request.id in ids]:
+                group.remove(s)
+                self._end(s, "abort", None)
+
+    def _admit(self) -> None:
+        while self.free_rows:
+            with self.cond:
+                if not self.inbox:
+                    return
+                request = self.inbox[0]
+                tokens = len(request.prompt_ids) + request.params.max_tokens
+                if not self.engine.can_admit(tokens):
+                    return                      # FIFO: the head waits for blocks
+                self.inbox.popleft()
+            row = self.free_rows.pop()
+            try:
+                seq = self._new_sequence(request, row, tokens)
+            except Exception as exc:  # noqa: BLE001 -- this request fails, the row goes back
+                log.exception("admitting %s failed", request.id)
+                self.engine.release(row)
+                self.free_rows.append(row)
+                request.sink(Failed(500, f"internal error while admitting the request ({type(exc).__name__})"))
+                continue
+            (self.prefilling if seq.prefill_target > 0 else self.running).append(seq)
+            if not request.internal:
+                self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+
+    def _new_sequence(self, request: Request, row: int, tokens: int) -> ServeSequence:
+        self.engine.admit(row, tokens)
+        if self.engine.drafter is None or request.speculate is False or request.num_speculative_tokens == 0:
+            mode, k = OFF, 0
+        else:
+            mode = ON if request.speculate else AUTO
+            k = request.num_speculative_tokens or self.config.num_speculative_tokens
+        policy = RowPolicy(mode=mode, k=k, probe_wait=self.policy.probe_interval)
+        return ServeSequence(request, request.prompt_ids, request.params, self.target.eos_token_ids, row,
+                             policy, self.target.model.device)
+
+    def _prefill_some(self) -> None:
+        budget, chunks = self.config.prefill_chunk, []
+        for s in self.prefilling:
+            n = min(s.prefill_target - s.prefilled, budget)
+            chunks.append((s, n))
+            budget -= n
+            if budget == 0:
+                break
+        if not chunks:
+            return
+        self.engine.prefill(chunks)
+        done = [s for s in self.prefilling if s.prefilled == s.prefill_target]
+        self.prefilling = [s for s in self.prefilling if s.prefilled < s.prefill_target]
+        self.running += done
+
+    def _step(self) -> None:
+        seqs = self.running
+        if not seqs:
+            return
+        ks, decisions = self.policy.plan([s.policy for s in seqs])
+        for s, k in zip(seqs, ks):
+            s.k_now = k
+        self._shadow_drafts(seqs)
+        before = [(s.stats.drafted, s.stats.accepted, s.stats.emitted, s.stats.draft_seconds,
+                   s.stats.verify_seconds) for s in seqs]
+        self._before = {id(s): b for s, b in zip(seqs, before)}
+        started = time.perf_counter()
+        self.engine.step(seqs, self._on_tokens)
+        seconds = time.perf_counter() - started
+        drafted = [s.stats.drafted - b[0] for s, b in zip(seqs, before)]
+        accepted = [s.stats.accepted - b[1] for s, b in zip(seqs, before)]
+        emitted = [s.stats.emitted - b[2] for s, b in zip(seqs, before)]
+        decisions += self.policy.observe([s.policy for s in seqs], ks, drafted, accepted, seconds)
+        decisions += self._score_shadows(seqs)
+        self.metrics.record_step(drafted, accepted, emitted, seqs[0].stats.draft_seconds - before[0][3],
+                                 seqs[0].stats.verify_seconds - before[0][4])
+        self.metrics.record_decisions(decisions)
+        for s in seqs:
+            if s.finished:
+                self._end(s, s.finish_reason, None)
+        self.running = [s for s in seqs if not s.finished]
+
+    def _on_tokens(self, s: ServeSequence, tokens: list[int]) -> None:
+        drafted0, accepted0 = self._before[id(s)][:2]
+        drafted, accepted = s.stats.drafted - drafted0, s.stats.accepted - accepted0
+        kinds = ["accepted"] * min(accepted, len(tokens))
+        if len(tokens) > accepted:
+            kinds.append("recovered" if accepted < drafted else "bonus")
+        now = time.perf_counter()
+        if s.first_token_at is None:
+            s.first_token_at = now
+        s.last_token_at = now
+        s.request.sink(Tokens(list(tokens), kinds))
+
+    # ------------------------------------------------------------ free scoring of lookup drafts
+    def _shadow_drafts(self, seqs: list[ServeSequence]) -> None:
+        if not self.policy.shadow:
+            return
+        for s in seqs:
+            r = s.policy
+            if r.mode != AUTO or s.k_now > 0 or r.shadow is not None or (r.on and self.policy.batch_on):
+                continue
+            room = min(r.k, s.params.max_tokens - s.num_output - 1)
+            if room > 0:
+                proposal = self.inner_drafter.propose([s], [room])
+                draft = proposal.tokens[0, :int(proposal.num_tokens[0])].tolist()
+                if draft:
+                    r.shadow = (s.num_output, draft)
+
+    def _score_shadows(self, seqs: list[ServeSequence]) -> list:
+        decisions = []
+        for s in seqs:
+            if s.policy.shadow is None:
+                continue
+            start, draft = s.policy.shadow
+            out = s.output_ids[start:]
+            matched = next((i for i, (a, b) in enumerate(zip(draft, out)) if a != b), min(len(draft), len(out)))
+            if matched < len(out) or len(out) >= len(draft):
+                drafted = len(draft)
+            elif s.finished:
+                drafted = len(out)
+            else:
+                continue                        # not decided yet
+            s.policy.shadow = None
+            self.metrics.shadow.inc()
+            decisions += self.policy.observe_shadow(s.policy, len(seqs), drafted, matched)
+        return decisions
+
+    # ------------------------------------------------------------ the end of a request
+    def _end(self, s: ServeSequence, reason: str, event) -> None:
+        self.engine.release(s.row)
+        self.free_rows.append(s.row)
+        if event is None and reason in ("stop", "length"):
+            st = s.stats
+            event = Finished(reason, s.stop_text_index,
+                             {"prompt_tokens": s.prompt_len, "completion_tokens": s.num_output,
+                              "total_tokens": s.prompt_len + s.num_output},
+                             {"mode": s.policy.mode, "num_speculative_tokens": s.policy.k,
+                              "on_at_end": s.policy.mode == ON or (s.policy.mode == AUTO and s.policy.on),
+                              "steps": st.steps, "drafted_tokens": st.drafted, "accepted_tokens": st.accepted,
+                              "acceptance_rate": round(st.acceptance_rate, 4),
+                              "mean_accepted_length": round(st.mean_accepted_length, 4)})
+        if event is not None:
+            s.request.sink(event)
+        if not s.request.internal:
+            self.metrics.request_done(s, reason, time.perf_counter())

@@ -1,0 +1,81 @@
+"""Putting the server together: model checks, memory budget, scheduler, parsing context."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..models.config import ModelError
+from .batch import draft_model_of
+from .memory import available_bytes, check_memory, plan_memory, weights_bytes
+from .protocol import MAX_K, ServeContext
+from .scheduler import Scheduler, ServeConfig
+
+
+@dataclass
+class ServeState:
+    scheduler: Scheduler
+    ctx: ServeContext
+    tokenizer: object
+    health_token: int
+    created: int
+
+
+def build_state(llm, config: ServeConfig, check_budget: bool = True, available: int | None = None) -> ServeState:
+    """Everything the app needs, from a loaded `LLM`. Refuses (ModelError / MemoryBudgetError)
+    before allocating any KV cache when the models or the memory do not fit the config."""
+    target = llm.target
+    if not hasattr(target.model, "config"):
+        raise ModelError(f"serve needs a native Llama/Qwen2 target; {target.name} runs through the "
+                         f"transformers adapter, whose cache cannot be paged")
+    drafter = llm.drafter if llm.num_speculative_tokens > 0 else None
+    draft = draft_model_of(drafter)
+    if drafter is not None and hasattr(drafter, "model") and draft is None:
+        raise ModelError("serve needs a native draft model (its KV cache is paged); this drafter has none")
+    context = config.max_model_len or target.model.max_len
+    if context > target.model.max_len:
+        raise ModelError(f"--max-model-len {context} exceeds the target's context of {target.model.max_len} tokens")
+    if draft is not None and context > draft.max_len:
+        raise ModelError(f"--max-model-len {context} exceeds the draft's context of {draft.max_len} tokens")
+    plan = plan_memory(target.model, draft, config.blocks(context), config.block_size, config.max_batch_size,
+                       MAX_K, config.prefill_chunk, context)
+    if check_budget:
+        check_memory(plan, available if available is not None else available_bytes())
+    scheduler = Scheduler(target, drafter, config, llm.method, plan.weights)
+    name = config.served_model_name or target.name
+    names = tuple(dict.fromkeys([name, target.name, str(target.path)]))
+    ctx = ServeContext(target.tokenizer, target.model.vocab_size, context, names, drafter is not None)
+    probe = target.tokenizer.encode("ok", add_special=False) or [0]
+    return ServeState(scheduler, ctx, target.tokenizer, probe[0], int(time.time()))
+
+
+class BackgroundServer:
+    """The app under uvicorn in a daemon thread, on `host` and a free port (tests, notebooks):
+    `with BackgroundServer(create_app(state)) as server: ... server.url ...`."""
+
+    def __init__(self, app, host: str = "127.0.0.1", startup_timeout: float = 30.0) -> None:
+        self.app, self.host, self.startup_timeout = app, host, startup_timeout
+        self.server = self.thread = None
+        self.url = ""
+
+    def __enter__(self) -> "BackgroundServer":
+        import socket
+        import threading
+
+        import uvicorn
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, 0))
+        self.url = f"http://{self.host}:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

@@ -1,0 +1,85 @@
+"""EAGLE-style drafter: lossless with any head (even an untrained one), batched and alone; the
+saved format records its target and warns on a mismatch; bad drafter paths give clear errors."""
+import json
+import warnings
+
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams
+from specdecode.distill.format import DrafterMismatchWarning, save_eagle
+from specdecode.distill.head import EagleHead
+from specdecode.drafters.base import DrafterError
+from specdecode.models.loader import load_model
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick brown fox",
+           "def add(a, b):\n    return a + b\n", "1 2 3 4 5 6 7 8", "x"]
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_models, tmp_path_factory, one_thread):
+    """An untrained head per architecture, saved in the drafter format."""
+    out = {}
+    for arch in ("llama", "qwen2"):
+        target = load_model(str(tiny_models[arch]), "fp32", progress=False)
+        torch.manual_seed(0)
+        vocab = torch.arange(target.model.vocab_size // 2, target.model.vocab_size)  # a reduced draft vocab
+        head = EagleHead.from_target(target.model, vocab)
+        out[arch] = save_eagle(head, tmp_path_factory.mktemp(f"eagle_{arch}"), target, {"note": "untrained"})
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_eagle_greedy_equals_plain(tiny_models, heads, arch):
+    llm = LLM(model=str(tiny_models[arch]), method="eagle", drafter_path=str(heads[arch]), dtype="fp32",
+              progress=False)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    plain = llm.generate(PROMPTS, params, num_speculative_tokens=0)
+    for k in (1, 3, 5):
+        spec = llm.generate(PROMPTS, params, num_speculative_tokens=k)
+        assert [s.token_ids for s in spec] == [p.token_ids for p in plain], k
+        alone = llm.generate([PROMPTS[1]], params, num_speculative_tokens=k)[0]
+        assert alone.token_ids == plain[1].token_ids
+        assert spec[0].stats["steps"] < 30     # it drafted and the loop advanced
+
+
+def test_eagle_sampling_runs_seeded(tiny_models, heads):
+    llm = LLM(model=str(tiny_models["llama"]), method="eagle", drafter_path=str(heads["llama"]), dtype="fp32",
+              progress=False)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=3, ignore_eos=True)
+    a = llm.generate(PROMPTS[:2], params)
+    b = llm.generate(PROMPTS[:2], params)
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert all(len(x.token_ids) == 20 for x in a)
+
+
+def test_eagle_format_and_mismatch(tiny_models, heads, tmp_path):
+    meta = json.loads((heads["llama"] / "drafter.json").read_text())
+    assert meta["format"] == "specdecode-drafter" and meta["version"] == 1 and meta["kind"] == "eagle"
+    target = load_model(str(tiny_models["llama"]), "fp32", progress=False)
+    assert meta["target"]["fingerprint"] == target.fingerprint
+    # other weights, same shapes: a clear warning, still works and stays exact
+    meta["target"]["fingerprint"] = "0" * 16
+    moved = tmp_path / "other"
+    moved.mkdir()
+    (moved / "model.safetensors").write_bytes((heads["llama"] / "model.safetensors").read_bytes())
+    (moved / "drafter.json").write_text(json.dumps(meta))
+    with pytest.warns(DrafterMismatchWarning, match="trained for target"):
+        llm = LLM(model=str(tiny_models["llama"]), method="eagle", drafter_path=str(moved), dtype="fp32",
+                  progress=False)
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(out[0].token_ids) == 8
+
+
+def test_eagle_bad_paths(tiny_models, heads, tmp_path):
+    with pytest.raises(DrafterError, match="not a specdecode drafter"):
+        LLM(model=str(tiny_models["llama"]), method="eagle", drafter_path=str(tmp_path), dtype="fp32", progress=False)
+    with pytest.raises(DrafterError, match="width"):      # qwen2 tiny has the same width: fake a different one
+        meta = json.loads((heads["qwen2"] / "drafter.json").read_text())
+        meta["target"]["hidden_size"] = 4096
+        (tmp_path / "drafter.json").write_text(json.dumps(meta))
+        LLM(model=str(tiny_models["llama"]), method="eagle", drafter_path=str(tmp_path), dtype="fp32", progress=False)
+    with pytest.raises(DrafterError, match="no EAGLE drafter"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            LLM(model=str(tiny_models["llama"]), method="eagle", dtype="fp32", progress=False)

@@ -1,0 +1,149 @@
+"""Server parts without a server: the paged KV cache against the contiguous one, its block
+accounting, and the speculation policy's switching (torch-free)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.kv_cache import KVCache
+from specdecode.serve.paged_cache import CacheFull, PagedKVCache
+from specdecode.serve.policy import AUTO, OFF, ON, RowPolicy, SpeculationPolicy, expected_tokens
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target(tiny_models):
+    from specdecode.models.loader import load_model
+    return load_model(str(tiny_models["qwen2"]), dtype="fp32", progress=False)
+
+
+def paged_for(model, rows=4, max_len=96, num_blocks=64, block_size=4):
+    c = model.config
+    return PagedKVCache(c.num_layers, rows, c.num_kv_heads, c.head_dim, max_len, num_blocks, block_size,
+                        model.dtype, model.device)
+
+
+def test_paged_cache_gives_the_logits_of_the_contiguous_cache(target):
+    """Ragged prefill + ragged multi-token steps with rollbacks: same logits as KVCache."""
+    model = target.model
+    c = model.config
+    dense = KVCache(c.num_layers, 3, c.num_kv_heads, c.head_dim, 96, model.dtype)
+    paged = paged_for(model, rows=5)
+    rows = [3, 0, 4]                     # arbitrary paged rows for dense rows 0, 1, 2
+    for r in rows:
+        paged.reserve(r, 80)
+    gen = torch.Generator().manual_seed(0)
+    lengths = [0, 0, 0]
+    for step, width in enumerate([11, 1, 4, 3, 6, 2]):
+        tokens = torch.randint(0, model.vocab_size, (3, width), generator=gen)
+        starts = torch.tensor(lengths)
+        want = model.forward(tokens, dense, starts, rows=torch.arange(3))
+        got = model.forward(tokens, paged, starts, rows=torch.tensor(rows))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        keep = [width - (b + step) % width for b in range(3)]      # ragged acceptance, some rollback
+        for b in range(3):
+            lengths[b] += keep[b]
+            dense.truncate(b, lengths[b])
+            paged.truncate(rows[b], lengths[b])
+    assert [paged.lengths[r] for r in rows] == lengths
+
+
+def test_blocks_follow_the_tokens_held_and_return_on_release(target):
+    paged = paged_for(target.model, rows=2, num_blocks=9, block_size=4)      # 8 usable blocks
+    assert paged.can_reserve(32) and not paged.can_reserve(33)
+    paged.reserve(0, 20)                              # 5 blocks reserved, none allocated yet
+    assert paged.used_blocks == 0 and paged.used_bytes() == 0
+    with pytest.raises(CacheFull):
+        paged.reserve(1, 16)                          # 4 more blocks: over the 8
+    tokens = torch.randint(0, 50, (1, 6))
+    target.model.forward(tokens, paged, torch.tensor([0]), rows=torch.tensor([0]))
+    assert paged.used_blocks == 2                     # positions 0..5 -> blocks 0 and 1
+    paged.truncate(0, 4)                              # rolled back to a block boundary: block 1 freed
+    assert paged.used_blocks == 1
+    target.model.forward(torch.randint(0, 50, (1, 30)), paged, torch.tensor([4]), rows=torch.tensor([0]))
+    assert paged.used_blocks == 5                     # capped at the reservation; the rest went to scratch
+    paged.truncate(0, 20)
+    paged.release(0)
+    assert paged.used_blocks == 0 and paged.reserved_blocks == 0 and paged.lengths[0] == 0
+    paged.reserve(1, 32)                              # the whole pool is free again
+    with pytest.raises(ValueError, match="row 1 is in use"):
+        paged.reserve(1, 4)
+
+
+def rows(n, k=5, mode=AUTO):
+    return [RowPolicy(mode=mode, k=k, probe_wait=8) for _ in range(n)]
+
+
+def run_steps(policy, rs, alpha_hits, steps, plain_s=0.01, spec_s=0.012):
+    """Steps where each drafting row accepts `alpha_hits` drafts of k; returns the decisions."""
+    decisions = []
+    for _ in range(steps):
+        ks, d = policy.plan(rs)
+        decisions += d
+        drafted = ks
+        accepted = [min(alpha_hits, k) for k in ks]
+        decisions += policy.observe(rs, ks, drafted, accepted, spec_s if any(ks) else plain_s)
+    return decisions
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_a_request_whose_drafts_are_never_accepted_is_switched_off_then_probed_back_on():
+    policy = SpeculationPolicy(shadow=False, draft_cost=0.1)
+    rs = rows(1)
+    decisions = run_steps(policy, rs, alpha_hits=0, steps=6)
+    assert [(d.scope, d.action, d.reason) for d in decisions if d.action == "disabled"] == \
+        [("request", "disabled", "low_acceptance")]
+    assert not rs[0].on
+    # off: plain steps, then a probe step after probe_wait; the probe fails -> back-off doubles
+    decisions = run_steps(policy, rs, alpha_hits=0, steps=9)
+    assert any(d.action == "probe" for d in decisions) and rs[0].probe_wait == 16 and not rs[0].on
+    # the drafts become good: the next probe switches it back on
+    decisions = run_steps(policy, rs, alpha_hits=5, steps=17)
+    assert ("request", "enabled", "probe") in [(d.scope, d.action, d.reason) for d in decisions]
+    assert rs[0].on
+
+
+def test_lookup_drafts_are_scored_for_free_while_off():
+    policy = SpeculationPolicy(shadow=True, draft_cost=0.01)
+    rs = rows(1)
+    run_steps(policy, rs, alpha_hits=0, steps=6)
+    assert not rs[0].on
+    ks, _ = policy.plan(rs)
+    assert ks == [0]                                  # no probes: shadow drafts instead
+    assert policy.observe_shadow(rs[0], 1, drafted=5, matched=0) == []
+    decisions = policy.observe_shadow(rs[0], 1, drafted=5, matched=5)
+    decisions += policy.observe_shadow(rs[0], 1, drafted=5, matched=5)
+    assert ("request", "enabled", "acceptance_recovered") in [(d.scope, d.action, d.reason) for d in decisions]
+
+
+def test_forced_modes_are_left_alone():
+    policy = SpeculationPolicy(shadow=False, draft_cost=0.5)
+    forced_on, forced_off = rows(1, mode=ON), rows(1, mode=OFF)
+    run_steps(policy, forced_on + forced_off, alpha_hits=0, steps=10)
+    ks, _ = policy.plan(forced_on + forced_off)
+    assert ks == [5, 0] and forced_on[0].on
+
+
+def test_the_batch_is_switched_off_when_verifying_costs_more_than_it_saves_and_on_when_it_shrinks():
+    policy = SpeculationPolicy(shadow=False, draft_cost=0.05)
+    rs = rows(8, k=4)
+    # a spec step costs 3x a plain one at batch 8, one accepted draft in four: E = 1.33 < 3
+    decisions = run_steps(policy, rs, alpha_hits=1, steps=8, plain_s=0.01, spec_s=0.03)
+    assert ("batch", "disabled", "batch_cost") in [(d.scope, d.action, d.reason) for d in decisions]
+    assert not policy.batch_on and policy.plan(rs)[0] == [0] * 8
+    decisions = run_steps(policy, rs[:3], alpha_hits=4, steps=1)
+    assert ("batch", "enabled", "batch_size_dropped") in [(d.scope, d.action, d.reason) for d in decisions]
+
+
+def test_fixed_batch_size_limit():
+    policy = SpeculationPolicy(shadow=True, draft_cost=0.01, max_batch_size=2)
+    ks, decisions = policy.plan(rows(3))
+    assert ks == [0, 0, 0] and decisions[0].reason == "batch_size"
+    ks, decisions = policy.plan(rows(2))
+    assert decisions[0].reason == "batch_size_dropped"
