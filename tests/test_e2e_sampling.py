@@ -156,3 +156,26 @@ def test_detects_wrong_residual(setup, monkeypatch):
     assert outside == 0
     assert p_value < P_MIN and tv > tv_bound(NUM_CONTROL), (p_value, tv)
 
+
+
+def test_eagle_sampling_matches_plain_distribution(setup, models, tmp_path_factory):
+    """The EAGLE drafter's proposals (a head on the target's features, reduced draft vocabulary:
+    tokens outside it have draft probability 0) pass the same test at 2x10^4 samples."""
+    from specdecode.distill.format import save_eagle
+    from specdecode.distill.head import EagleHead
+    from specdecode.drafters.base import build_drafter
+    llm, prompt, exact = setup
+    torch.manual_seed(5)
+    vocab = torch.arange(0, llm.target.model.vocab_size, 2)           # every other token
+    head = EagleHead.from_target(llm.target.model, vocab)
+    path = save_eagle(head, tmp_path_factory.mktemp("eagle_e2e"), llm.target, {})
+    spec = LLM.__new__(LLM)
+    spec.__dict__.update(llm.__dict__)
+    spec.drafter, spec.method = build_drafter("eagle", llm.target, drafter_path=str(path)), "eagle"
+    n = 20_000
+    counts, acceptance = draw(spec, prompt, n, K, seed0=3_000_000)
+    p_value, tv, outside = compare(counts, exact)
+    assert acceptance > 0.01, acceptance                 # drafts are accepted (a few %) and rejected
+    assert outside == 0
+    assert p_value > P_MIN, (p_value, tv)
+    assert tv < tv_bound(n), (p_value, tv)

@@ -107,6 +107,28 @@ def test_fused_verify_block_equals_single_token_decodes(tiny_models, odd_model, 
 
 @needs_native
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_fused_returns_hidden_like_eager(tiny_models, dtype):
+    """The features EAGLE heads read (last hidden states before the final norm), fused vs eager,
+    over a chunked prefill (> MAX_T) and a verify-sized block."""
+    _skip_if_unsupported(dtype)
+    model = _load(tiny_models["llama"], dtype)
+    eager = load_model(str(tiny_models["llama"]), dtype=dtype, progress=False, fast=False).model
+    tokens = torch.randint(0, model.vocab_size, (1, 90), generator=torch.Generator().manual_seed(4))
+    cf, ce = model.new_cache(1, 128), eager.new_cache(1, 128)
+    for start, end in ((0, 80), (80, 90)):
+        logits, hidden = model.forward(tokens[:, start:end], cf, start, return_hidden=True)
+        ref_logits, ref_hidden = eager.forward(tokens[:, start:end], ce, start, return_hidden=True)
+        assert hidden.shape == (1, end - start, model.config.hidden_size) and hidden.dtype == model.dtype
+        tol = 1e-4 if dtype == "fp32" else 0.05
+        scale = ref_hidden.float().abs().max().item()
+        assert (hidden.float() - ref_hidden.float()).abs().max().item() < tol * max(1.0, scale)
+    plain = model.forward(tokens[:, :80], model.new_cache(1, 128), 0)
+    with_hidden, _ = model.forward(tokens[:, :80], model.new_cache(1, 128), 0, return_hidden=True)
+    assert torch.equal(plain, with_hidden)          # asking for features changes nothing else
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("arch", ARCHES)
 def test_fused_matches_eager(tiny_models, odd_model, wide_head_model, arch, dtype):
     _skip_if_unsupported(dtype)

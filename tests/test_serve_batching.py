@@ -145,3 +145,44 @@ def test_speculation_is_switched_off_when_never_accepted_and_back_on_when_it_pay
     assert kinds[:30].count("accepted") == 0 and kinds[30:].count("accepted") >= 30
     spec = out["speculation"]
     assert spec["mode"] == "auto" and spec["on_at_end"] and spec["accepted_tokens"] >= 20
+
+
+def test_eagle_head_in_the_server_stays_lossless_with_mixed_and_switching_rows(tiny_models, tmp_path):
+    """An (untrained) EAGLE head keeps its own per-row state and reads the target's features:
+    chunked prefill feeds it the prompt's features, rows that do not speculate still feed it,
+    and rows switched off by the policy catch up on their probe steps."""
+    import torch
+
+    from specdecode.distill.format import save_eagle
+    from specdecode.distill.head import EagleHead
+    from specdecode.models.loader import load_model
+    target = load_model(str(tiny_models["llama"]), "fp32", progress=False)
+    torch.manual_seed(0)
+    head = EagleHead.from_target(target.model, torch.arange(target.model.vocab_size))
+    path = save_eagle(head, tmp_path / "eagle", target, {"note": "untrained"})
+    llm = LLM(model=str(tiny_models["llama"]), method="eagle", drafter_path=str(path), dtype="fp32",
+              progress=False)
+    jobs = [(TEXTS[i % 5] * (1 + i % 2), {0: {}, 1: {"speculate": False}, 2: {"speculate": True}}[i % 3], 20 + 4 * i)
+            for i in range(8)]
+    wants = [llm.generate([llm.tokenizer.encode(p)], SamplingParams(max_tokens=n, ignore_eos=True),
+                          num_speculative_tokens=0)[0].token_ids for p, _, n in jobs]
+    state = build_state(llm, ServeConfig(max_batch_size=3, block_size=4, prefill_chunk=16, max_model_len=200,
+                                         served_model_name="tiny"))
+
+    async def run(url):
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            async def one(prompt, extra, n):
+                body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                        "return_token_ids": True, **extra}
+                return (await client.post("/v1/completions", json=body)).json()
+            return await asyncio.gather(*(one(*job) for job in jobs))
+
+    with BackgroundServer(create_app(state)) as server:
+        outs = asyncio.run(run(server.url))
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        stats = httpx.get(server.url + "/api/stats", timeout=10).json()
+    assert [o["choices"][0]["token_ids"] for o in outs] == wants
+    assert sum(o["speculation"]["drafted_tokens"] for o in outs) > 0
+    assert all(o["speculation"]["drafted_tokens"] == 0 for o, job in zip(outs, jobs) if job[1] == {"speculate": False})
+    assert stats["memory"]["kv_bytes_capacity"]["draft"] > 0 and stats["memory"]["kv_bytes_used"]["draft"] == 0
+    assert metric(text, "specdecode:spec_decode_num_drafts_total") > 0

@@ -141,28 +141,33 @@ class Trainer:
         return F.rms_norm(x, (x.shape[-1],), self.final_norm, self.eps)
 
     def _unroll(self, token_ids, feats_in, depth: int):
-        """Yields (depth, predicted features [B, T, D], draft logits [B, T, V_draft])."""
+        """Yields (depth, predicted features [B, T, D]); depth s > 0 reads depth s-1's predictions."""
         emb = F.embedding(token_ids, self.embed)
         width = token_ids.shape[1]
         cos, sin = self.cos[:width][None, None], self.sin[:width][None, None]
         inputs = feats_in
         for s in range(depth):
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.autocast):
-                predicted = self.head(emb, inputs, cos, sin)
-                logits = F.linear(self._norm(predicted), self.lm_head)
-            yield s, predicted.float(), logits.float()
-            inputs = torch.cat([feats_in[:, :1], predicted[:, :-1].float()], dim=1)
+                predicted = self.head(emb, inputs, cos, sin).float()
+            yield s, predicted
+            inputs = torch.cat([feats_in[:, :1], predicted[:, :-1]], dim=1)
+
+    def _draft_logits(self, predicted: torch.Tensor) -> torch.Tensor:   # [N, D] -> [N, V_draft]
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.autocast):
+            return F.linear(self._norm(predicted), self.lm_head).float()
 
     # ------------------------------------------------------------------ training
     def train_step(self, ids: list[int]) -> float:
         tokens, feats_in, feats_out, labels, valid, _, _, _ = self._batch(ids)
+        labelled = valid & (labels != IGNORE)         # answer positions: the only ones drafting sees
         target = self._norm(feats_out)
         loss = torch.zeros((), device=self.device)
-        for s, predicted, logits in self._unroll(tokens, feats_in, self.config.unroll):
-            mask = valid.clone()
+        for s, predicted in self._unroll(tokens, feats_in, self.config.unroll):
+            mask = labelled.clone()
             mask[:, :s] = False
-            ce = F.cross_entropy(logits[mask], labels[mask], ignore_index=IGNORE)
-            reg = F.smooth_l1_loss(self._norm(predicted)[mask], target[mask])
+            picked = predicted[mask]                  # LM head only where there is a label
+            ce = F.cross_entropy(self._draft_logits(picked), labels[mask])
+            reg = F.smooth_l1_loss(self._norm(picked), target[mask])
             loss = loss + 0.8 ** s * (ce + self.config.feature_weight * reg)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -191,8 +196,9 @@ class Trainer:
             # right when it equals the target's greedy token there (greedy[:, i+d])
             ok = valid & response                                               # [B, T] chain starts
             chains += int(ok.sum())
-            for d, _, logits in self._unroll(tokens, feats_in, max_depth):
-                right = (self.head.draft_vocab[logits.argmax(-1)] == greedy) & valid     # [B, T]
+            for d, predicted in self._unroll(tokens, feats_in, max_depth):
+                draft = self.head.draft_vocab[self._draft_logits(predicted).argmax(-1)]
+                right = (draft == greedy) & valid                                # [B, T]
                 shifted = torch.zeros_like(ok)
                 shifted[:, :width - d] = right[:, d:]
                 ok = ok & shifted
