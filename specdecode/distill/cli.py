@@ -23,7 +23,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--kind", default="eagle", choices=["eagle", "draft-lm"],
                    help="eagle: one-layer head on the target's features (default); draft-lm: small standalone "
                         "Llama model initialised from the target's layers, saved as an HF checkpoint")
-    p.add_argument("--corpus", default=None, help="reuse the corpus in this directory (default: OUT/corpus)")
+    p.add_argument("--corpus", default=None,
+                   help="use the corpus already built in this directory as it is (default: build or finish "
+                        "building OUT/corpus)")
     p.add_argument("--max-prompts", type=_positive_int("--max-prompts", 1), default=None,
                    help="use only the first N training prompts (default: all ~1700)")
     p.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens", 8, 2048), default=256,
@@ -71,6 +73,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from ..models.loader import load_model
     from .corpus import build_corpus, load_corpus
     from .features import corpus_features
+    from ..cli import CliError
     _validate(args)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -80,7 +83,12 @@ def cmd_distill(args: argparse.Namespace) -> int:
     target = load_model(args.target, args.dtype, args.device)
     corpus_dir = Path(args.corpus).expanduser() if args.corpus else out / "corpus"
     print(f"[1/4] corpus of {target.name}'s own answers in {corpus_dir}", file=sys.stderr)
-    corpus = load_corpus(build_corpus(target, corpus_dir, args.max_prompts, args.max_new_tokens))
+    if args.corpus:
+        corpus = load_corpus(corpus_dir / "corpus.jsonl")
+        if not corpus:
+            raise CliError(f"--corpus {corpus_dir} holds no corpus.jsonl (build one with --out first)")
+    else:
+        corpus = load_corpus(build_corpus(target, corpus_dir, args.max_prompts, args.max_new_tokens))
     print(f"      {len(corpus)} sequences, {sum(len(r['output_ids']) for r in corpus)} answer tokens", file=sys.stderr)
     print(f"[2/4] target features -> {out / 'features.pt'}", file=sys.stderr)
     data = corpus_features(target, corpus, corpus_dir, out / "features.pt")

@@ -72,7 +72,8 @@ def _batch(data: FeatureSet, ids: list[int]):
     for row, s in enumerate(ids):
         a, n = int(data.offsets[s]), data.length(s)
         tokens[row, :n] = data.tokens[a:a + n].long()
-        labels[row, :n] = data.labels[a:a + n].long()
+        known = data.labels[a:a + n].long()
+        labels[row, :n] = torch.where(known >= 0, known, torch.full_like(known, -100))   # prompt: no label
         mask[row, :n] = 1
     return tokens, labels, mask
 

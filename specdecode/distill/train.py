@@ -17,6 +17,7 @@ import json
 import math
 import random
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -66,10 +67,16 @@ def choose_draft_vocab(data: FeatureSet, size: int, eos_ids: tuple[int, ...], vo
 
 
 def split(data: FeatureSet, share: float, seed: int) -> tuple[list[int], list[int]]:
-    ids = list(range(data.num_sequences))
-    random.Random(seed).shuffle(ids)
-    held = max(1, int(len(ids) * share))
-    return ids[held:], ids[:held]
+    """(train, held-out) sequence indices. A sequence's side depends only on its own tokens (a
+    CRC of its first 64), so it stays put when the corpus grows and training resumes."""
+    train, held = [], []
+    for s in range(data.num_sequences):
+        a = int(data.offsets[s])
+        head = data.tokens[a:a + min(64, data.length(s))].numpy().tobytes()
+        (held if (zlib.crc32(head) ^ seed) % 10_000 < share * 10_000 else train).append(s)
+    if not held and len(train) > 1:
+        held.append(train.pop())
+    return train, held
 
 
 def batches(data: FeatureSet, ids: list[int], budget: int, rng: random.Random) -> list[list[int]]:

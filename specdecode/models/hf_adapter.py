@@ -59,8 +59,11 @@ class HFAdapter:
     def forward(self, tokens: torch.Tensor,            # [B, T]
                 cache: AdapterCache, start, rows: torch.Tensor | None = None,
                 logit_index: torch.Tensor | None = None,  # [B, n]
+                return_hidden: bool = False,
                 ) -> torch.Tensor:                     # [B, n, vocab] float32
         from transformers import DynamicCache
+        if return_hidden:   # drafters that read target features refuse adapter targets before this
+            raise ModelError("the transformers adapter does not return hidden states (EAGLE needs a native target)")
         batch, num_tokens = tokens.shape
         starts = [start] * batch if isinstance(start, int) else [int(s) for s in torch.as_tensor(start).reshape(-1)]
         row_ids = list(range(batch)) if rows is None else [int(r) for r in rows]
