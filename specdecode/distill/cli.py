@@ -36,9 +36,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="eagle: size of the reduced draft vocabulary (default 8192)")
     p.add_argument("--unroll", type=_positive_int("--unroll", 1, 8), default=3,
                    help="eagle: training-time unroll depth (default 3)")
+    p.add_argument("--batch-tokens", type=_positive_int("--batch-tokens", 256), default=2048,
+                   help="tokens per training step (default 2048)")
     p.add_argument("--layers", type=_positive_int("--layers", 1, 64), default=4,
                    help="draft-lm: number of decoder layers (default 4)")
-    p.add_argument("--lr", type=_number("--lr"), default=None, help="learning rate (default 5e-4 eagle, 2e-4 draft-lm)")
+    p.add_argument("--lr", type=_number("--lr"), default=None, help="learning rate (default 1e-3 eagle, 2e-4 draft-lm)")
     p.add_argument("--eval-every", type=_number("--eval-every"), default=5.0, help="minutes between evaluations")
     p.add_argument("--eval-prompts", type=_positive_int("--eval-prompts", 0), default=3,
                    help="held-out Spec-Bench prompts per task for the final engine run (default 3; 0 = skip)")
@@ -114,6 +116,7 @@ def _train_eagle(args, target, data, out: Path) -> Path:
     from .format import save_eagle
     from .train import TrainConfig, Trainer
     config = TrainConfig(draft_vocab_size=args.draft_vocab, unroll=args.unroll, minutes=args.minutes,
+                         batch_tokens=args.batch_tokens,
                          epochs=args.epochs, eval_every_minutes=args.eval_every,
                          checkpoint_every_minutes=args.eval_every, **({"lr": args.lr} if args.lr else {}))
     trainer = Trainer(target, data, config, out, device=str(target.model.device))

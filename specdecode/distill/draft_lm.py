@@ -98,7 +98,7 @@ def train_draft_lm(args, target, data: FeatureSet, out: Path) -> Path:
     train_ids, held_ids = split(data, 0.04, 0)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr or 2e-4, betas=(0.9, 0.95))
-    budget, seconds, step, curve = 2048, 0.0, 0, []
+    budget, seconds, step, curve = args.batch_tokens, 0.0, 0, []
     total = sum(data.length(s) for s in train_ids)
     seen = 0
     print(f"      {len(picks)} layers from target depths {picks}; {sum(p.numel() for p in params) / 1e6:.1f}M trained "

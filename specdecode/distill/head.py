@@ -103,8 +103,9 @@ class EagleHead(nn.Module):
 
     @staticmethod
     def from_target(target_model, draft_vocab: torch.Tensor) -> "EagleHead":
-        """A head shaped like one target layer, initialised from the target's last layer (so it
-        starts as 'one more layer' of the target), with fc = [small | identity]."""
+        """A head shaped like one target layer, initialised from the target's last layer; fc keeps
+        nn.Linear's random init (an identity on the feature part would start the head predicting
+        the target's *current* token with high confidence: a poor start)."""
         tc = target_model.config
         config = HeadConfig(tc.hidden_size, tc.num_heads, tc.num_kv_heads, tc.head_dim, tc.intermediate_size,
                             tc.rms_norm_eps, tc.rope_theta, int(draft_vocab.numel()), tc.vocab_size)
@@ -116,10 +117,6 @@ class EagleHead(nn.Module):
             head.attn_norm.copy_(weights["attn_norm"])
             head.mlp_norm.copy_(weights["mlp_norm"])
             head.in_norm.copy_(target_model.final_norm.float())
-            d = tc.hidden_size
-            head.fc.weight.zero_()
-            head.fc.weight[:, :d].normal_(std=0.02)
-            head.fc.weight[:, d:].copy_(torch.eye(d))
             head.fc.bias.zero_()
             head.draft_vocab.copy_(draft_vocab)
         return head

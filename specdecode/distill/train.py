@@ -34,9 +34,9 @@ IGNORE = -100
 class TrainConfig:
     draft_vocab_size: int = 8192
     unroll: int = 3
-    lr: float = 5e-4
+    lr: float = 1e-3
     weight_decay: float = 0.0
-    batch_tokens: int = 6144
+    batch_tokens: int = 2048
     max_len: int = 768
     minutes: float = 60.0
     epochs: float = 20.0
