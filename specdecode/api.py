@@ -38,8 +38,8 @@ class LLM:
     """A target model plus (optionally) a drafter.
 
     model: None (the embedded SmolLM2-135M-Instruct), a .gguf file or an HF directory.
-    draft: a draft model path (method "model"); method: "eagle", "ngram", "model" or "none"
-    (default: see default_method); drafter_path: a trained drafter directory (method "eagle").
+    draft: a draft model path (method "model"); method: "cascade", "eagle", "ngram", "model" or "none"
+    (default: see default_method); drafter_path: a trained drafter directory (methods "eagle", "cascade").
     num_speculative_tokens: draft length k; 0 means plain decoding.
     """
 
@@ -62,8 +62,8 @@ class LLM:
         self.drafter: Drafter | None = None
         if self.method != "none" and num_speculative_tokens > 0:
             self.drafter = build_drafter(self.method, self.target, draft=self.draft, **drafter_options)
-        elif self.method not in ("none", "ngram", "model", "eagle"):
-            raise DrafterError(f"method must be one of eagle, model, ngram, none, got {self.method!r}")
+        elif self.method not in ("none", "ngram", "model", "eagle", "cascade"):
+            raise DrafterError(f"method must be one of cascade, eagle, model, ngram, none, got {self.method!r}")
         self.tokenizer = self.target.tokenizer
 
     def engine(self, num_speculative_tokens: int | None = None) -> SpecEngine:

@@ -13,6 +13,7 @@ def distilled(tiny_models, tmp_path_factory, one_thread):
     out = tmp_path_factory.mktemp("distill")
     code = main(["distill", "--target", str(tiny_models["llama"]), "--out", str(out), "--max-prompts", "40",
                  "--max-new-tokens", "48", "--minutes", "0.4", "--eval-every", "0.2", "--draft-vocab", "128",
+                 "--batch-tokens", "256",
                  "--eval-prompts", "1", "--dtype", "fp32"])
     assert code == 0
     return out
@@ -39,9 +40,11 @@ def test_distilled_drafter_is_lossless(tiny_models, distilled):
     assert llm.method == "eagle"
     prompts = ["the quick brown fox", "def add(a, b):"]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    plain = llm.generate(prompts, params, num_speculative_tokens=0)
-    spec = llm.generate(prompts, params, num_speculative_tokens=5)
-    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    for chat in (False, True):
+        plain = llm.generate(prompts, params, num_speculative_tokens=0, chat=chat)
+        spec = llm.generate(prompts, params, num_speculative_tokens=5, chat=chat)
+        assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    # chat prompts are what the drafter was trained on (the tiny target's answers to them)
     assert spec[0].stats["mean_accepted_length"] > 1.0
 
 

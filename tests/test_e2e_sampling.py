@@ -158,9 +158,11 @@ def test_detects_wrong_residual(setup, monkeypatch):
 
 
 
-def test_eagle_sampling_matches_plain_distribution(setup, models, tmp_path_factory):
+@pytest.mark.parametrize("method,options", [("eagle", {}), ("cascade", {"ngram_min": 1, "ngram_max": 2})])
+def test_eagle_sampling_matches_plain_distribution(setup, models, tmp_path_factory, method, options):
     """The EAGLE drafter's proposals (a head on the target's features, reduced draft vocabulary:
-    tokens outside it have draft probability 0) pass the same test at 2x10^4 samples."""
+    tokens outside it have draft probability 0) pass the same test at 2x10^4 samples; so does the
+    cascade, whose batches mix lookup rows (one-hot draft distributions) with head rows."""
     from specdecode.distill.format import save_eagle
     from specdecode.distill.head import EagleHead
     from specdecode.drafters.base import build_drafter
@@ -171,11 +173,14 @@ def test_eagle_sampling_matches_plain_distribution(setup, models, tmp_path_facto
     path = save_eagle(head, tmp_path_factory.mktemp("eagle_e2e"), llm.target, {})
     spec = LLM.__new__(LLM)
     spec.__dict__.update(llm.__dict__)
-    spec.drafter, spec.method = build_drafter("eagle", llm.target, drafter_path=str(path)), "eagle"
+    spec.drafter = build_drafter(method, llm.target, drafter_path=str(path), **options)
+    spec.method = method
     n = 20_000
     counts, acceptance = draw(spec, prompt, n, K, seed0=3_000_000)
     p_value, tv, outside = compare(counts, exact)
     assert acceptance > 0.01, acceptance                 # drafts are accepted (a few %) and rejected
+    if method == "cascade":                              # both kinds of rows occurred
+        assert spec.drafter.lookup_steps > 0 and spec.drafter.head_steps > 0
     assert outside == 0
     assert p_value > P_MIN, (p_value, tv)
     assert tv < tv_bound(n), (p_value, tv)

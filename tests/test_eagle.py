@@ -25,6 +25,10 @@ def heads(tiny_models, tmp_path_factory, one_thread):
         torch.manual_seed(0)
         vocab = torch.arange(target.model.vocab_size // 2, target.model.vocab_size)  # a reduced draft vocab
         head = EagleHead.from_target(target.model, vocab)
+        with torch.no_grad():      # fc = [0 | identity]: the head acts as one more target layer and
+            d = target.model.config.hidden_size     # its drafts are accepted often enough to test with
+            head.fc.weight.zero_()
+            head.fc.weight[:, d:].copy_(torch.eye(d))
         out[arch] = save_eagle(head, tmp_path_factory.mktemp(f"eagle_{arch}"), target, {"note": "untrained"})
     return out
 
@@ -41,6 +45,19 @@ def test_eagle_greedy_equals_plain(tiny_models, heads, arch):
         alone = llm.generate([PROMPTS[1]], params, num_speculative_tokens=k)[0]
         assert alone.token_ids == plain[1].token_ids
         assert spec[0].stats["steps"] < 30     # it drafted and the loop advanced
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_cascade_greedy_equals_plain(tiny_models, heads, arch):
+    """Lookup rows and head rows in one batch (the repetitive prompts match, "x" does not)."""
+    llm = LLM(model=str(tiny_models[arch]), method="cascade", drafter_path=str(heads[arch]), dtype="fp32",
+              progress=False, ngram_min=2, ngram_max=4)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    plain = llm.generate(PROMPTS, params, num_speculative_tokens=0)
+    for k in (1, 4):
+        spec = llm.generate(PROMPTS, params, num_speculative_tokens=k)
+        assert [s.token_ids for s in spec] == [p.token_ids for p in plain], k
+    assert llm.drafter.lookup_steps > 0 and llm.drafter.head_steps > 0
 
 
 def test_eagle_sampling_runs_seeded(tiny_models, heads):

@@ -8,7 +8,7 @@ import sys
 from ..datasets import SPEC_BENCH_TASKS, TASKS
 
 SYSTEMS = ("specdecode", "transformers", "llama.cpp")
-METHODS = ("plain", "ngram", "eagle", "model")
+METHODS = ("plain", "ngram", "eagle", "cascade", "model")
 MODES = {"quick": {"prompts_per_task": 2, "max_tokens": 64},
          "full": {"prompts_per_task": None, "max_tokens": 128}}
 

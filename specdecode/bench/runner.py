@@ -84,8 +84,9 @@ def build_systems(config: dict, llm, prompts: list[workload.BenchPrompt], notes:
                 notes.append("llama.cpp: method model skipped — llama-cpp-python only drafts by prompt lookup")
     if "model" in config["methods"] and not config["draft"]:
         notes.append("method model skipped — no --draft given")
-    if "eagle" in config["methods"] and not any(sys_.supports("eagle") for sys_ in systems):
-        notes.append("method eagle skipped — no trained drafter for this target (--drafter DIR)")
+    for method in ("eagle", "cascade"):
+        if method in config["methods"] and not any(sys_.supports(method) for sys_ in systems):
+            notes.append(f"method {method} skipped — no trained drafter for this target (--drafter DIR)")
     return systems
 
 

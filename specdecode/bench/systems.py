@@ -68,6 +68,7 @@ class SpecdecodeSystem(System):
         self.drafters = {"ngram": build_drafter("ngram", llm.target)}
         if llm.target.native and (drafter_path or shipped_drafter(llm.target, "eagle")):
             self.drafters["eagle"] = build_drafter("eagle", llm.target, drafter_path=drafter_path)
+            self.drafters["cascade"] = build_drafter("cascade", llm.target, drafter_path=drafter_path)
         if llm.draft is not None:
             self.drafters["model"] = build_drafter("model", llm.target, draft=llm.draft)
 

@@ -89,7 +89,7 @@ def register(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
 
 
 def build_drafter(method: str, target: "LoadedModel", **options) -> Drafter:
-    from . import eagle, model, ngram  # noqa: F401  (registers the built-in drafters)
+    from . import cascade, eagle, model, ngram  # noqa: F401  (registers the built-in drafters)
     if method not in DRAFTERS:
         raise DrafterError(f"method must be one of {', '.join(sorted(DRAFTERS))}, got {method!r}")
     return DRAFTERS[method](target, **options)

@@ -1,0 +1,96 @@
+"""Cascade drafting: prompt lookup where the text repeats itself, the trained EAGLE head elsewhere.
+
+Per row and step: if the row's last `ngram_min`..`ngram_max` tokens occur earlier in its text,
+the lookup continuation is the draft (free, and long when the answer copies the prompt, as in
+summarization or RAG); otherwise the EAGLE head drafts (about one target layer per token). A row
+the head skipped catches up on the next step it drafts: the head's cache is position-addressed
+and its catch-up pass recomputes every slot the target has seen since (see eagle.py).
+
+Lookup drafts are point masses. When the head samples (probs given) in the same step, a lookup
+row gets one-hot distributions, which is the exact distribution its draft came from, so
+verification stays lossless.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .base import DraftProposal, Drafter, DrafterError, register
+from .eagle import EagleDrafter
+from .ngram import lookup
+
+
+@register("cascade")
+class CascadeDrafter(Drafter):
+    uses_target_hidden = True
+
+    def __init__(self, target, drafter_path=None, fast: bool = True, ngram_min: int = 3, ngram_max: int = 5,
+                 **_: object) -> None:
+        if not 1 <= ngram_min <= ngram_max <= 16:
+            raise DrafterError(f"ngram sizes must satisfy 1 <= ngram_min <= ngram_max <= 16, "
+                               f"got ngram_min={ngram_min}, ngram_max={ngram_max}")
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.head = EagleDrafter(target, drafter_path, fast)
+        self.matches_target = self.head.matches_target
+        self._head_rows: list[int] = []
+        self._head_proposal: DraftProposal | None = None
+        self.lookup_steps = self.head_steps = 0          # row-steps drafted by each (for reports)
+
+    # state lives in the head (serve accounts for it through these)
+    @property
+    def cache(self):
+        return self.head.cache
+
+    @property
+    def features(self):
+        return self.head.features
+
+    def prepare(self, batch_size: int, max_len: int) -> None:
+        self.head.prepare(batch_size, max_len)
+
+    def close(self) -> None:
+        self.head.close()
+
+    def observe(self, seqs, starts, hidden):
+        self.head.observe(seqs, starts, hidden)
+
+    def propose(self, seqs, max_tokens):
+        drafts: list[list[int] | None] = []
+        for s, k in zip(seqs, max_tokens):
+            found = lookup(np.asarray(s.token_ids, dtype=np.int64), k, self.ngram_min, self.ngram_max) if k else []
+            drafts.append(found or None)
+        head_rows = [b for b, d in enumerate(drafts) if d is None and max_tokens[b] > 0]
+        self.lookup_steps += sum(d is not None for d in drafts)
+        self.head_steps += len(head_rows)
+        self._head_rows, self._head_proposal = head_rows, None
+        if not head_rows:
+            return DraftProposal.from_lists([d or [] for d in drafts])
+        sub = self.head.propose([seqs[b] for b in head_rows], [max_tokens[b] for b in head_rows])
+        self._head_proposal = sub
+        if len(head_rows) == len(seqs):
+            return sub
+        k = max(sub.k, max((len(d) for d in drafts if d), default=0))
+        tokens = torch.zeros(len(seqs), k, dtype=torch.long)                          # [B, k]
+        num_tokens = torch.zeros(len(seqs), dtype=torch.long)                         # [B]
+        probs = None
+        if sub.probs is not None:
+            probs = sub.probs.new_zeros(len(seqs), k, sub.probs.shape[-1])           # [B, k, vocab]
+        for i, b in enumerate(head_rows):
+            n = int(sub.num_tokens[i])
+            tokens[b, :n] = sub.tokens[i, :n]
+            num_tokens[b] = n
+            if probs is not None:
+                probs[b, :sub.k] = sub.probs[i]
+        for b, d in enumerate(drafts):
+            if d:
+                tokens[b, :len(d)] = torch.tensor(d, dtype=torch.long)
+                num_tokens[b] = len(d)
+                if probs is not None:            # a point mass as a distribution
+                    probs[b, torch.arange(len(d)), tokens[b, :len(d)].to(probs.device)] = 1.0
+        return DraftProposal(tokens, num_tokens, probs)
+
+    def commit(self, seqs, proposal, num_accepted):
+        sub, rows = self._head_proposal, self._head_rows
+        self._head_proposal, self._head_rows = None, []
+        if sub is not None:
+            self.head.commit([seqs[b] for b in rows], sub, [num_accepted[b] for b in rows])
