@@ -147,10 +147,12 @@ def test_speculation_is_switched_off_when_never_accepted_and_back_on_when_it_pay
     assert spec["mode"] == "auto" and spec["on_at_end"] and spec["accepted_tokens"] >= 20
 
 
-def test_eagle_head_in_the_server_stays_lossless_with_mixed_and_switching_rows(tiny_models, tmp_path):
+@pytest.mark.parametrize("method", ["eagle", "cascade"])
+def test_eagle_head_in_the_server_stays_lossless_with_mixed_and_switching_rows(tiny_models, tmp_path, method):
     """An (untrained) EAGLE head keeps its own per-row state and reads the target's features:
     chunked prefill feeds it the prompt's features, rows that do not speculate still feed it,
-    and rows switched off by the policy catch up on their probe steps."""
+    and rows switched off by the policy catch up on their probe steps. The cascade adds lookup
+    rows (the repeated prompts) whose head state lags and catches up too."""
     import torch
 
     from specdecode.distill.format import save_eagle
@@ -160,7 +162,7 @@ def test_eagle_head_in_the_server_stays_lossless_with_mixed_and_switching_rows(t
     torch.manual_seed(0)
     head = EagleHead.from_target(target.model, torch.arange(target.model.vocab_size))
     path = save_eagle(head, tmp_path / "eagle", target, {"note": "untrained"})
-    llm = LLM(model=str(tiny_models["llama"]), method="eagle", drafter_path=str(path), dtype="fp32",
+    llm = LLM(model=str(tiny_models["llama"]), method=method, drafter_path=str(path), dtype="fp32",
               progress=False)
     jobs = [(TEXTS[i % 5] * (1 + i % 2), {0: {}, 1: {"speculate": False}, 2: {"speculate": True}}[i % 3], 20 + 4 * i)
             for i in range(8)]
