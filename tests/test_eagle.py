@@ -60,6 +60,25 @@ def test_cascade_greedy_equals_plain(tiny_models, heads, arch):
     assert llm.drafter.lookup_steps > 0 and llm.drafter.head_steps > 0
 
 
+def test_eagle_early_stop_is_exact_and_drafts_less(tiny_models, heads):
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.9, max_tokens=30, ignore_eos=True, seed=4)
+    drafted, outs = {}, {}
+    for threshold in (0.0, 0.6):
+        llm = LLM(model=str(tiny_models["llama"]), method="eagle", drafter_path=str(heads["llama"]), dtype="fp32",
+                  progress=False, min_confidence=threshold)
+        plain = llm.generate(PROMPTS, params, num_speculative_tokens=0)
+        spec = llm.generate(PROMPTS, params, num_speculative_tokens=6)
+        assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+        drafted[threshold] = sum(s.stats["drafted_tokens"] for s in spec)
+        outs[threshold] = [s.token_ids for s in llm.generate(PROMPTS, sampled, num_speculative_tokens=6)]
+    assert drafted[0.6] < drafted[0.0]
+    assert all(len(t) == 30 for t in outs[0.6])
+    with pytest.raises(DrafterError, match="min_confidence"):
+        LLM(model=str(tiny_models["llama"]), method="eagle", drafter_path=str(heads["llama"]), dtype="fp32",
+            progress=False, min_confidence=1.5)
+
+
 def test_eagle_sampling_runs_seeded(tiny_models, heads):
     llm = LLM(model=str(tiny_models["llama"]), method="eagle", drafter_path=str(heads["llama"]), dtype="fp32",
               progress=False)

@@ -25,12 +25,13 @@ class CascadeDrafter(Drafter):
     uses_target_hidden = True
 
     def __init__(self, target, drafter_path=None, fast: bool = True, ngram_min: int = 3, ngram_max: int = 5,
-                 **_: object) -> None:
+                 min_confidence: float | None = None, **_: object) -> None:
         if not 1 <= ngram_min <= ngram_max <= 16:
             raise DrafterError(f"ngram sizes must satisfy 1 <= ngram_min <= ngram_max <= 16, "
                                f"got ngram_min={ngram_min}, ngram_max={ngram_max}")
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
-        self.head = EagleDrafter(target, drafter_path, fast)
+        self.head = EagleDrafter(target, drafter_path, fast,
+                                 **({} if min_confidence is None else {"min_confidence": min_confidence}))
         self.matches_target = self.head.matches_target
         self._head_rows: list[int] = []
         self._head_proposal: DraftProposal | None = None

@@ -10,6 +10,11 @@ drafts and the recovered/bonus token of the last step: about one mean accepted l
 one batched pass), whose last output drafts token 1; then chain k-1 single-slot passes, each
 reading the feature the previous slot predicted. commit: cut the head cache back to the slots
 computed from true features; the next propose redoes the rest with the target's real features.
+
+Early stop (`min_confidence`): a row stops drafting before a draft (after the first) whose
+probability under the head is below the threshold; the chain ends when every row has stopped.
+Drafts past the first rarely survive when the head is unsure, and each costs a head pass. The
+number of drafts depends only on the head's own state, so verification stays exact.
 """
 from __future__ import annotations
 
@@ -28,13 +33,17 @@ from .base import DraftProposal, Drafter, DrafterError, register
 class EagleDrafter(Drafter):
     uses_target_hidden = True
 
-    def __init__(self, target, drafter_path: str | Path | None = None, fast: bool = True, **_: object) -> None:
+    def __init__(self, target, drafter_path: str | Path | None = None, fast: bool = True,
+                 min_confidence: float = 0.0, **_: object) -> None:
         from ..distill.format import check_target, read_meta, shipped_drafter
         from ..distill.head import HeadConfig, rope_tables
         if not getattr(target, "native", False):
             raise DrafterError(f"method 'eagle' needs a natively loaded target (Llama/Qwen2); {target.name} runs "
                                f"through the transformers adapter")
         path = Path(drafter_path).expanduser() if drafter_path is not None else shipped_drafter(target, "eagle")
+        if not isinstance(min_confidence, (int, float)) or not 0.0 <= min_confidence < 1.0:
+            raise DrafterError(f"min_confidence must be in [0, 1), got {min_confidence!r}")
+        self.min_confidence = float(min_confidence)
         if path is None:
             raise DrafterError(f"no EAGLE drafter for {target.name}: train one with `specdecode distill --target "
                                f"{target.name} --out DIR` and pass --drafter DIR")
@@ -148,9 +157,15 @@ class EagleDrafter(Drafter):
         # no logit bias or penalties only need the argmax (a point-mass proposal: verify then
         # accepts a draft iff it is the target's argmax), so the full-vocabulary work is skipped.
         argmax_only = all(p.greedy and not p.logit_bias and not p.uses_penalties for p in params)
+        num_drafts = list(max_tokens)
         for step in range(k):
+            confidence = None
             if argmax_only:
-                draft_tokens[:, step] = self.draft_vocab[self._draft_logits(feature).argmax(-1)].cpu()
+                draft_logits = self._draft_logits(feature)                                 # [B, V_draft]
+                best = draft_logits.argmax(-1)
+                draft_tokens[:, step] = self.draft_vocab[best].cpu()
+                if self.min_confidence and step:
+                    confidence = torch.softmax(draft_logits, -1).gather(1, best[:, None])[:, 0]
             else:
                 logits = self._logits(feature)
                 history = [s.token_ids + draft_tokens[b, :step].tolist() for b, s in enumerate(seqs)] \
@@ -162,14 +177,20 @@ class EagleDrafter(Drafter):
                     draft_probs = torch.zeros(batch, k, self.vocab, dtype=torch.float32, device=self.device)
                 draft_probs[:, step] = probs
                 draft_tokens[:, step] = sample(probs, generators).cpu()
-            if step + 1 == k:
+                if self.min_confidence and step:
+                    confidence = probs.gather(1, draft_tokens[:, step:step + 1].to(probs.device))[:, 0]
+            if confidence is not None:      # rows stop before an unsure draft
+                for b, c in enumerate(confidence.tolist()):
+                    if c < self.min_confidence and num_drafts[b] > step:
+                        num_drafts[b] = step
+            if step + 1 == k or max(num_drafts) <= step + 1:
                 break
             slot = [e + step for e in ends]
             predicted = self._pass(rows, slot, draft_tokens[:, step:step + 1].to(self.device), feature[:, None])
             feature = predicted[:, 0]
             for b, s in enumerate(seqs):
                 self.cache.truncate(s.row, slot[b] + 1)
-        return DraftProposal(draft_tokens, torch.tensor(max_tokens, dtype=torch.long),
+        return DraftProposal(draft_tokens, torch.tensor(num_drafts, dtype=torch.long),
                              None if argmax_only else draft_probs)
 
     def commit(self, seqs, proposal, num_accepted):
