@@ -36,7 +36,9 @@ __all__ = ["PackedLinear", "available", "reason", "self_check"]
 
 _SRC = Path(__file__).with_name("kernels.c")
 _SOURCES = (_SRC, _SRC.with_name("decoder.c"))  # kernels.c #includes decoder.c
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
+# -mamx-*: the AMX kernels compile on any x86 CPU; they only run where the CPU has AMX (checked at load)
+_CFLAGS = ["-O3", "-march=native", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared", "-fPIC", "-std=gnu11",
+           "-ffp-contract=off"]
 _CACHE = Path(os.environ.get("SPECDECODE_KERNEL_CACHE", "~/.cache/specdecode/kernels")).expanduser()
 # bf16 uses AMX for every row count when available: each output row is then bitwise identical
 # whether computed alone or in a block (AVX512-BF16 at M=1 sums in another order than AMX), which
