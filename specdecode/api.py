@@ -22,15 +22,16 @@ class RequestOutput:
 
 
 def default_method(draft: object | None, target: LoadedModel | None = None, drafter_path: str | None = None) -> str:
-    """model with a draft model; eagle with a trained drafter (given, or shipped for this target); else ngram."""
+    """model with a draft model; cascade with a trained drafter directory; else ngram.
+
+    The EAGLE drafter shipped for the embedded model is not the default: on the quick benchmark
+    (benchmarks/RESULTS.md) it does not beat n-gram drafting on this project's CPU, where a
+    verify pass costs ~0.17 decode steps per extra token; use it with `method="eagle"` or
+    `"cascade"`."""
     if draft is not None:
         return "model"
     if drafter_path is not None:
-        return "eagle"
-    if target is not None and target.native:
-        from .distill.format import shipped_drafter
-        if shipped_drafter(target, "eagle") is not None:
-            return "eagle"
+        return "cascade"
     return "ngram"
 
 

@@ -51,8 +51,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="target: a .gguf file or an HF directory (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--draft", default=None, help="draft model (.gguf or HF directory) sharing the target's tokenizer")
     g.add_argument("--method", default=None, choices=["cascade", "eagle", "ngram", "model", "none"],
-                   help="drafter (default: model when --draft is given, else eagle when a trained drafter for "
-                        "the target ships with specdecode or --drafter is given, else ngram)")
+                   help="drafter (default: model with --draft, cascade with --drafter, else ngram; eagle and "
+                        "cascade use the drafter shipped for the embedded model when no --drafter is given)")
     g.add_argument("--drafter", default=None, metavar="DIR",
                    help="trained drafter directory from `specdecode distill` (methods eagle, cascade)")
     g.add_argument("-k", "--num-speculative-tokens", dest="k", type=_positive_int("-k", 0, 32), default=5,

@@ -13,7 +13,7 @@ def distilled(tiny_models, tmp_path_factory, one_thread):
     out = tmp_path_factory.mktemp("distill")
     code = main(["distill", "--target", str(tiny_models["llama"]), "--out", str(out), "--max-prompts", "40",
                  "--max-new-tokens", "48", "--minutes", "0.4", "--eval-every", "0.2", "--draft-vocab", "128",
-                 "--batch-tokens", "256",
+                 "--batch-tokens", "256", "--epochs", "10000",   # time-bound on any machine: 3 curve points
                  "--eval-prompts", "1", "--dtype", "fp32"])
     assert code == 0
     return out
@@ -37,7 +37,7 @@ def test_distill_outputs(distilled):
 
 def test_distilled_drafter_is_lossless(tiny_models, distilled):
     llm = LLM(model=str(tiny_models["llama"]), drafter_path=str(distilled / "drafter"), dtype="fp32", progress=False)
-    assert llm.method == "eagle"
+    assert llm.method == "cascade"          # the default with a drafter directory
     prompts = ["the quick brown fox", "def add(a, b):"]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     for chat in (False, True):

@@ -119,3 +119,25 @@ def test_eagle_bad_paths(tiny_models, heads, tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             LLM(model=str(tiny_models["llama"]), method="eagle", dtype="fp32", progress=False)
+
+
+@pytest.mark.slow
+def test_shipped_drafter_for_the_embedded_model(smollm2):
+    """The drafter shipped in the package is found by the embedded target's fingerprint, is
+    trained (its drafts are accepted) and stays exact; n-gram stays the default method."""
+    from specdecode.api import default_method
+    from specdecode.distill.format import shipped_drafter
+    from specdecode.drafters.base import build_drafter
+    from specdecode.engine.engine import SpecEngine
+    assert shipped_drafter(smollm2, "eagle") is not None
+    assert default_method(None, smollm2) == "ngram"
+    drafter = build_drafter("eagle", smollm2)
+    assert drafter.matches_target
+    tok = smollm2.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+                     add_special=False)
+    params = [SamplingParams(max_tokens=40)]
+    plain = SpecEngine(smollm2, None, 0).generate([ids], params)[0]
+    spec = SpecEngine(smollm2, drafter, 4).generate([ids], params)[0]
+    assert spec.output_ids == plain.output_ids
+    assert spec.stats.accepted > 0
