@@ -171,6 +171,10 @@ def test_eagle_sampling_matches_plain_distribution(setup, models, tmp_path_facto
     torch.manual_seed(5)
     vocab = torch.arange(0, llm.target.model.vocab_size, 2)           # every other token
     head = EagleHead.from_target(llm.target.model, vocab)
+    with torch.no_grad():          # fc = [0 | identity]: the untrained head acts as one more target
+        d = llm.target.model.config.hidden_size      # layer, so its drafts are accepted now and then
+        head.fc.weight.zero_()
+        head.fc.weight[:, d:].copy_(torch.eye(d))
     path = save_eagle(head, tmp_path_factory.mktemp("eagle_e2e"), llm.target, {})
     spec = LLM.__new__(LLM)
     spec.__dict__.update(llm.__dict__)

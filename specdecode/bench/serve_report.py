@@ -45,7 +45,7 @@ def summarize(records: list[Record], duration_s: float, slo_ttft_ms: float | Non
         "requests": len(records), "completed": len(ok), "failed": len(failed),
         "failures": dict(Counter(r.error or "unknown" for r in failed).most_common(10)),
         "failures_by_status": dict(Counter(str(r.status) if r.status is not None else "no response" for r in failed)),
-        "duration_s": round(duration_s, 3),
+        "duration_s": round(duration_s, 6),
         "request_throughput": round(len(ok) / duration, 4),
         "output_tokens": tokens,
         "output_tokens_per_s": round(tokens / duration, 3),

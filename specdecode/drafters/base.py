@@ -34,6 +34,21 @@ class DraftProposal:
     def empty(batch: int) -> "DraftProposal":
         return DraftProposal(torch.zeros(batch, 0, dtype=torch.long), torch.zeros(batch, dtype=torch.long), None)
 
+    def scatter(self, rows: list[int], batch: int, k: int | None = None) -> "DraftProposal":
+        """This proposal (made for a subset of a batch) placed at `rows` of a batch of `batch`
+        rows, k columns (default self.k); the other rows get no drafts."""
+        k = self.k if k is None else k
+        index = torch.tensor(rows, dtype=torch.long)
+        tokens = torch.zeros(batch, k, dtype=torch.long)                              # [batch, k]
+        tokens[index, :self.k] = self.tokens.cpu()
+        num_tokens = torch.zeros(batch, dtype=torch.long)                             # [batch]
+        num_tokens[index] = self.num_tokens.cpu()
+        probs = None
+        if self.probs is not None:
+            probs = self.probs.new_zeros(batch, k, self.probs.shape[-1])             # [batch, k, vocab]
+            probs[index.to(probs.device), :self.k] = self.probs
+        return DraftProposal(tokens, num_tokens, probs)
+
     @staticmethod
     def from_lists(drafts: list[list[int]]) -> "DraftProposal":
         """Point-mass proposal from per-row token lists (ragged)."""

@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import DraftProposal, Drafter, DrafterError, register
+from .base import DraftProposal, Drafter, register
 from .eagle import EagleDrafter
-from .ngram import lookup
+from .ngram import NgramDrafter, lookup
 
 
 @register("cascade")
@@ -26,10 +26,7 @@ class CascadeDrafter(Drafter):
 
     def __init__(self, target, drafter_path=None, fast: bool = True, ngram_min: int = 3, ngram_max: int = 5,
                  min_confidence: float | None = None, **_: object) -> None:
-        if not 1 <= ngram_min <= ngram_max <= 16:
-            raise DrafterError(f"ngram sizes must satisfy 1 <= ngram_min <= ngram_max <= 16, "
-                               f"got ngram_min={ngram_min}, ngram_max={ngram_max}")
-        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.ngram = NgramDrafter(target, ngram_min, ngram_max)      # validates the sizes
         self.head = EagleDrafter(target, drafter_path, fast,
                                  **({} if min_confidence is None else {"min_confidence": min_confidence}))
         self.matches_target = self.head.matches_target
@@ -58,7 +55,8 @@ class CascadeDrafter(Drafter):
     def propose(self, seqs, max_tokens):
         drafts: list[list[int] | None] = []
         for s, k in zip(seqs, max_tokens):
-            found = lookup(np.asarray(s.token_ids, dtype=np.int64), k, self.ngram_min, self.ngram_max) if k else []
+            ids = np.asarray(s.token_ids, dtype=np.int64)
+            found = lookup(ids, k, self.ngram.ngram_min, self.ngram.ngram_max) if k else []
             drafts.append(found or None)
         head_rows = [b for b, d in enumerate(drafts) if d is None and max_tokens[b] > 0]
         self.lookup_steps += sum(d is not None for d in drafts)
@@ -70,25 +68,14 @@ class CascadeDrafter(Drafter):
         self._head_proposal = sub
         if len(head_rows) == len(seqs):
             return sub
-        k = max(sub.k, max((len(d) for d in drafts if d), default=0))
-        tokens = torch.zeros(len(seqs), k, dtype=torch.long)                          # [B, k]
-        num_tokens = torch.zeros(len(seqs), dtype=torch.long)                         # [B]
-        probs = None
-        if sub.probs is not None:
-            probs = sub.probs.new_zeros(len(seqs), k, sub.probs.shape[-1])           # [B, k, vocab]
-        for i, b in enumerate(head_rows):
-            n = int(sub.num_tokens[i])
-            tokens[b, :n] = sub.tokens[i, :n]
-            num_tokens[b] = n
-            if probs is not None:
-                probs[b, :sub.k] = sub.probs[i]
+        out = sub.scatter(head_rows, len(seqs), max(sub.k, max((len(d) for d in drafts if d), default=0)))
         for b, d in enumerate(drafts):
             if d:
-                tokens[b, :len(d)] = torch.tensor(d, dtype=torch.long)
-                num_tokens[b] = len(d)
-                if probs is not None:            # a point mass as a distribution
-                    probs[b, torch.arange(len(d)), tokens[b, :len(d)].to(probs.device)] = 1.0
-        return DraftProposal(tokens, num_tokens, probs)
+                out.tokens[b, :len(d)] = torch.tensor(d, dtype=torch.long)
+                out.num_tokens[b] = len(d)
+                if out.probs is not None:        # a point mass as a distribution
+                    out.probs[b, torch.arange(len(d)), out.tokens[b, :len(d)].to(out.probs.device)] = 1.0
+        return out
 
     def commit(self, seqs, proposal, num_accepted):
         sub, rows = self._head_proposal, self._head_rows

@@ -74,16 +74,7 @@ class RowDrafter(Drafter):
         self._active, self._sub = active, sub
         if len(active) == len(seqs):
             return sub
-        batch, index = len(seqs), torch.tensor(active, dtype=torch.long)
-        tokens = torch.zeros(batch, sub.k, dtype=torch.long)                        # [B, k]
-        tokens[index] = sub.tokens.cpu()
-        num_tokens = torch.zeros(batch, dtype=torch.long)                           # [B]
-        num_tokens[index] = sub.num_tokens.cpu()
-        probs = None
-        if sub.probs is not None:
-            probs = sub.probs.new_zeros(batch, sub.k, sub.probs.shape[-1])           # [B, k, vocab]
-            probs[index.to(probs.device)] = sub.probs
-        return DraftProposal(tokens, num_tokens, probs)
+        return sub.scatter(active, len(seqs))
 
     def commit(self, seqs, proposal, num_accepted):
         if proposal.k == 0 or self._sub is None:      # the engine did not call propose this step
