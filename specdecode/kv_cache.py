@@ -8,7 +8,23 @@ are overwritten. Nothing is ever copied on rollback.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class CacheLayout:
+    """Where a cache keeps key/value `j` of kv head `h` for batch row `b` of a pass, in elements
+    from a layer's base tensor: tables[b, j // block] * block_stride + (j % block) * key_stride
+    + h * head_stride. A contiguous cache has one block per row; a paged cache a block table."""
+    keys: list[torch.Tensor]         # [layers] base tensors
+    values: list[torch.Tensor]
+    tables: torch.Tensor             # [B, blocks] int32
+    block: int
+    block_stride: int
+    key_stride: int
+    head_stride: int
 
 
 class KVCache:
@@ -39,6 +55,14 @@ class KVCache:
         rows = range(self.batch_size) if row is None else [row]
         for r in rows:
             self.lengths[r] = 0
+
+    def layout(self, rows: list[int], starts: list[int], num_tokens: int) -> "CacheLayout":
+        """Addresses of the entries a pass writes and reads, for native kernels (see CacheLayout)."""
+        if max(starts) + num_tokens > self.max_len:
+            raise ValueError(f"positions up to {max(starts) + num_tokens - 1} exceed the cache ({self.max_len})")
+        _, heads, max_len, head_dim = self.keys[0].shape
+        return CacheLayout(self.keys, self.values, torch.tensor(rows, dtype=torch.int32)[:, None], max_len,
+                           heads * max_len * head_dim, head_dim, max_len * head_dim)
 
     def write(self, layer: int, rows: torch.Tensor | None, start: int | torch.Tensor,
               keys: torch.Tensor,     # [B, kv_heads, T, head_dim]

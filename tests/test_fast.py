@@ -178,3 +178,43 @@ def test_fused_edge_cases(tiny_models):
     out = model.forward(torch.tensor([[5, 6], [7, 8]]), cache2, 0)
     assert out.shape == (2, 2, model.vocab_size)
     assert fused_decoder(load_model(str(tiny_models["llama"]), dtype="fp32", progress=False, fast=False).model) is None
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2_odd"])
+def test_fused_batched_and_paged_rows_equal_batch_one(tiny_models, odd_model, wide_head_model, arch, dtype):
+    """Ragged batches (per-row starts, cache rows) through the fused decoder, on a contiguous cache
+    and on paged caches of several block sizes (16: in-place key chunks; 4 and 5: chunks across
+    blocks), give each row the logits and hidden states of the same tokens run alone at batch 1."""
+    from specdecode.kv_cache import KVCache
+    from specdecode.serve.paged_cache import PagedKVCache
+    _skip_if_unsupported(dtype)
+    model = _load(_models(tiny_models, odd_model, wide_head_model)[arch], dtype)
+    c = model.config
+    gen = torch.Generator().manual_seed(3)
+    lengths = (37, 50, 12)
+    prompts = [torch.randint(0, model.vocab_size, (n,), generator=gen) for n in lengths]
+    none = torch.zeros(1, 0, dtype=torch.long)
+    refs = []
+    for p in prompts:                       # batch 1: prefill, then a 6-token verify-sized pass
+        cache = model.new_cache(1, 96)
+        model.forward(p[None, :-6], cache, 0, logit_index=none)
+        refs.append(model.forward(p[None, -6:], cache, len(p) - 6, return_hidden=True))
+    blocks = torch.stack([p[-6:] for p in prompts])
+    starts = torch.tensor([n - 6 for n in lengths])
+    caches = [KVCache(c.num_layers, 3, c.num_kv_heads, c.head_dim, 96, model.dtype)]
+    caches += [PagedKVCache(c.num_layers, 4, c.num_kv_heads, c.head_dim, 96, 80, bs, model.dtype) for bs in (16, 4, 5)]
+    for cache in caches:
+        paged = isinstance(cache, PagedKVCache)
+        rows = torch.tensor([3, 1, 2]) if paged else torch.tensor([2, 0, 1])
+        for r, p in zip(rows.tolist(), prompts):
+            if paged:
+                cache.reserve(r, 60)
+            model.forward(p[None, :-6], cache, torch.tensor([0]), rows=torch.tensor([r]), logit_index=none)
+        logits, hidden = model.forward(blocks, cache, starts, rows=rows, return_hidden=True)
+        for i, (ref_logits, ref_hidden) in enumerate(refs):
+            assert torch.equal(logits[i], ref_logits[0]), (type(cache).__name__, i)
+            assert torch.equal(hidden[i], ref_hidden[0])
+        sub = model.forward(blocks[:, :4], cache, starts, rows=rows, logit_index=torch.tensor([[3, 0]] * 3))
+        assert torch.equal(sub, logits[:, [3, 0]])

@@ -1,7 +1,7 @@
 /*
  * specdecode/fast/decoder.c -- fused Llama/Qwen2 decoder stack for batch 1 (included by kernels.c).
  *
- * sd_decoder_forward runs embedding -> L x (rmsnorm, qkv(+bias), RoPE, KV-cache write, causal GQA
+ * sd_decoder_rows (and its batch-1 form sd_decoder_forward) runs embedding -> L x (rmsnorm, qkv(+bias), RoPE, KV-cache write, causal GQA
  * attention, o-proj + residual, rmsnorm, gate_up, silu*up, down + residual) -> final rmsnorm ->
  * LM head (selected rows) for T <= 64 tokens in ONE OpenMP parallel region with barriers between
  * phases.  Activations are kept in the model dtype (bf16 or fp32) with the eager path's rounding
@@ -46,6 +46,25 @@ typedef struct {
     void *gu;                        /* ld 2I */
     void *act;                       /* ld Ip */
 } sd_model;
+
+/* Where the cache keeps key/value j of kv head h for one token row (elements from a layer's base):
+ *   tab[j / block] * block_stride + (j % block) * key_stride + h * head_stride
+ * contiguous cache [B, KVH, max_len, HD]: block = max_len, tab = {batch row}, block_stride =
+ *   KVH * max_len * HD, key_stride = HD, head_stride = max_len * HD;
+ * paged pool [blocks, block, KVH, HD]: tab = the row's block table, block_stride = block * KVH * HD,
+ *   key_stride = KVH * HD, head_stride = HD.  Attention reads keys in chunks of 16 in place when
+ *   a chunk lies in one block (block % 16 == 0), else from a copy. */
+typedef struct {
+    void *const *k, *const *v;       /* [L] layer bases */
+    const int32_t *tables;           /* [rows][table_width] block ids per token row */
+    int table_width, block;
+    long block_stride, key_stride, head_stride;
+} sd_kv;
+
+static inline size_t kv_off(const sd_kv *kv, const int32_t *tab, int j, int h) {
+    return (size_t)tab[j / kv->block] * kv->block_stride + (size_t)(j % kv->block) * kv->key_stride
+           + (size_t)h * kv->head_stride;
+}
 
 /* ---- element helpers: model dtype <-> fp32 vectors of 16 (masked) */
 static inline __m512 ld16(const void *p, size_t i, int bf, __mmask16 m) {
@@ -130,11 +149,12 @@ static void reduce16_init(void) {
     for (int l = 0; l < 16; l++) reduce16_inv[(int)(r[l] / 16.f)] = l;
 }
 
-/* Attention for one query row and one q head: keys/values [len, HD] (model dtype), q [HD]
- * (model dtype), out [HD].  scores: scratch of >= len + 16 floats.  Keys go in blocks of 16
- * starting at key 0, so key j's dot product always takes slot j % 16 of the same tree. */
-static void attend(const void *q, const void *keys, const void *vals, int len, int HD, float scale,
-                   int bf, float *scores, void *out) {
+/* Attention for one query row and one q head over keys/values 0..len-1 of kv head h (addressed
+ * through kv/tab from the layer bases kbase/vbase; model dtype), q [HD] (model dtype), out [HD].
+ * scores: scratch of >= len + 16 floats.  Keys go in chunks of 16 starting at key 0, so key j's
+ * dot product always takes slot j % 16 of the same tree, whatever the cache layout. */
+static void attend(const void *q, const char *kbase, const char *vbase, const sd_kv *kv, const int32_t *tab,
+                   int h, int len, int HD, float scale, int bf, float *scores, void *out) {
     const int C = HD / 16;                 /* HD % 16 == 0, HD <= 256 */
     __m512 qv[16];
     for (int c = 0; c < C; c++) qv[c] = ld16(q, 16 * c, bf, 0xffff);
@@ -145,17 +165,21 @@ static void attend(const void *q, const void *keys, const void *vals, int len, i
     char tail[16 * 256 * 4] __attribute__((aligned(64)));
     for (int j0 = 0; j0 < len; j0 += 16) {
         const int nk = len - j0 < 16 ? len - j0 : 16;
-        const void *kb = (const char *)keys + (size_t)j0 * HD * esz;
-        if (nk < 16) {          /* last partial block: zero-padded copy, same arithmetic */
-            memset(tail, 0, (size_t)16 * HD * esz);
-            memcpy(tail, kb, (size_t)nk * HD * esz);
+        const char *kb = kbase + kv_off(kv, tab, j0, h) * esz;
+        size_t ks = (size_t)kv->key_stride;
+        if (nk < 16 || j0 % kv->block + 16 > kv->block) {
+            /* last partial chunk, or a chunk across cache blocks: a (zero-padded) copy, same arithmetic */
+            if (nk < 16) memset(tail, 0, (size_t)16 * HD * esz);
+            for (int i = 0; i < nk; i++)
+                memcpy(tail + (size_t)i * HD * esz, kbase + kv_off(kv, tab, j0 + i, h) * esz, (size_t)HD * esz);
             kb = tail;
+            ks = (size_t)HD;
         }
         __m512 acc[16];
         for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
         for (int c = 0; c < C; c++)
             for (int i = 0; i < 16; i++)
-                acc[i] = _mm512_fmadd_ps(qv[c], ld16(kb, (size_t)i * HD + 16 * c, bf, 0xffff), acc[i]);
+                acc[i] = _mm512_fmadd_ps(qv[c], ld16(kb, (size_t)i * ks + 16 * c, bf, 0xffff), acc[i]);
         __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(inv, reduce16(acc)), sv);
         __mmask16 m = lanes(nk);
         _mm512_mask_storeu_ps(scores + j0, m, s);
@@ -174,7 +198,8 @@ static void attend(const void *q, const void *keys, const void *vals, int len, i
     for (int c = 0; c < C; c++) o[c] = _mm512_setzero_ps();
     for (int j = 0; j < len; j++) {
         __m512 p = _mm512_set1_ps(scores[j]);
-        for (int c = 0; c < C; c++) o[c] = _mm512_fmadd_ps(p, ld16(vals, (size_t)j * HD + 16 * c, bf, 0xffff), o[c]);
+        const char *vj = vbase + kv_off(kv, tab, j, h) * esz;
+        for (int c = 0; c < C; c++) o[c] = _mm512_fmadd_ps(p, ld16(vj, 16 * c, bf, 0xffff), o[c]);
     }
     for (int c = 0; c < C; c++) st16(out, 16 * c, bf, 0xffff, _mm512_mul_ps(o[c], invs));
 }
@@ -195,18 +220,20 @@ static inline void range(int n, int t, int nt, int *a, int *b) {
     *b = (int)((long)n * (t + 1) / nt);
 }
 
-/* tokens[T] (T <= SD_MAX_T) at positions start..start+T-1.  kc/vc: per layer, batch row 0 of the
- * cache [KVH, max_len, HD].  idx[n]: rows (0..T-1) that get logits, written to out[n, V] fp32.
- * scores: nthreads * (max_len + 16) floats.  Returns 0, or -1 on bad arguments. */
-int sd_decoder_forward(const sd_model *md, const int64_t *tokens, int T, int start,
-                       void *const *kc, void *const *vc, int max_len,
-                       const int32_t *idx, int n, float *out, float *scores, int nthreads) {
-    if (T < 1 || T > SD_MAX_T || start < 0 || start + T > max_len || start + T > md->rope_len || n < 0)
-        return -1;
+/* General form: token rows r = 0..T-1 (T <= SD_MAX_T), row r is token tokens[r] at position pos[r]
+ * of its own sequence, whose cache is addressed through kv->tables + r * kv->table_width; rows
+ * of one sequence come in position order.  Row r attends to keys 0..pos[r] of its sequence (its
+ * own key included: every row's key/value is written before any attention).  idx[n]: rows that
+ * get logits, written to out[n, V] fp32.  scores: nthreads * score_len floats, score_len >=
+ * max(pos) + 17.  Returns 0, or -1 on bad arguments. */
+int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *pos, int T, const sd_kv *kv,
+                    int score_len, const int32_t *idx, int n, float *out, float *scores, int nthreads) {
+    if (T < 1 || T > SD_MAX_T || n < 0 || kv->block < 1) return -1;
+    for (int r = 0; r < T; r++)
+        if (pos[r] < 0 || pos[r] >= md->rope_len || pos[r] + 17 > score_len) return -1;
     const int bf = md->is_bf16, esz = bf ? 2 : 4;
     const int D = md->D, H = md->H, KVH = md->KVH, HD = md->HD, I = md->I;
     const int NQKV = (H + 2 * KVH) * HD, QS = H * HD, grp = H / KVH;
-    const size_t hstride = (size_t)max_len * HD;   /* cache: kv head stride (elements) */
     char *hid = md->hid, *xn = md->xn, *qkv = md->qkv, *qb = md->q, *att = md->att, *gu = md->gu, *act = md->act;
     const int mode_res = bf ? OUT_BF16_ADD : OUT_F32_ADD, mode_out = bf ? OUT_BF16 : OUT_F32;
     reduce16_init();
@@ -214,7 +241,7 @@ int sd_decoder_forward(const sd_model *md, const int64_t *tokens, int T, int sta
 #pragma omp parallel num_threads(nthreads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        float *sc = scores + (size_t)t * (max_len + 16);
+        float *sc = scores + (size_t)t * score_len;
         int cfg = -1, a, b;
         /* embedding */
         range(T, t, nt, &a, &b);
@@ -222,7 +249,7 @@ int sd_decoder_forward(const sd_model *md, const int64_t *tokens, int T, int sta
             memcpy(hid + (size_t)r * D * esz, (const char *)md->embed + (size_t)tokens[r] * D * esz, (size_t)D * esz);
 #pragma omp barrier
         for (int l = 0; l < md->L; l++) {
-            char *kl = kc[l], *vl = vc[l];
+            char *kl = kv->k[l], *vl = kv->v[l];
             range(T, t, nt, &a, &b);
             for (int r = a; r < b; r++)
                 rmsnorm_row(hid + (size_t)r * D * esz, md->attn_norm[l], xn + (size_t)r * md->Dp * esz, D, md->eps, bf);
@@ -232,23 +259,24 @@ int sd_decoder_forward(const sd_model *md, const int64_t *tokens, int T, int sta
             /* RoPE on q and k heads, k/v into the cache */
             range(T * (H + 2 * KVH), t, nt, &a, &b);
             for (int u = a; u < b; u++) {
-                int r = u / (H + 2 * KVH), h = u % (H + 2 * KVH), pos = start + r;
+                int r = u / (H + 2 * KVH), h = u % (H + 2 * KVH), p = pos[r];
+                const int32_t *tab = kv->tables + (size_t)r * kv->table_width;
                 const char *src = qkv + ((size_t)r * NQKV + (size_t)h * HD) * esz;
-                const char *cs = (const char *)md->rope_cos + (size_t)pos * HD * esz;
-                const char *sn = (const char *)md->rope_sin + (size_t)pos * HD * esz;
+                const char *cs = (const char *)md->rope_cos + (size_t)p * HD * esz;
+                const char *sn = (const char *)md->rope_sin + (size_t)p * HD * esz;
                 if (h < H)
                     rope_head(src, cs, sn, qb + ((size_t)r * QS + (size_t)h * HD) * esz, HD, bf);
                 else if (h < H + KVH)
-                    rope_head(src, cs, sn, kl + ((h - H) * hstride + (size_t)pos * HD) * esz, HD, bf);
+                    rope_head(src, cs, sn, kl + kv_off(kv, tab, p, h - H) * esz, HD, bf);
                 else
-                    memcpy(vl + ((h - H - KVH) * hstride + (size_t)pos * HD) * esz, src, (size_t)HD * esz);
+                    memcpy(vl + kv_off(kv, tab, p, h - H - KVH) * esz, src, (size_t)HD * esz);
             }
 #pragma omp barrier
             range(T * H, t, nt, &a, &b);
             for (int u = a; u < b; u++) {
-                int r = u / H, h = u % H, kvh = h / grp;
-                attend(qb + ((size_t)r * QS + (size_t)h * HD) * esz, kl + kvh * hstride * esz,
-                       vl + kvh * hstride * esz, start + r + 1, HD, md->scale, bf, sc,
+                int r = u / H, h = u % H;
+                attend(qb + ((size_t)r * QS + (size_t)h * HD) * esz, kl, vl, kv,
+                       kv->tables + (size_t)r * kv->table_width, h / grp, pos[r] + 1, HD, md->scale, bf, sc,
                        att + ((size_t)r * md->Qp + (size_t)h * HD) * esz);
             }
 #pragma omp barrier
@@ -287,4 +315,19 @@ int sd_decoder_forward(const sd_model *md, const int64_t *tokens, int T, int sta
         if (cfg >= 0) _tile_release();
     }
     return 0;
+}
+
+/* Batch 1, contiguous cache: tokens[T] (T <= SD_MAX_T) at positions start..start+T-1.  kc/vc: per
+ * layer, batch row 0 of the cache [KVH, max_len, HD].  idx[n]: rows (0..T-1) that get logits,
+ * written to out[n, V] fp32.  scores: nthreads * (max_len + 16) floats.  Returns 0, or -1 on bad
+ * arguments. */
+int sd_decoder_forward(const sd_model *md, const int64_t *tokens, int T, int start,
+                       void *const *kc, void *const *vc, int max_len,
+                       const int32_t *idx, int n, float *out, float *scores, int nthreads) {
+    if (T < 1 || T > SD_MAX_T || start < 0 || start + T > max_len || start + T > md->rope_len || n < 0)
+        return -1;
+    int32_t pos[SD_MAX_T], tables[SD_MAX_T];
+    for (int r = 0; r < T; r++) { pos[r] = start + r; tables[r] = 0; }
+    sd_kv kv = {kc, vc, tables, 1, max_len, 0, md->HD, (long)max_len * md->HD};
+    return sd_decoder_rows(md, tokens, pos, T, &kv, max_len + 16, idx, n, out, scores, nthreads);
 }

@@ -38,6 +38,11 @@ class _Model(ctypes.Structure):  # must match sd_model in decoder.c
         ("hid", P), ("xn", P), ("qkv", P), ("q", P), ("att", P), ("gu", P), ("act", P)]
 
 
+class _KV(ctypes.Structure):  # must match sd_kv in decoder.c
+    _fields_ = [("k", P), ("v", P), ("tables", P), ("table_width", I), ("block", I),
+                ("block_stride", ctypes.c_long), ("key_stride", ctypes.c_long), ("head_stride", ctypes.c_long)]
+
+
 def why_not(model) -> str | None:
     """None if `model` can use the fused decoder, else the reason."""
     if os.environ.get("SPECDECODE_FUSED", "1") == "0":
@@ -129,6 +134,10 @@ class FusedDecoder:
                    **{k: v.data_ptr() for k, v in self._scratch.items()})
         self._m, self._keep = m, keep
         self._mref = ctypes.byref(m)
+        rows_fn = self._lib.sd_decoder_rows
+        rows_fn.argtypes = [P, P, P, I, P, I, P, I, P, P, I]
+        rows_fn.restype = I
+        self._rows_fn = rows_fn
         self._cache_key = None
         self._scores = torch.empty(0)
         self._all_idx = torch.arange(MAX_T, dtype=torch.int32)
@@ -195,3 +204,52 @@ class FusedDecoder:
             if hidden is not None:       # the native stack leaves the pre-norm states in its scratch
                 hidden[0, c0:c0 + Tc] = self._scratch["hid"][:Tc]
         return (out, hidden) if return_hidden else out
+
+    def forward_rows(self, tokens: Tensor, cache, start: int | Tensor, rows: Tensor | None = None,
+                     logit_index: Tensor | None = None,
+                     return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """Batched form of `forward` for any cache with a `layout` (contiguous or paged):
+        tokens [B, T] int64, row b at positions start[b]..start[b]+T-1 of cache row rows[b]
+        (default b); logit_index [B, n] (None = all T). Returns logits [B, n, vocab] float32
+        (and hidden [B, T, D]). Every token row is computed as in `forward`, so a request's
+        logits do not depend on the rest of the batch."""
+        B, T = tokens.shape
+        starts = [start] * B if isinstance(start, int) else [int(x) for x in torch.as_tensor(start).reshape(-1).tolist()]
+        row_ids = list(range(B)) if rows is None else [int(r) for r in rows.reshape(-1).tolist()]
+        if min(starts) < 0 or max(starts) + T > self._m.rope_len:
+            raise ValueError(f"positions {min(starts)}..{max(starts) + T - 1} exceed the rope tables ({self._m.rope_len})")
+        lay = cache.layout(row_ids, starts, T)
+        for t in lay.keys + lay.values:
+            if t.dtype != self.dtype or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("cache does not match the model (dtype/layout)")
+        kbase, vbase = _ptrs(lay.keys), _ptrs(lay.values)
+        R = B * T
+        tok = tokens.reshape(R).to(torch.int64).contiguous()
+        pos = (torch.tensor(starts, dtype=torch.int32)[:, None] + torch.arange(T, dtype=torch.int32)).reshape(R)
+        tables = lay.tables.to(torch.int32).repeat_interleave(T, 0).contiguous()      # [R, blocks]
+        n = T if logit_index is None else logit_index.shape[1]
+        flat = (torch.arange(T).repeat(B) if logit_index is None else logit_index.reshape(B, n).long().cpu())
+        flat = (flat.reshape(B, n) + torch.arange(B)[:, None] * T).reshape(-1)        # [B*n] rows wanted
+        out = torch.empty(B * n, self.vocab, dtype=torch.float32)
+        hidden = torch.empty(R, self.model.config.hidden_size, dtype=self.dtype) if return_hidden else None
+        nt = torch.get_num_threads()
+        score_len = int(pos.max()) + 17
+        if self._scores.numel() < nt * score_len:
+            self._scores = torch.empty(nt * score_len, dtype=torch.float32)
+        for c0 in range(0, R, MAX_T):
+            Rc = min(MAX_T, R - c0)
+            sel = ((flat >= c0) & (flat < c0 + Rc)).nonzero().reshape(-1)
+            idx = (flat[sel] - c0).to(torch.int32).contiguous()
+            dst = torch.empty(sel.numel(), self.vocab, dtype=torch.float32)
+            kv = _KV(ctypes.cast(kbase, P), ctypes.cast(vbase, P), tables.data_ptr() + 4 * c0 * tables.shape[1],
+                     tables.shape[1], lay.block, lay.block_stride, lay.key_stride, lay.head_stride)
+            rc = self._rows_fn(self._mref, tok.data_ptr() + 8 * c0, pos.data_ptr() + 4 * c0, Rc, ctypes.byref(kv),
+                               score_len, idx.data_ptr(), idx.numel(), dst.data_ptr(), self._scores.data_ptr(), nt)
+            if rc != 0:
+                raise ValueError("sd_decoder_rows rejected its arguments")
+            if sel.numel():
+                out[sel] = dst
+            if hidden is not None:
+                hidden[c0:c0 + Rc] = self._scratch["hid"][:Rc]
+        out = out.view(B, n, self.vocab)
+        return (out, hidden.view(B, T, -1)) if return_hidden else out

@@ -21,6 +21,10 @@ import torch.nn.functional as F
 from ..kv_cache import KVCache
 from .config import ModelConfig
 
+# Batched passes (several rows, per-row starts, paged caches) of up to this many token rows run in
+# the fused native decoder, 64 rows per call; longer ones (batched prefill) run eagerly.
+FUSED_MAX_ROWS = 256
+
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -124,6 +128,9 @@ class Transformer:
         if (self.fused is not None and rows is None and isinstance(start, int)
                 and tokens.shape[0] == 1 and tokens.shape[1] <= 64):
             return self.fused.forward(tokens, cache, start, logit_index, return_hidden)
+        if (self.fused is not None and tokens.numel() <= FUSED_MAX_ROWS and hasattr(cache, "layout")
+                and (tokens.shape[0] > 1 or rows is not None or not isinstance(start, int))):
+            return self.fused.forward_rows(tokens, cache, start, rows, logit_index, return_hidden)
         c = self.config
         batch, num_tokens = tokens.shape
         uniform = isinstance(start, int) and rows is None

@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from ..kv_cache import CacheLayout
+
 SCRATCH = 0          # block 0: target of padding writes, never owned by a row
 
 
@@ -137,6 +139,14 @@ class PagedKVCache:
         slot_offset = positions % self.block_size                            # [B, T]
         dev = self.device
         return slot_block.to(dev), slot_offset.to(dev), table.to(dev), key_len
+
+    def layout(self, rows: list[int], starts: list[int], num_tokens: int) -> CacheLayout:
+        """Block tables of a pass for native kernels (grows the rows like a pass's first write)."""
+        _, block, heads, head_dim = self.keys[0].shape
+        _, _, table, _ = self._make_plan(torch.tensor(rows), torch.tensor(starts), len(rows), num_tokens)
+        self._plan = None
+        return CacheLayout(self.keys, self.values, table.to(torch.int32), block, block * heads * head_dim,
+                           heads * head_dim, head_dim)
 
     def write(self, layer: int, rows: torch.Tensor | None, start: int | torch.Tensor,
               keys: torch.Tensor,     # [B, kv_heads, T, head_dim]
