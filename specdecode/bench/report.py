@@ -60,8 +60,11 @@ def _roofline_lines(roof: dict) -> list[str]:
              for name, s in roof.get("systems", {}).items()]
     out = [line] + ([" " + "; ".join(parts) + "."] if parts else [])
     if roof.get("gguf_mb"):
+        own = roof["gguf_mb"] / roof["read_bandwidth_gbs"]              # MB / (GB/s) = ms
+        llama = roof.get("systems", {}).get("llama.cpp", {}).get("decode_ms_per_token")
+        share = f"; it runs at {_pct(own / llama)} of that" if llama else ""
         out.append(f" (llama.cpp reads the {roof['gguf_mb']:.0f} MB quantized GGUF weights, so its own floor is "
-                   f"{roof['gguf_mb'] / roof['read_bandwidth_gbs'] / 1e3:.2f} ms/token.)")
+                   f"{own:.2f} ms/token{share}.)")
     return ["".join(out)]
 
 
