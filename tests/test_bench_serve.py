@@ -69,6 +69,23 @@ def test_counts_and_files(compared):
     assert "| concurrency 3 | off | 6 | 0 |" in report and "TPOT ratio off/on" in report
 
 
+def test_automatic_policy_arm(server, tmp_path):
+    """--compare-auto adds an arm that sends no speculate field (the server's policy decides),
+    interleaved with on/off and compared with off."""
+    out = tmp_path / "auto"
+    assert bench(out, "--url", server.url, "--concurrency", "2", "--num-requests", "4", "--rounds", "2",
+                 "--compare-speculation", "--compare-auto") == 0
+    results, requests = read(out)
+    level = results["levels"][0]
+    assert set(level["arms"]) == {"on", "off", "server"}
+    assert [r["arm"] for r in level["rounds"]] == ["on", "off", "server", "server", "off", "on"]
+    assert all(level["arms"][a]["completed"] == 4 for a in ("on", "off", "server"))
+    auto = level["comparison_auto"]
+    assert auto["output_tokens_per_s_ratio_on_over_off"] == pytest.approx(
+        level["arms"]["server"]["output_tokens_per_s"] / level["arms"]["off"]["output_tokens_per_s"], rel=1e-3)
+    assert "Automatic policy" in (out / "report.md").read_text()
+
+
 def test_percentiles_match_the_requests(compared):
     results, requests = read(compared)
     level = results["levels"][1]

@@ -97,6 +97,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                     help="unmeasured requests before each level (default 2)")
     ld.add_argument("--compare-speculation", action="store_true",
                     help="run every level with speculation on and off (request field `speculate`), interleaved")
+    ld.add_argument("--compare-auto", action="store_true",
+                    help="with --compare-speculation: a third arm that leaves speculation to the server's "
+                         "automatic policy, compared with off")
     ld.add_argument("--rounds", type=_positive_int("--rounds", 1, 1000), default=None,
                     help="rounds per level; with --compare-speculation ordered on,off,off,on,... "
                          "(default 2 then, else 1)")
@@ -177,6 +180,8 @@ def serve_args(args: argparse.Namespace) -> list[str]:
 def plan(args: argparse.Namespace) -> list[dict]:
     """Load levels, each with its rounds: (arm, number of requests or seconds, prompt offset, seed)."""
     arms = ["on", "off"] if args.compare_speculation else [args.speculate]
+    if args.compare_speculation and args.compare_auto:
+        arms.append("server")
     rounds = args.rounds or (2 if args.compare_speculation else 1)
     levels = []
     shapes = ([("concurrency", c) for c in args.concurrency or [1, 4, 16]] if args.rate is None
@@ -234,7 +239,8 @@ async def run_level(url: str, level: dict, prompts, workload: Workload, args, pi
             for arm in level["arms"]}
     return {"load": level["load"], "concurrency": level["value"] if level["kind"] == "concurrency" else None,
             "rate": level["value"] if level["kind"] == "rate" else None, "arms": arms,
-            "comparison": compare(arms["off"], arms["on"]) if args.compare_speculation else None,
+            "comparison": (compare(arms["off"], arms["on"]) if args.compare_speculation else None),
+            "comparison_auto": compare(arms["off"], arms["server"]) if "server" in arms and "off" in arms else None,
             "rounds": rounds, "memory": {**summarize_memory(samples), "series": samples}}, records
 
 
@@ -272,7 +278,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop()
     config = {key: getattr(args, key) for key in (
-        "concurrency", "rate", "max_concurrency", "num_requests", "duration", "warmup", "compare_speculation",
+        "concurrency", "rate", "max_concurrency", "num_requests", "duration", "warmup", "compare_speculation", "compare_auto",
         "rounds", "speculate", "tasks", "prompts_file", "max_tokens", "temperature", "ignore_eos", "seed",
         "request_timeout", "sample_interval")}
     config.update(extra_body=extra, slo_ttft_ms=args.slo_ttft, slo_tpot_ms=args.slo_tpot,

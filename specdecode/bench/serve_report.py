@@ -117,6 +117,17 @@ def markdown(results: dict) -> str:
             lines.append(f"| {lv['load']} | {fmt((off['tpot_ms'] or {}).get('p50'), '.1f')} "
                          f"| {fmt((on['tpot_ms'] or {}).get('p50'), '.1f')} | {fmt(c['tpot_p50_ratio_off_over_on'])}x "
                          f"| {fmt(c['output_tokens_per_s_ratio_on_over_off'])}x |")
+    auto = [lv for lv in results["levels"] if lv.get("comparison_auto")]
+    if auto:
+        lines += ["", "## Automatic policy (arm `server`: no speculate field) vs off", "",
+                  "| load | TPOT p50 off ms | TPOT p50 auto ms | TPOT ratio off/auto | output tok/s ratio auto/off |",
+                  "|---|---|---|---|---|"]
+        for lv in auto:
+            c, off, on = lv["comparison_auto"], lv["arms"]["off"], lv["arms"]["server"]
+            fmt = lambda v, spec=".2f": "–" if v is None else format(v, spec)   # noqa: E731
+            lines.append(f"| {lv['load']} | {fmt((off['tpot_ms'] or {}).get('p50'), '.1f')} "
+                         f"| {fmt((on['tpot_ms'] or {}).get('p50'), '.1f')} | {fmt(c['tpot_p50_ratio_off_over_on'])}x "
+                         f"| {fmt(c['output_tokens_per_s_ratio_on_over_off'])}x |")
     if any(lv["memory"]["samples"] for lv in results["levels"]):
         lines += ["", "## Memory during each level", "",
                   "| load | RSS start | RSS after warm-up | RSS end | RSS peak | RSS growth | KV in use at end |",
