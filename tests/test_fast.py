@@ -218,3 +218,21 @@ def test_fused_batched_and_paged_rows_equal_batch_one(tiny_models, odd_model, wi
             assert torch.equal(hidden[i], ref_hidden[0])
         sub = model.forward(blocks[:, :4], cache, starts, rows=rows, logit_index=torch.tensor([[3, 0]] * 3))
         assert torch.equal(sub, logits[:, [3, 0]])
+
+
+@needs_native
+def test_fused_logit_rows_may_repeat_past_the_row_limit(tiny_models):
+    """The engine repeats a row's last position for drafts it lacks, so a pass can ask for more
+    logit rows than it has token rows (here 68 > 64): each distinct row is computed once and the
+    repeats are copies (the native scratch holds 64 rows)."""
+    model = _load(tiny_models["llama"], "fp32")
+    c = model.config
+    gen = torch.Generator().manual_seed(8)
+    tokens = torch.randint(0, model.vocab_size, (4, 17), generator=gen)
+    index = torch.cat([torch.arange(17)[None], torch.zeros(3, 17, dtype=torch.long)])     # [4, 17]
+    cache = model.new_cache(4, 40)
+    logits = model.forward(tokens, cache, torch.tensor([0, 0, 0, 0]), rows=torch.arange(4), logit_index=index)
+    full = model.forward(tokens, model.new_cache(4, 40), torch.tensor([0, 0, 0, 0]), rows=torch.arange(4))
+    assert torch.equal(logits, full.gather(1, index[:, :, None].expand(-1, -1, full.shape[-1])))
+    one = model.forward(tokens[:1, :1], model.new_cache(1, 40), 0, logit_index=torch.zeros(1, 80, dtype=torch.long))
+    assert one.shape == (1, 80, c.vocab_size) and torch.equal(one[0, 5], full[0, 0])

@@ -228,7 +228,7 @@ static inline void range(int n, int t, int nt, int *a, int *b) {
  * max(pos) + 17.  Returns 0, or -1 on bad arguments. */
 int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *pos, int T, const sd_kv *kv,
                     int score_len, const int32_t *idx, int n, float *out, float *scores, int nthreads) {
-    if (T < 1 || T > SD_MAX_T || n < 0 || kv->block < 1) return -1;
+    if (T < 1 || T > SD_MAX_T || n < 0 || n > SD_MAX_T || kv->block < 1) return -1;   /* n rows of scratch */
     for (int r = 0; r < T; r++)
         if (pos[r] < 0 || pos[r] >= md->rope_len || pos[r] + 17 > score_len) return -1;
     const int bf = md->is_bf16, esz = bf ? 2 : 4;
@@ -324,7 +324,7 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
 int sd_decoder_forward(const sd_model *md, const int64_t *tokens, int T, int start,
                        void *const *kc, void *const *vc, int max_len,
                        const int32_t *idx, int n, float *out, float *scores, int nthreads) {
-    if (T < 1 || T > SD_MAX_T || start < 0 || start + T > max_len || start + T > md->rope_len || n < 0)
+    if (T < 1 || T > SD_MAX_T || start < 0 || start + T > max_len || start + T > md->rope_len || n < 0 || n > SD_MAX_T)
         return -1;
     int32_t pos[SD_MAX_T], tables[SD_MAX_T];
     for (int r = 0; r < T; r++) { pos[r] = start + r; tables[r] = 0; }

@@ -187,20 +187,22 @@ class FusedDecoder:
             if rows is None:
                 idx, ni, dst, gather = self._all_idx, Tc, out[0, c0:c0 + Tc], None
             else:
-                sel = ((rows >= c0) & (rows < c0 + Tc)).nonzero().reshape(-1) if T > MAX_T else None
+                # chunked, or repeated rows: compute each distinct row of the chunk once (<= MAX_T)
+                sel = ((rows >= c0) & (rows < c0 + Tc)).nonzero().reshape(-1) if (T > MAX_T or n > Tc) else None
                 if sel is None:
                     idx, ni = rows.to(torch.int32).contiguous(), n
                     dst, gather = out[0], None
                 else:
-                    idx, ni = (rows[sel] - c0).to(torch.int32).contiguous(), sel.numel()
+                    uniq, inverse = torch.unique(rows[sel] - c0, return_inverse=True)
+                    idx, ni = uniq.to(torch.int32).contiguous(), uniq.numel()
                     dst = torch.empty(ni, self.vocab, dtype=torch.float32)
-                    gather = sel
+                    gather = (sel, inverse)
             rc = self._fn(self._mref, tok.data_ptr() + 8 * c0, Tc, start + c0, self._kc, self._vc,
                           cache.max_len, idx.data_ptr(), ni, dst.data_ptr(), self._scores.data_ptr(), nt)
             if rc != 0:
                 raise ValueError("sd_decoder_forward rejected its arguments")
             if gather is not None and ni:
-                out[0, gather] = dst
+                out[0, gather[0]] = dst[gather[1]]
             if hidden is not None:       # the native stack leaves the pre-norm states in its scratch
                 hidden[0, c0:c0 + Tc] = self._scratch["hid"][:Tc]
         return (out, hidden) if return_hidden else out
@@ -239,8 +241,11 @@ class FusedDecoder:
         for c0 in range(0, R, MAX_T):
             Rc = min(MAX_T, R - c0)
             sel = ((flat >= c0) & (flat < c0 + Rc)).nonzero().reshape(-1)
-            idx = (flat[sel] - c0).to(torch.int32).contiguous()
-            dst = torch.empty(sel.numel(), self.vocab, dtype=torch.float32)
+            # distinct rows only (the engine repeats a row's last position for missing drafts):
+            # the native call computes at most Rc <= MAX_T logit rows
+            uniq, inverse = torch.unique(flat[sel] - c0, return_inverse=True)
+            idx = uniq.to(torch.int32).contiguous()
+            dst = torch.empty(idx.numel(), self.vocab, dtype=torch.float32)
             kv = _KV(ctypes.cast(kbase, P), ctypes.cast(vbase, P), tables.data_ptr() + 4 * c0 * tables.shape[1],
                      tables.shape[1], lay.block, lay.block_stride, lay.key_stride, lay.head_stride)
             rc = self._rows_fn(self._mref, tok.data_ptr() + 8 * c0, pos.data_ptr() + 4 * c0, Rc, ctypes.byref(kv),
@@ -248,7 +253,7 @@ class FusedDecoder:
             if rc != 0:
                 raise ValueError("sd_decoder_rows rejected its arguments")
             if sel.numel():
-                out[sel] = dst
+                out[sel] = dst[inverse]
             if hidden is not None:
                 hidden[c0:c0 + Rc] = self._scratch["hid"][:Rc]
         out = out.view(B, n, self.vocab)
