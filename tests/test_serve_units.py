@@ -141,6 +141,18 @@ def test_the_batch_is_switched_off_when_verifying_costs_more_than_it_saves_and_o
     assert ("batch", "enabled", "batch_size_dropped") in [(d.scope, d.action, d.reason) for d in decisions]
 
 
+def test_the_batch_stays_off_when_it_shrinks_to_a_size_measured_not_to_pay():
+    policy = SpeculationPolicy(shadow=False, draft_cost=0.05)
+    rs = rows(8, k=4)
+    policy.costs.plain[7], policy.costs.spec[(7, 4)] = 0.01, 0.03        # measured at batch 7
+    decisions = run_steps(policy, rs, alpha_hits=1, steps=8, plain_s=0.01, spec_s=0.03)
+    assert not policy.batch_on and ("batch", "disabled", "batch_cost") in [(d.scope, d.action, d.reason) for d in decisions]
+    ks, decisions = policy.plan(rs[:7])
+    assert ks == [0] * 7 and not any(d.action == "enabled" for d in decisions) and policy.batch_off_at == 7
+    ks, decisions = policy.plan(rs[:3])               # never measured at 3: try again
+    assert ("batch", "enabled", "batch_size_dropped") in [(d.scope, d.action, d.reason) for d in decisions]
+
+
 def test_fixed_batch_size_limit():
     policy = SpeculationPolicy(shadow=True, draft_cost=0.01, max_batch_size=2)
     ks, decisions = policy.plan(rows(3))

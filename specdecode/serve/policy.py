@@ -28,7 +28,9 @@ Switching back on (the draft's cache catches up by itself, see `drafters/model.p
 * model drafters: a disabled request speculates for one probe step after `probe_interval`
   plain steps (doubling after each failed probe, up to `max_probe_interval`) ("probe");
 * the batch: when it shrinks below the size it was switched off at ("batch_size_dropped"),
-  or after a probe step whose pooled acceptance pays again ("probe").
+  unless the step costs measured at the new size say the acceptance it was switched off with
+  does not pay there either (then the new size is the threshold), or after a probe step whose
+  pooled acceptance pays again ("probe").
 """
 from __future__ import annotations
 
@@ -107,6 +109,7 @@ class SpeculationPolicy:
         self.batch_steps_off = 0
         self.batch_probing = False
         self.batch_observations = 0
+        self.batch_alpha, self.batch_k = 0.0, 0   # pooled acceptance and k when switched off for cost
         self.calibrating = False
 
     # ---------------------------------------------------------------- costs
@@ -116,6 +119,10 @@ class SpeculationPolicy:
         if plain and spec:
             return spec / plain
         return 1.0 + k * (self.draft_cost + 0.03)       # prior: drafting + a little verify overhead
+
+    def measured(self, batch: int, k: int) -> bool:
+        """Both step costs at this batch size and k were measured (not the prior)."""
+        return batch in self.costs.plain and (batch, k) in self.costs.spec
 
     def bar(self, batch: int, k: int, turning_on: bool) -> float:
         needed = max(self.cost_ratio(batch, k), 1.0) * (1.0 + self.margin)
@@ -136,7 +143,10 @@ class SpeculationPolicy:
             elif not over and not self.batch_on and self.batch_reason == "batch_size":
                 self._batch_on_again("batch_size_dropped", decisions)
         if not self.batch_on and self.batch_reason == "batch_cost" and batch < self.batch_off_at:
-            self._batch_on_again("batch_size_dropped", decisions)
+            if self.measured(batch, self.batch_k) and not self.pays(self.batch_alpha, batch, self.batch_k, True):
+                self.batch_off_at = batch     # measured not to pay at this size either: stay off
+            else:
+                self._batch_on_again("batch_size_dropped", decisions)
         self.batch_probing = False
         if not self.batch_on and self.batch_reason == "batch_cost" and self.batch_steps_off >= self.batch_probe_wait:
             self.batch_probing = True
@@ -224,6 +234,7 @@ class SpeculationPolicy:
             self.batch_observations += 1
             if self.batch_observations >= self.min_observations and not self.pays(alpha, batch, kmax, False):
                 self._batch_off(batch, "batch_cost", decisions)
+                self.batch_alpha, self.batch_k = alpha, kmax
         elif self.batch_probing:
             if self.pays(alpha, batch, kmax, turning_on=True):
                 self._batch_on_again("probe", decisions)
