@@ -89,6 +89,23 @@ def _bytes(value) -> str:
     return "–"
 
 
+def _comparison_table(levels: list[dict], key: str, arm: str, label: str, title: str) -> list[str]:
+    """Markdown rows of one arm against `off` at every level that has the comparison `key`."""
+    compared = [lv for lv in levels if lv.get(key)]
+    if not compared:
+        return []
+    fmt = lambda v, spec=".2f": "–" if v is None else format(v, spec)   # noqa: E731
+    lines = ["", f"## {title}", "",
+             f"| load | TPOT p50 off ms | TPOT p50 {label} ms | TPOT ratio off/{label} | output tok/s ratio {label}/off |",
+             "|---|---|---|---|---|"]
+    for lv in compared:
+        c, off, other = lv[key], lv["arms"]["off"], lv["arms"][arm]
+        lines.append(f"| {lv['load']} | {fmt((off['tpot_ms'] or {}).get('p50'), '.1f')} "
+                     f"| {fmt((other['tpot_ms'] or {}).get('p50'), '.1f')} | {fmt(c['tpot_p50_ratio_off_over_on'])}x "
+                     f"| {fmt(c['output_tokens_per_s_ratio_on_over_off'])}x |")
+    return lines
+
+
 def markdown(results: dict) -> str:
     cfg = results["config"]
     lines = ["# specdecode bench serve", "",
@@ -106,28 +123,10 @@ def markdown(results: dict) -> str:
             lines.append(f"| {level['load']} | {arm} | {s['requests']} | {s['failed']} | {s['request_throughput']:.2f} "
                          f"| {s['output_tokens_per_s']:.1f} | {s['goodput']:.2f} | {_ms(s['ttft_ms'])} "
                          f"| {_ms(s['tpot_ms'])} | {_ms(s['itl_ms'])} | {tps} |")
-    compared = [lv for lv in results["levels"] if lv.get("comparison")]
-    if compared:
-        lines += ["", "## Speculation on vs off (interleaved rounds)", "",
-                  "| load | TPOT p50 off ms | TPOT p50 on ms | TPOT ratio off/on | output tok/s ratio on/off |",
-                  "|---|---|---|---|---|"]
-        for lv in compared:
-            c, off, on = lv["comparison"], lv["arms"]["off"], lv["arms"]["on"]
-            fmt = lambda v, spec=".2f": "–" if v is None else format(v, spec)   # noqa: E731
-            lines.append(f"| {lv['load']} | {fmt((off['tpot_ms'] or {}).get('p50'), '.1f')} "
-                         f"| {fmt((on['tpot_ms'] or {}).get('p50'), '.1f')} | {fmt(c['tpot_p50_ratio_off_over_on'])}x "
-                         f"| {fmt(c['output_tokens_per_s_ratio_on_over_off'])}x |")
-    auto = [lv for lv in results["levels"] if lv.get("comparison_auto")]
-    if auto:
-        lines += ["", "## Automatic policy (arm `server`: no speculate field) vs off", "",
-                  "| load | TPOT p50 off ms | TPOT p50 auto ms | TPOT ratio off/auto | output tok/s ratio auto/off |",
-                  "|---|---|---|---|---|"]
-        for lv in auto:
-            c, off, on = lv["comparison_auto"], lv["arms"]["off"], lv["arms"]["server"]
-            fmt = lambda v, spec=".2f": "–" if v is None else format(v, spec)   # noqa: E731
-            lines.append(f"| {lv['load']} | {fmt((off['tpot_ms'] or {}).get('p50'), '.1f')} "
-                         f"| {fmt((on['tpot_ms'] or {}).get('p50'), '.1f')} | {fmt(c['tpot_p50_ratio_off_over_on'])}x "
-                         f"| {fmt(c['output_tokens_per_s_ratio_on_over_off'])}x |")
+    lines += _comparison_table(results["levels"], "comparison", "on", "on",
+                               "Speculation on vs off (interleaved rounds)")
+    lines += _comparison_table(results["levels"], "comparison_auto", "server", "auto",
+                               "Automatic policy (arm `server`: no speculate field) vs off")
     if any(lv["memory"]["samples"] for lv in results["levels"]):
         lines += ["", "## Memory during each level", "",
                   "| load | RSS start | RSS after warm-up | RSS end | RSS peak | RSS growth | KV in use at end |",
