@@ -239,7 +239,7 @@ async def run_level(url: str, level: dict, prompts, workload: Workload, args, pi
             for arm in level["arms"]}
     return {"load": level["load"], "concurrency": level["value"] if level["kind"] == "concurrency" else None,
             "rate": level["value"] if level["kind"] == "rate" else None, "arms": arms,
-            "comparison": (compare(arms["off"], arms["on"]) if args.compare_speculation else None),
+            "comparison": compare(arms["off"], arms["on"]) if args.compare_speculation else None,
             "comparison_auto": compare(arms["off"], arms["server"]) if "server" in arms and "off" in arms else None,
             "rounds": rounds, "memory": {**summarize_memory(samples), "series": samples}}, records
 

@@ -207,6 +207,19 @@ class FusedDecoder:
                 hidden[0, c0:c0 + Tc] = self._scratch["hid"][:Tc]
         return (out, hidden) if return_hidden else out
 
+    def _bind_layout(self, lay):
+        """Layer base pointers of a layout's cache tensors, checked and built once per cache."""
+        key = (id(lay.keys), id(lay.values), lay.keys[0].data_ptr(), lay.values[0].data_ptr())
+        if key != getattr(self, "_layout_key", None):
+            for t in lay.keys + lay.values:
+                if t.dtype != self.dtype or t.device.type != "cpu" or not t.is_contiguous():
+                    raise ValueError("cache does not match the model (dtype/layout)")
+            arrays = (_ptrs(lay.keys), _ptrs(lay.values))
+            self._layout_bases = tuple(ctypes.cast(a, P) for a in arrays)
+            self._layout_ref = (arrays, lay.keys, lay.values)   # alive while their pointers are cached
+            self._layout_key = key
+        return self._layout_bases
+
     def forward_rows(self, tokens: Tensor, cache, start: int | Tensor, rows: Tensor | None = None,
                      logit_index: Tensor | None = None,
                      return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
@@ -221,10 +234,7 @@ class FusedDecoder:
         if min(starts) < 0 or max(starts) + T > self._m.rope_len:
             raise ValueError(f"positions {min(starts)}..{max(starts) + T - 1} exceed the rope tables ({self._m.rope_len})")
         lay = cache.layout(row_ids, starts, T)
-        for t in lay.keys + lay.values:
-            if t.dtype != self.dtype or t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError("cache does not match the model (dtype/layout)")
-        kbase, vbase = _ptrs(lay.keys), _ptrs(lay.values)
+        kbase, vbase = self._bind_layout(lay)
         R = B * T
         tok = tokens.reshape(R).to(torch.int64).contiguous()
         pos = (torch.tensor(starts, dtype=torch.int32)[:, None] + torch.arange(T, dtype=torch.int32)).reshape(R)
@@ -246,7 +256,7 @@ class FusedDecoder:
             uniq, inverse = torch.unique(flat[sel] - c0, return_inverse=True)
             idx = uniq.to(torch.int32).contiguous()
             dst = torch.empty(idx.numel(), self.vocab, dtype=torch.float32)
-            kv = _KV(ctypes.cast(kbase, P), ctypes.cast(vbase, P), tables.data_ptr() + 4 * c0 * tables.shape[1],
+            kv = _KV(kbase, vbase, tables.data_ptr() + 4 * c0 * tables.shape[1],
                      tables.shape[1], lay.block, lay.block_stride, lay.key_stride, lay.head_stride)
             rc = self._rows_fn(self._mref, tok.data_ptr() + 8 * c0, pos.data_ptr() + 4 * c0, Rc, ctypes.byref(kv),
                                score_len, idx.data_ptr(), idx.numel(), dst.data_ptr(), self._scores.data_ptr(), nt)

@@ -120,20 +120,26 @@ class PagedKVCache:
         while len(table) < need:
             table.append(self.free.pop())     # cannot be empty: reservations bound the tables
 
+    def _block_tables(self, row_ids: list[int], starts: list[int], num_tokens: int) -> tuple[torch.Tensor, int]:
+        """Grow the rows for positions < start + num_tokens; their block tables [B, blocks]
+        (SCRATCH past what a row owns) and the key length of the pass."""
+        for row, s in zip(row_ids, starts):
+            self._grow(row, s + num_tokens)
+        key_len = max(starts) + num_tokens
+        width = self.blocks_for(key_len)
+        table = torch.full((len(row_ids), width), SCRATCH, dtype=torch.long)  # [B, blocks]
+        for b, row in enumerate(row_ids):
+            owned = self.tables[row][:width]
+            table[b, :len(owned)] = torch.tensor(owned, dtype=torch.long)
+        return table, key_len
+
     def _make_plan(self, rows: torch.Tensor | None, start: int | torch.Tensor, batch: int, num_tokens: int):
         row_ids = list(range(batch)) if rows is None else [int(r) for r in rows.tolist()]
         if isinstance(start, int):
             starts = [start] * batch
         else:
             starts = [int(s) for s in torch.as_tensor(start).reshape(-1).tolist()]
-        for row, s in zip(row_ids, starts):
-            self._grow(row, s + num_tokens)
-        key_len = max(starts) + num_tokens
-        width = self.blocks_for(key_len)
-        table = torch.full((batch, width), SCRATCH, dtype=torch.long)         # [B, blocks]
-        for b, row in enumerate(row_ids):
-            owned = self.tables[row][:width]
-            table[b, :len(owned)] = torch.tensor(owned, dtype=torch.long)
+        table, key_len = self._block_tables(row_ids, starts, num_tokens)
         positions = torch.tensor(starts)[:, None] + torch.arange(num_tokens)  # [B, T]
         slot_block = table.gather(1, positions // self.block_size)           # [B, T]
         slot_offset = positions % self.block_size                            # [B, T]
@@ -143,8 +149,7 @@ class PagedKVCache:
     def layout(self, rows: list[int], starts: list[int], num_tokens: int) -> CacheLayout:
         """Block tables of a pass for native kernels (grows the rows like a pass's first write)."""
         _, block, heads, head_dim = self.keys[0].shape
-        _, _, table, _ = self._make_plan(torch.tensor(rows), torch.tensor(starts), len(rows), num_tokens)
-        self._plan = None
+        table, _ = self._block_tables(rows, starts, num_tokens)
         return CacheLayout(self.keys, self.values, table.to(torch.int32), block, block * heads * head_dim,
                            heads * head_dim, head_dim)
 

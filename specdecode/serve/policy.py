@@ -115,14 +115,13 @@ class SpeculationPolicy:
     # ---------------------------------------------------------------- costs
     def cost_ratio(self, batch: int, k: int) -> float:
         """r(B, k): a speculative step's time over a plain step's time."""
-        plain, spec = self.costs.plain.get(batch), self.costs.spec.get((batch, k))
-        if plain and spec:
-            return spec / plain
+        if self.measured(batch, k):
+            return self.costs.spec[(batch, k)] / self.costs.plain[batch]
         return 1.0 + k * (self.draft_cost + 0.03)       # prior: drafting + a little verify overhead
 
     def measured(self, batch: int, k: int) -> bool:
         """Both step costs at this batch size and k were measured (not the prior)."""
-        return batch in self.costs.plain and (batch, k) in self.costs.spec
+        return bool(self.costs.plain.get(batch)) and bool(self.costs.spec.get((batch, k)))
 
     def bar(self, batch: int, k: int, turning_on: bool) -> float:
         needed = max(self.cost_ratio(batch, k), 1.0) * (1.0 + self.margin)
