@@ -15,7 +15,7 @@ step with the measured cost of a verify pass of k+1 tokens relative to one decod
   so an upper bound for any length rule); a tree of the m latest distinct lookup continuations
   verified in one pass (rows of the prefix tree priced by the same table); perfect drafts.
 
-Usage: python scripts/lookup_ceiling.py benchmarks/latest [--costs 1.09,1.15,...] [--json out.json]
+Usage: python scripts/lookup_ceiling.py benchmarks/full [--costs 1.09,1.15,...] [--json out.json]
 """
 from __future__ import annotations
 
