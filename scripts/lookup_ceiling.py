@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from specdecode import LLM, datasets
-from specdecode.drafters.ngram import lookup
+from specdecode.drafters.ngram import latest_match, lookup, occurrences
 
 # verify pass of k+1 tokens / one decode step, k = 1..8: benchmarks/CORE.md (AVX512-BF16, 2 threads)
 DEFAULT_COSTS = (1.09, 1.15, 1.18, 1.20, 1.24, 1.29, 1.30, 1.41)
@@ -42,24 +42,11 @@ def cost_table(costs: list[float], rows: int) -> np.ndarray:
     return np.array([1.0, *costs, *extra])
 
 
-def matches(ids: np.ndarray, n: int) -> np.ndarray:
-    """Start positions of earlier occurrences of the last n tokens (the suffix itself excluded)."""
-    windows = np.lib.stride_tricks.sliding_window_view(ids[:len(ids) - 1], n)
-    return np.flatnonzero((windows == ids[len(ids) - n:]).all(axis=1))
-
-
-def match_length(ids: np.ndarray, ngram_max: int = 4) -> int:
-    for n in range(min(ngram_max, len(ids) - 1), 0, -1):
-        if matches(ids, n).size:
-            return n
-    return 0
-
-
 def tree_candidates(ids: np.ndarray, k: int, m: int, ngram_max: int = 4) -> list[tuple[int, ...]]:
     """The m latest distinct continuations over all match lengths, longest match first."""
     found: list[tuple[int, ...]] = []
     for n in range(min(ngram_max, len(ids) - 1), 0, -1):
-        for start in matches(ids, n)[::-1] + n:
+        for start in occurrences(ids, n)[::-1] + n:
             cont = tuple(ids[start:start + k].tolist())
             if cont and not any(c[:len(cont)] == cont for c in found):
                 found.append(cont)
@@ -71,7 +58,7 @@ def tree_candidates(ids: np.ndarray, k: int, m: int, ngram_max: int = 4) -> list
 def replay(samples, propose, costs: np.ndarray) -> dict:
     """propose(context, room) -> list of candidate drafts (one for a chain, several for a tree);
     room = drafts the engine allows (max_tokens - output so far - 1)."""
-    tokens = steps = accepted = 0
+    tokens = steps = 0
     cost = 0.0
     per_task: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for s in samples:
@@ -93,7 +80,6 @@ def replay(samples, propose, costs: np.ndarray) -> dict:
             per_task[s["task"]][1] += emitted
             i += emitted
             steps += 1
-            accepted += best
         tokens += len(out)
     return {"mean_accepted_length": tokens / steps, "decode_speedup": tokens / cost,
             "by_task": {t: round(v[1] / v[0], 3) for t, v in per_task.items()}}
@@ -104,8 +90,8 @@ def best_length_per_match(samples, k_max: int, costs: np.ndarray) -> tuple[dict,
     caps = [0] + [min(5, k_max)] * 4
 
     def rule(context, room):
-        n = match_length(context)
-        return [lookup(context, min(caps[n], room), 1, 4)] if n else []
+        start, n = latest_match(context, 1, 4)
+        return [context[start:start + min(caps[n], room)].tolist()] if n else []
 
     best = replay(samples, rule, costs)
     for _ in range(2):

@@ -10,18 +10,27 @@ import numpy as np
 from .base import DraftProposal, Drafter, DrafterError, register
 
 
+def occurrences(token_ids: np.ndarray, n: int) -> np.ndarray:
+    """Start positions of earlier occurrences of the last n tokens (the suffix itself excluded)."""
+    # windows[i] = token_ids[i:i+n] for i in 0..length-n-1
+    windows = np.lib.stride_tricks.sliding_window_view(token_ids[:len(token_ids) - 1], n)
+    return np.flatnonzero((windows == token_ids[len(token_ids) - n:]).all(axis=1))
+
+
+def latest_match(token_ids: np.ndarray, ngram_min: int, ngram_max: int) -> tuple[int, int]:
+    """(where the continuation starts, n) for the latest earlier occurrence of the longest
+    suffix n-gram, n from ngram_max down to ngram_min; (0, 0) when there is none."""
+    for n in range(min(ngram_max, len(token_ids) - 1), ngram_min - 1, -1):
+        hits = occurrences(token_ids, n)
+        if hits.size:
+            return int(hits[-1]) + n, n
+    return 0, 0
+
+
 def lookup(token_ids: np.ndarray, max_tokens: int, ngram_min: int, ngram_max: int) -> list[int]:
     """Draft for one sequence: continuation of the latest earlier match of its suffix."""
-    length = len(token_ids)
-    for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
-        pattern = token_ids[length - n:]
-        # windows[i] = token_ids[i:i+n] for i in 0..length-n-1 (excludes the suffix itself)
-        windows = np.lib.stride_tricks.sliding_window_view(token_ids[:length - 1], n)
-        hits = np.flatnonzero((windows == pattern).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return token_ids[start:start + max_tokens].tolist()
-    return []
+    start, n = latest_match(token_ids, ngram_min, ngram_max)
+    return token_ids[start:start + max_tokens].tolist() if n else []
 
 
 @register("ngram")
