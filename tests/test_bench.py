@@ -59,6 +59,10 @@ def test_results_schema(run):
     assert {r["task"] for r in rows} == set(TASKS.split(",")) | {"all"}
     roof = results["roofline"]
     assert roof["read_bandwidth_gbs"] > 0 and roof["floor_ms_per_token"] > 0
+    probes = [r["read_bandwidth_gbs"] for r in lines(run) if r["type"] == "bandwidth"]
+    assert len(probes) == 3 and roof["read_bandwidth_probes"] == 4   # start + one per prompt
+    assert roof["read_bandwidth_gbs"] >= max(probes) and roof["read_bandwidth_lowest_gbs"] <= min(probes)
+    assert roof["floor_ms_per_token"] == pytest.approx(roof["weight_mb"] / roof["read_bandwidth_gbs"])
     assert {"specdecode", "transformers"} <= roof["systems"].keys()
 
 
@@ -117,6 +121,9 @@ def test_resume_measures_only_missing_cells(run, tiny_models, tmp_path):
     assert bench(out, tiny_models, "--tasks", TASKS, "-k", "2,3", "--systems", "specdecode,transformers,llama.cpp",
                  "--resume") == 0
     assert len([r for r in lines_lenient(out) if r["type"] == "measurement"]) == 30
+    # each part's start probe is kept; a part that measured nothing adds no per-prompt probe
+    probes = json.loads((out / "run.json").read_text())["roofline"]["read_bandwidth_samples"]
+    assert len(probes) == 3
 
 
 def lines_lenient(out) -> list[dict]:

@@ -130,11 +130,20 @@ def build_rows(records: list[dict], tasks: list[str], greedy: bool) -> list[dict
     return rows
 
 
-def roofline(run: dict, rows: list[dict]) -> dict:
-    """The bandwidth floor measured at the start of the run and each system's plain-decoding
-    fraction of it (floor ms/token over measured decode ms/token, all tasks)."""
+def roofline(run: dict, rows: list[dict], records: list[dict]) -> dict:
+    """The bandwidth floor and each system's plain-decoding fraction of it (floor ms/token over
+    measured decode ms/token, all tasks). The read bandwidth is probed at the start of the run
+    (of each part of a resumed run) and after every prompt; it drifts with other tenants, so the
+    floor is taken from the highest probe (the lowest floor: fractions are not overstated)."""
     roof = dict(run.get("roofline") or {})
-    floor = roof.get("floor_ms_per_token")
+    samples = list(roof.pop("read_bandwidth_samples", None) or
+                   ([roof["read_bandwidth_gbs"]] if roof.get("read_bandwidth_gbs") else []))
+    samples += [r["read_bandwidth_gbs"] for r in records if r.get("type") == "bandwidth"]
+    floor = None
+    if samples and roof.get("weight_mb"):
+        roof.update(read_bandwidth_gbs=max(samples), read_bandwidth_lowest_gbs=min(samples),
+                    read_bandwidth_probes=len(samples))
+        floor = roof["floor_ms_per_token"] = roof["weight_mb"] / max(samples)     # MB / (GB/s) = ms
     systems = {}
     for row in rows:
         if row["task"] == "all" and row["method"] == PLAIN and row.get("decode_ms_per_token"):

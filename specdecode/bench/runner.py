@@ -16,7 +16,7 @@ import zlib
 import torch
 
 from . import aggregate, llamacpp, report, workload
-from .store import Store, check_resumable
+from .store import Store, cell_key, check_resumable
 from .systems import Cell, SpecdecodeSystem, System, TransformersSystem
 
 
@@ -138,12 +138,14 @@ def measure(config: dict, store: Store, progress: bool = True) -> dict:
     if not prompts:
         raise ValueError("no prompt to measure (all were too long for the model's context)")
     prompts = workload.interleave(prompts)
-    bandwidth = read_bandwidth_gbs()
-    weight_bytes = llm.target.model.weight_bytes()
+    # the machine's bandwidth drifts (other tenants): probe it now, after every prompt, and keep
+    # the probes of earlier parts of a resumed run; the report takes the floor from the highest
+    earlier = ((previous or {}).get("roofline") or {}) if config["resume"] else {}
+    samples = earlier.get("read_bandwidth_samples") or ([earlier["read_bandwidth_gbs"]] if earlier else [])
+    samples = samples + [read_bandwidth_gbs()]
     run = {"config": config, "notes": notes, "tasks": list(dict.fromkeys(p.task for p in prompts)),
            "prompts": [{"task": p.task, "id": p.id, "tokens": len(p.ids)} for p in prompts],
-           "roofline": {"read_bandwidth_gbs": bandwidth, "weight_mb": weight_bytes / 1e6,
-                        "floor_ms_per_token": weight_bytes / bandwidth / 1e6}}
+           "roofline": {"read_bandwidth_samples": samples, "weight_mb": llm.target.model.weight_bytes() / 1e6}}
     systems = build_systems(config, llm, prompts, notes, run)
     run["machine"] = machine_info(threads, llamacpp.available()[1])
     cells = [c for s in systems for c in s.cells(config["methods"], config["ks"])]
@@ -155,11 +157,10 @@ def measure(config: dict, store: Store, progress: bool = True) -> dict:
 
     done, diverged = {}, set()
     for r in store.records():
-        key = (r["system"], r["method"], int(r["k"]), r["task"], str(r["prompt_id"]))
         if r.get("type") == "measurement":
-            done[key] = r
-        else:
-            diverged.add(key)
+            done[cell_key(r)] = r
+        elif r.get("type") == "divergence":
+            diverged.add(cell_key(r))
     todo = [(p, c) for p in prompts for c in cells if (c.system, c.method, c.k, p.task, p.id) not in done]
     # warm-up: one short generation per cell on the shortest prompt (one-time costs, not measured)
     shortest = min(prompts, key=lambda p: len(p.ids))
@@ -171,10 +172,12 @@ def measure(config: dict, store: Store, progress: bool = True) -> dict:
                unit="gen", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     try:
         for turn, p in enumerate(prompts):
+            measured = False
             for c in rotated(cells, turn):
                 key = (c.system, c.method, c.k, p.task, p.id)
                 if key in done:
                     continue
+                measured = True
                 bar.set_postfix_str(f"{p.task}/{p.id} {c.label}", refresh=False)
                 m = by_name[c.system].run(c, list(p.ids), config["max_tokens"], config["temperature"],
                                           prompt_seed(config["seed"], p))
@@ -185,6 +188,8 @@ def measure(config: dict, store: Store, progress: bool = True) -> dict:
                 bar.update(1)
             if greedy and "specdecode" in by_name:
                 record_divergences(store, by_name["specdecode"], p, done, diverged)
+            if measured:
+                store.append({"type": "bandwidth", "read_bandwidth_gbs": read_bandwidth_gbs(repeats=2)})
     finally:
         bar.close()
     return run
@@ -199,7 +204,7 @@ def build_outputs(store: Store, run: dict | None = None) -> dict:
     greedy = run["config"]["temperature"] == 0
     rows = aggregate.build_rows(records, run.get("tasks", []), greedy)
     results = {"schema": "specdecode-bench/1", "config": run["config"], "machine": run.get("machine", {}),
-               "roofline": aggregate.roofline(run, rows), "notes": run.get("notes", []),
+               "roofline": aggregate.roofline(run, rows, records), "notes": run.get("notes", []),
                "summary": aggregate.summary(rows), "rows": rows}
     report.write_all(store.dir, results)
     return results

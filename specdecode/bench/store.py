@@ -10,6 +10,7 @@
                          prefill_s, total_s, finish_reason}
                         {"type": "divergence", system, method, k, task, prompt_id, position,
                          plain_token, token, gap, top1_top2_gap, ...}   (temperature 0 only)
+                        {"type": "bandwidth", read_bandwidth_gbs}   (a probe after each prompt)
 
 The aggregate files (results.json, report.md, plots) are rebuilt from these two files.
 """
