@@ -54,8 +54,10 @@ def _summary_lines(summary: dict) -> list[str]:
 def _roofline_lines(roof: dict) -> list[str]:
     if not roof.get("floor_ms_per_token"):
         return []
-    line = (f"Read bandwidth {roof['read_bandwidth_gbs']:.1f} GB/s, the highest of {roof['read_bandwidth_probes']} "
-            f"probes during the run (lowest {roof['read_bandwidth_lowest_gbs']:.1f} GB/s); "
+    probes = roof.get("read_bandwidth_probes", 1)
+    where = ("measured at the start of the run" if probes == 1 else
+             f"the highest of {probes} probes during the run (lowest {roof['read_bandwidth_lowest_gbs']:.1f} GB/s)")
+    line = (f"Read bandwidth {roof['read_bandwidth_gbs']:.1f} GB/s, {where}; "
             f"{roof['weight_mb']:.3g} MB of target weights per token -> floor {roof['floor_ms_per_token']:.2f} ms/token.")
     parts = [f"{name} plain {s['decode_ms_per_token']:.2f} ms/token = {_pct(s['fraction_of_floor'])} of the floor"
              for name, s in roof.get("systems", {}).items()]
