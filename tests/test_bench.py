@@ -63,6 +63,8 @@ def test_results_schema(run):
     assert len(probes) == 3 and roof["read_bandwidth_probes"] == 4   # start + one per prompt
     assert roof["read_bandwidth_gbs"] >= max(probes) and roof["read_bandwidth_lowest_gbs"] <= min(probes)
     assert roof["floor_ms_per_token"] == pytest.approx(roof["weight_mb"] / roof["read_bandwidth_gbs"])
+    for system in ("specdecode", "transformers"):   # each prompt's plain run against the probe after it
+        assert roof["systems"][system]["fraction_of_floor_paired"] > 0
     assert {"specdecode", "transformers"} <= roof["systems"].keys()
 
 

@@ -7,7 +7,7 @@ the reference cell, on the prompts both measured.
 """
 from __future__ import annotations
 
-from statistics import mean
+from statistics import mean, median
 
 from ..datasets import SPEC_BENCH_TASKS
 
@@ -148,9 +148,28 @@ def roofline(run: dict, rows: list[dict], records: list[dict]) -> dict:
     for row in rows:
         if row["task"] == "all" and row["method"] == PLAIN and row.get("decode_ms_per_token"):
             ms = row["decode_ms_per_token"]
-            systems[row["system"]] = {"decode_ms_per_token": ms, "fraction_of_floor": floor / ms if floor else None}
+            systems[row["system"]] = {"decode_ms_per_token": ms, "fraction_of_floor": floor / ms if floor else None,
+                                      "fraction_of_floor_paired": None}
+    for system, fractions in _paired_fractions(records, roof.get("weight_mb")).items():
+        if system in systems:
+            systems[system]["fraction_of_floor_paired"] = median(fractions)
     roof["systems"] = systems
     return roof
+
+
+def _paired_fractions(records: list[dict], weight_mb: float | None) -> dict[str, list[float]]:
+    """Per prompt, the floor from the bandwidth probe taken right after it over that prompt's
+    plain decode ms/token: each generation against the bandwidth of its own minute."""
+    out: dict[str, list[float]] = {}
+    pending: list[dict] = []
+    for r in records:
+        if r.get("type", "measurement") == "measurement" and r["method"] == PLAIN and r.get("decode_ms_per_token"):
+            pending.append(r)
+        elif r.get("type") == "bandwidth" and weight_mb:
+            for m in pending:
+                out.setdefault(m["system"], []).append(weight_mb / r["read_bandwidth_gbs"] / m["decode_ms_per_token"])
+            pending = []
+    return out
 
 
 def summary(rows: list[dict]) -> dict:

@@ -60,6 +60,8 @@ def _roofline_lines(roof: dict) -> list[str]:
     line = (f"Read bandwidth {roof['read_bandwidth_gbs']:.1f} GB/s, {where}; "
             f"{roof['weight_mb']:.3g} MB of target weights per token -> floor {roof['floor_ms_per_token']:.2f} ms/token.")
     parts = [f"{name} plain {s['decode_ms_per_token']:.2f} ms/token = {_pct(s['fraction_of_floor'])} of the floor"
+             + (f" ({_pct(s['fraction_of_floor_paired'])} against the probe after each prompt, median)"
+                if s.get("fraction_of_floor_paired") else "")
              for name, s in roof.get("systems", {}).items()]
     out = [line] + ([" " + "; ".join(parts) + "."] if parts else [])
     if roof.get("gguf_mb"):
