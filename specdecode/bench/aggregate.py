@@ -162,9 +162,13 @@ def _paired_fractions(records: list[dict], weight_mb: float | None) -> dict[str,
     plain decode ms/token: each generation against the bandwidth of its own minute."""
     out: dict[str, list[float]] = {}
     pending: list[dict] = []
+    prompt = None
     for r in records:
-        if r.get("type", "measurement") == "measurement" and r["method"] == PLAIN and r.get("decode_ms_per_token"):
-            pending.append(r)
+        if r.get("type", "measurement") == "measurement":
+            if (r["task"], r["prompt_id"]) != prompt:    # a prompt with no probe after it (a run before probes)
+                pending, prompt = [], (r["task"], r["prompt_id"])
+            if r["method"] == PLAIN and r.get("decode_ms_per_token"):
+                pending.append(r)
         elif r.get("type") == "bandwidth" and weight_mb:
             for m in pending:
                 out.setdefault(m["system"], []).append(weight_mb / r["read_bandwidth_gbs"] / m["decode_ms_per_token"])
