@@ -136,14 +136,13 @@ def roofline(run: dict, rows: list[dict], records: list[dict]) -> dict:
     (of each part of a resumed run) and after every prompt; it drifts with other tenants, so the
     floor is taken from the highest probe (the lowest floor: fractions are not overstated)."""
     roof = dict(run.get("roofline") or {})
-    samples = list(roof.pop("read_bandwidth_samples", None) or
-                   ([roof["read_bandwidth_gbs"]] if roof.get("read_bandwidth_gbs") else []))
-    samples += [r["read_bandwidth_gbs"] for r in records if r.get("type") == "bandwidth"]
+    samples = start_probes(roof) + [r["read_bandwidth_gbs"] for r in records if r.get("type") == "bandwidth"]
+    roof.pop("read_bandwidth_samples", None)
     floor = None
     if samples and roof.get("weight_mb"):
         roof.update(read_bandwidth_gbs=max(samples), read_bandwidth_lowest_gbs=min(samples),
                     read_bandwidth_probes=len(samples))
-        floor = roof["floor_ms_per_token"] = roof["weight_mb"] / max(samples)     # MB / (GB/s) = ms
+        floor = roof["floor_ms_per_token"] = roof["weight_mb"] / roof["read_bandwidth_gbs"]   # MB / (GB/s) = ms
     systems = {}
     for row in rows:
         if row["task"] == "all" and row["method"] == PLAIN and row.get("decode_ms_per_token"):
@@ -155,6 +154,14 @@ def roofline(run: dict, rows: list[dict], records: list[dict]) -> dict:
             systems[system]["fraction_of_floor_paired"] = median(fractions)
     roof["systems"] = systems
     return roof
+
+
+def start_probes(roof: dict) -> list[float]:
+    """The bandwidth probes run.json's roofline holds (one per part of a resumed run); a run.json
+    written before probes were kept as a list holds its single start probe."""
+    if roof.get("read_bandwidth_samples"):
+        return list(roof["read_bandwidth_samples"])
+    return [roof["read_bandwidth_gbs"]] if roof.get("read_bandwidth_gbs") else []
 
 
 def _paired_fractions(records: list[dict], weight_mb: float | None) -> dict[str, list[float]]:

@@ -141,8 +141,7 @@ def measure(config: dict, store: Store, progress: bool = True) -> dict:
     # the machine's bandwidth drifts (other tenants): probe it now, after every prompt, and keep
     # the probes of earlier parts of a resumed run; the report takes the floor from the highest
     earlier = ((previous or {}).get("roofline") or {}) if config["resume"] else {}
-    samples = earlier.get("read_bandwidth_samples") or [x for x in [earlier.get("read_bandwidth_gbs")] if x]
-    samples = samples + [read_bandwidth_gbs()]
+    samples = aggregate.start_probes(earlier) + [read_bandwidth_gbs()]
     run = {"config": config, "notes": notes, "tasks": list(dict.fromkeys(p.task for p in prompts)),
            "prompts": [{"task": p.task, "id": p.id, "tokens": len(p.ids)} for p in prompts],
            "roofline": {"read_bandwidth_samples": samples, "weight_mb": llm.target.model.weight_bytes() / 1e6}}
