@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafters.base import Drafter, DrafterError, build_drafter
+from .drafters.base import Drafter, DrafterError
+from .drafters.registry import build_drafter, method_names
 from .engine.engine import SpecEngine, StreamCallback
 from .models.loader import LoadedModel, load_model
 from .params import ParamError, SamplingParams
@@ -39,8 +40,9 @@ class LLM:
     """A target model plus (optionally) a drafter.
 
     model: None (the embedded SmolLM2-135M-Instruct), a .gguf file or an HF directory.
-    draft: a draft model path (method "model"); method: "cascade", "eagle", "ngram", "model" or "none"
-    (default: see default_method); drafter_path: a trained drafter directory (methods "eagle", "cascade").
+    draft: a draft model path (method "model"); method: "cascade", "eagle", "ngram", "model", "none" or
+    any drafter registered with `specdecode.drafters.registry.register` or the `specdecode.drafters`
+    entry-point group (default: see default_method); drafter_path: a trained drafter directory (methods "eagle", "cascade").
     num_speculative_tokens: draft length k; 0 means plain decoding.
     """
 
@@ -63,8 +65,9 @@ class LLM:
         self.drafter: Drafter | None = None
         if self.method != "none" and num_speculative_tokens > 0:
             self.drafter = build_drafter(self.method, self.target, draft=self.draft, **drafter_options)
-        elif self.method not in ("none", "ngram", "model", "eagle", "cascade"):
-            raise DrafterError(f"method must be one of cascade, eagle, model, ngram, none, got {self.method!r}")
+        elif self.method != "none" and self.method not in method_names():
+            raise DrafterError(f"method must be one of {', '.join(sorted([*method_names(), 'none']))}, "
+                               f"got {self.method!r}")
         self.tokenizer = self.target.tokenizer
 
     def engine(self, num_speculative_tokens: int | None = None) -> SpecEngine:

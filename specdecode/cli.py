@@ -9,33 +9,8 @@ import json
 import os
 import sys
 
+from .cli_common import CliError, add_model_options, number, positive_int
 from .params import ParamError
-
-
-class CliError(ValueError):
-    """A bad command-line argument."""
-
-
-def _positive_int(name: str, low: int = 1, high: int | None = None):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            limit = f"in [{low}, {high}]" if high is not None else f">= {low}"
-            raise argparse.ArgumentTypeError(f"{name} must be {limit}, got {value}")
-        return value
-    return parse
-
-
-def _number(name: str):
-    def parse(text: str) -> float:
-        try:
-            return float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-    return parse
 
 
 def _logit_bias(text: str) -> tuple[int, float]:
@@ -46,36 +21,18 @@ def _logit_bias(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"--logit-bias takes TOKEN_ID=BIAS, got {text!r}") from None
 
 
-def add_model_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="target: a .gguf file or an HF directory (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--draft", default=None, help="draft model (.gguf or HF directory) sharing the target's tokenizer")
-    g.add_argument("--method", default=None, choices=["cascade", "eagle", "ngram", "model", "none"],
-                   help="drafter (default: model with --draft, cascade with --drafter, else ngram; eagle and "
-                        "cascade use the drafter shipped for the embedded model when no --drafter is given)")
-    g.add_argument("--drafter", default=None, metavar="DIR",
-                   help="trained drafter directory from `specdecode distill` (methods eagle, cascade)")
-    g.add_argument("-k", "--num-speculative-tokens", dest="k", type=_positive_int("-k", 0, 32), default=5,
-                   help="draft tokens per step; 0 = plain decoding (default 5)")
-    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights dtype (default bf16)")
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
-    g.add_argument("--threads", type=_positive_int("--threads", 1, 1024), default=None,
-                   help="CPU threads (default: torch's choice)")
-    g.add_argument("--eager", action="store_true", help="disable the fast kernels (reference eager path)")
-
-
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=_number("--temperature"), default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=_positive_int("--top-k", 0), default=0)
-    g.add_argument("--top-p", type=_number("--top-p"), default=1.0)
-    g.add_argument("--min-p", type=_number("--min-p"), default=0.0)
-    g.add_argument("--repetition-penalty", type=_number("--repetition-penalty"), default=1.0)
-    g.add_argument("--presence-penalty", type=_number("--presence-penalty"), default=0.0)
-    g.add_argument("--frequency-penalty", type=_number("--frequency-penalty"), default=0.0)
+    g.add_argument("--temperature", type=number("--temperature"), default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=positive_int("--top-k", 0), default=0)
+    g.add_argument("--top-p", type=number("--top-p"), default=1.0)
+    g.add_argument("--min-p", type=number("--min-p"), default=0.0)
+    g.add_argument("--repetition-penalty", type=number("--repetition-penalty"), default=1.0)
+    g.add_argument("--presence-penalty", type=number("--presence-penalty"), default=0.0)
+    g.add_argument("--frequency-penalty", type=number("--frequency-penalty"), default=0.0)
     g.add_argument("--logit-bias", type=_logit_bias, action="append", default=[], metavar="TOKEN_ID=BIAS")
-    g.add_argument("--seed", type=_positive_int("--seed", 0), default=None)
-    g.add_argument("--max-tokens", type=_positive_int("--max-tokens", 1), default=128)
+    g.add_argument("--seed", type=positive_int("--seed", 0), default=None)
+    g.add_argument("--max-tokens", type=positive_int("--max-tokens", 1), default=128)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
 
@@ -103,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming")
     gen.set_defaults(run=cmd_generate)
     from .serve.cli import add_serve_parser          # `specdecode serve` lives in specdecode/serve
-    add_serve_parser(sub, add_model_options)
+    add_serve_parser(sub)
     from .bench import add_parser as add_bench_parser   # `specdecode bench` lives in specdecode/bench
     add_bench_parser(sub)
     from .distill.cli import add_parser as add_distill_parser   # `specdecode distill`: specdecode/distill

@@ -164,9 +164,9 @@ def test_eagle_sampling_matches_plain_distribution(setup, models, tmp_path_facto
     """The EAGLE drafter's proposals (a head on the target's features, reduced draft vocabulary:
     tokens outside it have draft probability 0) pass the same test at 2x10^4 samples; so does the
     cascade, whose batches mix lookup rows (one-hot draft distributions) with head rows."""
-    from specdecode.distill.format import save_eagle
-    from specdecode.distill.head import EagleHead
-    from specdecode.drafters.base import build_drafter
+    from specdecode.drafters.format import save_eagle
+    from specdecode.drafters.head import EagleHead
+    from specdecode.drafters.registry import build_drafter
     llm, prompt, exact = setup
     torch.manual_seed(5)
     vocab = torch.arange(0, llm.target.model.vocab_size, 2)           # every other token

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.distill.format import DrafterMismatchWarning, save_eagle
-from specdecode.distill.head import EagleHead
+from specdecode.drafters.format import DrafterMismatchWarning, save_eagle
+from specdecode.drafters.head import EagleHead
 from specdecode.drafters.base import DrafterError
 from specdecode.models.loader import load_model
 
@@ -126,8 +126,8 @@ def test_shipped_drafter_for_the_embedded_model(smollm2):
     """The drafter shipped in the package is found by the embedded target's fingerprint, is
     trained (its drafts are accepted) and stays exact; n-gram stays the default method."""
     from specdecode.api import default_method
-    from specdecode.distill.format import shipped_drafter
-    from specdecode.drafters.base import build_drafter
+    from specdecode.drafters.format import shipped_drafter
+    from specdecode.drafters.registry import build_drafter
     from specdecode.engine.engine import SpecEngine
     assert shipped_drafter(smollm2, "eagle") is not None
     assert default_method(None, smollm2) == "ngram"

@@ -159,8 +159,8 @@ def test_eagle_head_in_the_server_stays_lossless_with_mixed_and_switching_rows(t
     rows (the repeated prompts) whose head state lags and catches up too."""
     import torch
 
-    from specdecode.distill.format import save_eagle
-    from specdecode.distill.head import EagleHead
+    from specdecode.drafters.format import save_eagle
+    from specdecode.drafters.head import EagleHead
     from specdecode.models.loader import load_model
     target = load_model(str(tiny_models["llama"]), "fp32", progress=False)
     torch.manual_seed(0)

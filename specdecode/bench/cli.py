@@ -8,25 +8,14 @@ import sys
 from ..datasets import SPEC_BENCH_TASKS, TASKS
 
 SYSTEMS = ("specdecode", "transformers", "llama.cpp")
-METHODS = ("plain", "ngram", "eagle", "cascade", "model")
 MODES = {"quick": {"prompts_per_task": 2, "max_tokens": 64},
          "full": {"prompts_per_task": None, "max_tokens": 128}}
 
 
-def _choices(name: str, allowed: tuple[str, ...], aliases: dict[str, tuple[str, ...]] | None = None):
-    def parse(text: str) -> list[str]:
-        out: list[str] = []
-        for item in (x.strip() for x in text.split(",") if x.strip()):
-            if aliases and item in aliases:
-                out += aliases[item]
-            elif item in allowed:
-                out.append(item)
-            else:
-                raise argparse.ArgumentTypeError(f"{name}: unknown {item!r} (choose from {', '.join(allowed)})")
-        if not out:
-            raise argparse.ArgumentTypeError(f"{name} is empty")
-        return list(dict.fromkeys(out))
-    return parse
+def methods() -> tuple[str, ...]:
+    """Bench methods: plain decoding and every registered drafter (drafters/registry.py)."""
+    from ..drafters.registry import method_names
+    return ("plain", *method_names())
 
 
 def _ks(text: str) -> list[int]:
@@ -40,7 +29,7 @@ def _ks(text: str) -> list[int]:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from ..cli import _number, _positive_int
+    from ..cli_common import comma_list, number, positive_int
     p = sub.add_parser("bench", help="benchmark specdecode against transformers and llama.cpp on Spec-Bench "
                                      "and HumanEval, interleaved per prompt",
                        description="Measure every system on the same prompts, weights, dtype and machine, in one "
@@ -53,23 +42,24 @@ def add_parser(sub) -> argparse.ArgumentParser:
                       help="every prompt of every task (480 Spec-Bench + 164 HumanEval), 128 new tokens")
     p.set_defaults(mode="quick")
     w = p.add_argument_group("workload")
-    w.add_argument("--tasks", type=_choices("--tasks", TASKS, {"spec_bench": SPEC_BENCH_TASKS}), default=list(TASKS),
+    w.add_argument("--tasks", type=comma_list("--tasks", TASKS, {"spec_bench": SPEC_BENCH_TASKS}), default=list(TASKS),
                    help=f"comma-separated, from {', '.join(TASKS)} (spec_bench = the six Spec-Bench tasks); "
                         "default all")
-    w.add_argument("--prompts-per-task", type=_positive_int("--prompts-per-task", 1), default=None,
+    w.add_argument("--prompts-per-task", type=positive_int("--prompts-per-task", 1), default=None,
                    help="first N prompts of each task (default: 2 with --quick, all with --full)")
     w.add_argument("--prompts-file", default=None,
                    help="custom prompts instead: JSONL with 'text' and optional 'task', 'id', 'chat'")
-    w.add_argument("--max-tokens", type=_positive_int("--max-tokens", 1), default=None,
+    w.add_argument("--max-tokens", type=positive_int("--max-tokens", 1), default=None,
                    help="max new tokens; EOS stops earlier (default: 64 with --quick, 128 with --full)")
-    w.add_argument("--temperature", type=_number("--temperature"), default=0.0,
+    w.add_argument("--temperature", type=number("--temperature"), default=0.0,
                    help="0 = greedy (default; losslessness is then checked token by token)")
-    w.add_argument("--seed", type=_positive_int("--seed", 0), default=0, help="base seed for sampling runs")
+    w.add_argument("--seed", type=positive_int("--seed", 0), default=0, help="base seed for sampling runs")
     s = p.add_argument_group("what to compare")
-    s.add_argument("--systems", type=_choices("--systems", SYSTEMS), default=list(SYSTEMS),
+    s.add_argument("--systems", type=comma_list("--systems", SYSTEMS), default=list(SYSTEMS),
                    help="comma-separated, from specdecode, transformers, llama.cpp (default all; llama.cpp is "
                         "skipped with a note when llama-cpp-python is missing)")
-    s.add_argument("--methods", type=_choices("--methods", METHODS), default=list(METHODS),
+    all_methods = methods()
+    s.add_argument("--methods", type=comma_list("--methods", all_methods), default=list(all_methods),
                    help="comma-separated, from plain, ngram (prompt lookup), eagle (a trained head: --drafter, or the "
                         "one shipped for the target), model (needs --draft); default all")
     s.add_argument("-k", "--num-speculative-tokens", dest="ks", type=_ks, default=[5],
@@ -80,7 +70,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--drafter", default=None, metavar="DIR",
                    help="trained EAGLE drafter from `specdecode distill` (method eagle; default: the shipped one)")
     m.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights dtype (default bf16)")
-    m.add_argument("--threads", type=_positive_int("--threads", 1, 1024), default=None,
+    m.add_argument("--threads", type=positive_int("--threads", 1, 1024), default=None,
                    help="CPU threads for every system (default: torch's choice)")
     m.add_argument("--eager", action="store_true", help="specdecode without its fast kernels")
     o = p.add_argument_group("output")
@@ -119,7 +109,7 @@ def config_from(args: argparse.Namespace) -> dict:
         words += ["--temperature", str(args.temperature), "--seed", str(args.seed)]
     if args.systems != list(SYSTEMS):
         words += ["--systems", ",".join(args.systems)]
-    if args.methods != list(METHODS):
+    if args.methods != list(methods()):
         words += ["--methods", ",".join(args.methods)]
     words += ["-k", ",".join(map(str, args.ks))]
     for flag, value in (("--model", args.model), ("--draft", args.draft), ("--drafter", args.drafter),
@@ -132,7 +122,7 @@ def config_from(args: argparse.Namespace) -> dict:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..cli import CliError
+    from ..cli_common import CliError
     from .runner import build_outputs, measure
     from .report import console_summary
     from .store import Store

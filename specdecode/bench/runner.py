@@ -84,9 +84,15 @@ def build_systems(config: dict, llm, prompts: list[workload.BenchPrompt], notes:
                 notes.append("llama.cpp: method model skipped — llama-cpp-python only drafts by prompt lookup")
     if "model" in config["methods"] and not config["draft"]:
         notes.append("method model skipped — no --draft given")
-    for method in ("eagle", "cascade"):
-        if method in config["methods"] and not any(sys_.supports(method) for sys_ in systems):
+    for method in config["methods"]:
+        if method in ("plain", "model") or any(sys_.supports(method) for sys_ in systems):
+            continue
+        if method in ("eagle", "cascade") and not config.get("drafter"):
             notes.append(f"method {method} skipped — no trained drafter for this target (--drafter DIR)")
+        else:
+            sd = next((s for s in systems if isinstance(s, SpecdecodeSystem)), None)
+            why = sd.skipped.get(method, "no system runs it") if sd is not None else "specdecode is not measured"
+            notes.append(f"method {method} skipped — {why}")
     return systems
 
 

@@ -56,8 +56,7 @@ def _positive_float(name: str):
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
-    from ..cli import _number, _positive_int
-    from .cli import _choices
+    from ..cli_common import comma_list, number, positive_int
     p = sub.add_parser("serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, goodput)",
                        description="Load generator for `specdecode serve` (or any OpenAI-compatible server): "
                                    "streaming Spec-Bench requests at fixed concurrency or Poisson arrivals; reports "
@@ -66,15 +65,15 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                                    "its own server with the model options.")
     s = p.add_argument_group("server")
     s.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000 (default: start one)")
-    s.add_argument("--server-pid", type=_positive_int("--server-pid", 1), default=None,
+    s.add_argument("--server-pid", type=positive_int("--server-pid", 1), default=None,
                    help="with --url: PID of that server on this machine, to sample its RSS")
     s.add_argument("--model", default=None, help="own server: target model (default: embedded SmolLM2-135M)")
     s.add_argument("--draft", default=None, help="own server: draft model")
     s.add_argument("--method", default=None, help="own server: drafter (as `specdecode serve --method`)")
-    s.add_argument("-k", "--num-speculative-tokens", dest="k", type=_positive_int("-k", 0, 32), default=None,
+    s.add_argument("-k", "--num-speculative-tokens", dest="k", type=positive_int("-k", 0, 32), default=None,
                    help="own server: default draft tokens per step")
     s.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"], help="own server: weights dtype")
-    s.add_argument("--threads", type=_positive_int("--threads", 1, 1024), default=None, help="own server: CPU threads")
+    s.add_argument("--threads", type=positive_int("--threads", 1, 1024), default=None, help="own server: CPU threads")
     s.add_argument("--eager", action="store_true", default=None, help="own server: no fast kernels")
     s.add_argument("--server-args", default=None,
                    help="own server: more `specdecode serve` options, quoted, e.g. \"--max-batch-size 16\"")
@@ -85,39 +84,39 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     shape.add_argument("--concurrency", type=_int_list("--concurrency", 1, 1024), default=None,
                        help="fixed concurrency levels, e.g. 1,4,16 (default 1,4,16)")
     shape.add_argument("--rate", type=_rate_list, default=None, help="Poisson arrival rates in requests/s, e.g. 0.5,2")
-    ld.add_argument("--max-concurrency", type=_positive_int("--max-concurrency", 1, 1024), default=None,
+    ld.add_argument("--max-concurrency", type=positive_int("--max-concurrency", 1, 1024), default=None,
                     help="with --rate: at most this many requests in flight")
     size = ld.add_mutually_exclusive_group()
-    size.add_argument("--num-requests", type=_positive_int("--num-requests", 1, 1_000_000), default=None,
+    size.add_argument("--num-requests", type=positive_int("--num-requests", 1, 1_000_000), default=None,
                       help="requests per level and speculation arm "
                            "(default: 4 x concurrency, at least 8; 32 with --rate)")
     size.add_argument("--duration", type=_positive_float("--duration"), default=None,
                       help="seconds per level and arm instead (soak test; requests in flight then finish)")
-    ld.add_argument("--warmup", type=_positive_int("--warmup", 0, 10000), default=2,
+    ld.add_argument("--warmup", type=positive_int("--warmup", 0, 10000), default=2,
                     help="unmeasured requests before each level (default 2)")
     ld.add_argument("--compare-speculation", action="store_true",
                     help="run every level with speculation on and off (request field `speculate`), interleaved")
     ld.add_argument("--compare-auto", action="store_true",
                     help="with --compare-speculation: a third arm that leaves speculation to the server's "
                          "automatic policy, compared with off")
-    ld.add_argument("--rounds", type=_positive_int("--rounds", 1, 1000), default=None,
+    ld.add_argument("--rounds", type=positive_int("--rounds", 1, 1000), default=None,
                     help="rounds per level; with --compare-speculation ordered on,off,off,on,... "
                          "(default 2 then, else 1)")
     ld.add_argument("--speculate", choices=["on", "off", "server"], default="server",
                     help="without --compare-speculation: send speculate true/false, "
                          "or leave it to the server (default)")
     w = p.add_argument_group("workload")
-    w.add_argument("--tasks", type=_choices("--tasks", datasets.TASKS, {"spec_bench": datasets.SPEC_BENCH_TASKS}),
+    w.add_argument("--tasks", type=comma_list("--tasks", datasets.TASKS, {"spec_bench": datasets.SPEC_BENCH_TASKS}),
                    default=list(datasets.SPEC_BENCH_TASKS),
                    help=f"prompts from {', '.join(datasets.TASKS)} (spec_bench = the six Spec-Bench tasks, default), "
                         "taken round-robin across tasks")
     w.add_argument("--prompts-file", default=None, help="JSONL prompts instead ('text', optional 'task', 'id', 'chat')")
-    w.add_argument("--max-tokens", type=_positive_int("--max-tokens", 1), default=64,
+    w.add_argument("--max-tokens", type=positive_int("--max-tokens", 1), default=64,
                    help="max new tokens (default 64)")
-    w.add_argument("--temperature", type=_number("--temperature"), default=0.0, help="default 0 (greedy)")
+    w.add_argument("--temperature", type=number("--temperature"), default=0.0, help="default 0 (greedy)")
     w.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every request makes max tokens")
     w.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
-    w.add_argument("--seed", type=_positive_int("--seed", 0), default=0, help="seed of the Poisson arrivals")
+    w.add_argument("--seed", type=positive_int("--seed", 0), default=0, help="seed of the Poisson arrivals")
     w.add_argument("--request-timeout", type=_positive_float("--request-timeout"), default=600.0,
                    help="seconds before a request counts as failed (default 600)")
     g = p.add_argument_group("goodput and output")
@@ -133,7 +132,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
 
 def check(args: argparse.Namespace) -> dict:
     """Cross-option checks; returns the --extra-body object."""
-    from ..cli import CliError
+    from ..cli_common import CliError
     given = [name for name in SERVER_OPTIONS if getattr(args, name) is not None]
     if args.url is not None:
         if not args.url.startswith(("http://", "https://")):
@@ -258,7 +257,7 @@ async def run_all(url: str, args, prompts, extra: dict, pid: int | None) -> tupl
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from ..cli import CliError
+    from ..cli_common import CliError
     from .serve_report import markdown
     extra = check(args)
     prompts = load_prompts(args)

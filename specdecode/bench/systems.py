@@ -62,15 +62,16 @@ class SpecdecodeSystem(System):
     name = "specdecode"
 
     def __init__(self, llm, drafter_path: str | None = None) -> None:
-        from ..distill.format import shipped_drafter
-        from ..drafters.base import build_drafter
+        from ..drafters.base import DrafterError
+        from ..drafters.registry import build_drafter, method_names
         self.llm = llm
-        self.drafters = {"ngram": build_drafter("ngram", llm.target)}
-        if llm.target.native and (drafter_path or shipped_drafter(llm.target, "eagle")):
-            self.drafters["eagle"] = build_drafter("eagle", llm.target, drafter_path=drafter_path)
-            self.drafters["cascade"] = build_drafter("cascade", llm.target, drafter_path=drafter_path)
-        if llm.draft is not None:
-            self.drafters["model"] = build_drafter("model", llm.target, draft=llm.draft)
+        self.drafters = {}
+        self.skipped: dict[str, str] = {}     # method -> why it cannot run here
+        for method in method_names():     # each registered drafter that can be built for this target
+            try:
+                self.drafters[method] = build_drafter(method, llm.target, draft=llm.draft, drafter_path=drafter_path)
+            except DrafterError as exc:     # e.g. eagle without a trained head, model without --draft
+                self.skipped[method] = str(exc)
 
     def supports(self, method: str) -> bool:
         return method in self.drafters

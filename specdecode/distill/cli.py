@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from ..cli import _number, _positive_int
+    from ..cli_common import number, positive_int
     p = sub.add_parser("distill", help="train a drafter (EAGLE-style head or small draft LM) for a target",
                        description=__doc__.split("\n\n")[1] if __doc__ else None)
     p.add_argument("--target", default=None, help="target model: .gguf or HF directory (default: embedded SmolLM2)")
@@ -26,34 +26,34 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--corpus", default=None,
                    help="use the corpus already built in this directory as it is (default: build or finish "
                         "building OUT/corpus)")
-    p.add_argument("--max-prompts", type=_positive_int("--max-prompts", 1), default=None,
+    p.add_argument("--max-prompts", type=positive_int("--max-prompts", 1), default=None,
                    help="use only the first N training prompts (default: all ~1700)")
-    p.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens", 8, 2048), default=256,
+    p.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens", 8, 2048), default=256,
                    help="length of the target's answers in the corpus (default 256)")
-    p.add_argument("--minutes", type=_number("--minutes"), default=60.0, help="training time budget (default 60)")
-    p.add_argument("--epochs", type=_number("--epochs"), default=20.0, help="stop after this many epochs (default 20)")
-    p.add_argument("--draft-vocab", type=_positive_int("--draft-vocab", 16), default=8192,
+    p.add_argument("--minutes", type=number("--minutes"), default=60.0, help="training time budget (default 60)")
+    p.add_argument("--epochs", type=number("--epochs"), default=20.0, help="stop after this many epochs (default 20)")
+    p.add_argument("--draft-vocab", type=positive_int("--draft-vocab", 16), default=8192,
                    help="eagle: size of the reduced draft vocabulary (default 8192)")
-    p.add_argument("--unroll", type=_positive_int("--unroll", 1, 8), default=3,
+    p.add_argument("--unroll", type=positive_int("--unroll", 1, 8), default=3,
                    help="eagle: training-time unroll depth (default 3)")
-    p.add_argument("--batch-tokens", type=_positive_int("--batch-tokens", 256), default=2048,
+    p.add_argument("--batch-tokens", type=positive_int("--batch-tokens", 256), default=2048,
                    help="tokens per training step (default 2048)")
-    p.add_argument("--layers", type=_positive_int("--layers", 1, 64), default=4,
+    p.add_argument("--layers", type=positive_int("--layers", 1, 64), default=4,
                    help="draft-lm: number of decoder layers (default 4)")
-    p.add_argument("--lr", type=_number("--lr"), default=None, help="learning rate (default 1e-3 eagle, 2e-4 draft-lm)")
-    p.add_argument("--eval-every", type=_number("--eval-every"), default=5.0, help="minutes between evaluations")
-    p.add_argument("--eval-prompts", type=_positive_int("--eval-prompts", 0), default=3,
+    p.add_argument("--lr", type=number("--lr"), default=None, help="learning rate (default 1e-3 eagle, 2e-4 draft-lm)")
+    p.add_argument("--eval-every", type=number("--eval-every"), default=5.0, help="minutes between evaluations")
+    p.add_argument("--eval-prompts", type=positive_int("--eval-prompts", 0), default=3,
                    help="held-out Spec-Bench prompts per task for the final engine run (default 3; 0 = skip)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="target dtype (default bf16)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    p.add_argument("--threads", type=_positive_int("--threads", 1, 1024), default=None)
+    p.add_argument("--threads", type=positive_int("--threads", 1, 1024), default=None)
     p.set_defaults(run=cmd_distill)
     return p
 
 
 def _validate(args) -> None:
-    from ..cli import CliError
+    from ..cli_common import CliError
     if args.minutes <= 0:
         raise CliError(f"--minutes must be > 0, got {args.minutes}")
     if args.epochs <= 0:
@@ -75,7 +75,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from ..models.loader import load_model
     from .corpus import build_corpus, load_corpus
     from .features import corpus_features
-    from ..cli import CliError
+    from ..cli_common import CliError
     _validate(args)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -113,7 +113,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 
 def _train_eagle(args, target, data, out: Path) -> Path:
-    from .format import save_eagle
+    from ..drafters.format import save_eagle
     from .train import TrainConfig, Trainer
     config = TrainConfig(draft_vocab_size=args.draft_vocab, unroll=args.unroll, minutes=args.minutes,
                          batch_tokens=args.batch_tokens,

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from .features import FeatureSet
-from .format import write_meta
-from .head import target_layer_weights
+from ..drafters.format import write_meta
+from ..drafters.head import target_layer_weights
 from .train import batches, split
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")

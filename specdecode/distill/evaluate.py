@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..datasets import SPEC_BENCH_TASKS, load
-from ..drafters.base import build_drafter
+from ..drafters.registry import build_drafter
 from ..engine.engine import SpecEngine
 from ..engine.sequence import SpecStats
 from ..params import SamplingParams

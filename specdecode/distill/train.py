@@ -1,6 +1,6 @@
 """Train an EAGLE-style head on target features (self-distillation), on CPU or CUDA.
 
-Loss at every slot j (see head.py): cross-entropy of the head's draft-vocabulary logits against
+Loss at every slot j (see drafters/head.py): cross-entropy of the head's draft-vocabulary logits against
 the target's greedy token at j+1, plus smooth-L1 between the head's predicted feature and the
 target's true feature at j+1 (both after the target's final norm). Training-time unrolling
 (as in EAGLE-3 / HASS): depth s > 0 feeds slot j the feature the head predicted at depth s-1 for
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .features import FeatureSet
-from .head import EagleHead, rope_tables
+from ..drafters.head import EagleHead, rope_tables
 
 IGNORE = -100
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 if TYPE_CHECKING:
     from ..engine.sequence import Sequence
-    from ..models.loader import LoadedModel
 
 
 @dataclass
@@ -89,22 +88,3 @@ class Drafter(ABC):
 
 class DrafterError(ValueError):
     """A drafter cannot be built with these options; the message says why."""
-
-
-DrafterFactory = Callable[..., Drafter]
-DRAFTERS: dict[str, type[Drafter]] = {}
-
-
-def register(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
-    def wrap(cls: type[Drafter]) -> type[Drafter]:
-        cls.name = name
-        DRAFTERS[name] = cls
-        return cls
-    return wrap
-
-
-def build_drafter(method: str, target: "LoadedModel", **options) -> Drafter:
-    from . import cascade, eagle, model, ngram  # noqa: F401  (registers the built-in drafters)
-    if method not in DRAFTERS:
-        raise DrafterError(f"method must be one of {', '.join(sorted(DRAFTERS))}, got {method!r}")
-    return DRAFTERS[method](target, **options)

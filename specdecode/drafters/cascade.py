@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import DraftProposal, Drafter, register
+from .base import DraftProposal, Drafter
+from .registry import register
 from .eagle import EagleDrafter
 from .ngram import NgramDrafter, lookup
 

@@ -1,4 +1,4 @@
-"""EAGLE-style drafter: a one-layer head that reads the target's features (see distill/head.py).
+"""EAGLE-style drafter: a one-layer head that reads the target's features (see head.py).
 
 State per batch row (both position-addressed, so rollback is a length change):
   * `features[row, p]`: the target's feature at position p, written by `observe` after every
@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..distill.head import head_block
+from .head import head_block
 from ..kv_cache import KVCache
 from ..sampling import probs_from_logits, sample, transform_logits
-from .base import DraftProposal, Drafter, DrafterError, register
+from .base import DraftProposal, Drafter, DrafterError
+from .registry import register
 
 
 @register("eagle")
@@ -35,8 +36,8 @@ class EagleDrafter(Drafter):
 
     def __init__(self, target, drafter_path: str | Path | None = None, fast: bool = True,
                  min_confidence: float = 0.0, **_: object) -> None:
-        from ..distill.format import check_target, read_meta, shipped_drafter
-        from ..distill.head import HeadConfig, rope_tables
+        from .format import check_target, read_meta, shipped_drafter
+        from .head import HeadConfig, rope_tables
         if not getattr(target, "native", False):
             raise DrafterError(f"method 'eagle' needs a natively loaded target (Llama/Qwen2); {target.name} runs "
                                f"through the transformers adapter")

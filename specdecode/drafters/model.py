@@ -16,7 +16,8 @@ import torch
 
 from ..models.config import ModelError
 from ..sampling import probs_from_logits, sample, transform_logits
-from .base import DraftProposal, Drafter, DrafterError, register
+from .base import DraftProposal, Drafter, DrafterError
+from .registry import register
 
 
 def check_same_tokenizer(target, draft) -> None:
@@ -40,7 +41,7 @@ class ModelDrafter(Drafter):
             raise DrafterError("method 'model' needs a draft model (--draft PATH / LLM(draft=...))")
         check_same_tokenizer(target, draft)
         if (Path(draft.path) / "drafter.json").is_file():     # trained by `specdecode distill --kind draft-lm`
-            from ..distill.format import check_target, read_meta
+            from .format import check_target, read_meta
             check_target(read_meta(Path(draft.path), "draft-lm"), target, Path(draft.path))
         self.draft = draft                    # LoadedModel
         self.model = draft.model

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import DraftProposal, Drafter, DrafterError, register
+from .base import DraftProposal, Drafter, DrafterError
+from .registry import register
 
 
 def occurrences(token_ids: np.ndarray, n: int) -> np.ndarray:

@@ -6,30 +6,30 @@ import logging
 import sys
 
 
-def add_serve_parser(sub, add_model_options) -> None:
-    from ..cli import _number, _positive_int
+def add_serve_parser(sub) -> None:
+    from ..cli_common import add_model_options, number, positive_int
     p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching, per-request "
                                      "speculation, Prometheus metrics and a live dashboard at /")
     add_model_options(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    g.add_argument("--port", type=_positive_int("--port", 0, 65535), default=8000, help="default 8000")
+    g.add_argument("--port", type=positive_int("--port", 0, 65535), default=8000, help="default 8000")
     g.add_argument("--served-model-name", default=None, help="model name in the API (default: --model as given)")
-    g.add_argument("--max-batch-size", type=_positive_int("--max-batch-size", 1, 1024), default=8,
+    g.add_argument("--max-batch-size", type=positive_int("--max-batch-size", 1, 1024), default=8,
                    help="requests decoded together (default 8)")
-    g.add_argument("--max-queue", type=_positive_int("--max-queue", 1), default=64,
+    g.add_argument("--max-queue", type=positive_int("--max-queue", 1), default=64,
                    help="requests waiting for a row in the batch; more get HTTP 429 (default 64)")
-    g.add_argument("--max-model-len", type=_positive_int("--max-model-len", 2), default=None,
+    g.add_argument("--max-model-len", type=positive_int("--max-model-len", 2), default=None,
                    help="prompt + max_tokens limit per request (default: the model's context)")
-    g.add_argument("--block-size", type=_positive_int("--block-size", 1, 1024), default=16,
+    g.add_argument("--block-size", type=positive_int("--block-size", 1, 1024), default=16,
                    help="tokens per KV cache block (default 16)")
-    g.add_argument("--num-blocks", type=_positive_int("--num-blocks", 2), default=0,
+    g.add_argument("--num-blocks", type=positive_int("--num-blocks", 2), default=0,
                    help="KV blocks per model (default: a full batch at --max-model-len)")
-    g.add_argument("--prefill-chunk", type=_positive_int("--prefill-chunk", 1), default=256,
+    g.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk", 1), default=256,
                    help="prompt tokens prefilled between two decode steps (default 256)")
-    g.add_argument("--spec-max-batch-size", type=_positive_int("--spec-max-batch-size", 1), default=None,
+    g.add_argument("--spec-max-batch-size", type=positive_int("--spec-max-batch-size", 1), default=None,
                    help="switch speculation off while more requests run (default: only the measured policy)")
-    g.add_argument("--health-timeout", type=_number("--health-timeout"), default=10.0,
+    g.add_argument("--health-timeout", type=number("--health-timeout"), default=10.0,
                    help="seconds /health waits for its one-token generation (default 10)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=cmd_serve)
@@ -39,7 +39,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..api import LLM
-    from ..cli import CliError
+    from ..cli_common import CliError
     from .app import create_app
     from .memory import weights_bytes
     from .scheduler import ServeConfig

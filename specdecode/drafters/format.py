@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..drafters.base import DrafterError
+from .base import DrafterError
 
 FORMAT = "specdecode-drafter"
 VERSION = 1
@@ -103,7 +103,7 @@ def shipped_drafter(target, kind: str = "eagle") -> Path | None:
 
 
 def save_eagle(head, out_dir: Path, target, training: dict) -> Path:
-    """Write an EagleHead (distill/head.py) as a version-1 drafter directory."""
+    """Write an EagleHead (drafters/head.py) as a version-1 drafter directory."""
     from safetensors.torch import save_file
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,78 @@
+"""Command-line helpers shared by every `specdecode` subcommand (generate, serve, bench, distill).
+
+This module sits below all the CLIs: each of them imports it, it imports none of them, so the
+subcommands never import each other. Argument parsers (`positive_int`, `number`, `comma_list`)
+raise argparse errors that name the option; `CliError` is a bad combination of options found
+after parsing (the CLI prints one line and exits with code 2).
+"""
+from __future__ import annotations
+
+import argparse
+
+
+class CliError(ValueError):
+    """A bad command-line argument."""
+
+
+def positive_int(name: str, low: int = 1, high: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            limit = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"{name} must be {limit}, got {value}")
+        return value
+    return parse
+
+
+def number(name: str):
+    def parse(text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+    return parse
+
+
+def comma_list(name: str, allowed: tuple[str, ...], aliases: dict[str, tuple[str, ...]] | None = None):
+    """A comma-separated list of names from `allowed` (an alias expands to several)."""
+    def parse(text: str) -> list[str]:
+        out: list[str] = []
+        for item in (x.strip() for x in text.split(",") if x.strip()):
+            if aliases and item in aliases:
+                out += aliases[item]
+            elif item in allowed:
+                out.append(item)
+            else:
+                raise argparse.ArgumentTypeError(f"{name}: unknown {item!r} (choose from {', '.join(allowed)})")
+        if not out:
+            raise argparse.ArgumentTypeError(f"{name} is empty")
+        return list(dict.fromkeys(out))
+    return parse
+
+
+def method_choices() -> list[str]:
+    """`--method` values: every registered drafter (see drafters/registry.py) and "none"."""
+    from .drafters.registry import method_names
+    return [*method_names(), "none"]
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="target: a .gguf file or an HF directory (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--draft", default=None, help="draft model (.gguf or HF directory) sharing the target's tokenizer")
+    g.add_argument("--method", default=None, choices=method_choices(),
+                   help="drafter (default: model with --draft, cascade with --drafter, else ngram; eagle and "
+                        "cascade use the drafter shipped for the embedded model when no --drafter is given; "
+                        "drafters registered by other packages are listed too)")
+    g.add_argument("--drafter", default=None, metavar="DIR",
+                   help="trained drafter directory from `specdecode distill` (methods eagle, cascade)")
+    g.add_argument("-k", "--num-speculative-tokens", dest="k", type=positive_int("-k", 0, 32), default=5,
+                   help="draft tokens per step; 0 = plain decoding (default 5)")
+    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights dtype (default bf16)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
+    g.add_argument("--threads", type=positive_int("--threads", 1, 1024), default=None,
+                   help="CPU threads (default: torch's choice)")
+    g.add_argument("--eager", action="store_true", help="disable the fast kernels (reference eager path)")

@@ -1,0 +1,99 @@
+"""The drafter registry: method name -> drafter class.
+
+Three sources, looked up in this order:
+  * `register(name)`: a class decorator, for drafters defined in any module (the built-in ones
+    use it too; their modules are imported on first lookup);
+  * the built-in drafters (`BUILTIN`: name -> "module:Class", imported only when used);
+  * the Python entry-point group `specdecode.drafters` (`ENTRY_POINT_GROUP`) of installed
+    distributions, e.g. in a third-party pyproject.toml:
+
+        [project.entry-points."specdecode.drafters"]
+        mine = "my_package.drafter:MyDrafter"
+
+    The entry point's object is a `Drafter` subclass; it is registered under the entry point's
+    name when first looked up.
+
+`method_names()` lists every method without importing any drafter module (so the CLI can offer
+them as choices cheaply); `build_drafter(method, target, **options)` constructs one. This module
+imports nothing heavy and nothing from the rest of specdecode at module level.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from typing import TYPE_CHECKING, Callable, TypeVar
+
+if TYPE_CHECKING:
+    from ..models.loader import LoadedModel
+    from .base import Drafter
+
+ENTRY_POINT_GROUP = "specdecode.drafters"
+BUILTIN = {"ngram": "specdecode.drafters.ngram:NgramDrafter",
+           "eagle": "specdecode.drafters.eagle:EagleDrafter",
+           "cascade": "specdecode.drafters.cascade:CascadeDrafter",
+           "model": "specdecode.drafters.model:ModelDrafter"}
+RESERVED = ("none", "plain")      # "none": no drafter (API / CLI); "plain": plain decoding (bench)
+
+_registered: dict[str, type] = {}
+T = TypeVar("T", bound=type)
+
+
+def _drafter_errors():
+    from .base import DrafterError
+    return DrafterError
+
+
+def register(name: str) -> Callable[[T], T]:
+    """Class decorator: make a `Drafter` subclass available as method `name` (LLM(method=name),
+    `specdecode generate --method name`, the server, the bench)."""
+    if not isinstance(name, str) or not name or not name.replace("-", "_").isidentifier():
+        raise ValueError(f"a drafter name must be an identifier-like string, got {name!r}")
+    if name in RESERVED:
+        raise ValueError(f"drafter name {name!r} is reserved ({', '.join(RESERVED)})")
+
+    def wrap(cls: T) -> T:
+        from .base import Drafter
+        if not (isinstance(cls, type) and issubclass(cls, Drafter)):
+            raise TypeError(f"register({name!r}) decorates a Drafter subclass, got {cls!r}")
+        cls.name = name
+        _registered[name] = cls
+        return cls
+    return wrap
+
+
+def unregister(name: str) -> None:
+    """Forget a drafter registered with `register` (tests; built-ins come back on next lookup)."""
+    _registered.pop(name, None)
+
+
+def _entry_points() -> dict:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def method_names() -> list[str]:
+    """Every drafter method: built-ins first, then registered ones, then entry points."""
+    return list(dict.fromkeys([*BUILTIN, *_registered, *_entry_points()]))
+
+
+def drafter_class(method: str) -> "type[Drafter]":
+    if method in _registered:
+        return _registered[method]
+    if method in BUILTIN:
+        module, _, attr = BUILTIN[method].partition(":")
+        return getattr(importlib.import_module(module), attr)     # its @register fills _registered
+    entry = _entry_points().get(method)
+    if entry is None:
+        raise _drafter_errors()(f"method must be one of {', '.join(sorted([*method_names(), 'none']))}, "
+                                f"got {method!r}")
+    try:
+        cls = entry.load()
+    except Exception as exc:  # noqa: BLE001 -- a broken third-party package: say which one
+        raise _drafter_errors()(f"drafter {method!r} (entry point {entry.value!r} in group {ENTRY_POINT_GROUP!r}) "
+                                f"cannot be loaded: {type(exc).__name__}: {exc}") from None
+    return register(method)(cls)
+
+
+def build_drafter(method: str, target: "LoadedModel", **options) -> "Drafter":
+    """A drafter of `method` for `target`; options are passed to its constructor (each drafter
+    takes what it knows: draft=, drafter_path=, ngram_min=, ... and ignores the rest)."""
+    return drafter_class(method)(target, **options)
