@@ -8,7 +8,7 @@ import torch
 from .drafters.base import Drafter, DrafterError
 from .drafters.registry import build_drafter, method_names
 from .engine.engine import SpecEngine, StreamCallback
-from .models.loader import LoadedModel, load_model
+from .models.loader import LoadedModel, load_draft, load_model
 from .params import ParamError, SamplingParams
 
 
@@ -44,22 +44,26 @@ class LLM:
     any drafter registered with `specdecode.drafters.registry.register` or the `specdecode.drafters`
     entry-point group (default: see default_method); drafter_path: a trained drafter directory (methods "eagle", "cascade").
     num_speculative_tokens: draft length k; 0 means plain decoding.
+    dtype: None (a GGUF file computes on its own quantized weights, anything else in bf16), "bf16" or
+    "fp32" (dense; a GGUF file is dequantized); weights: "auto", "native" or "dense" (see load_model);
+    draft_dtype: the draft's dtype if not the target's, or "int8" (weights quantized per channel).
     """
 
     def __init__(self, model: str | None = None, draft: str | None = None, method: str | None = None,
-                 num_speculative_tokens: int = 5, dtype: str = "bf16", device: str | None = "cpu",
+                 num_speculative_tokens: int = 5, dtype: str | None = None, device: str | None = "cpu",
                  threads: int | None = None, fast: bool = True, progress: bool = True,
-                 **drafter_options) -> None:
+                 weights: str = "auto", draft_dtype: str | None = None, **drafter_options) -> None:
         if threads is not None:
             if not isinstance(threads, int) or threads < 1:
                 raise ParamError(f"threads must be an integer >= 1, got {threads!r}")
             torch.set_num_threads(threads)
         if not isinstance(num_speculative_tokens, int) or not 0 <= num_speculative_tokens <= 32:
             raise ParamError(f"num_speculative_tokens must be an integer in [0, 32], got {num_speculative_tokens!r}")
-        self.target: LoadedModel = load_model(model, dtype, device, progress=progress, fast=fast)
+        self.target: LoadedModel = load_model(model, dtype, device, progress=progress, fast=fast, weights=weights)
         self.draft: LoadedModel | None = None
         if draft is not None:
-            self.draft = load_model(draft, dtype, device, progress=progress, fast=fast)
+            self.draft = load_draft(draft, draft_dtype or dtype, device, progress=progress, fast=fast,
+                                    weights=weights)
         self.method = method or default_method(draft, self.target, drafter_options.get("drafter_path"))
         self.num_speculative_tokens = num_speculative_tokens
         self.drafter: Drafter | None = None

@@ -99,7 +99,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError("--method model needs a draft model: add --draft PATH")
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
               dtype=args.dtype, device=args.device, threads=args.threads, fast=not args.eager,
-              progress=not args.json, drafter_path=args.drafter)
+              progress=not args.json, drafter_path=args.drafter, weights=args.weights, draft_dtype=args.draft_dtype)
     ids = llm.encode(prompt, chat=args.chat)
     # warm-up so that the first measured run does not pay one-time costs (allocations, kernels)
     llm.generate([ids], type(params)(max_tokens=4, ignore_eos=True), num_speculative_tokens=min(args.k, 2))
@@ -113,6 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(out.text)
     result = {"text": out.text, "tokens": out.token_ids, "num_tokens": len(out.token_ids),
               "finish_reason": out.finish_reason, "method": llm.method if args.k else "none", "k": args.k,
+              "weights": llm.target.weights_kind,
               **{key: out.stats[key] for key in ("tokens_per_s", "acceptance_rate", "mean_accepted_length",
                                                  "acceptance_per_position", "draft_s", "verify_s",
                                                  "prefill_s", "total_s")}}
@@ -128,7 +129,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"[{result['method']} k={args.k}] {result['num_tokens']} tokens, {result['tokens_per_s']:.1f} tok/s, "
+    print(f"[{result['method']} k={args.k}, weights {result['weights']}] {result['num_tokens']} tokens, "
+          f"{result['tokens_per_s']:.1f} tok/s, "
           f"acceptance rate {result['acceptance_rate']:.2f}, mean accepted length "
           f"{result['mean_accepted_length']:.2f}", file=sys.stderr)
     if args.compare:

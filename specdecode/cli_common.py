@@ -71,7 +71,14 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="trained drafter directory from `specdecode distill` (methods eagle, cascade)")
     g.add_argument("-k", "--num-speculative-tokens", dest="k", type=positive_int("-k", 0, 32), default=5,
                    help="draft tokens per step; 0 = plain decoding (default 5)")
-    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights dtype (default bf16)")
+    g.add_argument("--dtype", default=None, choices=["bf16", "bfloat16", "fp32", "float32", "fp16", "float16"],
+                   help="dense weights in this dtype (a GGUF file is dequantized); default: a GGUF file computes "
+                        "on its own quantized weights (--weights native), anything else in bf16")
+    g.add_argument("--weights", default="auto", choices=["auto", "native", "dense"],
+                   help="native: a GGUF file's quantized weights as stored (bf16 activations); dense: dequantized "
+                        "to --dtype; auto (default): native for a GGUF file unless --dtype is given")
+    g.add_argument("--draft-dtype", default=None, choices=["bf16", "bfloat16", "fp32", "float32", "fp16", "float16", "int8"],
+                   help="the draft model's dtype if not the target's; int8 quantizes its weights per channel")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
     g.add_argument("--threads", type=positive_int("--threads", 1, 1024), default=None,
                    help="CPU threads (default: torch's choice)")

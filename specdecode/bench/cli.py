@@ -69,7 +69,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--draft", default=None, help="draft model sharing the target's tokenizer (method model)")
     m.add_argument("--drafter", default=None, metavar="DIR",
                    help="trained EAGLE drafter from `specdecode distill` (method eagle; default: the shipped one)")
-    m.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights dtype (default bf16)")
+    m.add_argument("--dtype", default=None, choices=["bf16", "bfloat16", "fp32", "float32", "fp16", "float16"],
+                   help="dense weights in this dtype (default: a GGUF target on its own quantized weights, else bf16)")
+    m.add_argument("--weights", default="auto", choices=["auto", "native", "dense"],
+                   help="native / dense / auto (default) as for generate")
+    m.add_argument("--draft-dtype", default=None, choices=["bf16", "bfloat16", "fp32", "float32", "fp16", "float16", "int8"],
+                   help="the draft model's dtype if not the target's (int8: per-channel quantized)")
     m.add_argument("--threads", type=positive_int("--threads", 1, 1024), default=None,
                    help="CPU threads for every system (default: torch's choice)")
     m.add_argument("--eager", action="store_true", help="specdecode without its fast kernels")
@@ -94,7 +99,8 @@ def config_from(args: argparse.Namespace) -> dict:
            "prompts_per_task": args.prompts_per_task or defaults["prompts_per_task"],
            "max_tokens": args.max_tokens or defaults["max_tokens"], "temperature": args.temperature,
            "seed": args.seed, "systems": args.systems, "methods": args.methods, "ks": args.ks,
-           "model": args.model, "draft": args.draft, "drafter": args.drafter, "dtype": args.dtype, "threads": args.threads,
+           "model": args.model, "draft": args.draft, "drafter": args.drafter, "dtype": args.dtype, "weights": args.weights,
+           "draft_dtype": args.draft_dtype, "threads": args.threads,
            "eager": args.eager, "resume": args.resume}
     words = ["specdecode", "bench", f"--{args.mode}"]
     if args.prompts_file:
@@ -116,7 +122,9 @@ def config_from(args: argparse.Namespace) -> dict:
                         ("--threads", args.threads)):
         if value is not None:
             words += [flag, str(value)]
-    words += ["--dtype", args.dtype] + (["--eager"] if args.eager else []) + ["--out", args.out]
+    words += (["--dtype", args.dtype] if args.dtype else []) + (["--weights", args.weights] if args.weights != "auto" else [])
+    words += (["--draft-dtype", args.draft_dtype] if args.draft_dtype else [])
+    words += (["--eager"] if args.eager else []) + ["--out", args.out]
     cfg["command"] = " ".join(shlex.quote(w) for w in words)
     return cfg
 

@@ -62,7 +62,7 @@ def build_systems(config: dict, llm, prompts: list[workload.BenchPrompt], notes:
         systems.append(SpecdecodeSystem(llm, config.get("drafter")))
     if "transformers" in wanted:
         try:
-            systems.append(TransformersSystem(llm, parse_dtype(config["dtype"]), notes))
+            systems.append(TransformersSystem(llm, parse_dtype(config["dtype"] or "bf16"), notes))
         except Exception as exc:  # noqa: BLE001
             notes.append(f"transformers: skipped — cannot load {llm.target.path} ({type(exc).__name__}: {exc})")
     if "llama.cpp" in wanted:
@@ -134,7 +134,8 @@ def measure(config: dict, store: Store, progress: bool = True) -> dict:
     elif not config["resume"]:
         store.reset()
     llm = LLM(model=config["model"], draft=config["draft"], method="none", num_speculative_tokens=0,
-              dtype=config["dtype"], threads=config["threads"], fast=not config["eager"], progress=progress)
+              dtype=config["dtype"], threads=config["threads"], fast=not config["eager"], progress=progress,
+              weights=config.get("weights", "auto"), draft_dtype=config.get("draft_dtype"))
     threads = torch.get_num_threads()
     notes: list[str] = []
     room = max(config["ks"]) + 2

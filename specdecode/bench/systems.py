@@ -141,11 +141,11 @@ class TransformersSystem(System):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
         hf_logging.set_verbosity_error()
-        self.model = AutoModelForCausalLM.from_pretrained(str(llm.target.path), dtype=dtype).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(str(llm.target.dense_path()), dtype=dtype).eval()
         self.draft = None
         if llm.draft is not None:
             try:
-                self.draft = AutoModelForCausalLM.from_pretrained(str(llm.draft.path), dtype=dtype).eval()
+                self.draft = AutoModelForCausalLM.from_pretrained(str(llm.draft.dense_path()), dtype=dtype).eval()
             except Exception as exc:  # noqa: BLE001  (any loader failure means: no assisted generation)
                 notes.append(f"transformers: draft not loadable ({type(exc).__name__}: {exc}); "
                              f"assisted generation skipped")

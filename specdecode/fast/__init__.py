@@ -8,13 +8,17 @@ from __future__ import annotations
 import torch
 
 from .linear import PackedLinear, available, reason, self_check
+from .quant import QuantLinear, QuantWeight
 
-__all__ = ["PackedLinear", "available", "reason", "self_check", "make_linear", "fused_decoder"]
+__all__ = ["PackedLinear", "QuantLinear", "QuantWeight", "available", "reason", "self_check", "make_linear",
+           "fused_decoder"]
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
+def make_linear(weight, bias: torch.Tensor | None = None):
     """A projection x[..., in] -> [..., out]: the packed native kernel on CPU when it loads,
-    else F.linear (PackedLinear falls back by itself)."""
+    else F.linear (PackedLinear falls back by itself); a QuantWeight runs the quantized kernel."""
+    if isinstance(weight, QuantWeight):
+        return QuantLinear(weight, bias)
     return PackedLinear(weight, bias)
 
 

@@ -45,6 +45,10 @@ typedef struct {
     void *att;                       /* ld Qp */
     void *gu;                        /* ld 2I */
     void *act;                       /* ld Ip */
+    /* GGUF-quantized projections (quant.c), used instead of the packed ones where not NULL
+     * (bf16 activations only): per layer sd_qmat pointers, or NULL arrays for none */
+    const sd_qmat *const *qkv_q, *const *o_q, *const *gu_q, *const *down_q;
+    const sd_qmat *head_q;
 } sd_model;
 
 /* Where the cache keeps key/value j of kv head h for one token row (elements from a layer's base):
@@ -204,9 +208,11 @@ static void attend(const void *q, const char *kbase, const char *vbase, const sd
     for (int c = 0; c < C; c++) st16(out, 16 * c, bf, 0xffff, _mm512_mul_ps(o[c], invs));
 }
 
-/* One thread's share of y[M, N] (op) x[M, Kp] @ W^T: dispatch on dtype / AMX. */
-static inline void mm_part(const sd_model *md, const void *x, int lda, const void *Wp, const float *bias,
-                           void *y, int ldy, int M, int N, int Kp, int mode, int t, int nt, int *cfg) {
+/* One thread's share of y[M, N] (op) x[M, Kp] @ W^T: dispatch on quantized / dtype / AMX. */
+static inline void mm_part(const sd_model *md, const void *x, int lda, const void *Wp, const sd_qmat *Wq,
+                           const float *bias, void *y, int ldy, int M, int N, int Kp, int mode, int t, int nt,
+                           int *cfg) {
+    if (Wq) { qmm_part(Wq, (const bf16 *)x, lda, bias, y, ldy, M, mode, t, nt); return; }
     int g0, g1;
     split((N + 31) / 32, t, nt, &g0, &g1);
     if (!md->is_bf16) fp32_part((const float *)x, lda, (const float *)Wp, bias, (float *)y, ldy, M, N, Kp, mode, g0, g1);
@@ -254,7 +260,7 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
             for (int r = a; r < b; r++)
                 rmsnorm_row(hid + (size_t)r * D * esz, md->attn_norm[l], xn + (size_t)r * md->Dp * esz, D, md->eps, bf);
 #pragma omp barrier
-            mm_part(md, xn, md->Dp, md->qkv_w[l], md->qkv_b[l], qkv, NQKV, T, NQKV, md->Dp, mode_out, t, nt, &cfg);
+            mm_part(md, xn, md->Dp, md->qkv_w[l], md->qkv_q ? md->qkv_q[l] : NULL, md->qkv_b[l], qkv, NQKV, T, NQKV, md->Dp, mode_out, t, nt, &cfg);
 #pragma omp barrier
             /* RoPE on q and k heads, k/v into the cache */
             range(T * (H + 2 * KVH), t, nt, &a, &b);
@@ -280,13 +286,13 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
                        att + ((size_t)r * md->Qp + (size_t)h * HD) * esz);
             }
 #pragma omp barrier
-            mm_part(md, att, md->Qp, md->o_w[l], NULL, hid, D, T, D, md->Qp, mode_res, t, nt, &cfg);
+            mm_part(md, att, md->Qp, md->o_w[l], md->o_q ? md->o_q[l] : NULL, NULL, hid, D, T, D, md->Qp, mode_res, t, nt, &cfg);
 #pragma omp barrier
             range(T, t, nt, &a, &b);
             for (int r = a; r < b; r++)
                 rmsnorm_row(hid + (size_t)r * D * esz, md->mlp_norm[l], xn + (size_t)r * md->Dp * esz, D, md->eps, bf);
 #pragma omp barrier
-            mm_part(md, xn, md->Dp, md->gu_w[l], NULL, gu, 2 * I, T, 2 * I, md->Dp, mode_out, t, nt, &cfg);
+            mm_part(md, xn, md->Dp, md->gu_w[l], md->gu_q ? md->gu_q[l] : NULL, NULL, gu, 2 * I, T, 2 * I, md->Dp, mode_out, t, nt, &cfg);
 #pragma omp barrier
             /* act = rne(rne(silu(gate)) * up) */
             {
@@ -301,7 +307,7 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
                 }
             }
 #pragma omp barrier
-            mm_part(md, act, md->Ip, md->down_w[l], NULL, hid, D, T, D, md->Ip, mode_res, t, nt, &cfg);
+            mm_part(md, act, md->Ip, md->down_w[l], md->down_q ? md->down_q[l] : NULL, NULL, hid, D, T, D, md->Ip, mode_res, t, nt, &cfg);
 #pragma omp barrier
         }
         if (n > 0) {
@@ -309,7 +315,7 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
             for (int r = a; r < b; r++)
                 rmsnorm_row(hid + (size_t)idx[r] * D * esz, md->final_norm, xn + (size_t)r * md->Dp * esz, D, md->eps, bf);
 #pragma omp barrier
-            mm_part(md, xn, md->Dp, md->head_w, md->head_b, out, md->V, n, md->V, md->Dp,
+            mm_part(md, xn, md->Dp, md->head_w, md->head_q, md->head_b, out, md->V, n, md->V, md->Dp,
                     bf ? OUT_F32_VIA_BF16 : OUT_F32, t, nt, &cfg);
         }
         if (cfg >= 0) _tile_release();

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from . import linear as _lin
 from .linear import PackedLinear
+from .quant import QuantLinear
 
 __all__ = ["FusedDecoder", "fused_decoder", "why_not", "MAX_T"]
 
@@ -35,7 +36,8 @@ class _Model(ctypes.Structure):  # must match sd_model in decoder.c
         ("embed", P), ("rope_cos", P), ("rope_sin", P),
         ("attn_norm", P), ("mlp_norm", P), ("qkv_w", P), ("qkv_b", P), ("o_w", P), ("gu_w", P),
         ("down_w", P), ("final_norm", P), ("head_w", P), ("head_b", P),
-        ("hid", P), ("xn", P), ("qkv", P), ("q", P), ("att", P), ("gu", P), ("act", P)]
+        ("hid", P), ("xn", P), ("qkv", P), ("q", P), ("att", P), ("gu", P), ("act", P),
+        ("qkv_q", P), ("o_q", P), ("gu_q", P), ("down_q", P), ("head_q", P)]
 
 
 class _KV(ctypes.Structure):  # must match sd_kv in decoder.c
@@ -67,8 +69,8 @@ def why_not(model) -> str | None:
         return "num_heads not a multiple of num_kv_heads"
     lins = [model.lm_head] + [ly[k] for ly in model.layers for k in ("qkv", "o", "gate_up", "down")]
     for lin in lins:
-        if not isinstance(lin, PackedLinear) or not lin.fast or lin.dtype != model.dtype:
-            return "projections are not native PackedLinear (eager make_linear?)"
+        if not isinstance(lin, (PackedLinear, QuantLinear)) or not lin.fast or lin.dtype != model.dtype:
+            return "projections are not native PackedLinear / QuantLinear (eager make_linear?)"
     if model.lm_head.bias32 is not None or any(ly[k].bias32 is not None for ly in model.layers
                                                for k in ("o", "gate_up", "down")):
         return "unexpected bias on o/gate_up/down/lm_head"
@@ -82,8 +84,15 @@ def fused_decoder(model) -> "FusedDecoder | None":
     return FusedDecoder(model)
 
 
+def _packed(lin):
+    """The packed weight of a PackedLinear (None for a QuantLinear: the C side uses its sd_qmat)."""
+    return getattr(lin, "wp", None)
+
+
 def _ptrs(tensors) -> ctypes.Array:
-    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
+    """Pointer array of tensors (data pointers), addresses (ints) or None."""
+    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t if isinstance(t, int) else t.data_ptr()
+                                              for t in tensors])
 
 
 class FusedDecoder:
@@ -125,13 +134,21 @@ class FusedDecoder:
                    eps=c.rms_norm_eps, scale=1.0 / math.sqrt(HD),
                    embed=self._embed.data_ptr(), rope_cos=self._cos.data_ptr(), rope_sin=self._sin.data_ptr(),
                    attn_norm=arr(norms_a), mlp_norm=arr(norms_m),
-                   qkv_w=arr([ly["qkv"].wp for ly in model.layers]),
+                   qkv_w=arr([_packed(ly["qkv"]) for ly in model.layers]),
                    qkv_b=arr([ly["qkv"].bias32 for ly in model.layers]),
-                   o_w=arr([ly["o"].wp for ly in model.layers]),
-                   gu_w=arr([ly["gate_up"].wp for ly in model.layers]),
-                   down_w=arr([ly["down"].wp for ly in model.layers]),
-                   final_norm=self._final.data_ptr(), head_w=model.lm_head.wp.data_ptr(), head_b=None,
+                   o_w=arr([_packed(ly["o"]) for ly in model.layers]),
+                   gu_w=arr([_packed(ly["gate_up"]) for ly in model.layers]),
+                   down_w=arr([_packed(ly["down"]) for ly in model.layers]),
+                   final_norm=self._final.data_ptr(), head_w=_ptrs([_packed(model.lm_head)])[0], head_b=None,
                    **{k: v.data_ptr() for k, v in self._scratch.items()})
+        if any(isinstance(lin, QuantLinear) for lin in [model.lm_head] + [ly[k] for ly in model.layers
+                                                                         for k in ("qkv", "o", "gate_up", "down")]):
+            def qarr(key):
+                return arr([ctypes.addressof(ly[key].qmat) if isinstance(ly[key], QuantLinear) else None
+                            for ly in model.layers])
+            m.qkv_q, m.o_q, m.gu_q, m.down_q = qarr("qkv"), qarr("o"), qarr("gate_up"), qarr("down")
+            if isinstance(model.lm_head, QuantLinear):
+                m.head_q = ctypes.addressof(model.lm_head.qmat)
         self._m, self._keep = m, keep
         self._mref = ctypes.byref(m)
         rows_fn = self._lib.sd_decoder_rows

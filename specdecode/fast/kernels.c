@@ -18,6 +18,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 #include <sys/syscall.h>
@@ -361,6 +362,9 @@ float sd_read_bw(const float *p, size_t n, int nthreads) {
     }
     return total;
 }
+
+/* ---------------------------------------------------------------- GGUF-quantized weights */
+#include "quant.c"
 
 /* ---------------------------------------------------------------- fused decoder */
 #include "decoder.c"

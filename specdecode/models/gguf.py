@@ -48,6 +48,77 @@ def converted_dir(path: Path) -> Path:
     return out
 
 
+def tokenizer_dir(path: Path) -> Path:
+    """A directory with the GGUF file's config.json and tokenizer only (no weights): what the
+    native quantized load needs besides the file itself."""
+    out = cache_root() / "converted" / (file_key(path) + "-tokenizer")
+    if (out / "DONE").is_file():
+        return out
+    try:
+        from gguf import GGUFReader
+        reader = GGUFReader(str(path))
+    except Exception as exc:
+        raise ModelError(f"{path} is not a readable GGUF file: {exc}") from None
+    config = read_config(reader)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
+    _convert_tokenizer(path, tmp)
+    (tmp / "DONE").write_text(json.dumps({"source": str(path), "format_version": FORMAT_VERSION}))
+    if out.exists():
+        import shutil
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
+    """The file's tensors in HF names without dequantizing the projections: each q/k/v/o/gate/
+    up/down and the output matrix whose format has a native kernel (fast.quant.NATIVE_TYPES, rows
+    a multiple of 64) stays a QuantWeight of the file's own blocks; norms, biases and the token
+    embedding (read one row per token) are dequantized to `dtype`. A tied output matrix is the
+    quantized token embedding."""
+    import torch
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from ..fast.quant import NATIVE_TYPES, QuantWeight
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:
+        raise ModelError(f"{path} is not a readable GGUF file: {exc}") from None
+    config = read_config(reader)
+    weights: dict = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None:
+            continue
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        qtype = int(tensor.tensor_type)
+        projection = name.endswith("proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
+        if projection and len(shape) == 2 and qtype in NATIVE_TYPES and shape[1] % 64 == 0:
+            qw = QuantWeight.from_blocks(qtype, np.array(tensor.data, copy=True), shape)
+            if config.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+                order = torch.from_numpy(_unpermute(np.arange(shape[0]), heads).copy())
+                qw = qw.permute_rows(order)
+            if name == "model.embed_tokens.weight":
+                if config.tie_word_embeddings:
+                    weights["lm_head.weight"] = qw
+                weights[name] = qw.dequantize(dtype).to(device)
+            else:
+                weights[name] = qw
+            continue
+        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        if config.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            array = _unpermute(array, config.num_heads)
+        elif config.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            array = _unpermute(array, config.num_kv_heads)
+        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C")).to(device=device, dtype=dtype)
+    return config, weights
+
+
 def _field(reader, key: str, default=None):
     field = reader.fields.get(key)
     if field is None:

@@ -37,7 +37,7 @@ def default_model_path() -> Path:
 
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
-        raise ModelError(f"dtype must be one of fp32, bf16, fp16, got {name!r}")
+        raise ModelError(f"dtype must be one of fp32, bf16, fp16 (or int8 for a draft), got {name!r}")
     return DTYPES[name]
 
 
@@ -63,6 +63,25 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     load_seconds: float
     fingerprint: str = ""    # weights_fingerprint: which weights these are, whatever the dtype
+    gguf_file: Path | None = None   # a native quantized load: the file (path holds only its tokenizer)
+
+    @property
+    def weights_kind(self) -> str:
+        """How the weights are held: 'native <formats>' (quantized blocks as stored) or the dtype."""
+        model = self.model
+        if getattr(model, "quantized", False):
+            lins = [model.lm_head] + [ly[k] for ly in model.layers for k in ("qkv", "o", "gate_up", "down")]
+            kinds = sorted({t for lin in lins if hasattr(lin, "weight_q") for t in lin.weight_q.type_names().split("+")})
+            return "native " + "+".join(kinds)
+        return str(getattr(model, "dtype", "?")).replace("torch.", "")
+
+    def dense_path(self) -> Path:
+        """An HF directory with dense weights (for peers such as transformers): for a native
+        GGUF load, the file converted once (specdecode.models.gguf.converted_dir)."""
+        if self.gguf_file is not None:
+            from .gguf import converted_dir
+            return converted_dir(self.gguf_file)
+        return self.path
 
 
 def weights_fingerprint(weights: dict[str, torch.Tensor]) -> str:
@@ -70,12 +89,18 @@ def weights_fingerprint(weights: dict[str, torch.Tensor]) -> str:
     names, shapes and a strided sample of every tensor rounded to bf16. Drafters record it to
     say which target they were trained for."""
     import hashlib
+    from ..fast.quant import QuantWeight
     digest = hashlib.sha256()
     for name in sorted(weights):
-        tensor = weights[name].detach().reshape(-1)
-        stride = max(1, tensor.numel() // 4096)
-        sample = tensor[::stride][:4096].to("cpu", torch.float32).to(torch.bfloat16)
-        digest.update(f"{name}:{tuple(weights[name].shape)};".encode())
+        weight = weights[name]
+        if isinstance(weight, QuantWeight):         # the same sample as its dequantized tensor
+            stride = max(1, weight.shape[0] * weight.shape[1] // 4096)
+            sample = weight.flat_sample(stride, 4096).to(torch.bfloat16)
+        else:
+            tensor = weight.detach().reshape(-1)
+            stride = max(1, tensor.numel() // 4096)
+            sample = tensor[::stride][:4096].to("cpu", torch.float32).to(torch.bfloat16)
+        digest.update(f"{name}:{tuple(weight.shape)};".encode())
         digest.update(sample.view(torch.int16).numpy().tobytes())
     return digest.hexdigest()[:16]
 
@@ -111,16 +136,51 @@ def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device, prog
     return weights
 
 
-def load_model(spec: str | None = None, dtype: str | torch.dtype = "bf16", device: str | None = "cpu",
-               progress: bool = True, fast: bool = True) -> LoadedModel:
-    """Load `spec`: None or "smollm2" (embedded default), a .gguf file, or an HF model directory."""
+WEIGHTS = ("auto", "native", "dense")
+
+
+def native_weights_reason(path: Path, dtype, device: torch.device, fast: bool) -> str | None:
+    """None if `path` can run on its own quantized weights here, else why not."""
+    if not (path.is_file() and path.suffix.lower() == ".gguf"):
+        return "native quantized weights need a .gguf file"
+    if not fast:
+        return "native quantized weights run in the fast kernels (not with fast=False / --eager)"
+    if device.type != "cpu":
+        return f"native quantized weights run on the CPU, not {device}"
+    if dtype not in (None, torch.bfloat16):
+        return f"native quantized weights compute with bf16 activations, not {dtype} (use --weights dense)"
+    from ..fast.quant import native_reason
+    return native_reason()
+
+
+def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, device: str | None = "cpu",
+               progress: bool = True, fast: bool = True, weights: str = "auto") -> LoadedModel:
+    """Load `spec`: None or "smollm2" (embedded default), a .gguf file, or an HF model directory.
+
+    weights: "native" keeps a GGUF file's quantized projections as stored and computes on them
+    (bf16 activations); "dense" dequantizes them to `dtype` (bf16 unless given); "auto" is native
+    for a GGUF file when no dtype is given and the CPU can run the kernels, else dense."""
     started = time.perf_counter()
-    torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    if weights not in WEIGHTS:
+        raise ModelError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    int8 = dtype == "int8"
+    if int8:            # dense bf16, then every projection quantized to int8 per output channel
+        dtype, weights = "bf16", "dense"
+        if not fast:
+            raise ModelError("dtype int8 runs in the fast kernels (not with fast=False / --eager)")
+    torch_dtype = (parse_dtype(dtype) if isinstance(dtype, str) else dtype)
     torch_device = resolve_device(device)
     name = spec or DEFAULT_MODEL
     path = default_model_path() if spec in (None, DEFAULT_MODEL) else Path(spec).expanduser()
     if not path.exists():
         raise ModelError(f"model not found: {path} (give a .gguf file or a Hugging Face model directory)")
+    why_not = native_weights_reason(path, torch_dtype, torch_device, fast) if weights != "dense" else "dense"
+    if weights == "native" and why_not is not None:
+        raise ModelError(f"--weights native: {why_not}")
+    if torch_dtype is None:
+        torch_dtype = torch.bfloat16
+    if why_not is None and (weights == "native" or dtype is None):
+        return _load_native(path, name, torch_dtype, torch_device, started)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelError(f"model file {path} is not a .gguf file (or give a Hugging Face model directory)")
@@ -148,6 +208,40 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype = "bf16", devic
         from ..fast import make_linear as fast_linear
         make_linear = fast_linear
     fingerprint = weights_fingerprint(weights)
+    if int8:
+        from ..fast.quant import native_reason, quantize_int8
+        if native_reason() is not None:
+            raise ModelError(f"dtype int8: {native_reason()}")
+        for key in [k for k in weights if k.endswith("proj.weight")]:
+            weights[key] = quantize_int8(weights[key])
+        weights["lm_head.weight"] = quantize_int8(weights.get("lm_head.weight", weights["model.embed_tokens.weight"]))
     model = Transformer(config, weights, make_linear)
     eos = _eos_ids(model_dir, tokenizer, config.eos_token_ids)
     return LoadedModel(model, tokenizer, name, model_dir, True, eos, time.perf_counter() - started, fingerprint)
+
+
+def _load_native(path: Path, name: str, dtype: torch.dtype, device: torch.device, started: float) -> LoadedModel:
+    """A GGUF file on its own quantized weights (fast.quant): see load_model."""
+    from ..fast import make_linear
+    from .gguf import native_weights, tokenizer_dir
+    from .transformer import Transformer
+    model_dir = tokenizer_dir(path)
+    tokenizer = Tokenizer(model_dir)
+    config, weights = native_weights(path, dtype, device)
+    fingerprint_file = model_dir / "fingerprint.json"
+    if fingerprint_file.is_file():
+        fingerprint = json.loads(fingerprint_file.read_text())["fingerprint"]
+    else:   # the dense load's fingerprint (so shipped drafters are found); computed once per file
+        names = {k: v for k, v in weights.items() if not (k == "lm_head.weight" and config.tie_word_embeddings)}
+        fingerprint = weights_fingerprint(names)
+        fingerprint_file.write_text(json.dumps({"fingerprint": fingerprint}))
+    model = Transformer(config, weights, make_linear)
+    eos = _eos_ids(model_dir, tokenizer, config.eos_token_ids)
+    return LoadedModel(model, tokenizer, name, model_dir, True, eos, time.perf_counter() - started, fingerprint,
+                       gguf_file=path)
+
+
+def load_draft(spec: str, dtype: str | None, device: str | None, progress: bool = True, fast: bool = True,
+               weights: str = "auto") -> LoadedModel:
+    """A draft model: as load_model; dtype "int8" quantizes its projections per output channel."""
+    return load_model(spec, dtype, device, progress=progress, fast=fast, weights=weights)

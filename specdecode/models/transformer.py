@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..fast.quant import QuantWeight
 from ..kv_cache import KVCache
 from .config import ModelConfig
 
@@ -29,7 +30,20 @@ LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def eager_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearFn:
+    if isinstance(weight, QuantWeight):       # the reference path: exact dequantized weights
+        weight = weight.dequantize(bias.dtype if bias is not None else torch.bfloat16)
     return lambda x: F.linear(x, weight, bias)
+
+
+Weight = torch.Tensor | QuantWeight   # a projection's weight: dense, or quantized blocks as stored
+
+
+def cat_rows(weights: list[Weight], dtype: torch.dtype) -> Weight:
+    """Row-wise concatenation of projection weights (q|k|v, gate|up): quantized blocks stay
+    quantized when all parts are; a mix is dequantized."""
+    if all(isinstance(w, QuantWeight) for w in weights):
+        return QuantWeight.cat(weights)
+    return torch.cat([w.dequantize(dtype) if isinstance(w, QuantWeight) else w for w in weights])
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -71,11 +85,11 @@ class Transformer:
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+            qkv = cat_rows([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], self.dtype)
             qkv_bias = None
             if config.attention_bias:
                 qkv_bias = torch.cat([weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
-            gate_up = torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
+            gate_up = cat_rows([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]], self.dtype)
             self.layers.append({
                 "attn_norm": weights[p + "input_layernorm.weight"],
                 "qkv": make_linear(qkv, qkv_bias),
@@ -85,9 +99,13 @@ class Transformer:
                 "down": make_linear(weights[p + "mlp.down_proj.weight"], None),
             })
         self.final_norm = weights["model.norm.weight"]
-        head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        # a quantized file keeps its (tied or own) output matrix quantized under "lm_head.weight"
+        head = weights.get("lm_head.weight")
+        if head is None or (config.tie_word_embeddings and not isinstance(head, QuantWeight)):
+            head = self.embed
         self.lm_head = make_linear(head, None)
-        self.lm_head_weight = head
+        self._head_weight = head
+        self.quantized = any(isinstance(w, QuantWeight) for w in weights.values())
         positions = torch.arange(config.max_position_embeddings + 64, dtype=torch.float32)
         angles = torch.outer(positions, rope_inv_freq(config))
         angles = torch.cat([angles, angles], dim=-1)                     # [max_pos, head_dim]
@@ -97,6 +115,14 @@ class Transformer:
         self.fused = None
         if getattr(make_linear, "fused_decoder", None) is not None:
             self.fused = make_linear.fused_decoder(self)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output matrix [vocab, hidden] as a dense tensor in the model dtype (EAGLE heads and
+        distillation read it); a quantized one is dequantized on first use."""
+        if isinstance(self._head_weight, QuantWeight):
+            self._head_weight = self._head_weight.dequantize(self.dtype)
+        return self._head_weight
 
     @property
     def vocab_size(self) -> int:
@@ -112,7 +138,13 @@ class Transformer:
 
     def weight_bytes(self) -> int:
         """Bytes of weights read per decoded token."""
-        return self.config.weight_count() * self.embed.element_size()
+        if not self.quantized:
+            return self.config.weight_count() * self.embed.element_size()
+        lins = [self.lm_head] + [ly[k] for ly in self.layers for k in ("qkv", "o", "gate_up", "down")]
+        esz = self.embed.element_size()
+        dense = sum(getattr(lin, "out_features", 0) * getattr(lin, "in_features", 0) * esz
+                    for lin in lins if not hasattr(lin, "nbytes"))
+        return sum(lin.nbytes for lin in lins if hasattr(lin, "nbytes")) + dense + self.config.hidden_size * esz
 
     @torch.inference_mode()
     def forward(self,

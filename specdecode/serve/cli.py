@@ -52,7 +52,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          spec_max_batch_size=args.spec_max_batch_size, health_timeout=args.health_timeout,
                          served_model_name=args.served_model_name)
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
-              dtype=args.dtype, device=args.device, threads=args.threads, fast=not args.eager)
+              dtype=args.dtype, device=args.device, threads=args.threads, fast=not args.eager,
+              weights=args.weights, draft_dtype=args.draft_dtype)
     state = build_state(llm, config)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sched = state.scheduler

@@ -1,0 +1,204 @@
+"""Quantized weights kept as stored (GGUF block formats, int8 per channel) and their native matmul.
+
+``QuantWeight`` is a weight matrix [out, in] held as the file's own bytes, possibly in several
+row segments of different formats (a fused q|k|v projection whose v rows use another type).
+``QuantLinear(weight, bias)`` computes ``x @ W.T + b`` for bf16 activations with ``quant.c``:
+it never expands the weights in memory, and every output row is computed exactly as in a
+one-row call (batch invariant, like ``PackedLinear``).
+
+    qw = QuantWeight.from_blocks(ggml_type, raw_uint8_rows, (out, in))
+    lin = QuantLinear(QuantWeight.cat([q, k, v]), bias)
+    y = lin(x)            # x [..., in] bf16 -> y [..., out] bf16
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import linear as _lin
+
+__all__ = ["QuantWeight", "QuantLinear", "NATIVE_TYPES", "quantize_int8", "type_name"]
+
+# ggml type ids (gguf.GGMLQuantizationType) the native kernel reads; I8 is our int8 per channel
+I8 = 1000
+NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
+                14: "Q6_K", I8: "I8"}
+_BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144),
+          13: (256, 176), 14: (256, 210)}
+MAX_SEGMENTS = 4  # SD_QSEG in quant.c
+
+
+def type_name(qtype: int) -> str:
+    if qtype in NATIVE_TYPES:
+        return NATIVE_TYPES[qtype]
+    try:
+        from gguf import GGMLQuantizationType
+        return GGMLQuantizationType(qtype).name
+    except Exception:
+        return f"type {qtype}"
+
+
+def row_bytes(qtype: int, in_features: int) -> int:
+    if qtype == I8:
+        return 4 + in_features
+    block, size = _BLOCK[qtype]
+    if in_features % block:
+        raise ValueError(f"{type_name(qtype)} rows need in_features % {block} == 0, got {in_features}")
+    return in_features // block * size
+
+
+@dataclass
+class QuantWeight:
+    """A [out, in] weight as raw quantized rows: segments[i] = (ggml type, uint8 [rows_i, row_bytes])."""
+    segments: list[tuple[int, Tensor]]
+    in_features: int
+
+    @classmethod
+    def from_blocks(cls, qtype: int, data, shape: tuple[int, int]) -> "QuantWeight":
+        out, inp = int(shape[0]), int(shape[1])
+        if qtype not in NATIVE_TYPES:
+            raise ValueError(f"{type_name(qtype)} has no native kernel (native: {', '.join(NATIVE_TYPES.values())})")
+        raw = torch.as_tensor(np.ascontiguousarray(data)).view(torch.uint8).reshape(out, row_bytes(qtype, inp))
+        return cls([(qtype, raw)], inp)
+
+    @classmethod
+    def cat(cls, weights: list["QuantWeight"]) -> "QuantWeight":
+        """Row-wise concatenation (q|k|v, gate|up); runs of the same type merge into one segment."""
+        if len({w.in_features for w in weights}) != 1:
+            raise ValueError("QuantWeight.cat: different in_features")
+        segs: list[tuple[int, Tensor]] = []
+        for w in weights:
+            for qtype, data in w.segments:
+                if segs and segs[-1][0] == qtype:
+                    segs[-1] = (qtype, torch.cat([segs[-1][1], data]))
+                else:
+                    segs.append((qtype, data))
+        return cls(segs, weights[0].in_features)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(d.shape[0] for _, d in self.segments), self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.numel() for _, d in self.segments)
+
+    def type_names(self) -> str:
+        return "+".join(type_name(t) for t, _ in self.segments)
+
+    def permute_rows(self, order: Tensor) -> "QuantWeight":
+        """Rows reordered (one segment only): llama.cpp's q/k row permutation undone."""
+        if len(self.segments) != 1:
+            raise ValueError("permute_rows needs a single segment")
+        qtype, data = self.segments[0]
+        return QuantWeight([(qtype, data[order].contiguous())], self.in_features)
+
+    def flat_sample(self, stride: int, count: int) -> Tensor:
+        """Elements 0, stride, 2*stride, ... (at most count) of the flattened exact weights, fp32,
+        dequantizing only the rows they lie in."""
+        K = self.in_features
+        idx = torch.arange(0, self.shape[0] * K, stride)[:count]
+        rows, inverse = torch.unique(idx // K, return_inverse=True)
+        starts = torch.tensor([0] + [d.shape[0] for _, d in self.segments]).cumsum(0)
+        picked = []
+        for i, (qtype, data) in enumerate(self.segments):
+            mine = rows[(rows >= starts[i]) & (rows < starts[i + 1])]
+            picked.append(QuantWeight([(qtype, data[mine - starts[i]])], K).dequantize())
+        dense = torch.cat(picked)                                   # [len(rows), K]
+        return dense[inverse, idx % K]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The exact weights [out, in] (reference / fallback)."""
+        parts = []
+        for qtype, data in self.segments:
+            if data.shape[0] == 0:
+                continue
+            if qtype == I8:
+                scale = data[:, :4].contiguous().view(torch.float32)            # [rows, 1]
+                parts.append(data[:, 4:].contiguous().view(torch.int8).float() * scale)
+            else:
+                from gguf.quants import dequantize
+                arr = dequantize(data.numpy(), qtype)
+                parts.append(torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(data.shape[0], -1))
+        return torch.cat(parts).to(dtype)
+
+
+def quantize_int8(weight: Tensor) -> QuantWeight:
+    """Symmetric int8 per output channel (row): scale = max|row| / 127, round to nearest."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)   # [out, 1]
+    q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+    raw = torch.cat([scale.contiguous().view(torch.uint8).reshape(w.shape[0], 4), q.view(torch.uint8)], dim=1)
+    return QuantWeight([(I8, raw.contiguous())], w.shape[1])
+
+
+class _QMat(ctypes.Structure):  # must match sd_qmat in quant.c
+    _fields_ = [("N", ctypes.c_int), ("K", ctypes.c_int), ("nseg", ctypes.c_int),
+                ("type", ctypes.c_int * MAX_SEGMENTS), ("n_end", ctypes.c_int * MAX_SEGMENTS),
+                ("data", ctypes.c_void_p * MAX_SEGMENTS), ("row_bytes", ctypes.c_long * MAX_SEGMENTS),
+                ("has_off", ctypes.c_int)]
+
+
+def native_reason() -> str | None:
+    """None if the quantized kernels can run here, else why not."""
+    st = _lin._load()
+    if st["lib"] is None:
+        return f"native kernels unavailable: {st['reason']}"
+    if not st["bf16"]:
+        return "CPU lacks avx512_bf16"
+    return None
+
+
+class QuantLinear:
+    """y = x @ W.T + bias with W a QuantWeight, computed natively from the quantized blocks
+    (bf16 activations and output, fp32 accumulation). Without the native kernel it dequantizes
+    once to bf16 and uses F.linear."""
+
+    dtype = torch.bfloat16
+
+    def __init__(self, weight: QuantWeight, bias: Tensor | None = None):
+        self.weight_q = weight
+        self.out_features, self.in_features = weight.shape
+        self.Kp = self.in_features
+        self.bias32 = None if bias is None else bias.detach().float().contiguous()  # [out] fp32
+        self.fast = native_reason() is None and len(weight.segments) <= MAX_SEGMENTS
+        if not self.fast:
+            self.weight = weight.dequantize(torch.bfloat16)
+            self.bias = None if bias is None else bias.to(torch.bfloat16)
+            return
+        self._lib = _lin._load()["lib"]
+        fn = self._lib.sd_qlinear
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+        m = _QMat(N=self.out_features, K=self.in_features, nseg=len(weight.segments))
+        end = 0
+        for i, (qtype, data) in enumerate(weight.segments):
+            end += data.shape[0]
+            m.type[i], m.n_end[i], m.data[i], m.row_bytes[i] = qtype, end, data.data_ptr(), data.shape[1]
+        m.has_off = int(any(t in (3, 7, 12, 13) for t, _ in weight.segments))
+        self.qmat = m
+        self.qmat_ref = ctypes.byref(m)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight_q.nbytes
+
+    def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:  # x[..., in] -> [..., out] bf16
+        if not self.fast:
+            return F.linear(x.to(torch.bfloat16), self.weight, self.bias)
+        lead, K, N = x.shape[:-1], self.in_features, self.out_features
+        x2 = x.to(torch.bfloat16).reshape(-1, K).contiguous()   # [M, K]
+        M = x2.shape[0]
+        y = torch.empty(M, N, dtype=torch.bfloat16) if out is None else out  # [M, N]
+        if M:
+            b = self.bias32.data_ptr() if self.bias32 is not None else None
+            if self._fn(self.qmat_ref, x2.data_ptr(), K, b, y.data_ptr(), N, M, 1, torch.get_num_threads()):
+                raise ValueError("sd_qlinear rejected its arguments")
+        return y.view(*lead, N)

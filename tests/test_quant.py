@@ -1,0 +1,195 @@
+"""Native quantized weights (fast/quant.c): every GGUF format's kernel against dequantize-then-
+matmul, bitwise batch invariance, and a whole model on quantized projections (fused native path
+against the eager dequantized reference; speculative greedy output identical to plain)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_model
+from specdecode.fast.quant import I8, NATIVE_TYPES, QuantLinear, QuantWeight, native_reason, quantize_int8
+
+needs_quant = pytest.mark.skipif(native_reason() is not None, reason=str(native_reason()))
+
+BLOCK = {2: 32, 3: 32, 6: 32, 7: 32, 8: 32, 12: 256, 13: 256, 14: 256}
+SIZE = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 12: 144, 13: 176, 14: 210}
+F16_FIELDS = {12: [0, 2], 13: [0, 2], 14: [208]}   # d / dmin of the K formats
+
+
+def random_weight(qtype: int, n: int, k: int, seed: int = 0) -> QuantWeight:
+    """Legacy formats: a random matrix quantized with the gguf package; K formats (which the
+    gguf package cannot quantize): random blocks, every bit pattern, with sane fp16 scales."""
+    rng = np.random.default_rng(seed)
+    if qtype == I8:
+        return quantize_int8(torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)))
+    if qtype in F16_FIELDS:
+        raw = rng.integers(0, 256, size=(n, k // BLOCK[qtype], SIZE[qtype]), dtype=np.uint8)
+        for off in F16_FIELDS[qtype]:
+            d = (rng.standard_normal((n, k // BLOCK[qtype])) * 0.01).astype(np.float16)
+            raw[:, :, off:off + 2] = d.view(np.uint8).reshape(n, -1, 2)
+        return QuantWeight.from_blocks(qtype, raw.reshape(n, -1), (n, k))
+    from gguf.quants import quantize
+    dense = rng.standard_normal((n, k)).astype(np.float32)
+    return QuantWeight.from_blocks(qtype, quantize(dense, qtype), (n, k))
+
+
+def error_bound(x: torch.Tensor, w: torch.Tensor, y_ref: torch.Tensor) -> torch.Tensor:
+    """|y - y_ref| allowed: activations are rounded to int8 per row and 256-chunk (error <= d/2
+    each, d = max|x| / 127 in the chunk), fp32 sums, and the bf16 output rounding."""
+    M, K = x.shape
+    chunks = x.double().abs().reshape(M, -1, 64)    # K % 64 == 0; chunk max over 256 (or the tail)
+    d = torch.zeros(M, K, dtype=torch.float64)
+    for c0 in range(0, K, 256):
+        d[:, c0:c0 + 256] = x[:, c0:c0 + 256].double().abs().amax(dim=1, keepdim=True) / 127
+    del chunks
+    quant = (d / 2) @ w.double().abs().t()
+    sums = K * 2 ** -22 * (x.double().abs() @ w.double().abs().t())
+    return quant * 1.01 + sums + y_ref.abs() * 2 ** -8 + 1e-6
+
+
+@needs_quant
+@pytest.mark.parametrize("qtype", sorted(NATIVE_TYPES))
+def test_kernel_matches_dequantized_matmul(qtype):
+    k = 512 if BLOCK.get(qtype) == 256 else 320
+    w = random_weight(qtype, 48, k)
+    dense = w.dequantize()                                   # [48, k] exact fp32
+    bias = torch.randn(48)
+    lin = QuantLinear(w, bias.to(torch.bfloat16))
+    x = torch.randn(7, k).to(torch.bfloat16)
+    y = lin(x)
+    ref = x.double() @ dense.double().t() + bias.to(torch.bfloat16).double()
+    err = (y.double() - ref).abs()
+    assert y.dtype == torch.bfloat16 and y.shape == (7, 48)
+    assert bool((err <= error_bound(x, dense, ref)).all()), f"{NATIVE_TYPES[qtype]}: max err {err.max():.3g}"
+
+
+@needs_quant
+@pytest.mark.parametrize("qtype", sorted(NATIVE_TYPES))
+def test_kernel_rows_are_batch_invariant(qtype):
+    """Row r of an n-row pass equals the 1-row pass, bitwise, for every n up to 20."""
+    k = 768 if BLOCK.get(qtype) == 256 else 192
+    lin = QuantLinear(random_weight(qtype, 40, k, seed=1))
+    x = torch.randn(20, k).to(torch.bfloat16)
+    single = torch.cat([lin(x[i:i + 1]) for i in range(20)])
+    for n in (2, 3, 8, 9, 17, 20):
+        assert torch.equal(lin(x[:n]), single[:n]), f"{NATIVE_TYPES[qtype]} n={n}"
+
+
+@needs_quant
+def test_segments_of_different_formats():
+    """A fused q|k|v whose parts use different formats equals the parts computed apart."""
+    parts = [random_weight(12, 32, 512, seed=2), random_weight(14, 16, 512, seed=3), random_weight(8, 16, 512, seed=4)]
+    fused = QuantWeight.cat(parts)
+    assert fused.shape == (64, 512) and fused.type_names() == "Q4_K+Q6_K+Q8_0"
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    assert torch.equal(QuantLinear(fused)(x), torch.cat([QuantLinear(p)(x) for p in parts], dim=1))
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+def test_unsupported_shapes_are_refused_clearly():
+    with pytest.raises(ValueError, match="in_features % 256"):
+        QuantWeight.from_blocks(12, np.zeros((2, 144), np.uint8), (2, 128))
+    with pytest.raises(ValueError, match="no native kernel"):
+        QuantWeight.from_blocks(1, np.zeros((2, 64), np.uint8), (2, 32))
+
+
+def _quantized_tiny(folder, qtypes=(8, 2)):
+    """A tiny Llama whose projections are quantized (alternating formats) with the gguf package."""
+    from gguf.quants import quantize
+
+    from specdecode.fast import make_linear
+    from specdecode.models.config import ModelConfig
+    from specdecode.models.loader import read_weights
+    from specdecode.models.transformer import Transformer
+    import json
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    weights = read_weights(folder, torch.float32, torch.device("cpu"), progress=False)
+    quantized = {}
+    for i, (name, w) in enumerate(sorted(weights.items())):
+        if name.endswith("proj.weight"):
+            qtype = qtypes[i % len(qtypes)]
+            quantized[name] = QuantWeight.from_blocks(qtype, quantize(w.numpy(), qtype), tuple(w.shape))
+        else:
+            quantized[name] = w.to(torch.bfloat16)
+    return config, quantized, Transformer(config, quantized, make_linear)
+
+
+@needs_quant
+def test_quantized_model_fused_matches_eager_and_is_batch_invariant(tmp_path, one_thread):
+    from specdecode.models.transformer import Transformer, eager_linear
+    folder = make_model(tmp_path / "m", "llama", seed=5, layers=2, hidden=128, heads=4, kv_heads=2)
+    config, weights, model = _quantized_tiny(folder)
+    assert model.fused is not None and model.quantized
+    eager = Transformer(config, weights, eager_linear)
+    tokens = torch.randint(0, config.vocab_size, (1, 12))
+    c1, c2 = model.new_cache(1, 64), eager.new_cache(1, 64)
+    fused_logits, eager_logits = model.forward(tokens, c1, 0), eager.forward(tokens, c2, 0)
+    # int8 activations against bf16 dequantized weights: close, not equal
+    assert torch.allclose(fused_logits, eager_logits, atol=0.15 * eager_logits.abs().max().item())
+    assert (fused_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean() > 0.8
+    # a 5-row verify block equals 5 single steps, bitwise (logits and cache)
+    steps = []
+    for t in range(5):
+        steps.append(model.forward(tokens[:, t:t + 1] * 0 + t + 3, c1, 12 + t))
+    block_cache = model.new_cache(1, 64)
+    model.forward(tokens, block_cache, 0)
+    block = model.forward(torch.arange(3, 8)[None], block_cache, 12)
+    assert torch.equal(block, torch.cat(steps, dim=1))
+
+
+@needs_quant
+@pytest.mark.slow
+def test_embedded_model_native_weights_speculative_greedy_is_identical():
+    """The embedded SmolLM2 Q4_1 file on its own quantized weights: the same fingerprint as the
+    dense load (so its shipped drafter is found), and speculative greedy output equal to plain."""
+    from specdecode import LLM, SamplingParams
+    from specdecode.fast.quant import QuantLinear as QL
+    llm = LLM(progress=False, method="ngram")
+    assert llm.target.model.quantized and isinstance(llm.target.model.lm_head, QL)
+    from specdecode.models.loader import load_model
+    assert load_model(None, dtype="bf16", progress=False).fingerprint == llm.target.fingerprint
+    prompts = ["Repeat exactly: alpha beta gamma delta epsilon zeta eta theta.", "def add(a, b):"]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    plain = llm.generate(prompts, params, num_speculative_tokens=0)
+    for k in (2, 5):
+        spec = llm.generate(prompts, params, num_speculative_tokens=k)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def _cli(*args: str):
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8")
+    return subprocess.run([sys.executable, "-m", "specdecode.cli", "generate", *args], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@needs_quant
+@pytest.mark.slow
+def test_cli_weights_options():
+    """The embedded GGUF computes on its own blocks by default; --weights dense / --dtype dequantize
+    it; both give speculative output identical to plain decoding on the same weights."""
+    import json
+    prompt = "Repeat exactly: red, green, blue, red, green, blue, red, green"
+    common = ["--no-chat", "--json", "--compare", "--method", "ngram", "--max-tokens", "24", "--threads", "1"]
+    native, dense = _cli(prompt, *common), _cli(prompt, *common, "--weights", "dense")
+    for run, kind in ((native, "native Q4_1+Q8_0"), (dense, "bfloat16")):
+        assert run.returncode == 0, run.stderr
+        out = json.loads(run.stdout)
+        assert out["weights"] == kind and out["identical"] is True
+
+
+@needs_quant
+def test_cli_int8_draft_and_native_errors(tiny_models):
+    import json
+    model, draft = str(tiny_models["llama"]), str(tiny_models["llama_draft"])
+    run = _cli("the quick brown fox", "--no-chat", "--json", "--compare", "--model", model, "--draft", draft,
+               "--draft-dtype", "int8", "-k", "3", "--max-tokens", "16", "--threads", "1")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["identical"] is True
+    bad = _cli("hi", "--model", model, "--weights", "native")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.startswith("specdecode: error: --weights native") and ".gguf" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
