@@ -120,3 +120,39 @@ def test_low_layers_never_import_high_ones():
     bad = [f"{name} -> {target}" for name, targets in graph().items() if layer(name, LOW)
            for target in targets if layer(target, HIGH)]
     assert not bad, "low layers import high ones: " + "; ".join(sorted(bad))
+
+
+def assigned_self_attributes(function: ast.AST) -> set[str]:
+    return {node.attr for node in ast.walk(function)
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name) and node.value.id == "self"}
+
+
+def test_engine_serve_and_drafters_create_attributes_only_in_init():
+    """A class's instance attributes are all created in its __init__ (or declared on the class):
+    no state appears on an object between two calls, and nothing writes another object's fields."""
+    bad = []
+    for name, path in modules().items():
+        if not layer(name, ("engine", "serve", "drafters")):
+            continue
+        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+            methods = [n for n in cls.body if isinstance(n, ast.FunctionDef)]
+            declared = {t.id for n in cls.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                        for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+            declared |= {m.name for m in methods}           # properties
+            init = next((m for m in methods if m.name == "__init__"), None)
+            created = assigned_self_attributes(init) if init is not None else set()
+            for method in methods:
+                if method.name == "__init__":
+                    continue
+                for attr in sorted(assigned_self_attributes(method) - created - declared):
+                    bad.append(f"{name}.{cls.name}.{method.name} creates self.{attr}")
+    assert not bad, "attributes created outside __init__: " + "; ".join(bad)
+
+
+def test_nothing_writes_another_objects_private_fields():
+    bad = [f"{name}:{node.lineno} writes .{node.attr}" for name, path in modules().items()
+           for node in ast.walk(ast.parse(path.read_text()))
+           if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr.startswith("_")
+           and not node.attr.startswith("__") and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
+    assert not bad, "; ".join(bad)

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 import torch
 
-from ..drafters.base import DraftProposal, Drafter
+from ..drafters.base import DraftProposal, Drafter, DrafterCapabilities
 from ..engine.engine import SpecEngine
 from ..params import SamplingParams
 from . import prompts as P
@@ -35,7 +35,7 @@ class FeatureRecorder(Drafter):
     """Proposes nothing; records the target's features by position (like a KV cache)."""
 
     name = "feature-recorder"
-    uses_target_hidden = True
+    capabilities = DrafterCapabilities(needs_target_hidden=True)
 
     def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
         self.hidden_size, self.dtype = hidden_size, dtype

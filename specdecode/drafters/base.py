@@ -1,16 +1,24 @@
-"""The drafter interface, the proposal contract and the registry.
+"""The drafter interface: declared capabilities, the per-request state contract, the proposal.
 
 A drafter proposes up to k tokens per running sequence. It never touches the target's
 KV cache; it gets the sequences (token ids, sampling params, generators) and keeps any
 state of its own (a draft model's cache) keyed by the sequence's cache row.
 
-`DraftProposal` is the whole contract between drafting and verification.
+* `DrafterCapabilities` -- what a drafter class declares (the engine and the server read it,
+  they never probe a drafter's attributes).
+* `DrafterState` -- what per-request state must answer (bytes held / in use, reset a row,
+  compact a row); `ContiguousState` implements it for preallocated per-row tensors.
+* `DraftProposal` -- the whole contract between drafting and verification, plus the drafter's
+  own per-step state (`step_state`), handed back to its `commit`: nothing is stashed on the
+  drafter between `propose` and `commit`.
+
+Drafters are found by name through the registry (registry.py).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -24,6 +32,8 @@ class DraftProposal:
     num_tokens: torch.Tensor      # [batch] int64, 0..k
     probs: torch.Tensor | None    # [batch, k, vocab] float32 distributions the drafts were sampled from
                                   # (after the shared logits transform); None = point mass (lookup drafts)
+    step_state: Any = None        # the drafter's own state of this step, handed back to its commit
+                                  # (opaque to everyone else; None: nothing to commit)
 
     @property
     def k(self) -> int:
@@ -58,29 +68,99 @@ class DraftProposal:
         return DraftProposal(tokens, torch.tensor([len(d) for d in drafts], dtype=torch.long), None)
 
 
+@dataclass(frozen=True)
+class DrafterCapabilities:
+    """What a drafter class declares about itself (a class attribute `capabilities`; a drafter
+    whose figures depend on its models may set a refined copy on the instance in __init__)."""
+
+    needs_target_hidden: bool = False   # observe() gets the target's hidden states after every target pass
+    drafts_trees: bool = False          # proposes token trees (none does yet: the engine verifies chains)
+    relative_cost: float = 0.01         # prior of drafting one token / one plain target step (the server's
+                                        # speculation policy starts from it, then measures)
+    has_state: bool = False             # keeps per-request state: prepare() returns a DrafterState, and a
+                                        # propose() must be followed by its commit(); False: propose is pure
+                                        # (the server may draft for a row without committing)
+
+
+class DrafterState(Protocol):
+    """Per-request state a drafter keeps between steps, by cache row (a draft KV cache, an EAGLE
+    head's cache and features, ...). The server accounts for it and resets a row when its request ends."""
+
+    def nbytes(self) -> int:
+        """Bytes held (capacity)."""
+
+    def used_bytes(self) -> int:
+        """Bytes holding positions of live rows."""
+
+    def reset(self, row: int) -> None:
+        """The row's request ended: the next request on this row starts from nothing."""
+
+    def truncate(self, row: int, length: int) -> None:
+        """Compact a row: keep its first `length` positions, drop (or free) the rest."""
+
+
+class ContiguousState:
+    """`DrafterState` of a position-addressed cache (`lengths`, `batch_size`, `max_len`, `nbytes()`,
+    `truncate()`: a `KVCache`) plus preallocated per-row tensors shaped [rows, max_len, ...]
+    indexed the same way (e.g. features): bytes in use = the share of positions held."""
+
+    def __init__(self, cache, *tensors: torch.Tensor) -> None:
+        self.cache = cache
+        self.tensors = tensors
+
+    def nbytes(self) -> int:
+        return self.cache.nbytes() + sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def used_bytes(self) -> int:
+        c = self.cache
+        return int(self.nbytes() * sum(c.lengths) / (c.batch_size * c.max_len))
+
+    def reset(self, row: int) -> None:
+        self.cache.truncate(row, 0)
+
+    def truncate(self, row: int, length: int) -> None:
+        self.cache.truncate(row, min(length, self.cache.lengths[row]))
+
+
 class Drafter(ABC):
     """Two required methods and a feedback hook, in the spirit of HF's CandidateGenerator."""
 
     name: ClassVar[str]
-    uses_target_hidden: ClassVar[bool] = False   # True: the engine hands over the target's hidden states
+    capabilities: ClassVar[DrafterCapabilities] = DrafterCapabilities()
 
-    def prepare(self, batch_size: int, max_len: int) -> None:
-        """Called once before a batch of sequences starts (allocate per-row state)."""
+    def draft_model(self):
+        """The draft model (a native `Transformer`) whose KV cache is this drafter's whole state,
+        or None. With one, a server pages that cache itself (`use_draft_cache`) and prefills
+        prompts into it; without, the drafter's state (if any) comes from `prepare`."""
+        return None
+
+    def prepare(self, batch_size: int, max_len: int) -> DrafterState | None:
+        """Called once before a batch of sequences starts: allocate per-row state for rows
+        0..batch_size-1 of up to max_len positions; return it (None: no state)."""
+        return None
+
+    def use_draft_cache(self, cache) -> DrafterState:
+        """Instead of `prepare`, for a drafter with a `draft_model()`: use `cache` (made by the
+        caller for that model, e.g. paged) as the draft KV cache; return it as the state."""
+        raise NotImplementedError(f"drafter {type(self).__name__} declares no draft model")
 
     @abstractmethod
     def propose(self, seqs: list["Sequence"], max_tokens: list[int]) -> DraftProposal:
-        """Up to max_tokens[b] draft tokens for each sequence (0 allowed)."""
+        """Up to max_tokens[b] draft tokens for each sequence (0 allowed). State the matching
+        commit needs goes in the proposal's `step_state`."""
 
     def commit(self, seqs: list["Sequence"], proposal: DraftProposal, num_accepted: list[int]) -> None:
-        """Feedback after verification: the first num_accepted[b] drafts were kept and
-        seqs[b].token_ids already holds them plus one recovered/bonus token."""
+        """Feedback after verification of `proposal` (the one this drafter's propose returned for
+        these seqs, or an empty one when the engine did not ask for drafts this step): the first
+        num_accepted[b] drafts were kept and seqs[b].token_ids already holds them plus one
+        recovered/bonus token."""
 
     def observe(self, seqs: list["Sequence"], starts: list[int],
                 hidden: torch.Tensor,      # [batch, T, hidden] target states before the final norm
                 ) -> None:
-        """Called (only when uses_target_hidden) after every target pass, prefill included:
-        hidden[b, t] belongs to position starts[b] + t of seqs[b]. Positions past what the step
-        commits (rejected drafts, padding) are overwritten by later passes."""
+        """Called (only when capabilities.needs_target_hidden) after every target pass, prefill
+        included: hidden[b, t] belongs to position starts[b] + t of seqs[b]. Positions past what
+        the step commits (rejected drafts, padding) are overwritten by later passes."""
 
     def close(self) -> None:
         """Free per-batch state."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import DraftProposal, Drafter
+from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterState
 from .registry import register
 from .eagle import EagleDrafter
 from .ngram import NgramDrafter, lookup
@@ -23,7 +23,7 @@ from .ngram import NgramDrafter, lookup
 
 @register("cascade")
 class CascadeDrafter(Drafter):
-    uses_target_hidden = True
+    capabilities = DrafterCapabilities(needs_target_hidden=True, has_state=True)   # the head's
 
     def __init__(self, target, drafter_path=None, fast: bool = True, ngram_min: int = 3, ngram_max: int = 5,
                  min_confidence: float | None = None, **_: object) -> None:
@@ -31,21 +31,10 @@ class CascadeDrafter(Drafter):
         self.head = EagleDrafter(target, drafter_path, fast,
                                  **({} if min_confidence is None else {"min_confidence": min_confidence}))
         self.matches_target = self.head.matches_target
-        self._head_rows: list[int] = []
-        self._head_proposal: DraftProposal | None = None
         self.lookup_steps = self.head_steps = 0          # row-steps drafted by each (for reports)
 
-    # state lives in the head (serve accounts for it through these)
-    @property
-    def cache(self):
-        return self.head.cache
-
-    @property
-    def features(self):
-        return self.head.features
-
-    def prepare(self, batch_size: int, max_len: int) -> None:
-        self.head.prepare(batch_size, max_len)
+    def prepare(self, batch_size: int, max_len: int) -> DrafterState:
+        return self.head.prepare(batch_size, max_len)     # all per-row state lives in the head
 
     def close(self) -> None:
         self.head.close()
@@ -62,13 +51,12 @@ class CascadeDrafter(Drafter):
         head_rows = [b for b, d in enumerate(drafts) if d is None and max_tokens[b] > 0]
         self.lookup_steps += sum(d is not None for d in drafts)
         self.head_steps += len(head_rows)
-        self._head_rows, self._head_proposal = head_rows, None
         if not head_rows:
             return DraftProposal.from_lists([d or [] for d in drafts])
         sub = self.head.propose([seqs[b] for b in head_rows], [max_tokens[b] for b in head_rows])
-        self._head_proposal = sub
+        step_state = (head_rows, sub)            # commit hands the head its own rows and proposal
         if len(head_rows) == len(seqs):
-            return sub
+            return DraftProposal(sub.tokens, sub.num_tokens, sub.probs, step_state)
         out = sub.scatter(head_rows, len(seqs), max(sub.k, max((len(d) for d in drafts if d), default=0)))
         for b, d in enumerate(drafts):
             if d:
@@ -76,10 +64,11 @@ class CascadeDrafter(Drafter):
                 out.num_tokens[b] = len(d)
                 if out.probs is not None:        # a point mass as a distribution
                     out.probs[b, torch.arange(len(d)), out.tokens[b, :len(d)].to(out.probs.device)] = 1.0
+        out.step_state = step_state
         return out
 
     def commit(self, seqs, proposal, num_accepted):
-        sub, rows = self._head_proposal, self._head_rows
-        self._head_proposal, self._head_rows = None, []
-        if sub is not None:
-            self.head.commit([seqs[b] for b in rows], sub, [num_accepted[b] for b in rows])
+        if proposal.step_state is None:          # lookup rows only (or no propose): the head drafted nothing
+            return
+        rows, sub = proposal.step_state
+        self.head.commit([seqs[b] for b in rows], sub, [num_accepted[b] for b in rows])

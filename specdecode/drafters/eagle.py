@@ -26,13 +26,13 @@ import torch.nn.functional as F
 from .head import head_block
 from ..kv_cache import KVCache
 from ..sampling import probs_from_logits, sample, transform_logits
-from .base import DraftProposal, Drafter, DrafterError
+from .base import ContiguousState, DraftProposal, Drafter, DrafterCapabilities, DrafterError, DrafterState
 from .registry import register
 
 
 @register("eagle")
 class EagleDrafter(Drafter):
-    uses_target_hidden = True
+    capabilities = DrafterCapabilities(needs_target_hidden=True, has_state=True)
 
     def __init__(self, target, drafter_path: str | Path | None = None, fast: bool = True,
                  min_confidence: float = 0.0, **_: object) -> None:
@@ -79,11 +79,11 @@ class EagleDrafter(Drafter):
         self.features = None
 
     # ------------------------------------------------------------------ state
-    def prepare(self, batch_size: int, max_len: int) -> None:
+    def prepare(self, batch_size: int, max_len: int) -> DrafterState:
         c = self.config
         self.cache = KVCache(1, batch_size, c.num_kv_heads, c.head_dim, max_len, self.dtype, self.device)
         self.features = torch.zeros(batch_size, max_len, c.hidden_size, dtype=self.dtype, device=self.device)
-        self._true_len: dict[int, int] = {}
+        return ContiguousState(self.cache, self.features)
 
     def close(self) -> None:
         self.cache = self.features = None
@@ -152,7 +152,6 @@ class EagleDrafter(Drafter):
         last = torch.tensor([max(0, e - st - 1) for st, e in zip(starts, ends)], device=self.device)
         feature = predicted[torch.arange(batch, device=self.device), last]               # [B, D]
         for b, s in enumerate(seqs):
-            self._true_len[s.row] = ends[b]
             self.cache.truncate(s.row, ends[b])
         # 2. chain: each draft comes from the feature the previous slot predicted. Greedy rows with
         # no logit bias or penalties only need the argmax (a point-mass proposal: verify then
@@ -191,12 +190,13 @@ class EagleDrafter(Drafter):
             feature = predicted[:, 0]
             for b, s in enumerate(seqs):
                 self.cache.truncate(s.row, slot[b] + 1)
+        # step state: head slots computed from true features, per row (what commit keeps)
         return DraftProposal(draft_tokens, torch.tensor(num_drafts, dtype=torch.long),
-                             None if argmax_only else draft_probs)
+                             None if argmax_only else draft_probs, step_state=ends)
 
     def commit(self, seqs, proposal, num_accepted):
-        if proposal.k == 0:
+        if proposal.step_state is None:
             return
-        for s in seqs:    # keep only slots computed from true features
-            self.cache.truncate(s.row, min(self.cache.lengths[s.row], self._true_len.get(s.row, 0)))
+        for s, true_len in zip(seqs, proposal.step_state):    # keep only slots computed from true features
+            self.cache.truncate(s.row, min(self.cache.lengths[s.row], true_len))
 

@@ -10,13 +10,15 @@ all were accepted) are fed at the start of the next proposal (catch-up).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from ..footprint import weights_bytes
 from ..models.config import ModelError
 from ..sampling import probs_from_logits, sample, transform_logits
-from .base import DraftProposal, Drafter, DrafterError
+from .base import ContiguousState, DraftProposal, Drafter, DrafterCapabilities, DrafterError, DrafterState
 from .registry import register
 
 
@@ -36,6 +38,8 @@ def check_same_tokenizer(target, draft) -> None:
 
 @register("model")
 class ModelDrafter(Drafter):
+    capabilities = DrafterCapabilities(has_state=True, relative_cost=1.0)   # refined per instance
+
     def __init__(self, target, draft=None, **_: object) -> None:
         if draft is None:
             raise DrafterError("method 'model' needs a draft model (--draft PATH / LLM(draft=...))")
@@ -51,12 +55,23 @@ class ModelDrafter(Drafter):
         # -inf to the target's size so draft and target distributions share one vocabulary.
         self.draft_vocab = draft.model.vocab_size
         self.target_vocab = target.model.vocab_size
+        if draft.native and target.native:     # relative cost: one draft pass reads all its weights
+            cost = weights_bytes(draft.model) / max(weights_bytes(target.model), 1)
+            self.capabilities = replace(ModelDrafter.capabilities, relative_cost=cost)
 
-    def prepare(self, batch_size: int, max_len: int) -> None:
+    def draft_model(self):
+        return self.draft
+
+    def prepare(self, batch_size: int, max_len: int) -> DrafterState:
         if max_len > self.model.max_len + 64:
             raise ModelError(f"draft {self.draft.name} has a context of {self.model.max_len} tokens, "
                              f"fewer than the {max_len} this batch needs")
         self.cache = self.model.new_cache(batch_size, max_len)
+        return ContiguousState(self.cache)
+
+    def use_draft_cache(self, cache) -> DrafterState:
+        self.cache = cache            # e.g. the server's paged cache: the same interface as KVCache
+        return cache
 
     def close(self) -> None:
         self.cache = None
@@ -74,7 +89,7 @@ class ModelDrafter(Drafter):
         rows = torch.tensor([s.row for s in seqs], device=device)
         # feed: tokens this row's draft cache has not seen yet (catch-up), then one draft at a time
         feed = [s.token_ids[self.cache.lengths[s.row]:] for s in seqs]
-        self._base_len = {s.row: len(s.token_ids) for s in seqs}
+        base_len = [len(s.token_ids) for s in seqs]          # step state: the text before the drafts
         for step in range(k):
             starts = [self.cache.lengths[s.row] for s in seqs]
             width = max(len(f) for f in feed)
@@ -101,13 +116,13 @@ class ModelDrafter(Drafter):
                 self.cache.truncate(s.row, starts[b] + len(feed[b]))
             feed = [[t] for t in draft_tokens[:, step].tolist()]
         num_tokens = torch.tensor(max_tokens, dtype=torch.long)
-        return DraftProposal(draft_tokens, num_tokens, draft_probs)
+        return DraftProposal(draft_tokens, num_tokens, draft_probs, step_state=base_len)
 
     def commit(self, seqs, proposal, num_accepted):
         # Keep entries for tokens that are now part of the sequence: the old tokens plus the
         # accepted drafts, bounded by what was actually written (the last draft never is).
-        if proposal.k == 0:     # the engine skipped propose (no room for drafts): nothing to keep
+        if proposal.step_state is None:     # the engine skipped propose (no room for drafts): nothing to keep
             return
-        for s, accepted in zip(seqs, num_accepted):
-            keep = min(self.cache.lengths[s.row], self._base_len[s.row] + accepted)
+        for s, base_len, accepted in zip(seqs, proposal.step_state, num_accepted):
+            keep = min(self.cache.lengths[s.row], base_len + accepted)
             self.cache.truncate(s.row, keep)

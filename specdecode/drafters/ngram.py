@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import DraftProposal, Drafter, DrafterError
+from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterError
 from .registry import register
 
 
@@ -36,6 +36,8 @@ def lookup(token_ids: np.ndarray, max_tokens: int, ngram_min: int, ngram_max: in
 
 @register("ngram")
 class NgramDrafter(Drafter):
+    capabilities = DrafterCapabilities()     # stateless and free: propose is a pure function of the text
+
     def __init__(self, target=None, ngram_min: int = 1, ngram_max: int = 4, **_: object) -> None:
         if not 1 <= ngram_min <= ngram_max <= 16:
             raise DrafterError(f"ngram sizes must satisfy 1 <= ngram_min <= ngram_max <= 16, "

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..footprint import kv_bytes_per_token, weights_bytes
 from ..params import ParamError
 
 GB = 1024 ** 3
@@ -14,23 +15,6 @@ GB = 1024 ** 3
 class MemoryBudgetError(ParamError):
     """The configured batch and context do not fit in the available memory (the CLI shows one
     line and exits with code 2, like any bad parameter)."""
-
-
-def weights_bytes(model) -> int:
-    """Bytes of a native model's weights, from its config (an untied LM head counted too)."""
-    if model is None:
-        return 0
-    c = model.config
-    element = model.embed.element_size()
-    untied_head = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
-    return (c.weight_count() + untied_head) * element
-
-
-def kv_bytes_per_token(model) -> int:
-    if model is None:
-        return 0
-    c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.embed.element_size()
 
 
 @dataclass

@@ -5,7 +5,7 @@ Each iteration of the engine thread:
 2. admit    -- waiting requests (FIFO) take a free row once the KV blocks their prompt +
                max_tokens can need are reserved in the target (and draft) cache;
 3. prefill  -- up to `prefill_chunk` prompt tokens of admitted requests, in one ragged pass;
-4. step     -- one speculative step over all decoding rows (`SpecEngine.step`: every row's
+4. step     -- one speculative step over all decoding rows (`BatchEngine.step`: every row's
                drafts verified in one batched target pass, ragged acceptance), with each row's
                draft length chosen by the speculation policy; tokens stream out as events;
 5. finish   -- finished rows release their blocks and rows.
@@ -115,16 +115,14 @@ class Scheduler:
         # (its batch-1 fused path needs a contiguous cache)
         self.engine = BatchEngine(target, drafter, 32, self.context, rows + 1, num_blocks, config.block_size)
         self.inner_drafter = drafter
-        draft_cost = 0.01
-        if self.engine.draft_model is not None:
-            draft_cost = weights_bytes.get("draft", 0) / max(weights_bytes.get("target", 1), 1)
-        # a drafter without per-row state (a lookup) can draft for switched-off rows for free
-        self.policy = SpeculationPolicy(shadow=drafter is not None and getattr(drafter, "cache", None) is None
-                                        and not hasattr(drafter, "model"),
-                                        draft_cost=draft_cost, max_batch_size=config.spec_max_batch_size)
+        caps = drafter.capabilities if drafter is not None else None
+        # a drafter without per-request state (a lookup) can draft for switched-off rows for free
+        self.policy = SpeculationPolicy(shadow=caps is not None and not caps.has_state,
+                                        draft_cost=caps.relative_cost if caps is not None else 0.01,
+                                        max_batch_size=config.spec_max_batch_size)
         self.metrics = ServeMetrics(config.served_model_name or target.name, method if drafter else "none",
                                     config.num_speculative_tokens if drafter else 0, weights_bytes,
-                                    {"target": self.engine.cache, "draft": self.engine.draft_accounting})
+                                    {"target": self.engine.cache, "draft": self.engine.draft_state})
         self.cond = threading.Condition()
         self.gate = threading.Lock()              # held by `hold()`: the engine thread waits
         self.inbox: deque[Request] = deque()
@@ -207,8 +205,6 @@ class Scheduler:
                 self._end(s, "error", Failed(500, f"internal error while generating ({type(exc).__name__}); "
                                                   f"the request was aborted"))
             self.prefilling, self.running = [], []
-            if self.engine.drafter is not None:
-                self.engine.drafter._sub = None
         self._publish_counts()
 
     def _publish_counts(self) -> None:

@@ -5,7 +5,6 @@ import time
 from dataclasses import dataclass
 
 from ..models.config import ModelError
-from .batch import draft_model_of
 from .memory import available_bytes, check_memory, plan_memory, weights_bytes
 from .protocol import MAX_K, ServeContext
 from .scheduler import Scheduler, ServeConfig
@@ -24,13 +23,16 @@ def build_state(llm, config: ServeConfig, check_budget: bool = True, available: 
     """Everything the app needs, from a loaded `LLM`. Refuses (ModelError / MemoryBudgetError)
     before allocating any KV cache when the models or the memory do not fit the config."""
     target = llm.target
-    if not hasattr(target.model, "config"):
+    if not target.native:
         raise ModelError(f"serve needs a native Llama/Qwen2 target; {target.name} runs through the "
                          f"transformers adapter, whose cache cannot be paged")
     drafter = llm.drafter if llm.num_speculative_tokens > 0 else None
-    draft = draft_model_of(drafter)
-    if drafter is not None and hasattr(drafter, "model") and draft is None:
+    if drafter is not None and drafter.capabilities.drafts_trees:
+        raise ModelError(f"drafter {llm.method!r} drafts trees; serve verifies chains only")
+    draft_loaded = drafter.draft_model() if drafter is not None else None
+    if draft_loaded is not None and not draft_loaded.native:
         raise ModelError("serve needs a native draft model (its KV cache is paged); this drafter has none")
+    draft = draft_loaded.model if draft_loaded is not None else None
     context = config.max_model_len or target.model.max_len
     if context > target.model.max_len:
         raise ModelError(f"--max-model-len {context} exceeds the target's context of {target.model.max_len} tokens")

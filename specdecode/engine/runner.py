@@ -1,0 +1,141 @@
+"""The model runner: owns the KV caches and runs the target's forward passes.
+
+* `allocate` makes the target's cache and the drafter's per-row state for a batch of rows:
+  contiguous caches by default; a caller that pages (the server) passes `new_cache`, and a
+  drafter that declares a draft model then gets its KV cache made the same way.
+* `prefill` (a fresh batch: every prompt but its last token, from position 0) and
+  `prefill_chunks` (the next tokens of some rows, each from its own cache length) write prompts.
+* `score` is the one target pass of a step: each row's pending tokens + drafts, returning the
+  transformed target probabilities verification needs.
+
+A drafter that declares `needs_target_hidden` gets the target's hidden states after every
+target pass (`observe`). Cache rule: a row of the target cache holds `token_ids[:length]`; the
+tokens after that ("pending": normally just the last emitted token) go into the next pass with
+the drafts, so every step is one target forward pass.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..drafters.base import DraftProposal, Drafter, DrafterState
+from ..sampling import probs_from_logits, transform_logits
+from .sequence import Sequence
+
+CacheFactory = Callable[[object, int, int], object]     # (model, num_rows, max_len) -> KV cache
+
+
+class ModelRunner:
+    def __init__(self, target, drafter: Drafter | None = None) -> None:
+        self.target = target                      # LoadedModel
+        self.model = target.model
+        self.drafter = drafter
+        self.wants_hidden = drafter is not None and drafter.capabilities.needs_target_hidden
+        draft = drafter.draft_model() if drafter is not None else None
+        self.draft_model = draft.model if draft is not None else None    # a draft model whose cache we make
+        self.cache = None                         # the target's KV cache (allocate)
+        self.draft_cache = None                   # the draft model's KV cache when made here (new_cache given)
+        self.drafter_state: DrafterState | None = None
+
+    # ------------------------------------------------------------------ caches
+    def allocate(self, num_rows: int, max_len: int, new_cache: CacheFactory | None = None) -> None:
+        """Caches for rows 0..num_rows-1 of up to max_len positions: the target's, and the
+        drafter's state (its `prepare`, or with `new_cache` and a draft model, a cache made
+        here and handed over with `use_draft_cache`)."""
+        self.cache = new_cache(self.model, num_rows, max_len) if new_cache else self.model.new_cache(num_rows, max_len)
+        self.draft_cache = None
+        if self.drafter is None:
+            self.drafter_state = None
+        elif new_cache is not None and self.draft_model is not None:
+            self.draft_cache = new_cache(self.draft_model, num_rows, max_len)
+            self.drafter_state = self.drafter.use_draft_cache(self.draft_cache)
+        else:
+            self.drafter_state = self.drafter.prepare(num_rows, max_len)
+
+    @property
+    def caches(self) -> list:
+        """The KV caches made here (target, then draft when paged by the caller)."""
+        return [c for c in (self.cache, self.draft_cache) if c is not None]
+
+    def keep(self, row: int, length: int) -> None:
+        """Roll the target cache of `row` back (or forward) to `length` committed positions."""
+        self.cache.truncate(row, length)
+
+    # ------------------------------------------------------------------ prompts
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """Write all prompt tokens but the last into a fresh target cache (the last one is
+        pending and goes into the first step with the first drafts)."""
+        lengths = [len(s.prompt_ids) - 1 for s in seqs]
+        width = max(lengths)
+        if width == 0:
+            return
+        tokens = torch.zeros(len(seqs), width, dtype=torch.long)
+        for row, s in enumerate(seqs):
+            tokens[row, :lengths[row]] = torch.tensor(s.prompt_ids[:-1])
+        out = self.model.forward(tokens.to(self.model.device), self.cache, 0, return_hidden=self.wants_hidden,
+                                 logit_index=torch.zeros(len(seqs), 0, dtype=torch.long, device=self.model.device))
+        if self.wants_hidden:
+            self.drafter.observe(seqs, [0] * len(seqs), out[1])
+        for s, n in zip(seqs, lengths):
+            self.cache.truncate(s.row, n)
+
+    def prefill_chunks(self, chunks: list[tuple[Sequence, int]], draft: bool = False) -> None:
+        """Write the next `n` prompt tokens of each (sequence, n) into the target cache (or, with
+        draft, the draft model's cache made here), all rows in one ragged forward pass."""
+        model, cache = (self.draft_model, self.draft_cache) if draft else (self.model, self.cache)
+        width = max(n for _, n in chunks)
+        tokens = torch.zeros(len(chunks), width, dtype=torch.long)                  # [B, width]
+        for b, (s, n) in enumerate(chunks):
+            start = cache.lengths[s.row]
+            tokens[b, :n] = torch.tensor(s.prompt_ids[start:start + n])
+        tokens = tokens.clamp(max=model.vocab_size - 1)     # a draft may embed fewer (padding) ids
+        device = model.device
+        starts = [cache.lengths[s.row] for s, _ in chunks]
+        rows = torch.tensor([s.row for s, _ in chunks], device=device)
+        hidden = not draft and self.wants_hidden
+        out = model.forward(tokens.to(device), cache, torch.tensor(starts, device=device), rows=rows,
+                            logit_index=torch.zeros(len(chunks), 0, dtype=torch.long, device=device),
+                            **({"return_hidden": True} if hidden else {}))
+        if hidden:          # e.g. an EAGLE head reads the target's features of the prompt
+            self.drafter.observe([s for s, _ in chunks], starts, out[1])
+        for (s, n), start in zip(chunks, starts):
+            cache.truncate(s.row, start + n)
+
+    # ------------------------------------------------------------------ the step's target pass
+    def score(self, seqs: list[Sequence], proposal: DraftProposal) -> torch.Tensor:
+        """One target forward over each row's pending tokens + drafts; returns the
+        transformed target probabilities at the k+1 positions that verify needs: [B, k+1, vocab]."""
+        k = proposal.k
+        starts = [self.cache.lengths[s.row] for s in seqs]
+        pending = [s.token_ids[start:] for s, start in zip(seqs, starts)]
+        drafts = proposal.tokens.tolist()
+        num_drafted = proposal.num_tokens.tolist()
+        widths = [len(p) + n for p, n in zip(pending, num_drafted)]
+        width = max(len(p) for p in pending) + k
+        device = self.model.device
+        rows = [p + d[:n] + [0] * (width - len(p) - n) for p, d, n in zip(pending, drafts, num_drafted)]
+        tokens = torch.tensor(rows, dtype=torch.long, device=device)
+        # logits at the last pending token and after each draft: positions len(p)-1 .. len(p)-1+k
+        # (rows with fewer drafts repeat their last real position; verify ignores those)
+        logit_index = torch.tensor([[min(len(p) - 1 + i, w - 1) for i in range(k + 1)]
+                                    for p, w in zip(pending, widths)], device=device)
+        same_start = all(x == starts[0] for x in starts) and len(seqs) == self.cache.batch_size
+        if same_start and [s.row for s in seqs] == list(range(len(seqs))):
+            out = self.model.forward(tokens, self.cache, starts[0], logit_index=logit_index,
+                                     return_hidden=self.wants_hidden)
+        else:
+            row_ids = torch.tensor([s.row for s in seqs], device=device)
+            out = self.model.forward(tokens, self.cache, torch.tensor(starts, device=device),
+                                     rows=row_ids, logit_index=logit_index, return_hidden=self.wants_hidden)
+        logits = out
+        if self.wants_hidden:
+            logits, hidden = out
+            self.drafter.observe(seqs, starts, hidden)
+        needs_history = any(s.params.uses_penalties for s in seqs)
+        transformed = transform_logits(
+            logits, [s.params for s in seqs],
+            [s.token_ids for s in seqs] if needs_history else None,
+            [s.prompt_len for s in seqs] if needs_history else None,
+            proposal.tokens.to(device) if k > 0 else None)
+        return probs_from_logits(transformed, [s.params for s in seqs])
