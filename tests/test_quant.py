@@ -193,3 +193,18 @@ def test_cli_int8_draft_and_native_errors(tiny_models):
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.startswith("specdecode: error: --weights native") and ".gguf" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+@needs_quant
+@pytest.mark.parametrize("qtype", sorted(NATIVE_TYPES))
+def test_native_dequantize_is_bitwise_the_gguf_packages(qtype):
+    """QuantWeight.dequantize (C) gives exactly the gguf package's numpy values (fingerprints of
+    native and dense loads agree because of it)."""
+    from gguf.quants import dequantize
+    w = random_weight(qtype, 8, 512, seed=7)
+    (t, data), = w.segments
+    if qtype == I8:
+        ref = data[:, 4:].contiguous().view(torch.int8).float() * data[:, :4].contiguous().view(torch.float32)
+    else:
+        ref = torch.from_numpy(np.ascontiguousarray(dequantize(data.numpy(), t), dtype=np.float32)).reshape(8, -1)
+    assert torch.equal(w.dequantize(), ref)

@@ -115,9 +115,20 @@ class QuantWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The exact weights [out, in] (reference / fallback)."""
         parts = []
+        lib = _lin._load()["lib"] if native_reason() is None else None
         for qtype, data in self.segments:
             if data.shape[0] == 0:
                 continue
+            if lib is not None:       # the same float operations as gguf's numpy dequantize, in C
+                out = torch.empty(data.shape[0], self.in_features, dtype=torch.float32)
+                fn = lib.sd_qdequant
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_long,
+                               ctypes.c_void_p, ctypes.c_int]
+                fn.restype = ctypes.c_int
+                if fn(data.data_ptr(), qtype, data.shape[1], self.in_features, data.shape[0], out.data_ptr(),
+                      torch.get_num_threads()) == 0:
+                    parts.append(out)
+                    continue
             if qtype == I8:
                 scale = data[:, :4].contiguous().view(torch.float32)            # [rows, 1]
                 parts.append(data[:, 4:].contiguous().view(torch.int8).float() * scale)
@@ -149,8 +160,10 @@ def native_reason() -> str | None:
     st = _lin._load()
     if st["lib"] is None:
         return f"native kernels unavailable: {st['reason']}"
-    if not st["bf16"]:
-        return "CPU lacks avx512_bf16"
+    flags = _lin._cpu_flags()
+    missing = [f for f in ("avx512_bf16", "avx512_vnni", "avx512bw", "avx512vl", "f16c") if f not in flags]
+    if missing:
+        return f"CPU lacks {', '.join(missing)}"
     return None
 
 

@@ -84,21 +84,36 @@ def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
 
     from ..fast.quant import NATIVE_TYPES, QuantWeight
 
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:
-        raise ModelError(f"{path} is not a readable GGUF file: {exc}") from None
-    config = read_config(reader)
+    table_file = tokenizer_dir(path) / "tensors.json"
+    if table_file.is_file():     # the gguf package parses the whole vocabulary (~10 s): skip it
+        table = json.loads(table_file.read_text())
+        fields = dict(table["config"], eos_token_ids=tuple(table["config"]["eos_token_ids"]))
+        config = ModelConfig(**fields)
+        raw = np.memmap(path, dtype=np.uint8, mode="r")
+        entries = [(t["name"], t["type"], tuple(t["shape"]), raw[t["offset"]:t["offset"] + t["bytes"]])
+                   for t in table["tensors"]]
+    else:
+        try:
+            reader = GGUFReader(str(path))
+        except Exception as exc:
+            raise ModelError(f"{path} is not a readable GGUF file: {exc}") from None
+        config = read_config(reader)
+        entries, listing = [], []
+        for tensor in reader.tensors:
+            shape = tuple(int(d) for d in reversed(tensor.shape))
+            entries.append((tensor.name, int(tensor.tensor_type), shape, tensor.data))
+            listing.append({"name": tensor.name, "type": int(tensor.tensor_type), "shape": list(shape),
+                            "offset": int(tensor.data_offset), "bytes": int(tensor.n_bytes)})
+        from dataclasses import asdict
+        table_file.write_text(json.dumps({"config": asdict(config), "tensors": listing}))
     weights: dict = {}
-    for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+    for gguf_name, qtype, shape, data in entries:
+        name = _hf_name(gguf_name)
         if name is None:
             continue
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        qtype = int(tensor.tensor_type)
         projection = name.endswith("proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
         if projection and len(shape) == 2 and qtype in NATIVE_TYPES and shape[1] % 64 == 0:
-            qw = QuantWeight.from_blocks(qtype, np.array(tensor.data, copy=True), shape)
+            qw = QuantWeight.from_blocks(qtype, np.array(data, copy=True), shape)
             if config.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.num_heads if "q_proj" in name else config.num_kv_heads
                 order = torch.from_numpy(_unpermute(np.arange(shape[0]), heads).copy())
@@ -110,7 +125,7 @@ def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
             else:
                 weights[name] = qw
             continue
-        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        array = dequantize(np.asarray(data), qtype).astype(np.float32, copy=False).reshape(shape)
         if config.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             array = _unpermute(array, config.num_heads)
         elif config.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
