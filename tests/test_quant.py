@@ -208,3 +208,27 @@ def test_native_dequantize_is_bitwise_the_gguf_packages(qtype):
     else:
         ref = torch.from_numpy(np.ascontiguousarray(dequantize(data.numpy(), t), dtype=np.float32)).reshape(8, -1)
     assert torch.equal(w.dequantize(), ref)
+
+
+@needs_quant
+@pytest.mark.parametrize("kind", ["int8", "q4_0"])
+def test_self_quant_drafter_is_lossless(tiny_models, one_thread, kind):
+    """method self-quant: the target's own weights re-quantized draft for it; greedy output equals
+    plain decoding, and the draft agrees with the target on most tokens."""
+    from specdecode import LLM, SamplingParams
+    llm = LLM(model=str(tiny_models["qwen2"]), method="self-quant", dtype="bf16", progress=False, self_quant=kind)
+    assert llm.drafter.model.quantized
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    prompts = ["the quick brown fox jumps over", "def add(a, b):"]
+    plain = llm.generate(prompts, params, num_speculative_tokens=0)
+    spec = llm.generate(prompts, params, num_speculative_tokens=4)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert spec[0].stats["acceptance_rate"] > (0.5 if kind == "int8" else 0.3)   # random tiny weights
+
+
+@needs_quant
+def test_self_quant_refuses_an_already_quantized_target():
+    from specdecode import LLM
+    from specdecode.drafters.base import DrafterError
+    with pytest.raises(DrafterError, match="already computes on its quantized weights"):
+        LLM(method="self-quant", progress=False)

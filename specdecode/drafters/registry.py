@@ -31,7 +31,8 @@ ENTRY_POINT_GROUP = "specdecode.drafters"
 BUILTIN = {"ngram": "specdecode.drafters.ngram:NgramDrafter",
            "eagle": "specdecode.drafters.eagle:EagleDrafter",
            "cascade": "specdecode.drafters.cascade:CascadeDrafter",
-           "model": "specdecode.drafters.model:ModelDrafter"}
+           "model": "specdecode.drafters.model:ModelDrafter",
+           "self-quant": "specdecode.drafters.self_quant:SelfQuantDrafter"}
 RESERVED = ("none", "plain")      # "none": no drafter (API / CLI); "plain": plain decoding (bench)
 
 _registered: dict[str, type] = {}

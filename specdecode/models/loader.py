@@ -245,3 +245,34 @@ def load_draft(spec: str, dtype: str | None, device: str | None, progress: bool 
                weights: str = "auto") -> LoadedModel:
     """A draft model: as load_model; dtype "int8" quantizes its projections per output channel."""
     return load_model(spec, dtype, device, progress=progress, fast=fast, weights=weights)
+
+
+def quantized_copy(target: LoadedModel, kind: str = "int8") -> LoadedModel:
+    """The target's own weights re-quantized ("int8" per output channel, or "q4_0" blocks) as a
+    separate model for self-drafting (drafters/self_quant.py). Reads the target's dense weights
+    again (its HF directory, or the converted GGUF)."""
+    from ..fast import make_linear
+    from ..fast.quant import QuantWeight, native_reason, quantize_int8
+    from .transformer import Transformer
+    if native_reason() is not None:
+        raise ModelError(f"quantized weights need the native kernels: {native_reason()}")
+    started = time.perf_counter()
+    source = target.dense_path()
+    config = target.model.config
+    weights = read_weights(source, torch.bfloat16, torch.device("cpu"), progress=False)
+    if not config.tie_word_embeddings or "lm_head.weight" not in weights:
+        weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+
+    def quantize(w: torch.Tensor):
+        if w.shape[1] % 64:
+            return w
+        if kind == "int8":
+            return quantize_int8(w)
+        from gguf.quants import quantize as gguf_quantize
+        return QuantWeight.from_blocks(2, gguf_quantize(w.float().numpy(), 2), tuple(w.shape))   # Q4_0
+
+    for key in [k for k in weights if k.endswith("proj.weight") or k == "lm_head.weight"]:
+        weights[key] = quantize(weights[key])
+    model = Transformer(config, weights, make_linear)
+    return LoadedModel(model, target.tokenizer, f"{target.name} ({kind} self-draft)", source, True,
+                       target.eos_token_ids, time.perf_counter() - started, "")
