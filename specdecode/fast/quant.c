@@ -31,7 +31,8 @@
  */
 
 enum { GQ_Q4_0 = 2, GQ_Q4_1 = 3, GQ_Q5_0 = 6, GQ_Q5_1 = 7, GQ_Q8_0 = 8, GQ_Q4_K = 12, GQ_Q5_K = 13,
-       GQ_Q6_K = 14, GQ_I8 = 1000 };
+       GQ_Q6_K = 14, GQ_I8 = 1000,
+       GQ_Q4_K16 = 1012, GQ_Q6_K16 = 1014 };   /* Q4_K / Q6_K repacked 16 columns at a time (below) */
 
 #define SD_QSEG 4          /* segments (differently quantized row ranges) per matrix: q|k|v */
 #define SD_QROWS 8         /* activation rows sharing one decode of a weight block */
@@ -49,6 +50,12 @@ static inline float h2f(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
+}
+
+/* 6-bit scale and min j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4) */
+static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *mn) {
+    if (j < 4) { *sc = q[j] & 63; *mn = q[j + 4] & 63; }
+    else { *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
 }
 
 static inline __m512i pair(__m256i lo, __m256i hi) {
@@ -177,7 +184,7 @@ qdecode_chunk(int type, const uint8_t *row, int c, int nb, __m512i *w, float *s1
 static int q_block_ok(int type) {
     switch (type) {
     case GQ_Q4_0: case GQ_Q4_1: case GQ_Q5_0: case GQ_Q5_1: case GQ_Q8_0: case GQ_Q4_K: case GQ_Q5_K:
-    case GQ_Q6_K: case GQ_I8: return 1;
+    case GQ_Q6_K: case GQ_I8: case GQ_Q4_K16: case GQ_Q6_K16: return 1;
     default: return 0;
     }
 }
@@ -287,6 +294,175 @@ static q_col_fn q_col_for(int type) {
     }
 }
 
+/* ---------------------------------------------------------------- 16-column interleaved K formats
+ *
+ * For several rows (verify passes) the per-column kernel above spends ~4 instructions per 64
+ * weights per row.  Q4_K and Q6_K matrices whose segments have a multiple of 16 rows are repacked
+ * at load (losslessly: the same integers and fp16 / 6-bit / int8 scales) so that one VPDPBUSD
+ * computes 16 columns x 4 k for one row against a broadcast of 4 activation bytes, and the scales
+ * become 16-lane vectors (one lane per column):
+ *
+ *   Q4_K16, per 16 columns and 256 k (2368 bytes):  d[16] fp16 | dmin[16] fp16 | sc[8][16] u8 |
+ *     mn[8][16] u8 | q[8 sub-blocks][4][64]: byte 4c+i of vector (j, t) holds u[c][32j+8t+i] in
+ *     its low nibble and u[c][32j+8t+4+i] in its high nibble.
+ *   Q6_K16, per 16 columns and 256 k (3360 bytes):  d[16] fp16 | sc[16][16] int8 |
+ *     per 16-k sub-block s: lo[2][64] (nibbles of k4-groups (0,1) and (2,3)) | hi[64] (bits 2t,
+ *     2t+1 of byte 4c+i: the high 2 bits of u[c][16s+4t+i]).
+ *
+ * Per row and 32 k: 8 VPDPBUSD into an int32 accumulator, one conversion, one FMA with the 16
+ * columns' scales; the 16 lanes are the 16 outputs (no horizontal sum).  The same instruction
+ * sequence for every row and any row count: batch invariant. */
+
+#define Q4K16_BYTES 2368
+#define Q6K16_BYTES 3360
+
+static inline __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+static inline __attribute__((always_inline)) void
+q4k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R, float *out) {
+    const int NC = K / 256, KH = K / 16;
+    __m512 acc[SD_QROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int c = 0; c < NC; c++) {
+        const uint8_t *sb = grp + (size_t)c * Q4K16_BYTES;
+        for (int p = 0; p < Q4K16_BYTES; p += 64) prefetch(sb + p);
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32)));
+        __m512 fs[SD_QROWS];
+        for (int r = 0; r < R; r++) fs[r] = _mm512_setzero_ps();
+        for (int j = 0; j < 8; j++) {
+            const __m512 scj = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb + 64 + 16 * j)))));
+            const __m512 mnj = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb + 192 + 16 * j)))));
+            __m512i lo[4], hi[4];
+            for (int t = 0; t < 4; t++) {
+                const __m512i v = _mm512_loadu_si512(sb + 320 + 256 * j + 64 * t);
+                lo[t] = _mm512_and_si512(v, m4);
+                hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            }
+            for (int r = 0; r < R; r++) {
+                const int8_t *xr = xq + (size_t)r * K + 256 * c + 32 * j;
+                __m512i ia = _mm512_setzero_si512();
+                for (int t = 0; t < 4; t++) {
+                    ia = _mm512_dpbusd_epi32(ia, lo[t], bcast4(xr + 8 * t));
+                    ia = _mm512_dpbusd_epi32(ia, hi[t], bcast4(xr + 8 * t + 4));
+                }
+                const float *sr = sums + (size_t)r * KH + 16 * c + 2 * j;
+                fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), scj, fs[r]);
+                fs[r] = _mm512_fnmadd_ps(mnj, _mm512_set1_ps(sr[0] + sr[1]), fs[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(fs[r], _mm512_set1_ps(dq[(size_t)r * NC + c]), acc[r]);
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+static inline __attribute__((always_inline)) void
+q6k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R, float *out) {
+    const int NC = K / 256, KH = K / 16;
+    __m512 acc[SD_QROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
+    for (int c = 0; c < NC; c++) {
+        const uint8_t *sb = grp + (size_t)c * Q6K16_BYTES;
+        for (int p = 0; p < Q6K16_BYTES; p += 64) prefetch(sb + p);
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
+        __m512 fs[SD_QROWS];
+        for (int r = 0; r < R; r++) fs[r] = _mm512_setzero_ps();
+        for (int s = 0; s < 16; s++) {
+            const __m512 scs = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sb + 32 + 16 * s)))));
+            const __m512 off = _mm512_mul_ps(scs, _mm512_set1_ps(32.f));
+            const uint8_t *q = sb + 288 + 192 * s;
+            const __m512i a = _mm512_loadu_si512(q), b = _mm512_loadu_si512(q + 64), h = _mm512_loadu_si512(q + 128);
+            __m512i u[4];
+            u[0] = _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m2));
+            u[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4), _mm512_and_si512(_mm512_slli_epi16(h, 2), m2));
+            u[2] = _mm512_or_si512(_mm512_and_si512(b, m4), _mm512_and_si512(h, m2));
+            u[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), m4), _mm512_and_si512(_mm512_srli_epi16(h, 2), m2));
+            for (int r = 0; r < R; r++) {
+                const int8_t *xr = xq + (size_t)r * K + 256 * c + 16 * s;
+                __m512i ia = _mm512_setzero_si512();
+                for (int t = 0; t < 4; t++) ia = _mm512_dpbusd_epi32(ia, u[t], bcast4(xr + 4 * t));
+                fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), scs, fs[r]);
+                fs[r] = _mm512_fnmadd_ps(off, _mm512_set1_ps(sums[(size_t)r * KH + 16 * c + s]), fs[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(fs[r], _mm512_set1_ps(dq[(size_t)r * NC + c]), acc[r]);
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+#define Q16_FOR(FN)                                                                                   \
+    switch (R) {                                                                                      \
+    case 1: FN(grp, K, xq, dq, sums, 1, out); break;                                                  \
+    case 2: FN(grp, K, xq, dq, sums, 2, out); break;                                                  \
+    case 3: FN(grp, K, xq, dq, sums, 3, out); break;                                                  \
+    case 4: FN(grp, K, xq, dq, sums, 4, out); break;                                                  \
+    case 5: FN(grp, K, xq, dq, sums, 5, out); break;                                                  \
+    case 6: FN(grp, K, xq, dq, sums, 6, out); break;                                                  \
+    case 7: FN(grp, K, xq, dq, sums, 7, out); break;                                                  \
+    default: FN(grp, K, xq, dq, sums, 8, out); break;                                                 \
+    }
+
+static void q16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums,
+                      int R, float *out) {
+    if (type == GQ_Q4_K16) { Q16_FOR(q4k16_group) }
+    else { Q16_FOR(q6k16_group) }
+}
+
+/* Repack rows [16g, 16g+16) of a Q4_K / Q6_K segment (file layout, row_bytes each) into the
+ * interleaved layout above; dst holds n/16 groups of (K/256) super-blocks. */
+void sd_repack16(int type, const uint8_t *src, long row_bytes, int K, long n, uint8_t *dst) {
+    const int NC = K / 256;
+    for (long g = 0; g < n / 16; g++)
+        for (int c = 0; c < NC; c++) {
+            if (type == GQ_Q4_K) {
+                uint8_t *o = dst + ((size_t)g * NC + c) * Q4K16_BYTES;
+                for (int col = 0; col < 16; col++) {
+                    const uint8_t *blk = src + (size_t)(16 * g + col) * row_bytes + (size_t)c * 144, *qs = blk + 16;
+                    memcpy(o + 2 * col, blk, 2);
+                    memcpy(o + 32 + 2 * col, blk + 2, 2);
+                    for (int j = 0; j < 8; j++) {
+                        int sc, mn;
+                        scale_min_k4(j, blk + 4, &sc, &mn);
+                        o[64 + 16 * j + col] = (uint8_t)sc;
+                        o[192 + 16 * j + col] = (uint8_t)mn;
+                        for (int t = 0; t < 4; t++)
+                            for (int i = 0; i < 4; i++) {
+                                const int l0 = 8 * t + i, l1 = 8 * t + 4 + i;   /* within sub-block j */
+                                const int u0 = (j & 1) ? qs[32 * (j >> 1) + l0] >> 4 : qs[32 * (j >> 1) + l0] & 0xF;
+                                const int u1 = (j & 1) ? qs[32 * (j >> 1) + l1] >> 4 : qs[32 * (j >> 1) + l1] & 0xF;
+                                o[320 + 256 * j + 64 * t + 4 * col + i] = (uint8_t)(u0 | (u1 << 4));
+                            }
+                    }
+                }
+            } else {   /* Q6_K */
+                uint8_t *o = dst + ((size_t)g * NC + c) * Q6K16_BYTES;
+                for (int col = 0; col < 16; col++) {
+                    const uint8_t *blk = src + (size_t)(16 * g + col) * row_bytes + (size_t)c * 210;
+                    memcpy(o + 2 * col, blk + 208, 2);
+                    for (int sidx = 0; sidx < 16; sidx++) o[32 + 16 * sidx + col] = blk[192 + sidx];
+                    for (int k = 0; k < 256; k++) {       /* u = q + 32 in 0..63, ggml's Q6_K order */
+                        const int n = k / 128, t = (k % 128) / 32, l = k % 32;
+                        const uint8_t *ql = blk + 64 * n, hb = blk[128 + 32 * n + l];
+                        const int lo = (t == 0) ? ql[l] & 0xF : (t == 1) ? ql[l + 32] & 0xF : (t == 2) ? ql[l] >> 4 : ql[l + 32] >> 4;
+                        const int hi2 = (hb >> (2 * t)) & 3;
+                        const int sidx = k / 16, grp4 = (k % 16) / 4, i = k % 4;
+                        uint8_t *q = o + 288 + 192 * sidx;
+                        uint8_t *lob = q + 64 * (grp4 >> 1) + 4 * col + i;
+                        *lob = (grp4 & 1) ? (uint8_t)((*lob & 0x0F) | (lo << 4)) : (uint8_t)((*lob & 0xF0) | lo);
+                        uint8_t *hib = q + 128 + 4 * col + i;
+                        *hib = (uint8_t)((*hib & ~(3 << (2 * grp4))) | (hi2 << (2 * grp4)));
+                    }
+                }
+            }
+        }
+}
+
 /* One thread's share (t of nt) of y[M, N] (op) x[M, K] @ W^T: columns split in groups of 16.
  * Each thread quantizes all M activation rows itself (no barrier needed; the same result). */
 static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias, void *y, int ldy, int M,
@@ -310,6 +486,20 @@ static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias
         for (int m0 = 0; m0 < M; m0 += SD_QROWS) {
             const int R = M - m0 < SD_QROWS ? M - m0 : SD_QROWS;
             memset(acc, 0, sizeof acc);
+            {   /* a 16-column interleaved segment: one group call */
+                int s = 0;
+                while (g * 16 >= W->n_end[s]) s++;
+                if (W->type[s] == GQ_Q4_K16 || W->type[s] == GQ_Q6_K16) {
+                    const int nb = s ? W->n_end[s - 1] : 0;
+                    const size_t gb = (size_t)(K / 256) * (W->type[s] == GQ_Q4_K16 ? Q4K16_BYTES : Q6K16_BYTES);
+                    const uint8_t *grp = W->data[s] + (size_t)((g * 16 - nb) / 16) * gb;
+                    for (int r0 = 0; r0 < R; r0 += 4)    /* 4 rows share a decode: no register spills */
+                        q16_group(W->type[s], grp, K, xq + (size_t)(m0 + r0) * K, dq + (size_t)(m0 + r0) * NC,
+                                  sums + (size_t)(m0 + r0) * KH, R - r0 < 4 ? R - r0 : 4, acc + 16 * r0);
+                    store_block(acc, R, g * 16, W->N, bias, (char *)y + (size_t)m0 * ldy * esz, ldy, mode);
+                    continue;
+                }
+            }
             for (int c = 0; c < 16; c++) {
                 const int n = g * 16 + c;
                 if (n >= W->N) break;
@@ -339,12 +529,6 @@ int sd_qlinear(const sd_qmat *W, const bf16 *x, int lda, const float *bias, void
 }
 
 /* ---------------------------------------------------------------- exact dequantization */
-
-/* 6-bit scale and min j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4) */
-static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *mn) {
-    if (j < 4) { *sc = q[j] & 63; *mn = q[j + 4] & 63; }
-    else { *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
-}
 
 /* One row of K weights -> fp32, with the same float operations as the gguf package's numpy
  * dequantize (so the values are bitwise the same): used for the token embedding and references. */
