@@ -129,7 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"[{result['method']} k={args.k}, weights {result['weights']}] {result['num_tokens']} tokens, "
+    print(f"[{result['method']} k={args.k}] {result['num_tokens']} tokens ({result['weights']} weights), "
           f"{result['tokens_per_s']:.1f} tok/s, "
           f"acceptance rate {result['acceptance_rate']:.2f}, mean accepted length "
           f"{result['mean_accepted_length']:.2f}", file=sys.stderr)

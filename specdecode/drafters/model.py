@@ -40,7 +40,12 @@ def check_same_tokenizer(target, draft) -> None:
 class ModelDrafter(Drafter):
     capabilities = DrafterCapabilities(has_state=True, relative_cost=1.0)   # refined per instance
 
-    def __init__(self, target, draft=None, **_: object) -> None:
+    def __init__(self, target, draft=None, draft_confidence: float = 0.4, **_: object) -> None:
+        if not isinstance(draft_confidence, (int, float)) or not 0.0 <= draft_confidence < 1.0:
+            raise DrafterError(f"draft_confidence must be a number in [0, 1), got {draft_confidence!r}")
+        # stop drafting a row once the draft's probability of its own token falls below this (HF's
+        # dynamic schedule; 0 = always draft k): saves draft passes the target would likely reject
+        self.draft_confidence = float(draft_confidence)
         if draft is None:
             raise DrafterError("method 'model' needs a draft model (--draft PATH / LLM(draft=...))")
         check_same_tokenizer(target, draft)
@@ -90,7 +95,10 @@ class ModelDrafter(Drafter):
         # feed: tokens this row's draft cache has not seen yet (catch-up), then one draft at a time
         feed = [s.token_ids[self.cache.lengths[s.row]:] for s in seqs]
         base_len = [len(s.token_ids) for s in seqs]          # step state: the text before the drafts
+        limit = list(max_tokens)                             # per row: drafts kept (early stop lowers it)
         for step in range(k):
+            if all(step >= n for n in limit):
+                break
             starts = [self.cache.lengths[s.row] for s in seqs]
             width = max(len(f) for f in feed)
             tokens = torch.tensor([f + [0] * (width - len(f)) for f in feed], dtype=torch.long, device=device)
@@ -112,11 +120,16 @@ class ModelDrafter(Drafter):
                 draft_probs = torch.zeros(batch, k, probs.shape[-1], dtype=torch.float32, device=device)
             draft_probs[:, step] = probs
             draft_tokens[:, step] = sample(probs, generators).cpu()
+            if self.draft_confidence > 0:
+                confidence = probs.gather(1, draft_tokens[:, step:step + 1].to(probs.device))[:, 0].tolist()
+                limit = [min(n, step + 1) if c < self.draft_confidence else n for n, c in zip(limit, confidence)]
             for b, s in enumerate(seqs):
                 self.cache.truncate(s.row, starts[b] + len(feed[b]))
             feed = [[t] for t in draft_tokens[:, step].tolist()]
-        num_tokens = torch.tensor(max_tokens, dtype=torch.long)
-        return DraftProposal(draft_tokens, num_tokens, draft_probs, step_state=base_len)
+        used = max(1, min(k, max(limit)))
+        num_tokens = torch.tensor([min(n, used) for n in limit], dtype=torch.long)
+        probs_out = None if draft_probs is None else draft_probs[:, :used]
+        return DraftProposal(draft_tokens[:, :used], num_tokens, probs_out, step_state=base_len)
 
     def commit(self, seqs, proposal, num_accepted):
         # Keep entries for tokens that are now part of the sequence: the old tokens plus the

@@ -32,7 +32,8 @@
 
 enum { GQ_Q4_0 = 2, GQ_Q4_1 = 3, GQ_Q5_0 = 6, GQ_Q5_1 = 7, GQ_Q8_0 = 8, GQ_Q4_K = 12, GQ_Q5_K = 13,
        GQ_Q6_K = 14, GQ_I8 = 1000,
-       GQ_Q4_K16 = 1012, GQ_Q6_K16 = 1014 };   /* Q4_K / Q6_K repacked 16 columns at a time (below) */
+       GQ_Q4_K16 = 1012, GQ_Q6_K16 = 1014,     /* Q4_K / Q6_K repacked 16 columns at a time (below) */
+       GQ_Q4_016 = 1002, GQ_Q4_116 = 1003, GQ_Q5_016 = 1006, GQ_Q5_116 = 1007, GQ_Q8_016 = 1008 };
 
 #define SD_QSEG 4          /* segments (differently quantized row ranges) per matrix: q|k|v */
 #define SD_QROWS 8         /* activation rows sharing one decode of a weight block */
@@ -184,7 +185,8 @@ qdecode_chunk(int type, const uint8_t *row, int c, int nb, __m512i *w, float *s1
 static int q_block_ok(int type) {
     switch (type) {
     case GQ_Q4_0: case GQ_Q4_1: case GQ_Q5_0: case GQ_Q5_1: case GQ_Q8_0: case GQ_Q4_K: case GQ_Q5_K:
-    case GQ_Q6_K: case GQ_I8: case GQ_Q4_K16: case GQ_Q6_K16: return 1;
+    case GQ_Q6_K: case GQ_I8: case GQ_Q4_K16: case GQ_Q6_K16:
+    case GQ_Q4_016: case GQ_Q4_116: case GQ_Q5_016: case GQ_Q5_116: case GQ_Q8_016: return 1;
     default: return 0;
     }
 }
@@ -396,6 +398,112 @@ q6k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
+/* The 32-block formats 16 columns at a time, per block of 32 k (the file's bytes, rearranged):
+ *   d[16] fp16 | m[16] fp16 (Q4_1, Q5_1) | 4-bit: q[4][64] as Q4_K16's sub-block; 5-bit: then
+ *   hb[8] u64 masks (bit 4c+i of mask G: the high bit of u[c][4G+i]); Q8_0: q[8][64] with byte
+ *   4c+i of vector G = q[c][4G+i] ^ 0x80 (u = q + 128). */
+static inline int leg16_bytes(int type) {
+    return type == GQ_Q4_016 ? 288 : type == GQ_Q4_116 ? 320 : type == GQ_Q5_016 ? 352 : type == GQ_Q5_116 ? 384 : 544;
+}
+
+static inline __attribute__((always_inline)) void
+leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R,
+            float *out) {
+    const int NC = (K + 255) / 256, KH = K / 16, KB = K / 32, BB = leg16_bytes(type);
+    const int has_m = type == GQ_Q4_116 || type == GQ_Q5_116, five = type == GQ_Q5_016 || type == GQ_Q5_116;
+    const float center = type == GQ_Q4_016 ? -8.f : type == GQ_Q5_016 ? -16.f : type == GQ_Q8_016 ? -128.f : 0.f;
+    __m512 acc[4], fs[4];
+    for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); fs[r] = _mm512_setzero_ps(); }
+    const __m512i m4 = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16);
+    for (int b = 0; b < KB; b++) {
+        const uint8_t *blk = grp + (size_t)b * BB;
+        for (int p = 0; p < BB; p += 64) prefetch(blk + p);
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 ov = has_m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
+                                : _mm512_mul_ps(dv, _mm512_set1_ps(center));
+        const uint8_t *q = blk + 32 + 32 * has_m;
+        __m512i u[8];
+        if (type == GQ_Q8_016) {
+            for (int G = 0; G < 8; G++) u[G] = _mm512_loadu_si512(q + 64 * G);
+        } else {
+            for (int t = 0; t < 4; t++) {
+                const __m512i v = _mm512_loadu_si512(q + 64 * t);
+                u[2 * t] = _mm512_and_si512(v, m4);
+                u[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            }
+            if (five)
+                for (int G = 0; G < 8; G++) {
+                    uint64_t hb;
+                    memcpy(&hb, q + 256 + 8 * G, 8);
+                    u[G] = _mm512_or_si512(u[G], _mm512_maskz_mov_epi8(_cvtu64_mask64(hb), b16));
+                }
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *xr = xq + (size_t)r * K + 32 * b;
+            __m512i ia = _mm512_setzero_si512();
+            for (int G = 0; G < 8; G++) ia = _mm512_dpbusd_epi32(ia, u[G], bcast4(xr + 4 * G));
+            const float *sr = sums + (size_t)r * KH + 2 * b;
+            fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), dv, fs[r]);
+            fs[r] = _mm512_fmadd_ps(ov, _mm512_set1_ps(sr[0] + sr[1]), fs[r]);
+        }
+        if ((b & 7) == 7 || b == KB - 1) {        /* end of a 256-chunk: its activation scale */
+            for (int r = 0; r < R; r++) {
+                acc[r] = _mm512_fmadd_ps(fs[r], _mm512_set1_ps(dq[(size_t)r * NC + (b >> 3)]), acc[r]);
+                fs[r] = _mm512_setzero_ps();
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+static void leg16_rows(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums,
+                       int R, float *out) {
+#define LEG16(T)                                                                                      \
+    switch (R) {                                                                                      \
+    case 1: leg16_group(T, grp, K, xq, dq, sums, 1, out); break;                                      \
+    case 2: leg16_group(T, grp, K, xq, dq, sums, 2, out); break;                                      \
+    case 3: leg16_group(T, grp, K, xq, dq, sums, 3, out); break;                                      \
+    default: leg16_group(T, grp, K, xq, dq, sums, 4, out); break;                                     \
+    }
+    switch (type) {
+    case GQ_Q4_016: LEG16(GQ_Q4_016) break;
+    case GQ_Q4_116: LEG16(GQ_Q4_116) break;
+    case GQ_Q5_016: LEG16(GQ_Q5_016) break;
+    case GQ_Q5_116: LEG16(GQ_Q5_116) break;
+    default: LEG16(GQ_Q8_016) break;
+    }
+#undef LEG16
+}
+
+static void sd_repack16_legacy(int type, const uint8_t *src, long row_bytes, int K, long n, uint8_t *dst) {
+    const int KB = K / 32, has_m = type == GQ_Q4_1 || type == GQ_Q5_1, five = type == GQ_Q5_0 || type == GQ_Q5_1;
+    const int bs = type == GQ_Q4_0 ? 18 : type == GQ_Q4_1 ? 20 : type == GQ_Q5_0 ? 22 : type == GQ_Q5_1 ? 24 : 34;
+    const int BB = 16 * bs;
+    for (long g = 0; g < n / 16; g++)
+        for (int b = 0; b < KB; b++) {
+            uint8_t *o = dst + ((size_t)g * KB + b) * BB, *q = o + 32 + 32 * has_m;
+            memset(o, 0, (size_t)BB);
+            for (int col = 0; col < 16; col++) {
+                const uint8_t *blk = src + (size_t)(16 * g + col) * row_bytes + (size_t)b * bs;
+                memcpy(o + 2 * col, blk, 2);
+                if (has_m) memcpy(o + 32 + 2 * col, blk + 2, 2);
+                if (type == GQ_Q8_0) {
+                    for (int k = 0; k < 32; k++) q[64 * (k / 4) + 4 * col + k % 4] = blk[2 + k] ^ 0x80;
+                    continue;
+                }
+                const uint8_t *qs = blk + 2 + 2 * has_m + 4 * five;
+                uint32_t qh = 0;
+                if (five) memcpy(&qh, blk + 2 + 2 * has_m, 4);
+                for (int k = 0; k < 32; k++) {
+                    const int u = k < 16 ? qs[k] & 0xF : qs[k - 16] >> 4, G = k / 4, i = k % 4;
+                    uint8_t *byte = q + 64 * (G >> 1) + 4 * col + i;
+                    *byte |= (uint8_t)((G & 1) ? u << 4 : u);
+                    if (five && ((qh >> k) & 1)) q[256 + 8 * G + (4 * col + i) / 8] |= (uint8_t)(1u << ((4 * col + i) % 8));
+                }
+            }
+        }
+}
+
 #define Q16_FOR(FN)                                                                                   \
     switch (R) {                                                                                      \
     case 1: FN(grp, K, xq, dq, sums, 1, out); break;                                                  \
@@ -417,6 +525,7 @@ static void q16_group(int type, const uint8_t *grp, int K, const int8_t *xq, con
 /* Repack rows [16g, 16g+16) of a Q4_K / Q6_K segment (file layout, row_bytes each) into the
  * interleaved layout above; dst holds n/16 groups of (K/256) super-blocks. */
 void sd_repack16(int type, const uint8_t *src, long row_bytes, int K, long n, uint8_t *dst) {
+    if (type != GQ_Q4_K && type != GQ_Q6_K) { sd_repack16_legacy(type, src, row_bytes, K, n, dst); return; }
     const int NC = K / 256;
     for (long g = 0; g < n / 16; g++)
         for (int c = 0; c < NC; c++) {
@@ -489,13 +598,19 @@ static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias
             {   /* a 16-column interleaved segment: one group call */
                 int s = 0;
                 while (g * 16 >= W->n_end[s]) s++;
-                if (W->type[s] == GQ_Q4_K16 || W->type[s] == GQ_Q6_K16) {
+                const int ty = W->type[s], kq = ty == GQ_Q4_K16 || ty == GQ_Q6_K16;
+                if (ty > 1000 && ty != GQ_I8) {
                     const int nb = s ? W->n_end[s - 1] : 0;
-                    const size_t gb = (size_t)(K / 256) * (W->type[s] == GQ_Q4_K16 ? Q4K16_BYTES : Q6K16_BYTES);
+                    const size_t gb = kq ? (size_t)(K / 256) * (ty == GQ_Q4_K16 ? Q4K16_BYTES : Q6K16_BYTES)
+                                         : (size_t)(K / 32) * leg16_bytes(ty);
                     const uint8_t *grp = W->data[s] + (size_t)((g * 16 - nb) / 16) * gb;
-                    for (int r0 = 0; r0 < R; r0 += 4)    /* 4 rows share a decode: no register spills */
-                        q16_group(W->type[s], grp, K, xq + (size_t)(m0 + r0) * K, dq + (size_t)(m0 + r0) * NC,
-                                  sums + (size_t)(m0 + r0) * KH, R - r0 < 4 ? R - r0 : 4, acc + 16 * r0);
+                    for (int r0 = 0; r0 < R; r0 += 4) {  /* 4 rows share a decode: no register spills */
+                        const int rr = R - r0 < 4 ? R - r0 : 4;
+                        if (kq) q16_group(ty, grp, K, xq + (size_t)(m0 + r0) * K, dq + (size_t)(m0 + r0) * NC,
+                                          sums + (size_t)(m0 + r0) * KH, rr, acc + 16 * r0);
+                        else leg16_rows(ty, grp, K, xq + (size_t)(m0 + r0) * K, dq + (size_t)(m0 + r0) * NC,
+                                        sums + (size_t)(m0 + r0) * KH, rr, acc + 16 * r0);
+                    }
                     store_block(acc, R, g * 16, W->N, bias, (char *)y + (size_t)m0 * ldy * esz, ldy, mode);
                     continue;
                 }

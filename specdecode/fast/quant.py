@@ -31,7 +31,9 @@ NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K
 _BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144),
           13: (256, 176), 14: (256, 210)}
 MAX_SEGMENTS = 4  # SD_QSEG in quant.c
-INTERLEAVED = {12: (1012, 2368), 14: (1014, 3360)}   # type -> (16-column type, bytes per 16 x 256)
+# type -> (its 16-column interleaved type, bytes per 16 columns x 256 k)
+INTERLEAVED = {12: (1012, 2368), 14: (1014, 3360), 2: (1002, 288 * 8), 3: (1003, 320 * 8), 6: (1006, 352 * 8),
+               7: (1007, 384 * 8), 8: (1008, 544 * 8)}
 
 
 def type_name(qtype: int) -> str:
@@ -207,11 +209,12 @@ class QuantLinear:
         when the segment is 16-aligned; SPECDECODE_Q16=0 keeps the file layout."""
         import os
         K = self.in_features
-        if (qtype not in INTERLEAVED or start % 16 or end % 16 or K % 256
+        kquant = qtype in (12, 14)
+        if (qtype not in INTERLEAVED or start % 16 or end % 16 or (kquant and K % 256)
                 or os.environ.get("SPECDECODE_Q16", "1") == "0"):
             return qtype, data
         n = data.shape[0]
-        packed = torch.empty(n // 16, K // 256 * INTERLEAVED[qtype][1], dtype=torch.uint8)
+        packed = torch.empty(n // 16, K * INTERLEAVED[qtype][1] // 256, dtype=torch.uint8)
         fn = self._lib.sd_repack16
         fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_long, ctypes.c_void_p]
         fn.restype = None
