@@ -348,11 +348,12 @@ q4k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
             }
             for (int r = 0; r < R; r++) {
                 const int8_t *xr = xq + (size_t)r * K + 256 * c + 32 * j;
-                __m512i ia = _mm512_setzero_si512();
+                __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();   /* two chains (exact ints) */
                 for (int t = 0; t < 4; t++) {
                     ia = _mm512_dpbusd_epi32(ia, lo[t], bcast4(xr + 8 * t));
-                    ia = _mm512_dpbusd_epi32(ia, hi[t], bcast4(xr + 8 * t + 4));
+                    ib = _mm512_dpbusd_epi32(ib, hi[t], bcast4(xr + 8 * t + 4));
                 }
+                ia = _mm512_add_epi32(ia, ib);
                 const float *sr = sums + (size_t)r * KH + 16 * c + 2 * j;
                 fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), scj, fs[r]);
                 fs[r] = _mm512_fnmadd_ps(mnj, _mm512_set1_ps(sr[0] + sr[1]), fs[r]);
@@ -387,8 +388,11 @@ q6k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
             u[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), m4), _mm512_and_si512(_mm512_srli_epi16(h, 2), m2));
             for (int r = 0; r < R; r++) {
                 const int8_t *xr = xq + (size_t)r * K + 256 * c + 16 * s;
-                __m512i ia = _mm512_setzero_si512();
-                for (int t = 0; t < 4; t++) ia = _mm512_dpbusd_epi32(ia, u[t], bcast4(xr + 4 * t));
+                __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], bcast4(xr));
+                __m512i ib = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[1], bcast4(xr + 4));
+                ia = _mm512_dpbusd_epi32(ia, u[2], bcast4(xr + 8));
+                ib = _mm512_dpbusd_epi32(ib, u[3], bcast4(xr + 12));
+                ia = _mm512_add_epi32(ia, ib);
                 fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), scs, fs[r]);
                 fs[r] = _mm512_fnmadd_ps(off, _mm512_set1_ps(sums[(size_t)r * KH + 16 * c + s]), fs[r]);
             }
@@ -440,8 +444,12 @@ leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *
         }
         for (int r = 0; r < R; r++) {
             const int8_t *xr = xq + (size_t)r * K + 32 * b;
-            __m512i ia = _mm512_setzero_si512();
-            for (int G = 0; G < 8; G++) ia = _mm512_dpbusd_epi32(ia, u[G], bcast4(xr + 4 * G));
+            __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();   /* two chains (exact ints) */
+            for (int G = 0; G < 8; G += 2) {
+                ia = _mm512_dpbusd_epi32(ia, u[G], bcast4(xr + 4 * G));
+                ib = _mm512_dpbusd_epi32(ib, u[G + 1], bcast4(xr + 4 * G + 4));
+            }
+            ia = _mm512_add_epi32(ia, ib);
             const float *sr = sums + (size_t)r * KH + 2 * b;
             fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), dv, fs[r]);
             fs[r] = _mm512_fmadd_ps(ov, _mm512_set1_ps(sr[0] + sr[1]), fs[r]);
