@@ -318,10 +318,10 @@ static q_col_fn q_col_for(int type) {
 #define Q4K16_BYTES 2368
 #define Q6K16_BYTES 3360
 
+typedef int32_t sd_i32u __attribute__((may_alias, aligned(1)));
+/* 4 activation bytes broadcast to 16 lanes (folds into VPDPBUSD's {1to16} memory operand) */
 static inline __m512i bcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
+    return _mm512_set1_epi32(*(const sd_i32u *)p);
 }
 
 static inline __attribute__((always_inline)) void
