@@ -318,6 +318,16 @@ static q_col_fn q_col_for(int type) {
 #define Q4K16_BYTES 2368
 #define Q6K16_BYTES 3360
 
+/* Software prefetch in the quantized kernels (the dense kernels' prefetch() is tuned for bf16) */
+#ifndef SD_QPREFETCH
+#define SD_QPREFETCH 0
+#endif
+#if SD_QPREFETCH
+#define qprefetch(p) prefetch(p)
+#else
+#define qprefetch(p) ((void)(p))
+#endif
+
 typedef int32_t sd_i32u __attribute__((may_alias, aligned(1)));
 /* 4 activation bytes broadcast to 16 lanes (folds into VPDPBUSD's {1to16} memory operand) */
 static inline __m512i bcast4(const int8_t *p) {
@@ -332,7 +342,7 @@ q4k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int c = 0; c < NC; c++) {
         const uint8_t *sb = grp + (size_t)c * Q4K16_BYTES;
-        for (int p = 0; p < Q4K16_BYTES; p += 64) prefetch(sb + p);
+        for (int p = 0; p < Q4K16_BYTES; p += 64) qprefetch(sb + p);
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
         const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32)));
         __m512 fs[SD_QROWS];
@@ -372,7 +382,7 @@ q6k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
     const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
     for (int c = 0; c < NC; c++) {
         const uint8_t *sb = grp + (size_t)c * Q6K16_BYTES;
-        for (int p = 0; p < Q6K16_BYTES; p += 64) prefetch(sb + p);
+        for (int p = 0; p < Q6K16_BYTES; p += 64) qprefetch(sb + p);
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
         __m512 fs[SD_QROWS];
         for (int r = 0; r < R; r++) fs[r] = _mm512_setzero_ps();
@@ -421,7 +431,7 @@ leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *
     const __m512i m4 = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16);
     for (int b = 0; b < KB; b++) {
         const uint8_t *blk = grp + (size_t)b * BB;
-        for (int p = 0; p < BB; p += 64) prefetch(blk + p);
+        for (int p = 0; p < BB; p += 64) qprefetch(blk + p);
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
         const __m512 ov = has_m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
                                 : _mm512_mul_ps(dv, _mm512_set1_ps(center));
