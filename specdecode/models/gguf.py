@@ -22,7 +22,7 @@ import numpy as np
 
 from .config import ModelConfig, ModelError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: end-of-generation tokens of the vocabulary added to the EOS ids
 
 
 def cache_root() -> Path:
@@ -168,6 +168,27 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
+# Tokens that end a generation wherever a vocabulary has them (a GGUF file names one EOS token, but
+# e.g. Qwen2.5 instruct models end a raw completion with <|endoftext|> and a chat turn with
+# <|im_end|>; transformers' generation_config and llama.cpp's end-of-generation list stop at both).
+END_OF_GENERATION = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>",
+                     "<end_of_turn>", "<|end|>")
+
+
+def end_of_generation_ids(reader) -> tuple[int, ...]:
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        return ()
+    found = []
+    for index in field.data:       # indices of the string parts; only short tokens can match
+        part = field.parts[index]
+        if len(part) <= 16:
+            text = bytes(part).decode("utf-8", errors="replace")
+            if text in END_OF_GENERATION:
+                found.append(field.data.index(index))
+    return tuple(found)
+
+
 def read_config(reader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "qwen2"):
@@ -182,7 +203,7 @@ def read_config(reader) -> ModelConfig:
         rope_scaling = {"type": "linear", "factor": float(g("rope.scaling.factor"))}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
-    eos_ids = tuple(int(x) for x in (eos, eot) if x is not None)
+    eos_ids = tuple(int(x) for x in (eos, eot) if x is not None) + end_of_generation_ids(reader)
     return ModelConfig(
         arch=arch, vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
