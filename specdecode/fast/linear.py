@@ -35,7 +35,7 @@ from torch import Tensor
 __all__ = ["PackedLinear", "available", "reason", "self_check"]
 
 _SRC = Path(__file__).with_name("kernels.c")
-_SOURCES = (_SRC, _SRC.with_name("decoder.c"), _SRC.with_name("quant.c"))  # kernels.c #includes both
+_SOURCES = (_SRC, *(_SRC.with_name(n) for n in ("decoder.c", "quant.c", "quant16.c", "quant_dequant.c")))  # #included
 # -mamx-*: the AMX kernels compile on any x86 CPU; they only run where the CPU has AMX (checked at load)
 _CFLAGS = ["-O3", "-march=native", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared", "-fPIC", "-std=gnu11",
            "-ffp-contract=off"]
