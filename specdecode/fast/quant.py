@@ -195,18 +195,18 @@ class QuantLinear:
         self._fn = fn
         m = _QMat(N=self.out_features, K=self.in_features, nseg=len(weight.segments))
         end = 0
-        self._packed = []     # 16-column interleaved copies (Q4_K / Q6_K), see quant.c
+        self._packed = []     # 16-column interleaved copies of the segments, see quant16.c
         for i, (qtype, data) in enumerate(weight.segments):
             start, end = end, end + data.shape[0]
             qtype, data = self._interleave(qtype, data, start, end)
             m.type[i], m.n_end[i], m.data[i], m.row_bytes[i] = qtype, end, data.data_ptr(), data.shape[-1]
-        m.has_off = int(any(t in (3, 7, 12, 13) for t, _ in weight.segments))
         self.qmat = m
         self.qmat_ref = ctypes.byref(m)
 
     def _interleave(self, qtype: int, data: Tensor, start: int, end: int) -> tuple[int, Tensor]:
-        """Q4_K / Q6_K rows repacked 16 columns at a time (lossless; faster for several rows)
-        when the segment is 16-aligned; SPECDECODE_Q16=0 keeps the file layout."""
+        """A segment's rows repacked 16 columns at a time (lossless, same size; see quant16.c)
+        when its row range is 16-aligned (K formats: K % 256 == 0); SPECDECODE_Q16=0 keeps the
+        file layout."""
         import os
         K = self.in_features
         kquant = qtype in (12, 14)
