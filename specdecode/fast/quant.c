@@ -44,7 +44,6 @@ typedef struct {
     int n_end[SD_QSEG];              /* exclusive end column of each segment */
     const uint8_t *data[SD_QSEG];    /* segment's rows: [n_rows][row_bytes], file layout */
     long row_bytes[SD_QSEG];
-    int has_off;                     /* unused (kept for the ctypes layout) */
 } sd_qmat;
 
 static inline float h2f(const uint8_t *p) {
@@ -318,39 +317,27 @@ static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias
     float acc[SD_QROWS * 16] __attribute__((aligned(64)));
     float res[SD_QROWS];
     for (int g = g0; g < g1; g++) {
+        int s = 0;                           /* the segment of the group's first column */
+        while (g * 16 >= W->n_end[s]) s++;
+        const size_t gb = q16_group_bytes(W->type[s], K);    /* an interleaved segment: 16-aligned */
+        const uint8_t *grp = gb ? W->data[s] + (size_t)(g * 16 - (s ? W->n_end[s - 1] : 0)) / 16 * gb : NULL;
         for (int m0 = 0; m0 < M; m0 += SD_QROWS) {
             const int R = M - m0 < SD_QROWS ? M - m0 : SD_QROWS;
+            const int8_t *xm = xq + (size_t)m0 * K;
+            const float *dm = dq + (size_t)m0 * NC, *sm = sums + (size_t)m0 * KH;
             memset(acc, 0, sizeof acc);
-            {   /* a 16-column interleaved segment: one group call */
-                int s = 0;
-                while (g * 16 >= W->n_end[s]) s++;
-                const int ty = W->type[s], kq = ty == GQ_Q4_K16 || ty == GQ_Q6_K16;
-                if (ty > 1000 && ty != GQ_I8) {
-                    const int nb = s ? W->n_end[s - 1] : 0;
-                    const size_t gb = kq ? (size_t)(K / 256) * (ty == GQ_Q4_K16 ? Q4K16_BYTES : Q6K16_BYTES)
-                                         : (size_t)(K / 32) * leg16_bytes(ty);
-                    const uint8_t *grp = W->data[s] + (size_t)((g * 16 - nb) / 16) * gb;
-                    for (int r0 = 0; r0 < R; r0 += 4) {  /* 4 rows share a decode: no register spills */
-                        const int rr = R - r0 < 4 ? R - r0 : 4;
-                        if (kq) q16_group(ty, grp, K, xq + (size_t)(m0 + r0) * K, dq + (size_t)(m0 + r0) * NC,
-                                          sums + (size_t)(m0 + r0) * KH, rr, acc + 16 * r0);
-                        else leg16_rows(ty, grp, K, xq + (size_t)(m0 + r0) * K, dq + (size_t)(m0 + r0) * NC,
-                                        sums + (size_t)(m0 + r0) * KH, rr, acc + 16 * r0);
-                    }
-                    store_block(acc, R, g * 16, W->N, bias, (char *)y + (size_t)m0 * ldy * esz, ldy, mode);
-                    continue;
+            if (grp) {
+                q16_rows(W->type[s], grp, K, xm, dm, sm, R, acc);
+            } else {
+                for (int c = 0; c < 16 && g * 16 + c < W->N; c++) {
+                    const int n = g * 16 + c;
+                    int sc = s;
+                    while (n >= W->n_end[sc]) sc++;
+                    const int nb = sc ? W->n_end[sc - 1] : 0;
+                    const uint8_t *row = W->data[sc] + (size_t)(n - nb) * W->row_bytes[sc];
+                    q_col_for(W->type[sc])(row, W->row_bytes[sc], K, xm, dm, sm, R, res);
+                    for (int r = 0; r < R; r++) acc[16 * r + c] = res[r];
                 }
-            }
-            for (int c = 0; c < 16; c++) {
-                const int n = g * 16 + c;
-                if (n >= W->N) break;
-                int s = 0;
-                while (n >= W->n_end[s]) s++;
-                const int nb = s ? W->n_end[s - 1] : 0;
-                const uint8_t *row = W->data[s] + (size_t)(n - nb) * W->row_bytes[s];
-                q_col_for(W->type[s])(row, W->row_bytes[s], K, xq + (size_t)m0 * K, dq + (size_t)m0 * NC,
-                                      sums + (size_t)m0 * KH, R, res);
-                for (int r = 0; r < R; r++) acc[16 * r + c] = res[r];
             }
             store_block(acc, R, g * 16, W->N, bias, (char *)y + (size_t)m0 * ldy * esz, ldy, mode);
         }

@@ -231,17 +231,38 @@ static void sd_repack16_legacy(int type, const uint8_t *src, long row_bytes, int
     case 1: FN(grp, K, xq, dq, sums, 1, out); break;                                                  \
     case 2: FN(grp, K, xq, dq, sums, 2, out); break;                                                  \
     case 3: FN(grp, K, xq, dq, sums, 3, out); break;                                                  \
-    case 4: FN(grp, K, xq, dq, sums, 4, out); break;                                                  \
-    case 5: FN(grp, K, xq, dq, sums, 5, out); break;                                                  \
-    case 6: FN(grp, K, xq, dq, sums, 6, out); break;                                                  \
-    case 7: FN(grp, K, xq, dq, sums, 7, out); break;                                                  \
-    default: FN(grp, K, xq, dq, sums, 8, out); break;                                                 \
+    default: FN(grp, K, xq, dq, sums, 4, out); break;                                                 \
     }
 
 static void q16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums,
                       int R, float *out) {
     if (type == GQ_Q4_K16) { Q16_FOR(q4k16_group) }
     else { Q16_FOR(q6k16_group) }
+}
+
+/* Bytes of one 16-column group of an interleaved segment over K; 0 for the file layouts. */
+static size_t q16_group_bytes(int type, int K) {
+    switch (type) {
+    case GQ_Q4_K16: return (size_t)(K / 256) * Q4K16_BYTES;
+    case GQ_Q6_K16: return (size_t)(K / 256) * Q6K16_BYTES;
+    case GQ_Q4_016: case GQ_Q4_116: case GQ_Q5_016: case GQ_Q5_116: case GQ_Q8_016:
+        return (size_t)(K / 32) * leg16_bytes(type);
+    default: return 0;
+    }
+}
+
+/* R activation rows (any count) against one 16-column group -> out[R][16]; 4 rows share a decode
+ * (more would spill registers). */
+static void q16_rows(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums,
+                     int R, float *out) {
+    const int NC = (K + 255) / 256, KH = K / 16;
+    for (int r0 = 0; r0 < R; r0 += 4) {
+        const int rr = R - r0 < 4 ? R - r0 : 4;
+        const int8_t *x = xq + (size_t)r0 * K;
+        const float *d = dq + (size_t)r0 * NC, *sm = sums + (size_t)r0 * KH;
+        if (type == GQ_Q4_K16 || type == GQ_Q6_K16) q16_group(type, grp, K, x, d, sm, rr, out + 16 * r0);
+        else leg16_rows(type, grp, K, x, d, sm, rr, out + 16 * r0);
+    }
 }
 
 /* Repack rows [16g, 16g+16) of a Q4_K / Q6_K segment (file layout, row_bytes each) into the
