@@ -8,7 +8,7 @@ import torch
 from .drafters.base import Drafter, DrafterError
 from .drafters.registry import build_drafter, method_names
 from .engine.engine import SpecEngine, StreamCallback
-from .models.loader import LoadedModel, load_draft, load_model
+from .models.loader import LoadedModel, load_model
 from .params import ParamError, SamplingParams
 
 
@@ -62,7 +62,7 @@ class LLM:
         self.target: LoadedModel = load_model(model, dtype, device, progress=progress, fast=fast, weights=weights)
         self.draft: LoadedModel | None = None
         if draft is not None:
-            self.draft = load_draft(draft, draft_dtype or dtype, device, progress=progress, fast=fast,
+            self.draft = load_model(draft, draft_dtype or dtype, device, progress=progress, fast=fast,
                                     weights=weights)
         self.method = method or default_method(draft, self.target, drafter_options.get("drafter_path"))
         self.num_speculative_tokens = num_speculative_tokens

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import os
+import statistics
 import sys
 
 from .cli_common import CliError, add_model_options, number, positive_int

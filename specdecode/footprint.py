@@ -10,9 +10,8 @@ def weights_bytes(model) -> int:
     c = model.config
     element = model.embed.element_size()
     if getattr(model, "quantized", False):      # quantized projections: their own bytes
-        lins = [model.lm_head] + [ly[k] for ly in model.layers for k in ("qkv", "o", "gate_up", "down")]
         return (sum(lin.nbytes if hasattr(lin, "nbytes") else lin.out_features * lin.in_features * element
-                    for lin in lins) + model.embed.numel() * element)
+                    for lin in model.projections()) + model.embed.numel() * element)
     untied_head = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
     return (c.weight_count() + untied_head) * element
 

@@ -67,8 +67,7 @@ def why_not(model) -> str | None:
         return f"head_dim {c.head_dim} (needs a multiple of 16, <= 256)"
     if c.num_heads % c.num_kv_heads:
         return "num_heads not a multiple of num_kv_heads"
-    lins = [model.lm_head] + [ly[k] for ly in model.layers for k in ("qkv", "o", "gate_up", "down")]
-    for lin in lins:
+    for lin in model.projections():
         if not isinstance(lin, (PackedLinear, QuantLinear)) or not lin.fast or lin.dtype != model.dtype:
             return "projections are not native PackedLinear / QuantLinear (eager make_linear?)"
     if model.lm_head.bias32 is not None or any(ly[k].bias32 is not None for ly in model.layers
@@ -141,8 +140,7 @@ class FusedDecoder:
                    down_w=arr([_packed(ly["down"]) for ly in model.layers]),
                    final_norm=self._final.data_ptr(), head_w=_ptrs([_packed(model.lm_head)])[0], head_b=None,
                    **{k: v.data_ptr() for k, v in self._scratch.items()})
-        if any(isinstance(lin, QuantLinear) for lin in [model.lm_head] + [ly[k] for ly in model.layers
-                                                                         for k in ("qkv", "o", "gate_up", "down")]):
+        if any(isinstance(lin, QuantLinear) for lin in model.projections()):
             def qarr(key):
                 return arr([ctypes.addressof(ly[key].qmat) if isinstance(ly[key], QuantLinear) else None
                             for ly in model.layers])

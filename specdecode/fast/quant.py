@@ -13,6 +13,7 @@ one-row call (batch invariant, like ``PackedLinear``).
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,18 +119,14 @@ class QuantWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The exact weights [out, in] (reference / fallback)."""
         parts = []
-        lib = _lin._load()["lib"] if native_reason() is None else None
+        lib = _quant_lib() if native_reason() is None else None
         for qtype, data in self.segments:
             if data.shape[0] == 0:
                 continue
             if lib is not None:       # the same float operations as gguf's numpy dequantize, in C
                 out = torch.empty(data.shape[0], self.in_features, dtype=torch.float32)
-                fn = lib.sd_qdequant
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_long,
-                               ctypes.c_void_p, ctypes.c_int]
-                fn.restype = ctypes.c_int
-                if fn(data.data_ptr(), qtype, data.shape[1], self.in_features, data.shape[0], out.data_ptr(),
-                      torch.get_num_threads()) == 0:
+                if lib.sd_qdequant(data.data_ptr(), qtype, data.shape[1], self.in_features, data.shape[0],
+                                   out.data_ptr(), torch.get_num_threads()) == 0:
                     parts.append(out)
                     continue
             if qtype == I8:
@@ -154,8 +151,21 @@ def quantize_int8(weight: Tensor) -> QuantWeight:
 class _QMat(ctypes.Structure):  # must match sd_qmat in quant.c
     _fields_ = [("N", ctypes.c_int), ("K", ctypes.c_int), ("nseg", ctypes.c_int),
                 ("type", ctypes.c_int * MAX_SEGMENTS), ("n_end", ctypes.c_int * MAX_SEGMENTS),
-                ("data", ctypes.c_void_p * MAX_SEGMENTS), ("row_bytes", ctypes.c_long * MAX_SEGMENTS),
-                ("has_off", ctypes.c_int)]
+                ("data", ctypes.c_void_p * MAX_SEGMENTS), ("row_bytes", ctypes.c_long * MAX_SEGMENTS)]
+
+
+@functools.cache
+def _quant_lib():
+    """The kernel library with the quantized entry points' signatures set (once)."""
+    lib = _lin._load()["lib"]
+    P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    lib.sd_qlinear.argtypes = [P, P, I, P, P, I, I, I, I]
+    lib.sd_qlinear.restype = I
+    lib.sd_repack16.argtypes = [I, P, L, I, L, P]
+    lib.sd_repack16.restype = None
+    lib.sd_qdequant.argtypes = [P, I, L, I, L, P, I]
+    lib.sd_qdequant.restype = I
+    return lib
 
 
 def native_reason() -> str | None:
@@ -187,12 +197,7 @@ class QuantLinear:
             self.weight = weight.dequantize(torch.bfloat16)
             self.bias = None if bias is None else bias.to(torch.bfloat16)
             return
-        self._lib = _lin._load()["lib"]
-        fn = self._lib.sd_qlinear
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        self._fn = fn
+        self._lib = _quant_lib()
         m = _QMat(N=self.out_features, K=self.in_features, nseg=len(weight.segments))
         end = 0
         self._packed = []     # 16-column interleaved copies of the segments, see quant16.c
@@ -215,10 +220,7 @@ class QuantLinear:
             return qtype, data
         n = data.shape[0]
         packed = torch.empty(n // 16, K * INTERLEAVED[qtype][1] // 256, dtype=torch.uint8)
-        fn = self._lib.sd_repack16
-        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_long, ctypes.c_void_p]
-        fn.restype = None
-        fn(qtype, data.data_ptr(), data.shape[1], K, n, packed.data_ptr())
+        self._lib.sd_repack16(qtype, data.data_ptr(), data.shape[1], K, n, packed.data_ptr())
         self._packed.append(packed)
         return INTERLEAVED[qtype][0], packed
 
@@ -235,6 +237,6 @@ class QuantLinear:
         y = torch.empty(M, N, dtype=torch.bfloat16) if out is None else out  # [M, N]
         if M:
             b = self.bias32.data_ptr() if self.bias32 is not None else None
-            if self._fn(self.qmat_ref, x2.data_ptr(), K, b, y.data_ptr(), N, M, 1, torch.get_num_threads()):
+            if self._lib.sd_qlinear(self.qmat_ref, x2.data_ptr(), K, b, y.data_ptr(), N, M, 1, torch.get_num_threads()):
                 raise ValueError("sd_qlinear rejected its arguments")
         return y.view(*lead, N)

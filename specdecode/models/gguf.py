@@ -49,26 +49,19 @@ def converted_dir(path: Path) -> Path:
 
 
 def tokenizer_dir(path: Path) -> Path:
-    """A directory with the GGUF file's config.json and tokenizer only (no weights): what the
-    native quantized load needs besides the file itself."""
+    """A directory with the GGUF file's config.json, tokenizer and tensor table (tensors.json:
+    name, type, shape, file offset and size of every tensor), no weights: what the native quantized
+    load needs besides the file itself, so later loads skip the gguf reader's vocabulary parse."""
     out = cache_root() / "converted" / (file_key(path) + "-tokenizer")
     if (out / "DONE").is_file():
         return out
-    try:
-        from gguf import GGUFReader
-        reader = GGUFReader(str(path))
-    except Exception as exc:
-        raise ModelError(f"{path} is not a readable GGUF file: {exc}") from None
+    from dataclasses import asdict
+    reader = _open(path)
     config = read_config(reader)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
-    _convert_tokenizer(path, tmp)
-    (tmp / "DONE").write_text(json.dumps({"source": str(path), "format_version": FORMAT_VERSION}))
-    if out.exists():
-        import shutil
-        shutil.rmtree(out)
-    tmp.rename(out)
+    listing = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in reversed(t.shape)],
+                "offset": int(t.data_offset), "bytes": int(t.n_bytes)} for t in reader.tensors]
+    table = {"config": asdict(config), "tensors": listing}
+    _write_dir(path, out, config, {"tensors.json": json.dumps(table)})
     return out
 
 
@@ -79,38 +72,19 @@ def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
     embedding (read one row per token) are dequantized to `dtype`. A tied output matrix is the
     quantized token embedding."""
     import torch
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
     from ..fast.quant import NATIVE_TYPES, QuantWeight
 
-    table_file = tokenizer_dir(path) / "tensors.json"
-    if table_file.is_file():     # the gguf package parses the whole vocabulary (~10 s): skip it
-        table = json.loads(table_file.read_text())
-        fields = dict(table["config"], eos_token_ids=tuple(table["config"]["eos_token_ids"]))
-        config = ModelConfig(**fields)
-        raw = np.memmap(path, dtype=np.uint8, mode="r")
-        entries = [(t["name"], t["type"], tuple(t["shape"]), raw[t["offset"]:t["offset"] + t["bytes"]])
-                   for t in table["tensors"]]
-    else:
-        try:
-            reader = GGUFReader(str(path))
-        except Exception as exc:
-            raise ModelError(f"{path} is not a readable GGUF file: {exc}") from None
-        config = read_config(reader)
-        entries, listing = [], []
-        for tensor in reader.tensors:
-            shape = tuple(int(d) for d in reversed(tensor.shape))
-            entries.append((tensor.name, int(tensor.tensor_type), shape, tensor.data))
-            listing.append({"name": tensor.name, "type": int(tensor.tensor_type), "shape": list(shape),
-                            "offset": int(tensor.data_offset), "bytes": int(tensor.n_bytes)})
-        from dataclasses import asdict
-        table_file.write_text(json.dumps({"config": asdict(config), "tensors": listing}))
+    table = json.loads((tokenizer_dir(path) / "tensors.json").read_text())
+    config = ModelConfig(**dict(table["config"], eos_token_ids=tuple(table["config"]["eos_token_ids"])))
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
     weights: dict = {}
-    for gguf_name, qtype, shape, data in entries:
-        name = _hf_name(gguf_name)
+    for t in table["tensors"]:
+        name, qtype, shape = _hf_name(t["name"]), t["type"], tuple(t["shape"])
         if name is None:
             continue
+        data = raw[t["offset"]:t["offset"] + t["bytes"]]
         projection = name.endswith("proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
         if projection and len(shape) == 2 and qtype in NATIVE_TYPES and shape[1] % 64 == 0:
             qw = QuantWeight.from_blocks(qtype, np.array(data, copy=True), shape)
@@ -126,12 +100,44 @@ def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
                 weights[name] = qw
             continue
         array = dequantize(np.asarray(data), qtype).astype(np.float32, copy=False).reshape(shape)
-        if config.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _unpermute(array, config.num_heads)
-        elif config.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _unpermute(array, config.num_kv_heads)
-        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C")).to(device=device, dtype=dtype)
+        weights[name] = torch.from_numpy(_hf_order(name, array, config)).to(device=device, dtype=dtype)
     return config, weights
+
+
+def _open(path: Path):
+    from gguf import GGUFReader
+    try:
+        return GGUFReader(str(path))
+    except Exception as exc:  # the gguf package raises many kinds for a bad file
+        raise ModelError(f"{path} is not a readable GGUF file: {exc}") from None
+
+
+def _hf_order(name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """A dequantized tensor as fp32, C order, with llama.cpp's q/k row permutation undone."""
+    if config.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        array = _unpermute(array, config.num_heads)
+    elif config.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        array = _unpermute(array, config.num_kv_heads)
+    return np.array(array, dtype=np.float32, order="C")
+
+
+def _write_dir(path: Path, out: Path, config: ModelConfig, files: dict[str, str], weights=None) -> None:
+    """Write a cache directory for `path` next to `out` (config.json, tokenizer, `files`, the
+    weights if given) and move it into place once complete (DONE marks it)."""
+    import shutil
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    if weights is not None:
+        from safetensors.torch import save_file
+        save_file(weights, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
+    for name, text in files.items():
+        (tmp / name).write_text(text)
+    _convert_tokenizer(path, tmp)
+    (tmp / "DONE").write_text(json.dumps({"source": str(path), "format_version": FORMAT_VERSION}))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
 
 
 def _field(reader, key: str, default=None):
@@ -180,12 +186,10 @@ def end_of_generation_ids(reader) -> tuple[int, ...]:
     if field is None:
         return ()
     found = []
-    for index in field.data:       # indices of the string parts; only short tokens can match
+    for token_id, index in enumerate(field.data):   # field.data: the parts holding each token's text
         part = field.parts[index]
-        if len(part) <= 16:
-            text = bytes(part).decode("utf-8", errors="replace")
-            if text in END_OF_GENERATION:
-                found.append(field.data.index(index))
+        if len(part) <= 16 and bytes(part).decode("utf-8", errors="replace") in END_OF_GENERATION:
+            found.append(token_id)
     return tuple(found)
 
 
@@ -219,17 +223,12 @@ def read_config(reader) -> ModelConfig:
 
 def convert(path: Path, out: Path) -> None:
     import torch
-    from gguf import GGUFReader
     from gguf.quants import dequantize
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
     print(f"specdecode: converting {path.name} once into {out} (later loads take under a second)",
           file=sys.stderr)
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # the gguf package raises many kinds for a bad file
-        raise ModelError(f"{path} is not a readable GGUF file: {exc}") from None
+    reader = _open(path)
     config = read_config(reader)
     weights = {}
     for tensor in tqdm(reader.tensors, desc="dequantize", unit="tensor", file=sys.stderr, leave=False):
@@ -237,24 +236,9 @@ def convert(path: Path, out: Path) -> None:
         if name is None:
             continue
         array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        expected = tuple(int(d) for d in reversed(tensor.shape))
-        if array.shape != expected:
-            array = array.reshape(expected)
-        if config.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _unpermute(array, config.num_heads)
-        elif config.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _unpermute(array, config.num_kv_heads)
-        weights[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
-    _convert_tokenizer(path, tmp)
-    (tmp / "DONE").write_text(json.dumps({"source": str(path), "format_version": FORMAT_VERSION}))
-    if out.exists():
-        import shutil
-        shutil.rmtree(out)
-    tmp.rename(out)
+        array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        weights[name] = torch.from_numpy(_hf_order(name, array, config))
+    _write_dir(path, out, config, {}, weights)
 
 
 def _convert_tokenizer(path: Path, out: Path) -> None:

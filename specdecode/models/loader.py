@@ -70,8 +70,8 @@ class LoadedModel:
         """How the weights are held: 'native <formats>' (quantized blocks as stored) or the dtype."""
         model = self.model
         if getattr(model, "quantized", False):
-            lins = [model.lm_head] + [ly[k] for ly in model.layers for k in ("qkv", "o", "gate_up", "down")]
-            kinds = sorted({t for lin in lins if hasattr(lin, "weight_q") for t in lin.weight_q.type_names().split("+")})
+            kinds = sorted({t for lin in model.projections() if hasattr(lin, "weight_q")
+                            for t in lin.weight_q.type_names().split("+")})
             return "native " + "+".join(kinds)
         return str(getattr(model, "dtype", "?")).replace("torch.", "")
 
@@ -209,12 +209,10 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
         make_linear = fast_linear
     fingerprint = weights_fingerprint(weights)
     if int8:
-        from ..fast.quant import native_reason, quantize_int8
+        from ..fast.quant import native_reason
         if native_reason() is not None:
             raise ModelError(f"dtype int8: {native_reason()}")
-        for key in [k for k in weights if k.endswith("proj.weight")]:
-            weights[key] = quantize_int8(weights[key])
-        weights["lm_head.weight"] = quantize_int8(weights.get("lm_head.weight", weights["model.embed_tokens.weight"]))
+        quantize_projections(weights, "int8")
     model = Transformer(config, weights, make_linear)
     eos = _eos_ids(model_dir, tokenizer, config.eos_token_ids)
     return LoadedModel(model, tokenizer, name, model_dir, True, eos, time.perf_counter() - started, fingerprint)
@@ -241,10 +239,21 @@ def _load_native(path: Path, name: str, dtype: torch.dtype, device: torch.device
                        gguf_file=path)
 
 
-def load_draft(spec: str, dtype: str | None, device: str | None, progress: bool = True, fast: bool = True,
-               weights: str = "auto") -> LoadedModel:
-    """A draft model: as load_model; dtype "int8" quantizes its projections per output channel."""
-    return load_model(spec, dtype, device, progress=progress, fast=fast, weights=weights)
+def quantize_projections(weights: dict, kind: str) -> None:
+    """Every projection and the output matrix (the embedding when tied) quantized in place:
+    "int8" per output channel, or "q4_0" blocks. Matrices whose rows the kernels cannot take
+    (not a multiple of 64 weights) stay dense."""
+    from ..fast.quant import QuantWeight, quantize_int8
+    weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+    for key in [k for k in weights if k.endswith("proj.weight") or k == "lm_head.weight"]:
+        w = weights[key]
+        if w.shape[1] % 64:
+            continue
+        if kind == "int8":
+            weights[key] = quantize_int8(w)
+        else:
+            from gguf.quants import quantize
+            weights[key] = QuantWeight.from_blocks(2, quantize(w.float().numpy(), 2), tuple(w.shape))   # Q4_0
 
 
 def quantized_copy(target: LoadedModel, kind: str = "int8") -> LoadedModel:
@@ -252,7 +261,7 @@ def quantized_copy(target: LoadedModel, kind: str = "int8") -> LoadedModel:
     separate model for self-drafting (drafters/self_quant.py). Reads the target's dense weights
     again (its HF directory, or the converted GGUF)."""
     from ..fast import make_linear
-    from ..fast.quant import QuantWeight, native_reason, quantize_int8
+    from ..fast.quant import native_reason
     from .transformer import Transformer
     if native_reason() is not None:
         raise ModelError(f"quantized weights need the native kernels: {native_reason()}")
@@ -260,19 +269,7 @@ def quantized_copy(target: LoadedModel, kind: str = "int8") -> LoadedModel:
     source = target.dense_path()
     config = target.model.config
     weights = read_weights(source, torch.bfloat16, torch.device("cpu"), progress=False)
-    if not config.tie_word_embeddings or "lm_head.weight" not in weights:
-        weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
-
-    def quantize(w: torch.Tensor):
-        if w.shape[1] % 64:
-            return w
-        if kind == "int8":
-            return quantize_int8(w)
-        from gguf.quants import quantize as gguf_quantize
-        return QuantWeight.from_blocks(2, gguf_quantize(w.float().numpy(), 2), tuple(w.shape))   # Q4_0
-
-    for key in [k for k in weights if k.endswith("proj.weight") or k == "lm_head.weight"]:
-        weights[key] = quantize(weights[key])
+    quantize_projections(weights, kind)
     model = Transformer(config, weights, make_linear)
     return LoadedModel(model, target.tokenizer, f"{target.name} ({kind} self-draft)", source, True,
                        target.eos_token_ids, time.perf_counter() - started, "")

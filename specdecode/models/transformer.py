@@ -116,6 +116,10 @@ class Transformer:
         if getattr(make_linear, "fused_decoder", None) is not None:
             self.fused = make_linear.fused_decoder(self)
 
+    def projections(self) -> list:
+        """Every projection: the LM head, then each layer's qkv, o, gate_up and down."""
+        return [self.lm_head] + [ly[k] for ly in self.layers for k in ("qkv", "o", "gate_up", "down")]
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         """The output matrix [vocab, hidden] as a dense tensor in the model dtype (EAGLE heads and
@@ -140,7 +144,7 @@ class Transformer:
         """Bytes of weights read per decoded token."""
         if not self.quantized:
             return self.config.weight_count() * self.embed.element_size()
-        lins = [self.lm_head] + [ly[k] for ly in self.layers for k in ("qkv", "o", "gate_up", "down")]
+        lins = self.projections()
         esz = self.embed.element_size()
         dense = sum(getattr(lin, "out_features", 0) * getattr(lin, "in_features", 0) * esz
                     for lin in lins if not hasattr(lin, "nbytes"))
