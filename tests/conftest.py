@@ -61,6 +61,20 @@ def make_model(folder: Path, arch: str, seed: int, layers: int = 2, hidden: int 
     return folder
 
 
+async def post_completions(url: str, jobs) -> list[dict]:
+    """POST /v1/completions for every (prompt, max_tokens, extra body fields) job at once, greedy,
+    with token ids; the JSON answers in job order."""
+    import asyncio
+
+    import httpx
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        async def one(prompt, n, extra):
+            body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True, **extra}
+            return (await client.post("/v1/completions", json=body)).json()
+        return await asyncio.gather(*(one(*job) for job in jobs))
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: one thread is as fast when the cores are idle and ~7x faster when other

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from conftest import post_completions
 from specdecode import LLM, SamplingParams
 from specdecode.drafters.base import DraftProposal, Drafter
 from specdecode.serve.app import create_app
@@ -175,16 +176,8 @@ def test_eagle_head_in_the_server_stays_lossless_with_mixed_and_switching_rows(t
     state = build_state(llm, ServeConfig(max_batch_size=3, block_size=4, prefill_chunk=16, max_model_len=200,
                                          served_model_name="tiny"))
 
-    async def run(url):
-        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            async def one(prompt, extra, n):
-                body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                        "return_token_ids": True, **extra}
-                return (await client.post("/v1/completions", json=body)).json()
-            return await asyncio.gather(*(one(*job) for job in jobs))
-
     with BackgroundServer(create_app(state)) as server:
-        outs = asyncio.run(run(server.url))
+        outs = asyncio.run(post_completions(server.url, [(p, n, extra) for p, extra, n in jobs]))
         text = httpx.get(server.url + "/metrics", timeout=10).text
         stats = httpx.get(server.url + "/api/stats", timeout=10).json()
     assert [o["choices"][0]["token_ids"] for o in outs] == wants

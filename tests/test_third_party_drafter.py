@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from conftest import post_completions
 from specdecode import LLM, SamplingParams
 from specdecode.drafters.base import DraftProposal, Drafter, DrafterCapabilities
 from specdecode.drafters.registry import ENTRY_POINT_GROUP, method_names, register, unregister
@@ -150,16 +151,8 @@ def test_server_runs_and_accounts_a_drafter_from_outside(tiny_models, bigram):
     table = llm.drafter.table                 # the state the server made the drafter prepare
     assert table is not None and state.scheduler.engine.draft_state is table
 
-    async def run(url):
-        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            async def one(prompt, n, extra):
-                body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                        "return_token_ids": True, **extra}
-                return (await client.post("/v1/completions", json=body)).json()
-            return await asyncio.gather(*(one(*job) for job in jobs))
-
     with BackgroundServer(create_app(state)) as server:
-        outs = asyncio.run(run(server.url))
+        outs = asyncio.run(post_completions(server.url, jobs))
         stats = httpx.get(server.url + "/api/stats", timeout=10).json()
     assert [o["choices"][0]["token_ids"] for o in outs] == wants
     assert sum(o["speculation"]["drafted_tokens"] for o in outs) > 0
