@@ -22,22 +22,45 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from ..tree import chain_parents
+from ..tree import validate as validate_tree
+
 if TYPE_CHECKING:
     from ..engine.sequence import Sequence
 
 
 @dataclass
 class DraftProposal:
-    tokens: torch.Tensor          # [batch, k] int64 draft tokens; row b valid in [:num_tokens[b]], padding 0
-    num_tokens: torch.Tensor      # [batch] int64, 0..k
-    probs: torch.Tensor | None    # [batch, k, vocab] float32 distributions the drafts were sampled from
+    """Draft tokens of a batch: per row a chain or a tree of up to n nodes (see specdecode/tree.py).
+
+    Node i of row b is `tokens[b, i]`, valid for i < num_tokens[b]. `parents` None means a chain
+    (node i's parent is node i - 1, node 0 follows the row's last committed token); otherwise
+    parents[b, i] is the parent node (-1: the root, i.e. the last committed token), nodes in
+    topological order, and siblings carry distinct tokens. `probs[b, i]` is the distribution node
+    i was drawn from (the drafter's distribution after its parent; siblings share it and were
+    drawn from it without replacement); None means point masses (lookup drafts, trees grown from
+    tables)."""
+
+    tokens: torch.Tensor          # [batch, n] int64 draft tokens; row b valid in [:num_tokens[b]], padding 0
+    num_tokens: torch.Tensor      # [batch] int64, 0..n
+    probs: torch.Tensor | None    # [batch, n, vocab] float32 distributions the drafts were sampled from
                                   # (after the shared logits transform); None = point mass (lookup drafts)
     step_state: Any = None        # the drafter's own state of this step, handed back to its commit
                                   # (opaque to everyone else; None: nothing to commit)
+    parents: torch.Tensor | None = None   # [batch, n] int64 parent node index (-1 = root); None = chain
 
     @property
     def k(self) -> int:
+        """Nodes per row (the padded width): the chain length of a chain."""
         return self.tokens.shape[1]
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    def tree_parents(self) -> torch.Tensor:
+        """[batch, n] parents, a chain's too."""
+        return self.parents if self.parents is not None else chain_parents(self.tokens.shape[0], self.k)
 
     @staticmethod
     def empty(batch: int) -> "DraftProposal":
@@ -56,16 +79,35 @@ class DraftProposal:
         if self.probs is not None:
             probs = self.probs.new_zeros(batch, k, self.probs.shape[-1])             # [batch, k, vocab]
             probs[index.to(probs.device), :self.k] = self.probs
-        return DraftProposal(tokens, num_tokens, probs)
+        parents = None
+        if self.parents is not None:
+            parents = chain_parents(batch, k)                                        # [batch, k]
+            parents[index, :self.k] = self.parents.cpu()
+        return DraftProposal(tokens, num_tokens, probs, parents=parents)
 
     @staticmethod
     def from_lists(drafts: list[list[int]]) -> "DraftProposal":
-        """Point-mass proposal from per-row token lists (ragged)."""
+        """Point-mass chain proposal from per-row token lists (ragged)."""
         k = max((len(d) for d in drafts), default=0)
         tokens = torch.zeros(len(drafts), k, dtype=torch.long)
         for row, draft in enumerate(drafts):
             tokens[row, :len(draft)] = torch.tensor(draft, dtype=torch.long)
         return DraftProposal(tokens, torch.tensor([len(d) for d in drafts], dtype=torch.long), None)
+
+    @staticmethod
+    def from_trees(trees: list[list[tuple[int, int]]]) -> "DraftProposal":
+        """Point-mass tree proposal from per-row lists of (token, parent) nodes in topological
+        order (parent -1: the root). Raises ValueError on a malformed tree."""
+        n = max((len(t) for t in trees), default=0)
+        tokens = torch.zeros(len(trees), n, dtype=torch.long)
+        parents = chain_parents(len(trees), n)
+        for row, nodes in enumerate(trees):
+            if nodes:
+                tokens[row, :len(nodes)] = torch.tensor([t for t, _ in nodes], dtype=torch.long)
+                parents[row, :len(nodes)] = torch.tensor([p for _, p in nodes], dtype=torch.long)
+        num_tokens = torch.tensor([len(t) for t in trees], dtype=torch.long)
+        validate_tree(parents, num_tokens)
+        return DraftProposal(tokens, num_tokens, None, parents=parents)
 
 
 @dataclass(frozen=True)
@@ -74,7 +116,9 @@ class DrafterCapabilities:
     whose figures depend on its models may set a refined copy on the instance in __init__)."""
 
     needs_target_hidden: bool = False   # observe() gets the target's hidden states after every target pass
-    drafts_trees: bool = False          # proposes token trees (none does yet: the engine verifies chains)
+    drafts_trees: bool = False          # may propose trees (`DraftProposal.parents`), not only chains
+    needs_target_topk: int = 0          # observe_topk() gets the target's top-n tokens at every scored
+                                        # position of every target pass (0: not called)
     relative_cost: float = 0.01         # prior of drafting one token / one plain target step (the server's
                                         # speculation policy starts from it, then measures)
     has_state: bool = False             # keeps per-request state: prepare() returns a DrafterState, and a
@@ -161,6 +205,15 @@ class Drafter(ABC):
         """Called (only when capabilities.needs_target_hidden) after every target pass, prefill
         included: hidden[b, t] belongs to position starts[b] + t of seqs[b]. Positions past what
         the step commits (rejected drafts, padding) are overwritten by later passes."""
+
+    def observe_topk(self, seqs: list["Sequence"], proposal: DraftProposal,
+                     topk_ids: torch.Tensor,   # [batch, n+1, needs_target_topk] int64
+                     ) -> None:
+        """Called (only when capabilities.needs_target_topk > 0) after every step's target pass,
+        before its tokens are appended: topk_ids[b, 0] are the target's most likely successors of
+        the row's last committed token (seqs[b].token_ids[-1]), topk_ids[b, i + 1] those of draft
+        node i of `proposal` (its path from the root; valid for i < num_tokens[b]), best first,
+        after the shared logits transform."""
 
     def close(self) -> None:
         """Free per-batch state."""
