@@ -18,6 +18,14 @@ Terms (used with these meanings throughout the project):
 * **mean accepted length** -- the mean number of *emitted* tokens per verification step, i.e. it
   INCLUDES the bonus / recovered token (plain decoding has mean accepted length 1).
 
+Trees (`specdecode.verify_tree`; shapes in `specdecode.tree`): when the drafts of a row form a
+tree, the **accepted** tokens are a path from the root instead of a prefix: at each node its
+children are tried in node order and the first one accepted becomes the current node. The
+**recovered** token is emitted when every child of the last accepted node is rejected (sampled
+from the residual left after all of them); the **bonus** token when that node has no children.
+Emitted tokens and mean accepted length are unchanged. A chain is the tree with one child per
+node, and then both readings coincide.
+
 Algorithm (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
 Chen et al. 2023, "Accelerating LLM Decoding with Speculative Sampling"): with target
 distribution p_i and draft distribution q_i at position i and draft token d_i ~ q_i, accept d_i
