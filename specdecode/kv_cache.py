@@ -51,6 +51,14 @@ class KVCache:
             raise ValueError(f"cache length must be in [0, {self.max_len}], got {length}")
         self.lengths[row] = length
 
+    def move(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Copy the entries at slots `src` of a row to slots `dst` (tree compaction: the accepted
+        path moves to consecutive slots; src[i] >= dst[i], all sources read before any write)."""
+        if src != dst:
+            src_t, dst_t = torch.tensor(src), torch.tensor(dst)
+            for cache in self.keys + self.values:
+                cache[row, :, dst_t] = cache[row, :, src_t]
+
     def reset(self, row: int | None = None) -> None:
         rows = range(self.batch_size) if row is None else [row]
         for r in rows:

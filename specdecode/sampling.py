@@ -50,6 +50,7 @@ def transform_logits(
     history: Sequence[Sequence[int]] | None = None,
     prompt_lens: Sequence[int] | None = None,
     block_tokens: torch.Tensor | None = None,
+    block_paths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Apply bias, penalties, temperature and filters; returns float32 logits.
 
@@ -62,6 +63,9 @@ def transform_logits(
                   Required when some row uses presence/frequency penalties.
     block_tokens: [batch, T-1] tokens at block positions 0..T-2 (e.g. draft tokens); entries
                   < 0 (padding) are ignored. Only needed when T > 1 and penalties are used.
+    block_paths:  [batch, T, T-1] bool, for a draft tree: entry [b, t, j] says block token j
+                  precedes position t (is on its path; specdecode/tree.py `ancestors`). None =
+                  a chain: every earlier block position precedes t.
 
     Returns [batch, T, vocab] float32. When there is nothing to do and `logits` is already
     float32, the input tensor itself may be returned (do not modify it in place).
@@ -103,7 +107,7 @@ def transform_logits(
         out[row_index, :, token_index] += torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
 
     if penalty_rows:
-        _apply_penalties(out, params, penalty_rows, history, prompt_lens, block_tokens)
+        _apply_penalties(out, params, penalty_rows, history, prompt_lens, block_tokens, block_paths)
 
     if needs_temperature:
         out /= _row_tensor(temperatures, device)
@@ -133,6 +137,7 @@ def _apply_penalties(
     history: Sequence[Sequence[int]] | None,
     prompt_lens: Sequence[int] | None,
     block_tokens: torch.Tensor | None,      # [batch, T-1]
+    block_paths: torch.Tensor | None = None,  # [batch, T, T-1] bool; None = chain
 ) -> None:
     """Penalties touch only the tokens present in history + block, so each row works on the
     [T, n_unique] slice of those tokens (gather, penalize, scatter back) -- never on the full
@@ -167,12 +172,16 @@ def _apply_penalties(
         seen_counts = torch.bincount(past_inverse, minlength=n_unique).to(torch.float32)
         start = int(prompt_lens[b]) if uses_output_counts else 0
         output_counts = torch.bincount(past_inverse[start:], minlength=n_unique).to(torch.float32)
-        # Block tokens strictly before each position: [T, U] (position 0 -> 0); padding (< 0) ignored.
+        # Block tokens before each position (on its path, for a tree): [T, U] (position 0 -> 0);
+        # padding (< 0) ignored.
         prefix_counts = torch.zeros(block_len, n_unique, dtype=torch.float32, device=device)
         if block_len > 1:
             block_one_hot = torch.zeros(block_len - 1, n_unique, dtype=torch.float32, device=device)
             block_one_hot.scatter_(1, block_inverse.unsqueeze(1), (block >= 0).to(torch.float32).unsqueeze(1))
-            prefix_counts[1:] = block_one_hot.cumsum(dim=0)
+            if block_paths is None:
+                prefix_counts[1:] = block_one_hot.cumsum(dim=0)
+            else:
+                prefix_counts = block_paths[b].to(device=device, dtype=torch.float32) @ block_one_hot
 
         row_logits = out[b]                                                          # [T, vocab] view
         values = row_logits[:, token_ids]                                            # [T, U]

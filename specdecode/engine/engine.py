@@ -15,21 +15,36 @@ import torch
 
 from ..drafters.base import DraftProposal, Drafter, DrafterError
 from ..params import ParamError, SamplingParams
-from ..verify import verify
+from ..tree import MAX_TREE_NODES, depths
+from ..verify_tree import verify_tree
 from .runner import ModelRunner
 from .scheduler import StaticBatch
 from .sequence import Sequence
 
 StreamCallback = Callable[[Sequence, list[int]], None]
+MAX_CHAIN = 32          # draft tokens per row of a chain drafter
+
+
+def tree_depth(proposal: DraftProposal) -> list[int]:
+    """Depth of each row's draft (a chain's length): the draft positions acceptance is counted at."""
+    if not proposal.is_tree or proposal.k == 0:
+        return proposal.num_tokens.tolist()
+    live = torch.arange(proposal.k)[None, :] < proposal.num_tokens.cpu()[:, None]
+    return torch.where(live, depths(proposal.parents), 0).max(dim=1).values.tolist()
 
 
 class SpecEngine:
     def __init__(self, target, drafter: Drafter | None = None, num_speculative_tokens: int = 5,
                  runner: ModelRunner | None = None) -> None:
-        if not isinstance(num_speculative_tokens, int) or not 0 <= num_speculative_tokens <= 32:
-            raise ParamError(f"num_speculative_tokens must be an integer in [0, 32], got {num_speculative_tokens!r}")
-        if drafter is not None and drafter.capabilities.drafts_trees:
-            raise DrafterError(f"drafter {type(drafter).__name__} drafts trees; this engine verifies chains only")
+        trees = drafter is not None and drafter.capabilities.drafts_trees
+        limit = MAX_TREE_NODES if trees else MAX_CHAIN
+        if not isinstance(num_speculative_tokens, int) or not 0 <= num_speculative_tokens <= limit:
+            what = "draft tree nodes" if trees else "draft tokens"
+            raise ParamError(f"num_speculative_tokens ({what} per step) must be an integer in [0, {limit}], "
+                             f"got {num_speculative_tokens!r}")
+        if trees and not getattr(target.model, "supports_trees", False):
+            raise DrafterError(f"drafter {type(drafter).__name__} drafts trees, which this target model "
+                               f"cannot verify (the transformers adapter runs chains only)")
         self.target = target                      # LoadedModel
         self.model = target.model
         self.drafter = drafter if num_speculative_tokens > 0 else None
@@ -86,24 +101,28 @@ class SpecEngine:
             proposal = DraftProposal.empty(len(seqs))
         t1 = time.perf_counter()
         # 2. score all drafts in one target pass, then verify
-        target_probs = self.runner.score(seqs, proposal)                # [B, k+1, vocab]
+        target_probs = self.runner.score(seqs, proposal)                # [B, n+1, vocab]
         device = target_probs.device            # drafts may come from the host (n-gram lookup)
         greedy = torch.tensor([s.params.greedy for s in seqs], device=device)
         generators = [s.generator for s in seqs]
-        result = verify(proposal.tokens.to(device), proposal.num_tokens.to(device), proposal.probs,
-                        target_probs, greedy, generators)
+        result = verify_tree(proposal.tokens.to(device), proposal.parents, proposal.num_tokens.to(device),
+                             proposal.probs, target_probs, greedy, generators)
         t2 = time.perf_counter()
-        # 3. commit: append tokens, roll the target cache back to the accepted prefix
+        # 3. commit: append tokens, move a tree's accepted path to consecutive slots, roll the
+        #    target cache back to the accepted prefix
         num_accepted = result.num_accepted.tolist()
         emitted_rows = result.tokens.tolist()
         num_drafted = proposal.num_tokens.tolist()
+        depth = tree_depth(proposal)
         for row, s in enumerate(seqs):
             emitted = emitted_rows[row][:num_accepted[row] + 1]
             old_len = len(s.token_ids)
             appended = s.append(emitted, self.target.tokenizer.decode if s.params.stop else None)
+            if proposal.is_tree and num_accepted[row]:
+                self.runner.compact(s.row, old_len, result.accepted_nodes[row, :num_accepted[row]].tolist())
             self.runner.keep(s.row, old_len + num_accepted[row])
             # 4. stats
-            s.stats.record_step(num_drafted[row], min(num_accepted[row], appended), appended)
+            s.stats.record_step(depth[row], min(num_accepted[row], appended), appended, nodes=num_drafted[row])
             s.stats.draft_seconds += t1 - t0
             s.stats.verify_seconds += t2 - t1
             if on_tokens is not None:

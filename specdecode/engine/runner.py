@@ -20,7 +20,9 @@ from typing import Callable
 import torch
 
 from ..drafters.base import DraftProposal, Drafter, DrafterState
+from ..forward import ForwardBatch
 from ..sampling import probs_from_logits, transform_logits
+from ..tree import ancestors
 from .sequence import Sequence
 
 CacheFactory = Callable[[object, int, int], object]     # (model, num_rows, max_len) -> KV cache
@@ -104,8 +106,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the step's target pass
     def score(self, seqs: list[Sequence], proposal: DraftProposal) -> torch.Tensor:
-        """One target forward over each row's pending tokens + drafts; returns the
-        transformed target probabilities at the k+1 positions that verify needs: [B, k+1, vocab]."""
+        """One target forward over each row's pending tokens + drafts (a chain or a tree); returns
+        the transformed target probabilities at the n+1 positions verification needs: [B, n+1, vocab]
+        (position 0 after the last pending token, position i+1 after draft node i)."""
         k = proposal.k
         starts = [self.cache.lengths[s.row] for s in seqs]
         pending = [s.token_ids[start:] for s, start in zip(seqs, starts)]
@@ -120,14 +123,16 @@ class ModelRunner:
         # (rows with fewer drafts repeat their last real position; verify ignores those)
         logit_index = torch.tensor([[min(len(p) - 1 + i, w - 1) for i in range(k + 1)]
                                     for p, w in zip(pending, widths)], device=device)
-        same_start = all(x == starts[0] for x in starts) and len(seqs) == self.cache.batch_size
-        if same_start and [s.row for s in seqs] == list(range(len(seqs))):
-            out = self.model.forward(tokens, self.cache, starts[0], logit_index=logit_index,
-                                     return_hidden=self.wants_hidden)
+        in_order = [s.row for s in seqs] == list(range(len(seqs))) and len(seqs) == self.cache.batch_size
+        row_ids = None if in_order else torch.tensor([s.row for s in seqs], device=device)
+        if proposal.is_tree and k > 0:
+            fb = ForwardBatch.tree(tokens, torch.tensor(starts), row_ids, [len(p) for p in pending],
+                                   proposal.parents, logit_index, self.wants_hidden)
         else:
-            row_ids = torch.tensor([s.row for s in seqs], device=device)
-            out = self.model.forward(tokens, self.cache, torch.tensor(starts, device=device),
-                                     rows=row_ids, logit_index=logit_index, return_hidden=self.wants_hidden)
+            same_start = all(x == starts[0] for x in starts)
+            start = starts[0] if same_start and in_order else torch.tensor(starts, device=device)
+            fb = ForwardBatch.chain(tokens, start, row_ids, logit_index, self.wants_hidden)
+        out = self.model.run(fb, self.cache)
         logits = out
         if self.wants_hidden:
             logits, hidden = out
@@ -137,5 +142,18 @@ class ModelRunner:
             logits, [s.params for s in seqs],
             [s.token_ids for s in seqs] if needs_history else None,
             [s.prompt_len for s in seqs] if needs_history else None,
-            proposal.tokens.to(device) if k > 0 else None)
+            proposal.tokens.to(device) if k > 0 else None,
+            ancestors(proposal.parents, proposal.num_tokens) if needs_history and proposal.is_tree else None)
+        if self.drafter is not None and self.drafter.capabilities.needs_target_topk:
+            self.drafter.observe_topk(seqs, proposal,
+                                      transformed.topk(self.drafter.capabilities.needs_target_topk, dim=-1).indices)
         return probs_from_logits(transformed, [s.params for s in seqs])
+
+    def compact(self, row: int, first_node_slot: int, accepted_nodes: list[int]) -> None:
+        """After a tree step: move the accepted path (node indices, by depth) of `row` from its
+        nodes' slots (first_node_slot + node) to consecutive slots from first_node_slot, where a
+        chain would have written it. The rest is dropped by the following `keep`."""
+        src = [first_node_slot + node for node in accepted_nodes]
+        dst = [first_node_slot + depth for depth in range(len(accepted_nodes))]
+        if src != dst:
+            self.cache.move(row, src, dst)

@@ -22,6 +22,7 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
+    nodes: int = 0              # draft tree nodes verified (= drafted for chains)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
@@ -29,9 +30,12 @@ class SpecStats:
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0
 
-    def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+    def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, nodes: int | None = None) -> None:
+        """num_drafted: the draft's depth (a chain's length; acceptance is counted per depth);
+        nodes: tree nodes verified (default num_drafted)."""
         self.steps += 1
         self.drafted += num_drafted
+        self.nodes += num_drafted if nodes is None else nodes
         self.accepted += num_accepted
         self.emitted += num_emitted
         grow = num_drafted - len(self.drafted_per_position)
@@ -44,7 +48,7 @@ class SpecStats:
                 self.accepted_per_position[i] += 1
 
     def merge(self, other: "SpecStats") -> None:
-        for name in ("steps", "drafted", "accepted", "emitted"):
+        for name in ("steps", "drafted", "accepted", "emitted", "nodes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for i in range(len(other.drafted_per_position)):
             if i >= len(self.drafted_per_position):
@@ -74,6 +78,7 @@ class SpecStats:
             "accepted_tokens": self.accepted,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "tree_nodes_mean": round(self.nodes / self.steps, 4) if self.steps else 0.0,
             "acceptance_per_position": [round(x, 4) for x in self.acceptance_per_position],
             "prefill_s": round(self.prefill_seconds, 4),
             "draft_s": round(self.draft_seconds, 4),

@@ -153,11 +153,18 @@ static void reduce16_init(void) {
     for (int l = 0; l < 16; l++) reduce16_inv[(int)(r[l] / 16.f)] = l;
 }
 
-/* Attention for one query row and one q head over keys/values 0..len-1 of kv head h (addressed
- * through kv/tab from the layer bases kbase/vbase; model dtype), q [HD] (model dtype), out [HD].
- * scores: scratch of >= len + 16 floats.  Keys go in chunks of 16 starting at key 0, so key j's
- * dot product always takes slot j % 16 of the same tree, whatever the cache layout. */
+/* Cache slot of logical key j of a row: keys below the row's tree base are at their own slot; key
+ * tbase + i (i = 0, 1, ...) is the i-th node on the row's path, at slot tslots[i]. */
+#define KEY_SLOT(j) ((j) < tbase ? (j) : tslots[(j) - tbase])
+
+/* Attention for one query row and one q head over logical keys/values 0..len-1 of kv head h
+ * (addressed through kv/tab from the layer bases kbase/vbase, KEY_SLOT mapping a logical key to its
+ * cache slot; model dtype), q [HD] (model dtype), out [HD].  scores: scratch of >= len + 16 floats.
+ * Keys go in chunks of 16 starting at key 0, so logical key j's dot product always takes slot
+ * j % 16 of the same tree, whatever the cache layout and wherever a tree put the key: a tree
+ * node's row is computed exactly as the same path verified as a chain. */
 static void attend(const void *q, const char *kbase, const char *vbase, const sd_kv *kv, const int32_t *tab,
+                   int tbase, const int32_t *tslots,
                    int h, int len, int HD, float scale, int bf, float *scores, void *out) {
     const int C = HD / 16;                 /* HD % 16 == 0, HD <= 256 */
     __m512 qv[16];
@@ -171,11 +178,12 @@ static void attend(const void *q, const char *kbase, const char *vbase, const sd
         const int nk = len - j0 < 16 ? len - j0 : 16;
         const char *kb = kbase + kv_off(kv, tab, j0, h) * esz;
         size_t ks = (size_t)kv->key_stride;
-        if (nk < 16 || j0 % kv->block + 16 > kv->block) {
-            /* last partial chunk, or a chunk across cache blocks: a (zero-padded) copy, same arithmetic */
+        if (nk < 16 || j0 % kv->block + 16 > kv->block || j0 + 16 > tbase) {
+            /* last partial chunk, a chunk across cache blocks or reaching into a tree: a
+             * (zero-padded) copy, same arithmetic */
             if (nk < 16) memset(tail, 0, (size_t)16 * HD * esz);
             for (int i = 0; i < nk; i++)
-                memcpy(tail + (size_t)i * HD * esz, kbase + kv_off(kv, tab, j0 + i, h) * esz, (size_t)HD * esz);
+                memcpy(tail + (size_t)i * HD * esz, kbase + kv_off(kv, tab, KEY_SLOT(j0 + i), h) * esz, (size_t)HD * esz);
             kb = tail;
             ks = (size_t)HD;
         }
@@ -202,7 +210,7 @@ static void attend(const void *q, const char *kbase, const char *vbase, const sd
     for (int c = 0; c < C; c++) o[c] = _mm512_setzero_ps();
     for (int j = 0; j < len; j++) {
         __m512 p = _mm512_set1_ps(scores[j]);
-        const char *vj = vbase + kv_off(kv, tab, j, h) * esz;
+        const char *vj = vbase + kv_off(kv, tab, KEY_SLOT(j), h) * esz;
         for (int c = 0; c < C; c++) o[c] = _mm512_fmadd_ps(p, ld16(vj, 16 * c, bf, 0xffff), o[c]);
     }
     for (int c = 0; c < C; c++) st16(out, 16 * c, bf, 0xffff, _mm512_mul_ps(o[c], invs));
@@ -226,17 +234,30 @@ static inline void range(int n, int t, int nt, int *a, int *b) {
     *b = (int)((long)n * (t + 1) / nt);
 }
 
-/* General form: token rows r = 0..T-1 (T <= SD_MAX_T), row r is token tokens[r] at position pos[r]
- * of its own sequence, whose cache is addressed through kv->tables + r * kv->table_width; rows
- * of one sequence come in position order.  Row r attends to keys 0..pos[r] of its sequence (its
- * own key included: every row's key/value is written before any attention).  idx[n]: rows that
- * get logits, written to out[n, V] fp32.  scores: nthreads * score_len floats, score_len >=
- * max(pos) + 17.  Returns 0, or -1 on bad arguments. */
-int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *pos, int T, const sd_kv *kv,
+/* General form: token rows r = 0..T-1 (T <= SD_MAX_T), row r is token tokens[r] at RoPE position
+ * pos[r] of its own sequence, written to cache slot slot[r] (NULL: slot = pos), whose cache is
+ * addressed through kv->tables + r * kv->table_width; rows of one sequence come in slot order.
+ * Row r sees the keys at slots 0..tbase[r]-1 and, for each bit i set in tmask[r], the key at slot
+ * tbase[r] + i (its own included: every row's key/value is written before any attention); in
+ * that order they are its logical keys 0..pos[r], so popcount(tmask[r]) == pos[r] - tbase[r] + 1.
+ * tbase NULL: a chain, row r sees slots 0..pos[r].  (The per-pass description is built in
+ * specdecode/forward.py.)  idx[n]: rows that get logits, written to out[n, V] fp32.  scores:
+ * nthreads * score_len floats, score_len >= max(pos) + 17.  Returns 0, or -1 on bad arguments. */
+int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *pos, const int32_t *slot,
+                    const int32_t *tbase, const uint64_t *tmask, int T, const sd_kv *kv,
                     int score_len, const int32_t *idx, int n, float *out, float *scores, int nthreads) {
     if (T < 1 || T > SD_MAX_T || n < 0 || n > SD_MAX_T || kv->block < 1) return -1;   /* n rows of scratch */
-    for (int r = 0; r < T; r++)
+    int32_t path[SD_MAX_T][64], row_base[SD_MAX_T], row_slot[SD_MAX_T];
+    for (int r = 0; r < T; r++) {
         if (pos[r] < 0 || pos[r] >= md->rope_len || pos[r] + 17 > score_len) return -1;
+        row_slot[r] = slot ? slot[r] : pos[r];
+        row_base[r] = tbase ? tbase[r] : 0x7fffffff;
+        if (!tbase) continue;
+        int count = 0;
+        for (int i = 0; i < 64; i++)
+            if (tmask[r] >> i & 1) path[r][count++] = tbase[r] + i;
+        if (tbase[r] < 0 || row_slot[r] < 0 || count != pos[r] - tbase[r] + 1) return -1;
+    }
     const int bf = md->is_bf16, esz = bf ? 2 : 4;
     const int D = md->D, H = md->H, KVH = md->KVH, HD = md->HD, I = md->I;
     const int NQKV = (H + 2 * KVH) * HD, QS = H * HD, grp = H / KVH;
@@ -273,16 +294,17 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
                 if (h < H)
                     rope_head(src, cs, sn, qb + ((size_t)r * QS + (size_t)h * HD) * esz, HD, bf);
                 else if (h < H + KVH)
-                    rope_head(src, cs, sn, kl + kv_off(kv, tab, p, h - H) * esz, HD, bf);
+                    rope_head(src, cs, sn, kl + kv_off(kv, tab, row_slot[r], h - H) * esz, HD, bf);
                 else
-                    memcpy(vl + kv_off(kv, tab, p, h - H - KVH) * esz, src, (size_t)HD * esz);
+                    memcpy(vl + kv_off(kv, tab, row_slot[r], h - H - KVH) * esz, src, (size_t)HD * esz);
             }
 #pragma omp barrier
             range(T * H, t, nt, &a, &b);
             for (int u = a; u < b; u++) {
                 int r = u / H, h = u % H;
                 attend(qb + ((size_t)r * QS + (size_t)h * HD) * esz, kl, vl, kv,
-                       kv->tables + (size_t)r * kv->table_width, h / grp, pos[r] + 1, HD, md->scale, bf, sc,
+                       kv->tables + (size_t)r * kv->table_width, row_base[r], path[r], h / grp, pos[r] + 1,
+                       HD, md->scale, bf, sc,
                        att + ((size_t)r * md->Qp + (size_t)h * HD) * esz);
             }
 #pragma omp barrier
@@ -335,5 +357,5 @@ int sd_decoder_forward(const sd_model *md, const int64_t *tokens, int T, int sta
     int32_t pos[SD_MAX_T], tables[SD_MAX_T];
     for (int r = 0; r < T; r++) { pos[r] = start + r; tables[r] = 0; }
     sd_kv kv = {kc, vc, tables, 1, max_len, 0, md->HD, (long)max_len * md->HD};
-    return sd_decoder_rows(md, tokens, pos, T, &kv, max_len + 16, idx, n, out, scores, nthreads);
+    return sd_decoder_rows(md, tokens, pos, NULL, NULL, NULL, T, &kv, max_len + 16, idx, n, out, scores, nthreads);
 }

@@ -150,7 +150,7 @@ class FusedDecoder:
         self._m, self._keep = m, keep
         self._mref = ctypes.byref(m)
         rows_fn = self._lib.sd_decoder_rows
-        rows_fn.argtypes = [P, P, P, I, P, I, P, I, P, P, I]
+        rows_fn.argtypes = [P, P, P, P, P, P, I, P, I, P, I, P, P, I]
         rows_fn.restype = I
         self._rows_fn = rows_fn
         self._cache_key = None
@@ -235,24 +235,31 @@ class FusedDecoder:
             self._layout_key = key
         return self._layout_bases
 
-    def forward_rows(self, tokens: Tensor, cache, start: int | Tensor, rows: Tensor | None = None,
-                     logit_index: Tensor | None = None,
-                     return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        """Batched form of `forward` for any cache with a `layout` (contiguous or paged):
-        tokens [B, T] int64, row b at positions start[b]..start[b]+T-1 of cache row rows[b]
-        (default b); logit_index [B, n] (None = all T). Returns logits [B, n, vocab] float32
-        (and hidden [B, T, D]). Every token row is computed as in `forward`, so a request's
-        logits do not depend on the rest of the batch."""
+    def forward_rows(self, fb, cache) -> Tensor | tuple[Tensor, Tensor]:
+        """Batched form of `forward` for any pass description `fb` (specdecode/forward.py: chain or
+        tree, per-row starts and cache rows) and any cache with a `layout` (contiguous or paged).
+        Returns logits [B, n, vocab] float32 (and hidden [B, T, D]). Every token row is computed
+        as in `forward` and a tree node as the same path verified as a chain, so a request's logits
+        depend neither on the rest of the batch nor on the shape of its draft."""
+        tokens, logit_index, return_hidden = fb.tokens, fb.logit_index, fb.return_hidden
         B, T = tokens.shape
-        starts = [start] * B if isinstance(start, int) else [int(x) for x in torch.as_tensor(start).reshape(-1).tolist()]
-        row_ids = list(range(B)) if rows is None else [int(r) for r in rows.reshape(-1).tolist()]
-        if min(starts) < 0 or max(starts) + T > self._m.rope_len:
-            raise ValueError(f"positions {min(starts)}..{max(starts) + T - 1} exceed the rope tables ({self._m.rope_len})")
+        starts = fb.starts()
+        row_ids = list(range(B)) if fb.rows is None else [int(r) for r in fb.rows.reshape(-1).tolist()]
+        positions = fb.rope_positions()                                               # [B, T]
+        if int(positions.min()) < 0 or int(positions.max()) >= self._m.rope_len:
+            raise ValueError(f"positions {int(positions.min())}..{int(positions.max())} exceed the rope tables "
+                             f"({self._m.rope_len})")
         lay = cache.layout(row_ids, starts, T)
         kbase, vbase = self._bind_layout(lay)
         R = B * T
         tok = tokens.reshape(R).to(torch.int64).contiguous()
-        pos = (torch.tensor(starts, dtype=torch.int32)[:, None] + torch.arange(T, dtype=torch.int32)).reshape(R)
+        pos = positions.to(torch.int32).reshape(R).contiguous()
+        slot = fb.slots().to(torch.int32).reshape(R).contiguous()
+        if fb.is_chain:
+            base = mask = None
+        else:
+            base = fb.tree_base.to(torch.int32).reshape(R).contiguous()
+            mask = fb.tree_mask.to(torch.int64).reshape(R).contiguous()
         tables = lay.tables.to(torch.int32).repeat_interleave(T, 0).contiguous()      # [R, blocks]
         n = T if logit_index is None else logit_index.shape[1]
         flat = (torch.arange(T).repeat(B) if logit_index is None else logit_index.reshape(B, n).long().cpu())
@@ -273,7 +280,9 @@ class FusedDecoder:
             dst = torch.empty(idx.numel(), self.vocab, dtype=torch.float32)
             kv = _KV(kbase, vbase, tables.data_ptr() + 4 * c0 * tables.shape[1],
                      tables.shape[1], lay.block, lay.block_stride, lay.key_stride, lay.head_stride)
-            rc = self._rows_fn(self._mref, tok.data_ptr() + 8 * c0, pos.data_ptr() + 4 * c0, Rc, ctypes.byref(kv),
+            rc = self._rows_fn(self._mref, tok.data_ptr() + 8 * c0, pos.data_ptr() + 4 * c0, slot.data_ptr() + 4 * c0,
+                               None if base is None else base.data_ptr() + 4 * c0,
+                               None if mask is None else mask.data_ptr() + 8 * c0, Rc, ctypes.byref(kv),
                                score_len, idx.data_ptr(), idx.numel(), dst.data_ptr(), self._scores.data_ptr(), nt)
             if rc != 0:
                 raise ValueError("sd_decoder_rows rejected its arguments")

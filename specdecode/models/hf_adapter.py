@@ -55,6 +55,15 @@ class HFAdapter:
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.hf.parameters())
 
+    supports_trees = False    # transformers' caches are cropped, not position-addressed: chains only
+
+    def run(self, fb, cache: AdapterCache) -> torch.Tensor:
+        """A chain pass described by a `ForwardBatch` (specdecode/forward.py)."""
+        if not fb.is_chain:
+            raise ModelError("the transformers adapter verifies chains only: use a drafter that proposes "
+                             "chains (ngram, model, eagle) with this model")
+        return self.forward(fb.tokens, cache, fb.start, fb.rows, fb.logit_index, fb.return_hidden)
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor,            # [B, T]
                 cache: AdapterCache, start, rows: torch.Tensor | None = None,

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..fast.quant import QuantWeight
+from ..forward import ForwardBatch
 from ..kv_cache import KVCache
 from .config import ModelConfig
 
@@ -76,6 +77,8 @@ class Transformer:
     """Inference-only decoder. `weights` maps HF parameter names to tensors already in the
     target dtype/device; `make_linear` builds each projection (eager here, fused/fast in
     `specdecode.fast`)."""
+
+    supports_trees = True     # `run` verifies draft trees (specdecode/forward.py)
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  make_linear: Callable[[torch.Tensor, torch.Tensor | None], LinearFn] = eager_linear) -> None:
@@ -150,39 +153,43 @@ class Transformer:
                     for lin in lins if not hasattr(lin, "nbytes"))
         return sum(lin.nbytes for lin in lins if hasattr(lin, "nbytes")) + dense + self.config.hidden_size * esz
 
-    @torch.inference_mode()
     def forward(self,
                 tokens: torch.Tensor,                 # [B, T] int64
                 cache: KVCache,
-                start: int | torch.Tensor,            # position of tokens[:, 0]: int (all rows) or [B]
+                start: int | torch.Tensor,            # slot of tokens[:, 0]: int (all rows) or [B]
                 rows: torch.Tensor | None = None,     # [B] cache rows; None = rows 0..B-1 of the cache
                 logit_index: torch.Tensor | None = None,  # [B, n] positions in 0..T-1 that need logits; None = all
                 return_hidden: bool = False,
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, n, vocab] float32; with return_hidden also the last hidden states of every
-        position, before the final norm ([B, T, D], model dtype: the features EAGLE heads read)."""
-        if (self.fused is not None and rows is None and isinstance(start, int)
-                and tokens.shape[0] == 1 and tokens.shape[1] <= 64):
-            return self.fused.forward(tokens, cache, start, logit_index, return_hidden)
+        """A chain pass (`run` of `ForwardBatch.chain`): logits [B, n, vocab] float32; with
+        return_hidden also the last hidden states of every position, before the final norm
+        ([B, T, D], model dtype: the features EAGLE heads read)."""
+        return self.run(ForwardBatch.chain(tokens, start, rows, logit_index, return_hidden), cache)
+
+    @torch.inference_mode()
+    def run(self, fb: ForwardBatch, cache: KVCache) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One pass as `fb` describes it (specdecode/forward.py): chain or tree, any rows. The
+        fused native decoder runs it when it can (batch-1 chains by their own entry), else eager."""
+        tokens, logit_index, return_hidden = fb.tokens, fb.logit_index, fb.return_hidden
+        if self.fused is not None and fb.uniform and tokens.shape[0] == 1 and tokens.shape[1] <= 64:
+            return self.fused.forward(tokens, cache, fb.start, logit_index, return_hidden)
         if (self.fused is not None and tokens.numel() <= FUSED_MAX_ROWS and hasattr(cache, "layout")
-                and (tokens.shape[0] > 1 or rows is not None or not isinstance(start, int))):
-            return self.fused.forward_rows(tokens, cache, start, rows, logit_index, return_hidden)
+                and not (fb.uniform and tokens.shape[0] == 1)):
+            return self.fused.forward_rows(fb, cache)
         c = self.config
         batch, num_tokens = tokens.shape
-        uniform = isinstance(start, int) and rows is None
-        if uniform:
+        start, rows = fb.start, fb.rows
+        if fb.uniform:
             positions = torch.arange(start, start + num_tokens, device=self.device)
             cos, sin = self.rope_cos[positions][None, None], self.rope_sin[positions][None, None]
-            key_len = start + num_tokens
             mask = None
             if num_tokens > 1:
-                mask = torch.arange(key_len, device=self.device)[None, :] <= positions[:, None]
+                mask = torch.arange(start + num_tokens, device=self.device)[None, :] <= positions[:, None]
         else:
-            start_t = torch.as_tensor(start, device=self.device).reshape(-1)
-            positions = start_t[:, None] + torch.arange(num_tokens, device=self.device)  # [B, T]
+            positions = fb.rope_positions().to(self.device)                          # [B, T]
             cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
-            key_len = int(positions.max()) + 1
-            mask = (torch.arange(key_len, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]
+            key_len = max(fb.starts()) + num_tokens          # the cache write returns slots < key_len
+            mask = fb.visible(key_len).to(self.device)[:, None]                      # [B, 1, T, L]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
 
         hidden = F.embedding(tokens, self.embed)                              # [B, T, D]

@@ -108,6 +108,17 @@ class PagedKVCache:
         while len(table) > keep:
             self.free.append(table.pop())
 
+    def move(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Copy the entries at slots `src` of a row to slots `dst` (tree compaction; see KVCache.move)."""
+        if src == dst:
+            return
+        table = torch.tensor(self.tables[row], dtype=torch.long)
+        src_t, dst_t = torch.tensor(src), torch.tensor(dst)
+        src_at = (table[src_t // self.block_size], src_t % self.block_size)
+        dst_at = (table[dst_t // self.block_size], dst_t % self.block_size)
+        for pool in self.keys + self.values:
+            pool[dst_at] = pool[src_at]
+
     def reset(self, row: int | None = None) -> None:
         for r in (range(self.batch_size) if row is None else [row]):
             self.truncate(r, 0)
