@@ -7,7 +7,7 @@ import torch
 
 from .drafters.base import Drafter, DrafterError
 from .drafters.registry import build_drafter, method_names
-from .engine.engine import SpecEngine, StreamCallback
+from .engine.engine import SpecEngine, StreamCallback, check_num_speculative_tokens
 from .models.loader import LoadedModel, load_model
 from .params import ParamError, SamplingParams
 
@@ -57,8 +57,8 @@ class LLM:
             if not isinstance(threads, int) or threads < 1:
                 raise ParamError(f"threads must be an integer >= 1, got {threads!r}")
             torch.set_num_threads(threads)
-        if not isinstance(num_speculative_tokens, int) or not 0 <= num_speculative_tokens <= 32:
-            raise ParamError(f"num_speculative_tokens must be an integer in [0, 32], got {num_speculative_tokens!r}")
+        if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
+            check_num_speculative_tokens(num_speculative_tokens, None)   # the upper limit is the drafter's: below
         self.target: LoadedModel = load_model(model, dtype, device, progress=progress, fast=fast, weights=weights)
         self.draft: LoadedModel | None = None
         if draft is not None:
@@ -72,6 +72,7 @@ class LLM:
         elif self.method != "none" and self.method not in method_names():
             raise DrafterError(f"method must be one of {', '.join(sorted([*method_names(), 'none']))}, "
                                f"got {self.method!r}")
+        check_num_speculative_tokens(num_speculative_tokens, self.drafter)
         self.tokenizer = self.target.tokenizer
 
     def engine(self, num_speculative_tokens: int | None = None) -> SpecEngine:

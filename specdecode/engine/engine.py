@@ -25,6 +25,16 @@ StreamCallback = Callable[[Sequence, list[int]], None]
 MAX_CHAIN = 32          # draft tokens per row of a chain drafter
 
 
+def check_num_speculative_tokens(k: object, drafter: Drafter | None) -> None:
+    """ParamError unless k is a valid draft size for this drafter: tokens of a chain (<= MAX_CHAIN)
+    or nodes of a tree (<= MAX_TREE_NODES)."""
+    trees = drafter is not None and drafter.capabilities.drafts_trees
+    limit = MAX_TREE_NODES if trees else MAX_CHAIN
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= limit:
+        what = "draft tree nodes" if trees else "draft tokens"
+        raise ParamError(f"num_speculative_tokens ({what} per step) must be an integer in [0, {limit}], got {k!r}")
+
+
 def tree_depth(proposal: DraftProposal) -> list[int]:
     """Depth of each row's draft (a chain's length): the draft positions acceptance is counted at."""
     if not proposal.is_tree or proposal.k == 0:
@@ -36,12 +46,8 @@ def tree_depth(proposal: DraftProposal) -> list[int]:
 class SpecEngine:
     def __init__(self, target, drafter: Drafter | None = None, num_speculative_tokens: int = 5,
                  runner: ModelRunner | None = None) -> None:
+        check_num_speculative_tokens(num_speculative_tokens, drafter)
         trees = drafter is not None and drafter.capabilities.drafts_trees
-        limit = MAX_TREE_NODES if trees else MAX_CHAIN
-        if not isinstance(num_speculative_tokens, int) or not 0 <= num_speculative_tokens <= limit:
-            what = "draft tree nodes" if trees else "draft tokens"
-            raise ParamError(f"num_speculative_tokens ({what} per step) must be an integer in [0, {limit}], "
-                             f"got {num_speculative_tokens!r}")
         if trees and not getattr(target.model, "supports_trees", False):
             raise DrafterError(f"drafter {type(drafter).__name__} drafts trees, which this target model "
                                f"cannot verify (the transformers adapter runs chains only)")
