@@ -69,8 +69,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "drafters registered by other packages are listed too)")
     g.add_argument("--drafter", default=None, metavar="DIR",
                    help="trained drafter directory from `specdecode distill` (methods eagle, cascade)")
-    g.add_argument("-k", "--num-speculative-tokens", dest="k", type=positive_int("-k", 0, 32), default=5,
-                   help="draft tokens per step; 0 = plain decoding (default 5)")
+    g.add_argument("-k", "--num-speculative-tokens", dest="k", type=positive_int("-k", 0, 64), default=5,
+                   help="draft tokens per step (chains, up to 32) or draft tree nodes (tree drafters: recycle, "
+                        "suffix; up to 64); 0 = plain decoding (default 5)")
     g.add_argument("--dtype", default=None, choices=["bf16", "bfloat16", "fp32", "float32", "fp16", "float16"],
                    help="dense weights in this dtype (a GGUF file is dequantized); default: a GGUF file computes "
                         "on its own quantized weights (--weights native), anything else in bf16")

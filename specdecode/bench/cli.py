@@ -23,8 +23,9 @@ def _ks(text: str) -> list[int]:
         ks = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
         raise argparse.ArgumentTypeError(f"-k takes integers like 5 or 1,3,5,8, got {text!r}") from None
-    if not ks or not all(1 <= k <= 32 for k in ks):
-        raise argparse.ArgumentTypeError(f"-k values must be in [1, 32], got {text!r}")
+    if not ks or not all(1 <= k <= 64 for k in ks):
+        raise argparse.ArgumentTypeError(f"-k values must be in [1, 64] (draft tokens of a chain: up to 32; "
+                                         f"nodes of a draft tree: up to 64), got {text!r}")
     return ks
 
 

@@ -62,6 +62,20 @@ class DraftProposal:
         """[batch, n] parents, a chain's too."""
         return self.parents if self.parents is not None else chain_parents(self.tokens.shape[0], self.k)
 
+    def main_path(self, row: int) -> list[int]:
+        """Tokens of row `row` along its first branch (node 0, then each node's first child): a
+        chain's whole draft."""
+        n = int(self.num_tokens[row])
+        if self.parents is None:
+            return self.tokens[row, :n].tolist()
+        parents, tokens = self.parents[row, :n].tolist(), self.tokens[row, :n].tolist()
+        path, last = [], -1
+        for i, p in enumerate(parents):
+            if p == last:
+                path.append(tokens[i])
+                last = i
+        return path
+
     @staticmethod
     def empty(batch: int) -> "DraftProposal":
         return DraftProposal(torch.zeros(batch, 0, dtype=torch.long), torch.zeros(batch, dtype=torch.long), None)

@@ -74,7 +74,12 @@ class RowDrafter(Drafter):
         active = [i for i, n in enumerate(max_tokens) if n > 0]
         sub = self.inner.propose([seqs[i] for i in active], [max_tokens[i] for i in active])
         out = sub if len(active) == len(seqs) else sub.scatter(active, len(seqs))
-        return DraftProposal(out.tokens, out.num_tokens, out.probs, step_state=(active, sub))
+        return DraftProposal(out.tokens, out.num_tokens, out.probs, step_state=(active, sub), parents=out.parents)
+
+    def observe_topk(self, seqs, proposal, topk_ids):
+        """Every row's target top-k reaches the drafter (speculating or not): a table-driven
+        drafter learns from all of them."""
+        self.inner.observe_topk(seqs, proposal, topk_ids)
 
     def commit(self, seqs, proposal, num_accepted):
         if proposal.step_state is None:      # the engine did not call propose this step

@@ -17,7 +17,7 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "logit_bias", "seed", "max_tokens", "stop", "ignore_eos")
 ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_K = 32
+MAX_K = 64            # draft tree nodes per step (tree drafters); a chain drafter's limit is 32
 
 
 class ApiError(Exception):
@@ -42,6 +42,7 @@ class ServeContext:
     max_model_len: int
     model_names: tuple[str, ...]     # the first is the one /v1/models lists
     has_drafter: bool
+    max_k: int = MAX_K               # the drafter's limit: draft tokens of a chain, nodes of a tree
 
 
 @dataclass
@@ -237,7 +238,7 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
     speculate = body.get("speculate")
     if speculate is not None and not isinstance(speculate, bool):
         raise _bad("speculate", f"must be true, false or absent (automatic), got {speculate!r}")
-    k = _int(body, "num_speculative_tokens", 0, MAX_K)
+    k = _int(body, "num_speculative_tokens", 0, ctx.max_k)
     if (speculate or k) and not ctx.has_drafter:
         raise ApiError(400, "this server has no drafter (started with --method none or -k 0): "
                             "speculate / num_speculative_tokens cannot turn speculation on",

@@ -25,7 +25,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..engine.engine import MAX_CHAIN
 from ..params import ParamError, SamplingParams
+from ..tree import MAX_TREE_NODES
 from .batch import BatchEngine, ServeSequence
 from .metrics import ServeMetrics
 from .policy import AUTO, OFF, ON, RowPolicy, SpeculationPolicy
@@ -49,7 +51,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         for name, low, high in (("max_batch_size", 1, 1024), ("max_queue", 1, 1_000_000), ("block_size", 1, 1024),
-                                ("prefill_chunk", 1, 1_000_000), ("num_speculative_tokens", 0, 32),
+                                ("prefill_chunk", 1, 1_000_000), ("num_speculative_tokens", 0, MAX_TREE_NODES),
                                 ("num_blocks", 0, 100_000_000)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -113,7 +115,8 @@ class Scheduler:
         num_blocks = config.blocks(self.context)
         # one row more than the batch: the engine then always passes explicit rows to the model
         # (its batch-1 fused path needs a contiguous cache)
-        self.engine = BatchEngine(target, drafter, 32, self.context, rows + 1, num_blocks, config.block_size)
+        self.max_k = MAX_TREE_NODES if drafter is not None and drafter.capabilities.drafts_trees else MAX_CHAIN
+        self.engine = BatchEngine(target, drafter, self.max_k, self.context, rows + 1, num_blocks, config.block_size)
         self.inner_drafter = drafter
         caps = drafter.capabilities if drafter is not None else None
         # a drafter without per-request state (a lookup) can draft for switched-off rows for free
@@ -251,7 +254,7 @@ class Scheduler:
             mode, k = OFF, 0
         else:
             mode = ON if request.speculate else AUTO
-            k = request.num_speculative_tokens or self.config.num_speculative_tokens
+            k = min(request.num_speculative_tokens or self.config.num_speculative_tokens, self.max_k)
         policy = RowPolicy(mode=mode, k=k, probe_wait=self.policy.probe_interval)
         return ServeSequence(request, request.prompt_ids, request.params, self.target.eos_token_ids, row,
                              policy, self.target.model.device)
@@ -321,7 +324,7 @@ class Scheduler:
             room = min(r.k, s.params.max_tokens - s.num_output - 1)
             if room > 0:
                 proposal = self.inner_drafter.propose([s], [room])
-                draft = proposal.tokens[0, :int(proposal.num_tokens[0])].tolist()
+                draft = proposal.main_path(0)
                 if draft:
                     r.shadow = (s.num_output, draft)
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..models.config import ModelError
 from .memory import available_bytes, check_memory, plan_memory, weights_bytes
+from ..engine.engine import MAX_CHAIN
 from .protocol import MAX_K, ServeContext
 from .scheduler import Scheduler, ServeConfig
 
@@ -27,8 +28,6 @@ def build_state(llm, config: ServeConfig, check_budget: bool = True, available: 
         raise ModelError(f"serve needs a native Llama/Qwen2 target; {target.name} runs through the "
                          f"transformers adapter, whose cache cannot be paged")
     drafter = llm.drafter if llm.num_speculative_tokens > 0 else None
-    if drafter is not None and drafter.capabilities.drafts_trees:
-        raise ModelError(f"drafter {llm.method!r} drafts trees; serve verifies chains only")
     draft_loaded = drafter.draft_model() if drafter is not None else None
     if draft_loaded is not None and not draft_loaded.native:
         raise ModelError("serve needs a native draft model (its KV cache is paged); this drafter has none")
@@ -39,13 +38,15 @@ def build_state(llm, config: ServeConfig, check_budget: bool = True, available: 
     if draft is not None and context > draft.max_len:
         raise ModelError(f"--max-model-len {context} exceeds the draft's context of {draft.max_len} tokens")
     plan = plan_memory(target.model, draft, config.blocks(context), config.block_size, config.max_batch_size,
-                       MAX_K, config.prefill_chunk, context)
+                       MAX_K if drafter is not None and drafter.capabilities.drafts_trees else MAX_CHAIN,
+                       config.prefill_chunk, context)
     if check_budget:
         check_memory(plan, available if available is not None else available_bytes())
     scheduler = Scheduler(target, drafter, config, llm.method, plan.weights)
     name = config.served_model_name or target.name
     names = tuple(dict.fromkeys([name, target.name, str(target.path)]))
-    ctx = ServeContext(target.tokenizer, target.model.vocab_size, context, names, drafter is not None)
+    ctx = ServeContext(target.tokenizer, target.model.vocab_size, context, names, drafter is not None,
+                       scheduler.max_k)
     probe = target.tokenizer.encode("ok", add_special=False) or [0]
     return ServeState(scheduler, ctx, target.tokenizer, probe[0], int(time.time()))
 
