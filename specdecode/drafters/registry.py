@@ -32,7 +32,9 @@ BUILTIN = {"ngram": "specdecode.drafters.ngram:NgramDrafter",
            "eagle": "specdecode.drafters.eagle:EagleDrafter",
            "cascade": "specdecode.drafters.cascade:CascadeDrafter",
            "model": "specdecode.drafters.model:ModelDrafter",
-           "self-quant": "specdecode.drafters.self_quant:SelfQuantDrafter"}
+           "self-quant": "specdecode.drafters.self_quant:SelfQuantDrafter",
+           "recycle": "specdecode.drafters.recycle:RecycleDrafter",
+           "suffix": "specdecode.drafters.suffix:SuffixDrafter"}
 RESERVED = ("none", "plain")      # "none": no drafter (API / CLI); "plain": plain decoding (bench)
 
 _registered: dict[str, type] = {}

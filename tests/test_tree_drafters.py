@@ -1,0 +1,246 @@
+"""The training-free tree drafters, standalone (no model): Token Recycling (`recycle`) and
+SuffixDecoding (`suffix`). Every proposal must be a valid tree within its row's node budget with
+distinct siblings; the recycle table must learn from the target's top-k and the next tree follow
+it; the suffix drafter must follow repeated text, branch where earlier continuations differed
+(the more frequent first) and reuse finished outputs for new requests."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from specdecode.drafters.base import DraftProposal, DrafterError
+from specdecode.drafters.recycle import RecycleDrafter, template
+from specdecode.drafters.registry import build_drafter, method_names
+from specdecode.drafters.suffix import LocalIndex, SuffixDrafter
+from specdecode.engine.sequence import Sequence
+from specdecode.params import SamplingParams
+from specdecode.tree import depths, validate
+
+
+class Stub:
+    """A target as far as the drafters look: `.model.vocab_size`."""
+
+    class model:
+        vocab_size = 64
+
+
+def make_seq(prompt, output=(), request_id=0, row=0) -> Sequence:
+    s = Sequence(request_id, list(prompt), SamplingParams(max_tokens=100_000, ignore_eos=True), (), row)
+    s.token_ids += [int(t) for t in output]
+    return s
+
+
+def check(proposal: DraftProposal, budgets: list[int]) -> list[list[tuple[int, int]]]:
+    """Assert a valid point-mass tree within budget, siblings distinct; return the rows' nodes."""
+    assert proposal.is_tree and proposal.probs is None
+    validate(proposal.parents, proposal.num_tokens)
+    rows = []
+    for b, budget in enumerate(budgets):
+        n = int(proposal.num_tokens[b])
+        assert 0 <= n <= budget
+        nodes = list(zip(proposal.tokens[b, :n].tolist(), proposal.parents[b, :n].tolist()))
+        assert len(set(nodes)) == len(nodes), f"row {b}: siblings repeat a token: {nodes}"
+        rows.append(nodes)
+    return rows
+
+
+def children(nodes, parent: int) -> list[int]:
+    return [t for t, p in nodes if p == parent]
+
+
+def main_path(nodes) -> list[int]:
+    """Tokens along the first child of every node from the root."""
+    path, at = [], -1
+    while True:
+        first = next((i for i, (_, p) in enumerate(nodes) if p == at), None)
+        if first is None:
+            return path
+        path.append(nodes[first][0])
+        at = first
+
+
+# ---------------------------------------------------------------------------------- registry
+def test_both_are_registered_and_validate_options():
+    assert {"recycle", "suffix"} <= set(method_names())
+    r, s = build_drafter("recycle", None, recycle_topk=4), build_drafter("suffix", None, ngram_max=3)
+    assert isinstance(r, RecycleDrafter) and isinstance(s, SuffixDrafter)
+    assert r.capabilities.drafts_trees and r.capabilities.needs_target_topk == 4 and not r.capabilities.has_state
+    assert s.capabilities.drafts_trees and s.capabilities.needs_target_topk == 0 and not s.capabilities.has_state
+    for method, option, value in [("recycle", "recycle_topk", 0), ("recycle", "recycle_topk", 33),
+                                  ("suffix", "suffix_max_match", 0), ("suffix", "suffix_min_prob", 1.5),
+                                  ("suffix", "suffix_spec_factor", 0.0), ("suffix", "suffix_global_requests", -1)]:
+        with pytest.raises(DrafterError, match=option):
+            build_drafter(method, None, **{option: value})
+
+
+# ---------------------------------------------------------------------------------- recycle
+def test_recycle_template_is_best_first_deep_along_rank_zero():
+    parent, rank, depth = template(8)
+    assert len(parent) == 64 and all(-1 <= p < i for i, p in enumerate(parent))
+    assert depth[:32].max() == 7 and rank[:32].max() < 8
+    i = int(depth[:32].argmax())                                     # the deepest node: all rank 0
+    while i >= 0:
+        assert rank[i] == 0
+        i = int(parent[i])
+    assert (parent[:32] == -1).sum() == 4                            # wide near the root
+    parent16, _, _ = template(8, 16)
+    assert parent16.tolist() == parent[:16].tolist()                 # a budget's tree is a prefix
+
+
+def test_recycle_warms_from_the_prompt_and_learns_from_topk():
+    d = RecycleDrafter(Stub, recycle_topk=4)
+    assert d.table.shape == (64, 4) and (d.table == -1).all()
+    s = make_seq([1, 2, 3, 4, 1, 2, 3])
+    nodes = check(d.propose([s], [8]), [8])[0]
+    assert main_path(nodes) == [4, 1, 2, 3, 4, 1][:len(main_path(nodes))] and len(nodes) >= 4
+    assert children(nodes, -1) == [4]                                # a warm row holds one successor
+
+    # the target's top-4 after the root (3), and after each draft node (4, 1, 2)
+    proposal = d.propose([s], [3])
+    assert proposal.tokens.tolist() == [[4, 1, 2]]
+    top = torch.tensor([[[10, 11, 12, 13], [20, 21, 22, 23], [50, 51, 52, 53], [54, 55, 56, 57]]])
+    d.observe_topk([s], proposal, top)
+    assert d.table[3].tolist() == [10, 11, 12, 13] and d.table[4].tolist() == [20, 21, 22, 23]
+    assert d.table[2].tolist() == [54, 55, 56, 57]
+
+    # an empty proposal still scores the root: the table learns that 10 is followed by 30, 31, ...
+    s.token_ids.append(10)
+    d.observe_topk([s], DraftProposal.empty(1), torch.tensor([[[30, 31, 32, 33]]]))
+    nodes = check(d.propose([s], [16]), [16])[0]
+    assert children(nodes, -1) == [30, 31, 32, 33]
+    s.token_ids[-1] = 3
+    nodes = check(d.propose([s], [16]), [16])[0]
+    assert children(nodes, -1) == [10, 11, 12, 13]
+    first = children(nodes, -1).index(10)
+    assert children(nodes, first)[:3] == [30, 31, 32]                 # 10's row, as learned above
+    # the most recent pass wins: the row of 3 is replaced as a whole
+    d.observe_topk([s], DraftProposal.empty(1), torch.tensor([[[40, 41, 42, 43]]]))
+    assert children(check(d.propose([s], [16]), [16])[0], -1) == [40, 41, 42, 43]
+
+
+def test_recycle_trees_are_valid_within_budget_and_zero_is_empty():
+    rng = np.random.default_rng(0)
+    d = RecycleDrafter(Stub, recycle_topk=8)
+    seqs = [make_seq(rng.integers(0, 64, 30).tolist(), request_id=i, row=i) for i in range(4)]
+    every = DraftProposal(torch.arange(64)[None, :], torch.tensor([64]), None)      # a row for every token
+    d.observe_topk(seqs[:1], every, torch.stack([torch.randperm(64)[:8] for _ in range(65)])[None])
+    for _ in range(20):                                 # random top-8 lists for random tokens
+        toks = torch.from_numpy(rng.integers(0, 64, (4, 3)))
+        prop = DraftProposal(toks, torch.tensor([3, 2, 0, 1]), None)
+        top = torch.stack([torch.stack([torch.randperm(64)[:8] for _ in range(4)]) for _ in range(4)])
+        d.observe_topk(seqs, prop, top)
+    for budgets in ([0, 5, 32, 64], [0, 0, 0, 0], [1, 2, 3, 4], [64, 64, 64, 64]):
+        p = d.propose(seqs, budgets)
+        rows = check(p, budgets)
+        if max(budgets) == 0:
+            assert p.k == 0 and p.num_tokens.tolist() == [0] * 4
+        assert all(len(r) == b for r, b in zip(rows, budgets))    # a table full of top-8s fills the budget
+
+
+def test_recycle_grows_its_table_without_a_vocabulary():
+    d = RecycleDrafter(None)
+    s = make_seq([5, 1000, 5, 7, 1000])
+    assert main_path(check(d.propose([s], [4]), [4])[0]) == [5, 7, 1000]   # 5 -> 7: the later bigram
+    s.token_ids.append(9)
+    assert check(d.propose([s], [4]), [4])[0] == []                    # 9 -> nothing yet
+    d.observe_topk([s], DraftProposal.empty(1), torch.tensor([[[2000, 1, 2, 3, 4, 5, 6, 8]]]))
+    assert d.table.shape[0] > 2000 and children(check(d.propose([s], [4]), [4])[0], -1)[0] == 2000
+
+
+# ---------------------------------------------------------------------------------- suffix
+def test_suffix_follows_a_repeated_phrase():
+    rng = np.random.default_rng(1)
+    phrase = list(range(100, 120))
+    prompt = rng.integers(0, 50, 30).tolist() + phrase + rng.integers(0, 50, 30).tolist()
+    d = SuffixDrafter(None)
+    s = make_seq(prompt, [60] + phrase[:10])              # the output restarts the phrase
+    nodes = check(d.propose([s], [16]), [16])[0]
+    assert main_path(nodes)[:10] == phrase[10:] and len(nodes) >= 10
+    # growth is incremental: two more tokens, the next drafts start two later
+    s.token_ids += phrase[10:12]
+    assert main_path(check(d.propose([s], [8]), [8])[0])[:8] == phrase[12:20]
+
+
+def test_suffix_branches_where_continuations_differed_more_frequent_first():
+    x, y = 90, 91
+    abcd = [10, 11, 12, 13]
+    text = [1, 2, *abcd, x, 3, 4, 5, *abcd, y, 6, 7, 8, *abcd, x, 9, 20, 21, *abcd]
+    d = SuffixDrafter(None, suffix_spec_factor=2.0)
+    nodes = check(d.propose([make_seq(text)], [8]), [8])[0]
+    assert children(nodes, -1) == [x, y]                  # x followed twice, y once
+    first = [t for t, _ in nodes].index(x)
+    assert set(children(nodes, first)) == {3, 9}          # the two continuations after x, 1/3 each
+    assert max(depths(torch.tensor([[p for _, p in nodes]]))[0].tolist()) <= 8   # ceil(2.0 * 4)
+    # a floor on the estimated probability prunes the rare branch
+    strict = SuffixDrafter(None, suffix_min_prob=0.5)
+    assert children(check(strict.propose([make_seq(text)], [8]), [8])[0], -1) == [x]
+
+
+def test_suffix_global_index_helps_a_new_request():
+    rng = np.random.default_rng(2)
+    answer = rng.integers(200, 400, 40).tolist()
+    d = SuffixDrafter(None, suffix_global_requests=2)
+    state = d.prepare(4, 256)
+    first = make_seq(rng.integers(0, 100, 20).tolist(), answer, request_id=0, row=0)
+    d.propose([first], [8])
+    fresh = make_seq(rng.integers(0, 100, 20).tolist(), answer[:6], request_id=1, row=1)
+    assert check(SuffixDrafter(None).propose([fresh], [8]), [8])[0] == []   # nothing without the past
+    first.finish_reason = "stop"
+    d.commit([first], DraftProposal.empty(1), [0])
+    d.commit([first], DraftProposal.empty(1), [0])        # added once
+    assert len(d.glob.outputs) == 1 and d.glob.outputs[0].tolist() == answer
+    assert main_path(check(d.propose([fresh], [8]), [8])[0]) == answer[6:12]   # depth: match length 6
+    # the server's end-of-request hook moves a finished output too; the global index stays bounded
+    for i in range(3):
+        other = make_seq([1, 2, 3], [300 + i, 301 + i], request_id=2 + i, row=2)
+        d.propose([other], [4])
+        other.finish_reason = "length"
+        state.reset(2)
+    assert len(d.glob.outputs) == 2 and state.nbytes() > 0
+
+
+def test_suffix_index_is_incremental_and_trees_are_valid():
+    rng = np.random.default_rng(3)
+    text = rng.integers(0, 12, 400).tolist()            # small alphabet: many repeats, many branches
+    whole, grown = LocalIndex(), LocalIndex()
+    whole.extend(text)
+    for end in range(1, 401, 37):
+        grown.extend(text[:end])
+    grown.extend(text)
+    assert grown.n == whole.n and grown.uni == whole.uni and grown.bi == whole.bi
+    d = SuffixDrafter(None, suffix_spec_factor=4.0, suffix_min_prob=0.0)
+    seqs = [make_seq(text[:100 + 50 * i], request_id=i, row=i) for i in range(4)]
+    for budgets in ([0, 5, 32, 64], [0, 0, 0, 0], [64, 1, 0, 16]):
+        rows = check(d.propose(seqs, budgets), budgets)
+        assert all(rows[b] for b in range(4) if budgets[b]) and not any(rows[b] for b in range(4) if not budgets[b])
+    assert SuffixDrafter(None).propose([make_seq([7])], [8]).num_tokens.tolist() == [0]
+
+
+def test_propose_cost_for_32_nodes_on_a_2000_token_history():
+    rng = np.random.default_rng(4)
+    text = rng.integers(0, 500, 2000).tolist()
+    text[-20:] = text[1000:1020]                          # a repeat so the suffix drafter has a match
+    recycle, suffix = RecycleDrafter(None, recycle_topk=8), SuffixDrafter(None, suffix_spec_factor=4.0)
+    s = make_seq(text)
+    top = torch.from_numpy(rng.integers(0, 500, (1, 33, 8)))
+    recycle.observe_topk([s], DraftProposal.from_trees([[(int(t), -1) for t in range(32)]]), top)
+    for drafter in (recycle, suffix):
+        drafter.propose([s], [32])                        # first call: warm-up / indexing of the prompt
+        start = time.perf_counter()
+        for i in range(50):
+            s.token_ids.append(text[1020 + i])
+            check(drafter.propose([s], [32]), [32])
+        print(f"{drafter.name}: {(time.perf_counter() - start) / 50 * 1e3:.3f} ms per propose (32 nodes, "
+              f"{len(s.token_ids)} tokens)")
+        del s.token_ids[-50:]
+
+
+def test_recycle_keeps_rows_distinct_when_given_repeats():
+    d = RecycleDrafter(Stub, recycle_topk=4)
+    s = make_seq([1, 2])
+    d.observe_topk([s], DraftProposal.empty(1), torch.tensor([[[7, 7, 8, 7]]]))
+    assert d.table[2].tolist() == [7, 8, -1, -1]
+    assert children(check(d.propose([s], [8]), [8])[0], -1) == [7, 8]
