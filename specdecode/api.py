@@ -47,12 +47,15 @@ class LLM:
     dtype: None (a GGUF file computes on its own quantized weights, anything else in bf16), "bf16" or
     "fp32" (dense; a GGUF file is dequantized); weights: "auto", "native" or "dense" (see load_model);
     draft_dtype: the draft's dtype if not the target's, or "int8" (weights quantized per channel).
+    adaptive: choose each step's draft size up to num_speculative_tokens from measured costs and
+    acceptance (engine/budget.py); None = on for tree drafters (recycle, suffix), off for chains.
     """
 
     def __init__(self, model: str | None = None, draft: str | None = None, method: str | None = None,
                  num_speculative_tokens: int = 5, dtype: str | None = None, device: str | None = "cpu",
                  threads: int | None = None, fast: bool = True, progress: bool = True,
-                 weights: str = "auto", draft_dtype: str | None = None, **drafter_options) -> None:
+                 weights: str = "auto", draft_dtype: str | None = None, adaptive: bool | None = None,
+                 **drafter_options) -> None:
         if threads is not None:
             if not isinstance(threads, int) or threads < 1:
                 raise ParamError(f"threads must be an integer >= 1, got {threads!r}")
@@ -73,11 +76,13 @@ class LLM:
             raise DrafterError(f"method must be one of {', '.join(sorted([*method_names(), 'none']))}, "
                                f"got {self.method!r}")
         check_num_speculative_tokens(num_speculative_tokens, self.drafter)
+        self.adaptive = adaptive
+        self.cost_curve: dict[int, float] | None = None     # measured by the first adaptive engine
         self.tokenizer = self.target.tokenizer
 
     def engine(self, num_speculative_tokens: int | None = None) -> SpecEngine:
         k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-        return SpecEngine(self.target, self.drafter, k)
+        return SpecEngine(self.target, self.drafter, k, adaptive=self.adaptive, cost_curve=self.cost_curve)
 
     def encode(self, prompt: str | list[dict[str, str]], chat: bool) -> list[int]:
         if isinstance(prompt, list):
@@ -104,7 +109,9 @@ class LLM:
             raise ParamError(f"got {len(params)} sampling_params for {len(prompt_list)} prompts")
         ids = [list(p) if isinstance(p, (list, tuple)) and (not p or isinstance(p[0], int)) else self.encode(p, chat)
                for p in prompt_list]   # an empty list is an empty prompt (ParamError), not an empty chat
-        seqs = self.engine(num_speculative_tokens).generate(ids, params, on_tokens)
+        engine = self.engine(num_speculative_tokens)
+        seqs = engine.generate(ids, params, on_tokens)
+        self.cost_curve = engine.cost_curve
         outputs = []
         for prompt, s in zip(prompt_list, seqs):
             text = self.tokenizer.decode(s.output_ids)

@@ -100,7 +100,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError("--method model needs a draft model: add --draft PATH")
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
               dtype=args.dtype, device=args.device, threads=args.threads, fast=not args.eager,
-              progress=not args.json, drafter_path=args.drafter, weights=args.weights, draft_dtype=args.draft_dtype)
+              progress=not args.json, drafter_path=args.drafter, weights=args.weights, draft_dtype=args.draft_dtype,
+              adaptive=args.adaptive)
     ids = llm.encode(prompt, chat=args.chat)
     # warm-up so that the first measured run does not pay one-time costs (allocations, kernels)
     llm.generate([ids], type(params)(max_tokens=4, ignore_eos=True), num_speculative_tokens=min(args.k, 2))
@@ -117,7 +118,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
               "weights": llm.target.weights_kind,
               **{key: out.stats[key] for key in ("tokens_per_s", "acceptance_rate", "mean_accepted_length",
                                                  "acceptance_per_position", "draft_s", "verify_s",
-                                                 "prefill_s", "total_s")}}
+                                                 "prefill_s", "total_s", "tree_nodes_mean")}}
     if args.compare:
         base = llm.generate([ids], params, num_speculative_tokens=0)[0]
         spec_speeds, base_speeds = [out.stats["tokens_per_s"]], [base.stats["tokens_per_s"]]

@@ -72,6 +72,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("-k", "--num-speculative-tokens", dest="k", type=positive_int("-k", 0, 64), default=5,
                    help="draft tokens per step (chains, up to 32) or draft tree nodes (tree drafters: recycle, "
                         "suffix; up to 64); 0 = plain decoding (default 5)")
+    g.add_argument("--adaptive", default=None, action=argparse.BooleanOptionalAction,
+                   help="choose each step's draft size up to -k from measured costs and acceptance (default: on "
+                        "for tree drafters, off for chains)")
     g.add_argument("--dtype", default=None, choices=["bf16", "bfloat16", "fp32", "float32", "fp16", "float16"],
                    help="dense weights in this dtype (a GGUF file is dequantized); default: a GGUF file computes "
                         "on its own quantized weights (--weights native), anything else in bf16")

@@ -53,7 +53,7 @@ def decoy_method():
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
 def test_tree_greedy_equals_plain(tiny_models, arch, fast, penalty):
     llm = LLM(model=str(tiny_models[arch]), method="test-decoy-tree", dtype="fp32", progress=False, fast=fast,
-              num_speculative_tokens=12)
+              num_speculative_tokens=12, adaptive=False)
     params = SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=penalty)
     plain = llm.generate(PROMPTS, params, num_speculative_tokens=0)
     ORACLE.clear()
@@ -63,6 +63,9 @@ def test_tree_greedy_equals_plain(tiny_models, arch, fast, penalty):
         assert s.token_ids == p.token_ids
         assert s.stats["mean_accepted_length"] > 3.0          # the true path, below decoys, is accepted
         assert s.stats["tree_nodes_mean"] > s.stats["mean_accepted_length"]
+    llm.adaptive = True                                       # sizes chosen per step: same tokens
+    adaptive = llm.generate(PROMPTS, params)
+    assert [s.token_ids for s in adaptive] == [p.token_ids for p in plain]
     ORACLE.clear()                                            # no oracle: only decoys, still identical
     alone = llm.generate(PROMPTS[:1], params)[0]
     assert alone.token_ids == plain[0].token_ids

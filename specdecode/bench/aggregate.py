@@ -57,10 +57,12 @@ def _identical(records: list[dict], reference: dict[str, dict], gaps: dict) -> t
 def _spec_stats(records: list[dict]) -> dict:
     """Speculation counters, only where every record carries them."""
     out: dict = {"mean_accepted_length": None, "acceptance_rate": None, "acceptance_per_position": None,
-                 "time_share": None}
+                 "time_share": None, "tree_nodes_mean": None}
     if all(r.get("steps") for r in records):
         emitted = sum(r.get("emitted", r["tokens"]) for r in records)
         out["mean_accepted_length"] = emitted / sum(r["steps"] for r in records)
+        if all("nodes" in r for r in records):     # draft nodes verified per step (a chain's tokens)
+            out["tree_nodes_mean"] = sum(r["nodes"] for r in records) / sum(r["steps"] for r in records)
     if all("drafted_per_position" in r for r in records):
         drafted = sum(r["drafted"] for r in records)
         out["acceptance_rate"] = sum(r["accepted"] for r in records) / drafted if drafted else None

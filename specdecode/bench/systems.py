@@ -65,6 +65,7 @@ class SpecdecodeSystem(System):
         from ..drafters.base import DrafterError
         from ..drafters.registry import build_drafter, method_names
         self.llm = llm
+        self.cost_curves: dict[int, dict[int, float]] = {}   # k -> forward-cost curve (adaptive tree sizes)
         self.drafters = {}
         self.skipped: dict[str, str] = {}     # method -> why it cannot run here
         for method in method_names():     # each registered drafter that can be built for this target
@@ -81,7 +82,11 @@ class SpecdecodeSystem(System):
         from ..params import SamplingParams
 
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
-        engine = SpecEngine(self.llm.target, self.drafters.get(cell.method), cell.k)
+        engine = SpecEngine(self.llm.target, self.drafters.get(cell.method), cell.k,
+                            cost_curve=self.cost_curves.get(cell.k))
+        if engine.adaptive and engine.cost_curve is None:     # measured once per k, outside the timed run
+            engine.prepare_cost_curve(len(prompt_ids) + max_tokens)
+            self.cost_curves[cell.k] = engine.cost_curve
         first: list[float] = []
 
         def on_tokens(seq, tokens) -> None:
@@ -93,7 +98,7 @@ class SpecdecodeSystem(System):
         seconds = time.perf_counter() - started
         st = seq.stats
         return measurement(seq.output_ids, seconds, first[0] - started if first else None, steps=st.steps,
-                           emitted=st.emitted, drafted=st.drafted, accepted=st.accepted,
+                           emitted=st.emitted, drafted=st.drafted, accepted=st.accepted, nodes=st.nodes,
                            drafted_per_position=list(st.drafted_per_position),
                            accepted_per_position=list(st.accepted_per_position),
                            draft_s=st.draft_seconds, verify_s=st.verify_seconds, prefill_s=st.prefill_seconds,

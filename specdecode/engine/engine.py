@@ -9,6 +9,7 @@ a fixed batch offline; the server drives `step` itself over a changing set of ro
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,10 +19,20 @@ from ..params import ParamError, SamplingParams
 from ..tree import MAX_TREE_NODES, depths
 from ..verify_tree import verify_tree
 from .runner import ModelRunner
-from .scheduler import StaticBatch
+from .budget import DraftBudget, measure_cost_curve
+from .scheduler import StaticBatch, draft_room
 from .sequence import Sequence
 
 StreamCallback = Callable[[Sequence, list[int]], None]
+
+
+@dataclass
+class StepReport:
+    """What one step drafted and kept, and what it cost (the adaptive draft size reads it)."""
+    num_nodes: list[int]              # drafts (chain tokens / tree nodes) per sequence
+    accepted_nodes: list[list[int]]   # per sequence the accepted path, node indices by depth
+    draft_seconds: float
+    verify_seconds: float
 MAX_CHAIN = 32          # draft tokens per row of a chain drafter
 
 
@@ -45,7 +56,8 @@ def tree_depth(proposal: DraftProposal) -> list[int]:
 
 class SpecEngine:
     def __init__(self, target, drafter: Drafter | None = None, num_speculative_tokens: int = 5,
-                 runner: ModelRunner | None = None) -> None:
+                 runner: ModelRunner | None = None, adaptive: bool | None = None,
+                 cost_curve: dict[int, float] | None = None) -> None:
         check_num_speculative_tokens(num_speculative_tokens, drafter)
         trees = drafter is not None and drafter.capabilities.drafts_trees
         if trees and not getattr(target.model, "supports_trees", False):
@@ -57,6 +69,10 @@ class SpecEngine:
         self.k = num_speculative_tokens if drafter is not None else 0
         self.slack = self.k + 2                   # cache room for padded writes past a row's end
         self.runner = runner if runner is not None else ModelRunner(target, self.drafter)
+        # adaptive draft size (budget.py): by default for tree drafters, whose budget is a maximum
+        self.adaptive = (trees if adaptive is None else adaptive) and self.k > 0
+        self.cost_curve = cost_curve              # forward seconds against rows (measured on first use)
+        self.budget: DraftBudget | None = None    # the last generate's (its chosen sizes, gains)
 
     # ------------------------------------------------------------------ public
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
@@ -74,20 +90,31 @@ class SpecEngine:
             if bad:
                 raise ParamError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
             p.validate_vocab(vocab)
-        started = time.perf_counter()
         device = self.model.device
         seqs = [Sequence(i, prompt, p, self.target.eos_token_ids, row=i, device=device)
                 for i, (prompt, p) in enumerate(zip(prompts, params))]
         max_len = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs) + self.slack
         batch = StaticBatch(seqs, self.k, max_len - self.slack)
         self.runner.allocate(len(seqs), max_len)
+        budget = None
+        if self.adaptive:
+            self.prepare_cost_curve(max_len, allocate=False)     # before the clock starts
+            budget = self.budget = DraftBudget(self.k, self.cost_curve)
+        started = time.perf_counter()
         self.runner.prefill(seqs)
         prefill_done = time.perf_counter()
         for s in seqs:
             s.stats.prefill_seconds = prefill_done - started
         try:
             while running := batch.running():
-                self.step(running, batch.room(running), on_tokens)
+                if budget is None:
+                    self.step(running, batch.room(running), on_tokens)
+                    continue
+                size = budget.next_size()
+                pending = sum(len(s.token_ids) - self.runner.cache.lengths[s.row] for s in running) / len(running)
+                report = self.step(running, [draft_room(s, size, batch.context) for s in running], on_tokens)
+                budget.observe(size, report.num_nodes, report.accepted_nodes, report.verify_seconds,
+                               report.draft_seconds, pending)
         finally:
             if self.drafter is not None:
                 self.drafter.close()
@@ -96,8 +123,17 @@ class SpecEngine:
             s.stats.total_seconds = total
         return seqs
 
+    def prepare_cost_curve(self, max_len: int, allocate: bool = True) -> None:
+        """Measure the target's forward cost against rows (up to k + 1) unless known."""
+        rows = min(self.k + 1, max_len)
+        if self.cost_curve is not None and max(self.cost_curve) >= rows:
+            return
+        if allocate:
+            self.runner.allocate(1, max_len + self.slack)
+        self.cost_curve = measure_cost_curve(self.model, self.runner.cache, rows)
+
     # ------------------------------------------------------------------ one step
-    def step(self, seqs: list[Sequence], room: list[int], on_tokens: StreamCallback | None = None) -> None:
+    def step(self, seqs: list[Sequence], room: list[int], on_tokens: StreamCallback | None = None) -> "StepReport":
         """One step over `seqs` (rows of the runner's caches); room[b]: drafts row b may carry."""
         # 1. draft
         t0 = time.perf_counter()
@@ -135,3 +171,5 @@ class SpecEngine:
                 on_tokens(s, emitted[:appended])
         if self.drafter is not None:
             self.drafter.commit(seqs, proposal, num_accepted)
+        accepted_nodes = [result.accepted_nodes[row, :num_accepted[row]].tolist() for row in range(len(seqs))]
+        return StepReport(num_drafted, accepted_nodes, t1 - t0, t2 - t1)

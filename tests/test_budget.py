@@ -1,0 +1,46 @@
+"""The adaptive draft size (engine/budget.py): what smaller sizes would have emitted comes from
+the accepted path, the cost curve decides, plain decoding wins when drafts do not pay, and the
+next larger size is explored."""
+from specdecode.engine.budget import DraftBudget, interpolate
+
+CURVE = {1: 1.0, 2: 1.05, 4: 1.3, 8: 2.2, 16: 4.1}
+
+
+def test_interpolate_and_extrapolate():
+    assert interpolate(CURVE, 1) == 1.0
+    assert abs(interpolate(CURVE, 3) - 1.175) < 1e-9
+    assert abs(interpolate(CURVE, 20) - (4.1 + 1.9 * 4 / 8)) < 1e-9
+
+
+def test_counterfactual_gains_of_smaller_sizes():
+    budget = DraftBudget(16, CURVE, decay=0.0)
+    # one sequence drafted 8 nodes, accepted the path 0 -> 3 -> 6: sizes below 4 keep only node 0
+    budget.observe(8, [8], [[0, 3, 6]], verify_seconds=2.2, draft_seconds=0.0, pending=1)
+    assert budget.gain[1] == 2 and budget.gain[2] == 2 and budget.gain[3] == 2
+    assert budget.gain[4] == 3 and budget.gain[6] == 3 and budget.gain[8] == 4
+    assert 12 not in budget.gain                       # never run: unknown
+    assert budget.nodes[4] == 4 and budget.nodes[8] == 8
+
+
+def test_plain_wins_when_drafts_are_rejected_and_larger_sizes_are_explored():
+    budget = DraftBudget(16, CURVE, decay=0.5, explore_every=4, probe_every=6)
+    sizes = []
+    for _ in range(30):
+        size = budget.next_size()
+        sizes.append(size)
+        nodes = min(size, 8)
+        budget.observe(size, [nodes], [[]], verify_seconds=interpolate(CURVE, 1 + nodes), draft_seconds=0.0,
+                       pending=1)
+    assert budget.best() == 0
+    assert sizes[-1] in (0, 1, 2, 3)                   # plain, or a probe of a small size
+    assert sizes.count(0) > 20
+
+
+def test_cheap_accurate_drafts_grow_the_size():
+    budget = DraftBudget(16, CURVE, decay=0.5, explore_every=2)
+    for _ in range(40):
+        size = budget.next_size()
+        path = list(range(size))                       # everything accepted
+        budget.observe(size, [size], [path], verify_seconds=interpolate(CURVE, 1 + size), draft_seconds=0.0,
+                       pending=1)
+    assert budget.best() == 16
