@@ -71,6 +71,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "one shipped for the target), model (needs --draft); default all")
     s.add_argument("-k", "--num-speculative-tokens", dest="ks", type=_ks, default=[5],
                    help="draft tokens per step; a list (e.g. 1,3,5,8) measures each (default 5)")
+    s.add_argument("--adaptive", default=None, action=argparse.BooleanOptionalAction,
+                   help="specdecode chooses each step's draft size up to k from measured costs (default: on for "
+                        "tree drafters, off for chains)")
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None, help="target .gguf or HF directory (default: embedded SmolLM2-135M)")
     m.add_argument("--draft", default=None, help="draft model sharing the target's tokenizer (method model)")
@@ -113,7 +116,7 @@ def config_from(args: argparse.Namespace) -> dict:
            "max_tokens": args.max_tokens or defaults["max_tokens"], "temperature": args.temperature,
            "seed": args.seed, "systems": args.systems, "methods": args.methods, "ks": args.ks,
            "model": args.model, "draft": args.draft, "drafter": args.drafter, "dtype": args.dtype, "weights": args.weights,
-           "draft_dtype": args.draft_dtype, "threads": args.threads,
+           "draft_dtype": args.draft_dtype, "threads": args.threads, "adaptive": args.adaptive,
            "eager": args.eager, "resume": args.resume}
     words = ["specdecode", "bench"] + (["--protocol", args.mode] if args.mode == "spec-bench" else [f"--{args.mode}"])
     if args.prompts_file:
@@ -137,7 +140,9 @@ def config_from(args: argparse.Namespace) -> dict:
             words += [flag, str(value)]
     words += (["--dtype", args.dtype] if args.dtype else []) + (["--weights", args.weights] if args.weights != "auto" else [])
     words += (["--draft-dtype", args.draft_dtype] if args.draft_dtype else [])
-    words += (["--eager"] if args.eager else []) + ["--out", args.out]
+    words += (["--eager"] if args.eager else [])
+    words += ([] if args.adaptive is None else ["--adaptive" if args.adaptive else "--no-adaptive"])
+    words += ["--out", args.out]
     cfg["command"] = " ".join(shlex.quote(w) for w in words)
     return cfg
 

@@ -59,7 +59,7 @@ def build_systems(config: dict, llm, prompts: list[workload.BenchPrompt], notes:
     systems: list[System] = []
     wanted = config["systems"]
     if "specdecode" in wanted:
-        systems.append(SpecdecodeSystem(llm, config.get("drafter")))
+        systems.append(SpecdecodeSystem(llm, config.get("drafter"), config.get("adaptive")))
     if "transformers" in wanted:
         try:
             systems.append(TransformersSystem(llm, parse_dtype(config["dtype"] or "bf16"), notes))

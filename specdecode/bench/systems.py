@@ -61,28 +61,44 @@ class SpecdecodeSystem(System):
 
     name = "specdecode"
 
-    def __init__(self, llm, drafter_path: str | None = None) -> None:
+    def __init__(self, llm, drafter_path: str | None = None, adaptive: bool | None = None) -> None:
         from ..drafters.base import DrafterError
         from ..drafters.registry import build_drafter, method_names
         self.llm = llm
+        self.adaptive = adaptive              # None: the engine's default (on for tree drafters)
         self.cost_curves: dict[int, dict[int, float]] = {}   # k -> forward-cost curve (adaptive tree sizes)
-        self.drafters = {}
+        self.drafter_path = drafter_path
+        self.drafters: dict[tuple[str, int], object] = {}     # (method, k) -> its own drafter
         self.skipped: dict[str, str] = {}     # method -> why it cannot run here
+        self.methods = set()
         for method in method_names():     # each registered drafter that can be built for this target
             try:
-                self.drafters[method] = build_drafter(method, llm.target, draft=llm.draft, drafter_path=drafter_path)
+                build_drafter(method, llm.target, draft=llm.draft, drafter_path=drafter_path)
+                self.methods.add(method)
             except DrafterError as exc:     # e.g. eagle without a trained head, model without --draft
                 self.skipped[method] = str(exc)
 
+    def drafter(self, method: str, k: int):
+        """One drafter object per cell: what a drafter learns across requests (the recycle table,
+        the suffix drafter's index of finished outputs) comes from the cell's own earlier prompts,
+        never from another cell's run of the same prompt."""
+        from ..drafters.registry import build_drafter
+        if method == "plain":
+            return None
+        if (method, k) not in self.drafters:
+            self.drafters[method, k] = build_drafter(method, self.llm.target, draft=self.llm.draft,
+                                                     drafter_path=self.drafter_path)
+        return self.drafters[method, k]
+
     def supports(self, method: str) -> bool:
-        return method in self.drafters
+        return method in self.methods
 
     def run(self, cell: Cell, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int) -> dict:
         from ..engine.engine import SpecEngine
         from ..params import SamplingParams
 
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
-        engine = SpecEngine(self.llm.target, self.drafters.get(cell.method), cell.k,
+        engine = SpecEngine(self.llm.target, self.drafter(cell.method, cell.k), cell.k, adaptive=self.adaptive,
                             cost_curve=self.cost_curves.get(cell.k))
         if engine.adaptive and engine.cost_curve is None:     # measured once per k, outside the timed run
             engine.prepare_cost_curve(len(prompt_ids) + max_tokens)
