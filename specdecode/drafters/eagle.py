@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .head import head_block
+from ..forward import ForwardBatch
 from ..kv_cache import KVCache
 from ..sampling import probs_from_logits, sample, transform_logits
 from .base import ContiguousState, DraftProposal, Drafter, DrafterCapabilities, DrafterError, DrafterState
@@ -99,13 +100,12 @@ class EagleDrafter(Drafter):
               tokens: torch.Tensor,        # [B, T] token j+1 of each slot j
               features: torch.Tensor,      # [B, T, D]
               ) -> torch.Tensor:           # -> [B, T, D] predicted features
-        c = self.config
-        num_tokens = tokens.shape[1]
-        start_t = torch.tensor(starts, device=self.device)
-        positions = start_t[:, None] + torch.arange(num_tokens, device=self.device)     # [B, T]
+        fb = ForwardBatch.chain(tokens, torch.tensor(starts), rows)      # the pass, described once
+        positions = fb.rope_positions().to(self.device)                   # [B, T]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        key_len = int(positions.max()) + 1
-        mask = (torch.arange(key_len, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]
+        mask = fb.visible(max(starts) + tokens.shape[1]).to(self.device)[:, None]   # [B, 1, T, L]
+        start_t = torch.tensor(starts, device=self.device)
+        c = self.config
 
         def attend(q, k, v):
             keys, values = self.cache.write(0, rows, start_t, k, v)
