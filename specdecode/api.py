@@ -48,7 +48,8 @@ class LLM:
     "fp32" (dense; a GGUF file is dequantized); weights: "auto", "native" or "dense" (see load_model);
     draft_dtype: the draft's dtype if not the target's, or "int8" (weights quantized per channel).
     adaptive: choose each step's draft size up to num_speculative_tokens from measured costs and
-    acceptance (engine/budget.py); None = on for tree drafters (recycle, suffix), off for chains.
+    acceptance (engine/budget.py), plain decoding when drafts do not pay; None = on; False: every
+    step drafts num_speculative_tokens.
     """
 
     def __init__(self, model: str | None = None, draft: str | None = None, method: str | None = None,

@@ -73,8 +73,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="draft tokens per step (chains, up to 32) or draft tree nodes (tree drafters: recycle, "
                         "suffix; up to 64); 0 = plain decoding (default 5)")
     g.add_argument("--adaptive", default=None, action=argparse.BooleanOptionalAction,
-                   help="choose each step's draft size up to -k from measured costs and acceptance (default: on "
-                        "for tree drafters, off for chains)")
+                   help="choose each step's draft size up to -k from measured costs and acceptance, plain "
+                        "decoding when drafts do not pay (default: on; --no-adaptive drafts k every step)")
     g.add_argument("--dtype", default=None, choices=["bf16", "bfloat16", "fp32", "float32", "fp16", "float16"],
                    help="dense weights in this dtype (a GGUF file is dequantized); default: a GGUF file computes "
                         "on its own quantized weights (--weights native), anything else in bf16")

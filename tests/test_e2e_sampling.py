@@ -48,7 +48,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     target = conftest.make_model(root / "target", "llama", seed=11, layers=2)
     draft = conftest.make_model(root / "draft", "llama", seed=12, layers=1)
-    opts = dict(dtype="fp32", progress=False)
+    opts = dict(dtype="fp32", progress=False, adaptive=False)
     return {"spec": LLM(model=str(target), draft=str(draft), **opts), "draft": LLM(model=str(draft), **opts)}
 
 

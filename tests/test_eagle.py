@@ -36,7 +36,7 @@ def heads(tiny_models, tmp_path_factory, one_thread):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_eagle_greedy_equals_plain(tiny_models, heads, arch):
     llm = LLM(model=str(tiny_models[arch]), method="eagle", drafter_path=str(heads[arch]), dtype="fp32",
-              progress=False)
+              progress=False, adaptive=False)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     plain = llm.generate(PROMPTS, params, num_speculative_tokens=0)
     for k in (1, 3, 5):
@@ -51,7 +51,7 @@ def test_eagle_greedy_equals_plain(tiny_models, heads, arch):
 def test_cascade_greedy_equals_plain(tiny_models, heads, arch):
     """Lookup rows and head rows in one batch (the repetitive prompts match, "x" does not)."""
     llm = LLM(model=str(tiny_models[arch]), method="cascade", drafter_path=str(heads[arch]), dtype="fp32",
-              progress=False, ngram_min=2, ngram_max=4)
+              progress=False, ngram_min=2, ngram_max=4, adaptive=False)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     plain = llm.generate(PROMPTS, params, num_speculative_tokens=0)
     for k in (1, 4):

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def llms(tiny_models):
     """Plain / ngram / draft-model / self-draft engines over the same tiny Llama target."""
     target = str(tiny_models["llama"])
-    opts = dict(dtype="fp32", progress=False)
+    opts = dict(dtype="fp32", progress=False, adaptive=False)
     return {
         "ngram": LLM(model=target, method="ngram", **opts),
         "model": LLM(model=target, draft=str(tiny_models["llama_draft"]), **opts),

@@ -21,7 +21,7 @@ def run(llm, k, prompts=PROMPTS, max_tokens=40):
 @pytest.mark.parametrize("method", ["ngram", "model", "self"])
 def test_greedy_equality(tiny_models, arch, method):
     draft = {"ngram": None, "model": tiny_models[arch + "_draft"], "self": tiny_models[arch]}[method]
-    llm = LLM(model=str(tiny_models[arch]), draft=str(draft) if draft else None, dtype="fp32", progress=False,
+    llm = LLM(model=str(tiny_models[arch]), draft=str(draft) if draft else None, dtype="fp32", progress=False, adaptive=False,
               method="ngram" if method == "ngram" else "model")
     plain = run(llm, 0)
     for k in (1, 3, 5):
@@ -40,7 +40,8 @@ def test_greedy_equality(tiny_models, arch, method):
 
 
 def test_self_draft_mean_accepted_length_is_k_plus_1(tiny_models):
-    llm = LLM(model=str(tiny_models["llama"]), draft=str(tiny_models["llama"]), dtype="fp32", progress=False)
+    llm = LLM(model=str(tiny_models["llama"]), draft=str(tiny_models["llama"]), dtype="fp32", progress=False,
+              adaptive=False)
     k = 4
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=5 * (k + 1), ignore_eos=True),
                        num_speculative_tokens=k)[0]

@@ -72,8 +72,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("-k", "--num-speculative-tokens", dest="ks", type=_ks, default=[5],
                    help="draft tokens per step; a list (e.g. 1,3,5,8) measures each (default 5)")
     s.add_argument("--adaptive", default=None, action=argparse.BooleanOptionalAction,
-                   help="specdecode chooses each step's draft size up to k from measured costs (default: on for "
-                        "tree drafters, off for chains)")
+                   help="specdecode chooses each step's draft size up to k from measured costs (default: on; "
+                        "--no-adaptive drafts k every step)")
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None, help="target .gguf or HF directory (default: embedded SmolLM2-135M)")
     m.add_argument("--draft", default=None, help="draft model sharing the target's tokenizer (method model)")

@@ -65,7 +65,7 @@ class SpecdecodeSystem(System):
         from ..drafters.base import DrafterError
         from ..drafters.registry import build_drafter, method_names
         self.llm = llm
-        self.adaptive = adaptive              # None: the engine's default (on for tree drafters)
+        self.adaptive = adaptive              # None: the engine's default (adaptive)
         self.cost_curves: dict[int, dict[int, float]] = {}   # k -> forward-cost curve (adaptive tree sizes)
         self.drafter_path = drafter_path
         self.drafters: dict[tuple[str, int], object] = {}     # (method, k) -> its own drafter

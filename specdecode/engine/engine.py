@@ -69,8 +69,8 @@ class SpecEngine:
         self.k = num_speculative_tokens if drafter is not None else 0
         self.slack = self.k + 2                   # cache room for padded writes past a row's end
         self.runner = runner if runner is not None else ModelRunner(target, self.drafter)
-        # adaptive draft size (budget.py): by default for tree drafters, whose budget is a maximum
-        self.adaptive = (trees if adaptive is None else adaptive) and self.k > 0
+        # adaptive draft size (budget.py; default on): k is then the most a step may draft
+        self.adaptive = (True if adaptive is None else adaptive) and self.k > 0
         self.cost_curve = cost_curve              # forward seconds against rows (measured on first use)
         self.budget: DraftBudget | None = None    # the last generate's (its chosen sizes, gains)
 
