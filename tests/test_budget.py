@@ -44,3 +44,12 @@ def test_cheap_accurate_drafts_grow_the_size():
         budget.observe(size, [size], [path], verify_seconds=interpolate(CURVE, 1 + size), draft_seconds=0.0,
                        pending=1)
     assert budget.best() == 16
+
+
+def test_a_drafter_that_proposes_nothing_keeps_drafting():
+    """No match (no nodes) costs what plain decoding costs: keep asking, so matches are used."""
+    budget = DraftBudget(16, CURVE, decay=0.5)
+    for _ in range(10):
+        size = budget.next_size()
+        budget.observe(size, [0], [[]], verify_seconds=interpolate(CURVE, 1), draft_seconds=0.0, pending=1)
+    assert budget.next_size() > 0

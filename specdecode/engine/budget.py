@@ -85,8 +85,10 @@ class DraftBudget:
 
     def best(self) -> int:
         """The size with the most tokens per second among those measured."""
+        # ties go to the larger size: a drafter that proposes nothing at a size costs nothing there
+        # (lookup drafters often have no match), and drafting keeps its gains measured
         return max((s for s in self.levels if s in self.gain),
-                   key=lambda s: (self.gain[s] / self.step_seconds(s), -s))
+                   key=lambda s: (round(self.gain[s] / self.step_seconds(s), 9), s))
 
     # ------------------------------------------------------------------ each step
     def next_size(self) -> int:
