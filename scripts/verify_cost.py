@@ -1,0 +1,50 @@
+"""Cost of one target pass against its number of rows (what a verified draft node costs).
+
+    python scripts/verify_cost.py [--model PATH] [--context 256] [--threads 2]
+
+Prints, for 1..64 rows at the given context, the median time of a forward pass that returns
+logits for every row, and its ratio to a 1-row step (the curve engine/budget.py measures at
+start-up). Same weights as `specdecode generate` loads them (a GGUF file: its own quantization).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from specdecode.models.loader import load_model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    lm = load_model(args.model, progress=False)
+    model = lm.model
+    cache = model.new_cache(1, args.context + 80)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, min(model.vocab_size, 1000), (1, args.context), generator=gen)
+    model.forward(prompt, cache, 0, logit_index=torch.zeros(1, 0, dtype=torch.long))
+    print(f"{lm.name} ({lm.weights_kind}), context {args.context}, {args.threads} threads")
+    base = None
+    for rows in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+        tokens = torch.randint(0, min(model.vocab_size, 1000), (1, rows), generator=gen)
+        index = torch.arange(rows)[None]
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            model.forward(tokens, cache, args.context, logit_index=index)
+            times.append(time.perf_counter() - t0)
+        ms = statistics.median(times) * 1e3
+        base = base or ms
+        print(f"{rows:3d} rows  {ms:7.1f} ms  {ms / base:5.2f} steps")
+
+
+if __name__ == "__main__":
+    main()
