@@ -53,3 +53,29 @@ def test_a_drafter_that_proposes_nothing_keeps_drafting():
         size = budget.next_size()
         budget.observe(size, [0], [[]], verify_seconds=interpolate(CURVE, 1), draft_seconds=0.0, pending=1)
     assert budget.next_size() > 0
+
+
+def test_shadow_drafts_bring_speculation_back():
+    """While plain decoding runs, a stateless drafter's drafts scored against the emitted text
+    raise the gain of the sizes they would have filled."""
+    from types import SimpleNamespace
+
+    from specdecode.drafters.base import DraftProposal
+    from specdecode.engine.budget import ShadowDrafts
+
+    budget = DraftBudget(8, CURVE, decay=0.5)
+    for _ in range(3):                                  # drafts rejected: plain decoding wins
+        size = budget.next_size()
+        budget.observe(size, [size], [[]], verify_seconds=interpolate(CURVE, 1 + size), draft_seconds=0.0,
+                       pending=1)
+    assert budget.best() == 0
+    seq = SimpleNamespace(row=0, token_ids=[1, 2, 3], finished=False)
+    drafter = SimpleNamespace(propose=lambda seqs, ks: DraftProposal.from_lists([[4, 5, 6, 7]]))
+    shadows = ShadowDrafts()
+    for _ in range(3):                                  # the text then continues exactly as drafted
+        shadows.propose(drafter, [seq], 8)
+        start = len(seq.token_ids)
+        seq.token_ids += [4, 5, 6, 7]
+        shadows.score([seq], budget)
+        seq.token_ids = seq.token_ids[:start]
+    assert budget.best() >= 4

@@ -12,7 +12,10 @@ smaller budget is a prefix of the one proposed (a chain's first tokens; a tree's
 which form a tree). Every verified step therefore tells what every smaller size would have
 emitted: the accepted path cut at the first node >= b. Sizes above the largest run so far are
 explored one level at a time (every `explore_every` steps, the next size above the best), and
-while plain decoding wins a small size is probed every `probe_every` steps. Per size, gains are exponential moving averages.
+while plain decoding wins a small size is probed every `probe_every` steps. A drafter without
+per-request state (lookup, suffix, recycle) keeps drafting while plain decoding runs ("shadow"
+drafts, one per sequence at a time, never verified): each is scored against the tokens the
+sequence then emits, so a size that starts to pay is found without paying for a probe. Per size, gains are exponential moving averages.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+PRIOR = 1.2             # a size not yet measured is assumed to decode this much faster than plain
 
 
 def measure_cost_curve(model, cache, max_rows: int, repeats: int = 3) -> dict[int, float]:
@@ -59,7 +63,7 @@ def interpolate(curve: dict[int, float], rows: float) -> float:
 class DraftBudget:
     max_size: int
     curve: dict[int, float]                 # rows of one sequence's pass -> forward seconds
-    decay: float = 0.9                      # weight of the past in the moving averages
+    decay: float = 0.7                      # weight of the past in the moving averages
     explore_every: int = 8                  # steps between explorations of the next larger size
     probe_every: int = 16                   # steps between probes while plain decoding wins
     levels: list[int] = field(init=False)
@@ -108,6 +112,13 @@ class DraftBudget:
         self.chosen.append(self.size)
         return self.size
 
+    def observe_shadow(self, proposed: int, matched: int) -> None:
+        """A shadow draft's main path of `proposed` tokens whose first `matched` came true."""
+        for s in self.levels:
+            if s == 0:
+                continue
+            self._update(s, 1.0 + min(matched, s), float(min(proposed, s)))
+
     def observe(self, size: int, num_nodes: list[int], accepted_nodes: list[list[int]],
                 verify_seconds: float, draft_seconds: float, pending: float) -> None:
         """A step at `size`: per sequence the nodes proposed and the accepted path (node indices
@@ -128,6 +139,45 @@ class DraftBudget:
                 continue
             emitted = sum(1 + sum(1 for node in path if node < s) for path in accepted_nodes) / batch
             proposed = sum(min(n, s) for n in num_nodes) / batch
-            for table, value in ((self.gain, emitted), (self.nodes, proposed)):
-                old = table.get(s)
-                table[s] = value if old is None else self.decay * old + (1 - self.decay) * value
+            self._update(s, emitted, proposed)
+
+    def _update(self, size: int, emitted: float, proposed: float) -> None:
+        """Moving averages of a size's tokens and nodes per step. The first observation is blended
+        with an optimistic prior (drafting at that size 20% faster than plain decoding), so one
+        unlucky step does not switch speculation off."""
+        if size not in self.gain:
+            self.nodes[size] = float(size)
+            self.gain[size] = PRIOR * self.step_seconds(size) / self.step_seconds(0)
+        self.gain[size] = self.decay * self.gain[size] + (1 - self.decay) * emitted
+        self.nodes[size] = self.decay * self.nodes[size] + (1 - self.decay) * proposed
+
+
+class ShadowDrafts:
+    """Drafts of a stateless drafter made while plain decoding runs, scored against what follows."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, tuple[int, list[int]]] = {}   # row -> (length when drafted, main path)
+
+    def propose(self, drafter, seqs, k: int) -> None:
+        """Draft for the sequences with no shadow pending (their main path only)."""
+        fresh = [s for s in seqs if s.row not in self.pending]
+        if not fresh or k <= 0:
+            return
+        proposal = drafter.propose(fresh, [k] * len(fresh))
+        for b, s in enumerate(fresh):
+            path = proposal.main_path(b)
+            if path:
+                self.pending[s.row] = (len(s.token_ids), path)
+
+    def score(self, seqs, budget: DraftBudget) -> None:
+        """Score every shadow whose outcome is known: a mismatch, its whole length emitted, or
+        the sequence finished."""
+        for s in seqs:
+            if s.row not in self.pending:
+                continue
+            start, path = self.pending[s.row]
+            out = s.token_ids[start:]
+            matched = next((i for i, (a, b) in enumerate(zip(path, out)) if a != b), min(len(path), len(out)))
+            if matched < len(out) or len(out) >= len(path) or s.finished:
+                budget.observe_shadow(len(path), matched)
+                del self.pending[s.row]

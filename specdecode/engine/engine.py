@@ -19,7 +19,7 @@ from ..params import ParamError, SamplingParams
 from ..tree import MAX_TREE_NODES, depths
 from ..verify_tree import verify_tree
 from .runner import ModelRunner
-from .budget import DraftBudget, measure_cost_curve
+from .budget import DraftBudget, ShadowDrafts, measure_cost_curve
 from .scheduler import StaticBatch, draft_room
 from .sequence import Sequence
 
@@ -100,6 +100,7 @@ class SpecEngine:
         if self.adaptive:
             self.prepare_cost_curve(max_len, allocate=False)     # before the clock starts
             budget = self.budget = DraftBudget(self.k, self.cost_curve)
+        shadows = ShadowDrafts() if budget is not None and not self.drafter.capabilities.has_state else None
         started = time.perf_counter()
         self.runner.prefill(seqs)
         prefill_done = time.perf_counter()
@@ -111,10 +112,14 @@ class SpecEngine:
                     self.step(running, batch.room(running), on_tokens)
                     continue
                 size = budget.next_size()
+                if size == 0 and shadows is not None:        # plain step: a free drafter drafts aside
+                    shadows.propose(self.drafter, running, self.k)
                 pending = sum(len(s.token_ids) - self.runner.cache.lengths[s.row] for s in running) / len(running)
                 report = self.step(running, [draft_room(s, size, batch.context) for s in running], on_tokens)
                 budget.observe(size, report.num_nodes, report.accepted_nodes, report.verify_seconds,
                                report.draft_seconds, pending)
+                if shadows is not None:
+                    shadows.score(running, budget)
         finally:
             if self.drafter is not None:
                 self.drafter.close()
