@@ -49,7 +49,8 @@ class LLM:
     draft_dtype: the draft's dtype if not the target's, or "int8" (weights quantized per channel).
     adaptive: choose each step's draft size up to num_speculative_tokens from measured costs and
     acceptance (engine/budget.py), plain decoding when drafts do not pay; None = on; False: every
-    step drafts num_speculative_tokens.
+    step drafts num_speculative_tokens. A batch with a seeded sampled request drafts
+    num_speculative_tokens every step (sizes follow timings; the seed then reproduces the output).
     """
 
     def __init__(self, model: str | None = None, draft: str | None = None, method: str | None = None,

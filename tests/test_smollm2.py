@@ -45,13 +45,13 @@ def test_greedy_equality_spec_bench_20_prompts_ngram(smollm2):
     params = [SamplingParams(max_tokens=64, ignore_eos=True)] * len(prompts)
     plain = SpecEngine(smollm2, None, 0).generate(prompts, params)
     from specdecode.drafters.ngram import NgramDrafter
-    spec = SpecEngine(smollm2, NgramDrafter(), 5).generate(prompts, params)
+    spec = SpecEngine(smollm2, NgramDrafter(), 5, adaptive=False).generate(prompts, params)
     mismatches = [i for i, (a, b) in enumerate(zip(plain, spec)) if a.output_ids != b.output_ids]
     assert not mismatches, f"prompts {mismatches} diverged"
     assert sum(s.stats.accepted for s in spec) > 0
     # batch of one (the fast uniform path) on two of them
     for i in (0, 17):
-        alone = SpecEngine(smollm2, NgramDrafter(), 5).generate([prompts[i]], params[:1])[0]
+        alone = SpecEngine(smollm2, NgramDrafter(), 5, adaptive=False).generate([prompts[i]], params[:1])[0]
         assert alone.output_ids == plain[i].output_ids
 
 
@@ -60,7 +60,7 @@ def test_greedy_self_draft_accepts_everything(smollm2):
     prompts = [encode(smollm2, p) for p in spec_bench_prompts()[:4]]
     params = [SamplingParams(max_tokens=24, ignore_eos=True)] * len(prompts)
     plain = SpecEngine(smollm2, None, 0).generate(prompts, params)
-    spec = SpecEngine(smollm2, ModelDrafter(smollm2, draft=smollm2), 3).generate(prompts, params)
+    spec = SpecEngine(smollm2, ModelDrafter(smollm2, draft=smollm2), 3, adaptive=False).generate(prompts, params)
     for a, b in zip(plain, spec):
         assert a.output_ids == b.output_ids
         assert b.stats.acceptance_rate == 1.0

@@ -97,7 +97,9 @@ class SpecEngine:
         batch = StaticBatch(seqs, self.k, max_len - self.slack)
         self.runner.allocate(len(seqs), max_len)
         budget = None
-        if self.adaptive:
+        # sizes follow measured times, and a sampled row's random draws follow its sizes: a seeded
+        # sampled request drafts k every step so that its seed reproduces its output
+        if self.adaptive and all(p.greedy or p.seed is None for p in params):
             self.prepare_cost_curve(max_len, allocate=False)     # before the clock starts
             budget = self.budget = DraftBudget(self.k, self.cost_curve)
         shadows = ShadowDrafts() if budget is not None and not self.drafter.capabilities.has_state else None
