@@ -62,6 +62,17 @@ class DraftProposal:
         """[batch, n] parents, a chain's too."""
         return self.parents if self.parents is not None else chain_parents(self.tokens.shape[0], self.k)
 
+    def simplified(self) -> "DraftProposal":
+        """This proposal with `parents` dropped when every row's tree is in fact a chain (the chain
+        path is cheaper: no tree masks, no compaction)."""
+        if self.parents is None or self.k == 0:
+            return self
+        live = torch.arange(self.k)[None, :] < self.num_tokens.cpu()[:, None]             # [batch, n]
+        chain = chain_parents(self.tokens.shape[0], self.k)
+        if bool(((self.parents.cpu() == chain) | ~live).all()):
+            return DraftProposal(self.tokens, self.num_tokens, self.probs, self.step_state)
+        return self
+
     def main_path(self, row: int) -> list[int]:
         """Tokens of row `row` along its first branch (node 0, then each node's first child): a
         chain's whole draft."""

@@ -145,7 +145,7 @@ class SpecEngine:
         # 1. draft
         t0 = time.perf_counter()
         if self.drafter is not None and max(room) > 0:
-            proposal = self.drafter.propose(seqs, room)
+            proposal = self.drafter.propose(seqs, room).simplified()
         else:
             proposal = DraftProposal.empty(len(seqs))
         t1 = time.perf_counter()
