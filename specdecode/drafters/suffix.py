@@ -152,8 +152,8 @@ def grow_tree(cont: np.ndarray,        # [E, D] continuations, rows oldest first
     def push_children(rows: np.ndarray, d: int, prob: float, parent: int) -> None:
         col = cont[rows, d]
         rows, col = rows[col >= 0], col[col >= 0]
-        if len(rows) == 1:
-            groups = [(col[0], rows, 1)]
+        if len(rows) and (len(rows) == 1 or (col == col[0]).all()):   # one continuation (the usual case)
+            groups = [(col[0], rows, len(rows))]
         elif len(rows):
             uniq, inv, counts = np.unique(col, return_inverse=True, return_counts=True)
             last = np.empty(len(uniq), dtype=np.int64)
