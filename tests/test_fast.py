@@ -8,6 +8,7 @@ import torch
 from conftest import make_model
 from specdecode.fast import linear as fast_linear
 from specdecode.fast.decoder import MAX_T, fused_decoder, why_not
+from specdecode.forward import ForwardBatch
 from specdecode.models.loader import load_model
 
 needs_native = pytest.mark.skipif(not fast_linear.available(), reason=fast_linear.reason())
@@ -105,6 +106,12 @@ def test_fused_verify_block_equals_single_token_decodes(tiny_models, odd_model, 
     assert torch.equal(sub[0], verify[0, [3, 1]])
 
 
+def _with_hidden(model, tokens, cache, start, rows=None):
+    """(logits of every row, hidden states) of one chain pass through the typed interface."""
+    hidden = model.run(ForwardBatch.chain(tokens, start, rows), cache)
+    return model.logits(hidden), hidden
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_fused_returns_hidden_like_eager(tiny_models, dtype):
@@ -116,14 +123,14 @@ def test_fused_returns_hidden_like_eager(tiny_models, dtype):
     tokens = torch.randint(0, model.vocab_size, (1, 90), generator=torch.Generator().manual_seed(4))
     cf, ce = model.new_cache(1, 128), eager.new_cache(1, 128)
     for start, end in ((0, 80), (80, 90)):
-        logits, hidden = model.forward(tokens[:, start:end], cf, start, return_hidden=True)
-        ref_logits, ref_hidden = eager.forward(tokens[:, start:end], ce, start, return_hidden=True)
+        logits, hidden = _with_hidden(model, tokens[:, start:end], cf, start)
+        ref_logits, ref_hidden = _with_hidden(eager, tokens[:, start:end], ce, start)
         assert hidden.shape == (1, end - start, model.config.hidden_size) and hidden.dtype == model.dtype
         tol = 1e-4 if dtype == "fp32" else 0.05
         scale = ref_hidden.float().abs().max().item()
         assert (hidden.float() - ref_hidden.float()).abs().max().item() < tol * max(1.0, scale)
     plain = model.forward(tokens[:, :80], model.new_cache(1, 128), 0)
-    with_hidden, _ = model.forward(tokens[:, :80], model.new_cache(1, 128), 0, return_hidden=True)
+    with_hidden, _ = _with_hidden(model, tokens[:, :80], model.new_cache(1, 128), 0)
     assert torch.equal(plain, with_hidden)          # asking for features changes nothing else
 
 
@@ -142,7 +149,7 @@ def test_fused_matches_eager(tiny_models, odd_model, wide_head_model, arch, dtyp
     # prefill longer than one native block (chunks of MAX_T) with an unsorted logit subset
     assert tokens.shape[1] - 10 > MAX_T
     index = torch.tensor([[139, 0, 70, 63, 64]])
-    got = model.fused.forward(tokens[:, :140], cf, 0, index)   # chunked fused prefill (hook: T <= 64)
+    got = model.fused.head(model.fused.forward(tokens[:, :140], cf, 0), index)  # chunked fused prefill
     ref = eager.forward(tokens[:, :140], ce, 0, logit_index=index)
     blocks = [got.clone()], [ref.clone()]
     for pos in (140, 141):                                                # decode
@@ -200,7 +207,7 @@ def test_fused_batched_and_paged_rows_equal_batch_one(tiny_models, odd_model, wi
     for p in prompts:                       # batch 1: prefill, then a 6-token verify-sized pass
         cache = model.new_cache(1, 96)
         model.forward(p[None, :-6], cache, 0, logit_index=none)
-        refs.append(model.forward(p[None, -6:], cache, len(p) - 6, return_hidden=True))
+        refs.append(_with_hidden(model, p[None, -6:], cache, len(p) - 6))
     blocks = torch.stack([p[-6:] for p in prompts])
     starts = torch.tensor([n - 6 for n in lengths])
     caches = [KVCache(c.num_layers, 3, c.num_kv_heads, c.head_dim, 96, model.dtype)]
@@ -212,7 +219,7 @@ def test_fused_batched_and_paged_rows_equal_batch_one(tiny_models, odd_model, wi
             if paged:
                 cache.reserve(r, 60)
             model.forward(p[None, :-6], cache, torch.tensor([0]), rows=torch.tensor([r]), logit_index=none)
-        logits, hidden = model.forward(blocks, cache, starts, rows=rows, return_hidden=True)
+        logits, hidden = _with_hidden(model, blocks, cache, starts, rows)
         for i, (ref_logits, ref_hidden) in enumerate(refs):
             assert torch.equal(logits[i], ref_logits[0]), (type(cache).__name__, i)
             assert torch.equal(hidden[i], ref_hidden[0])

@@ -28,6 +28,26 @@ def test_prefill_and_incremental_decode_match_transformers(tiny_models, arch):
     torch.testing.assert_close(got, expected[:, 20:24], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_typed_interface_run_then_logits(tiny_models, fast):
+    """run returns the hidden states of every token (before the final norm, what EAGLE reads),
+    logits computes the rows asked for (repeats and any order), and forward is the two."""
+    from specdecode.forward import ForwardBatch
+    from specdecode.models.interface import CausalLM
+    model = load_model(str(tiny_models["llama"]), dtype="fp32", progress=False, fast=fast).model
+    assert isinstance(model, CausalLM) and model.has_features and model.supports_trees
+    tokens = torch.randint(0, model.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
+    hidden = model.run(ForwardBatch.chain(tokens, 0), model.new_cache(1, 32))
+    assert hidden.shape == (1, 12, model.config.hidden_size) and hidden.dtype == model.dtype
+    every = model.logits(hidden)
+    assert every.shape == (1, 12, model.vocab_size) and every.dtype == torch.float32
+    index = torch.tensor([[11, 3, 3, 0]])
+    assert torch.equal(model.logits(hidden, index), every[:, [11, 3, 3, 0]])
+    assert torch.equal(model.forward(tokens, model.new_cache(1, 32), 0, logit_index=index), every[:, [11, 3, 3, 0]])
+    with pytest.raises((ValueError, RuntimeError, IndexError)):
+        model.logits(hidden, torch.tensor([[12]]))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_ragged_batch_equals_rows_alone(tiny_models, arch):
     lm = load_model(str(tiny_models[arch]), dtype="fp32", progress=False)

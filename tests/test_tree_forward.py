@@ -27,6 +27,11 @@ def _load(path, dtype, fast):
     return lm.model
 
 
+def _logits(model, fb, cache):
+    """Logits of the rows `fb` asks for, through the typed interface (run, then logits)."""
+    return model.logits(model.run(fb, cache), fb.logit_index)
+
+
 def _path(node: int) -> list[int]:
     path = []
     while node >= 0:
@@ -76,15 +81,15 @@ def test_tree_pass_equals_chain_per_path(models, arch, dtype, fast, cache_kind):
     tokens = torch.cat([prompt[-2:], nodes])[None]
     index = torch.arange(1, n + 2)[None]                                 # root (last pending) + every node
     fb = ForwardBatch.tree(tokens, torch.tensor([35]), torch.tensor([1]), [2], parents, index)
-    tree_logits = model.run(fb, cache)[0]                                 # [n+1, vocab]
+    tree_logits = _logits(model, fb, cache)[0]                            # [n+1, vocab]
     tol = dict(rtol=0, atol=0) if fast else dict(rtol=2e-2 if dtype == "bf16" else 1e-4, atol=2e-2 if dtype == "bf16" else 1e-4)
     for node in range(n):
         path = _path(node)
         ref_cache = new_cache(1)
         model.run(ForwardBatch.chain(prompt[None, :-2], torch.tensor([0]), row0, none), ref_cache)
         chain = torch.cat([prompt[-2:], nodes[path]])[None]
-        ref = model.run(ForwardBatch.chain(chain, torch.tensor([35]), row0, torch.tensor([[1, chain.shape[1] - 1]])),
-                        ref_cache)[0]
+        ref = _logits(model, ForwardBatch.chain(chain, torch.tensor([35]), row0, torch.tensor([[1, chain.shape[1] - 1]])),
+                      ref_cache)[0]
         torch.testing.assert_close(tree_logits[0], ref[0], **tol)
         torch.testing.assert_close(tree_logits[node + 1], ref[1], **tol, msg=f"node {node} path {path}")
     # compaction: keep the path to node 8 (depth 4), then one more token sees the chain's cache
@@ -92,11 +97,11 @@ def test_tree_pass_equals_chain_per_path(models, arch, dtype, fast, cache_kind):
     cache.move(1, [37 + i for i in path], [37 + d for d in range(len(path))])
     cache.truncate(1, 37 + len(path))
     nxt = torch.tensor([[7]])
-    got = model.run(ForwardBatch.chain(nxt, torch.tensor([37 + len(path)]), torch.tensor([1])), cache)[0]
+    got = _logits(model, ForwardBatch.chain(nxt, torch.tensor([37 + len(path)]), torch.tensor([1])), cache)[0]
     ref_cache = new_cache(1)
     model.run(ForwardBatch.chain(torch.cat([prompt, nodes[path], nxt[0]])[None, :-1], torch.tensor([0]), row0, none),
               ref_cache)
-    ref = model.run(ForwardBatch.chain(nxt, torch.tensor([37 + len(path)]), row0), ref_cache)[0]
+    ref = _logits(model, ForwardBatch.chain(nxt, torch.tensor([37 + len(path)]), row0), ref_cache)[0]
     torch.testing.assert_close(got, ref, **tol)
 
 

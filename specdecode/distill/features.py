@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..forward import ForwardBatch
+
 
 @dataclass
 class FeatureSet:
@@ -71,7 +73,8 @@ def extract(target, sequences: list[list[int]], prompt_lens: list[int], token_bu
             for row, s in enumerate(batch):
                 padded[row, :lengths[s]] = torch.tensor(sequences[s])
             cache = model.new_cache(len(batch), width)
-            logits, hidden = model.forward(padded.to(model.device), cache, 0, return_hidden=True)
+            hidden = model.run(ForwardBatch.chain(padded.to(model.device), 0), cache)     # [B, T, D]
+            logits = model.logits(hidden)
             argmax = logits.argmax(-1).cpu()
             for row, s in enumerate(batch):
                 a, n = int(offsets[s]), lengths[s]

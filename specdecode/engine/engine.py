@@ -60,9 +60,12 @@ class SpecEngine:
                  cost_curve: dict[int, float] | None = None) -> None:
         check_num_speculative_tokens(num_speculative_tokens, drafter)
         trees = drafter is not None and drafter.capabilities.drafts_trees
-        if trees and not getattr(target.model, "supports_trees", False):
+        if trees and not target.model.supports_trees:
             raise DrafterError(f"drafter {type(drafter).__name__} drafts trees, which this target model "
                                f"cannot verify (the transformers adapter runs chains only)")
+        if drafter is not None and drafter.capabilities.needs_target_hidden and not target.model.has_features:
+            raise DrafterError(f"drafter {type(drafter).__name__} reads the target's hidden states, which this "
+                               f"target model does not return (the transformers adapter): load a native target")
         self.target = target                      # LoadedModel
         self.model = target.model
         self.drafter = drafter if num_speculative_tokens > 0 else None

@@ -75,10 +75,9 @@ class ModelRunner:
         tokens = torch.zeros(len(seqs), width, dtype=torch.long)
         for row, s in enumerate(seqs):
             tokens[row, :lengths[row]] = torch.tensor(s.prompt_ids[:-1])
-        out = self.model.forward(tokens.to(self.model.device), self.cache, 0, return_hidden=self.wants_hidden,
-                                 logit_index=torch.zeros(len(seqs), 0, dtype=torch.long, device=self.model.device))
+        hidden = self.model.run(ForwardBatch.chain(tokens.to(self.model.device), 0), self.cache)  # no logits
         if self.wants_hidden:
-            self.drafter.observe(seqs, [0] * len(seqs), out[1])
+            self.drafter.observe(seqs, [0] * len(seqs), hidden)
         for s, n in zip(seqs, lengths):
             self.cache.truncate(s.row, n)
 
@@ -95,12 +94,10 @@ class ModelRunner:
         device = model.device
         starts = [cache.lengths[s.row] for s, _ in chunks]
         rows = torch.tensor([s.row for s, _ in chunks], device=device)
-        hidden = not draft and self.wants_hidden
-        out = model.forward(tokens.to(device), cache, torch.tensor(starts, device=device), rows=rows,
-                            logit_index=torch.zeros(len(chunks), 0, dtype=torch.long, device=device),
-                            **({"return_hidden": True} if hidden else {}))
-        if hidden:          # e.g. an EAGLE head reads the target's features of the prompt
-            self.drafter.observe([s for s, _ in chunks], starts, out[1])
+        hidden = model.run(ForwardBatch.chain(tokens.to(device), torch.tensor(starts, device=device), rows),
+                           cache)                                                    # no logits
+        if not draft and self.wants_hidden:   # e.g. an EAGLE head reads the target's features of the prompt
+            self.drafter.observe([s for s, _ in chunks], starts, hidden)
         for (s, n), start in zip(chunks, starts):
             cache.truncate(s.row, start + n)
 
@@ -127,15 +124,14 @@ class ModelRunner:
         row_ids = None if in_order else torch.tensor([s.row for s in seqs], device=device)
         if proposal.is_tree and k > 0:
             fb = ForwardBatch.tree(tokens, torch.tensor(starts), row_ids, [len(p) for p in pending],
-                                   proposal.parents, logit_index, self.wants_hidden)
+                                   proposal.parents, logit_index)
         else:
             same_start = all(x == starts[0] for x in starts)
             start = starts[0] if same_start and in_order else torch.tensor(starts, device=device)
-            fb = ForwardBatch.chain(tokens, start, row_ids, logit_index, self.wants_hidden)
-        out = self.model.run(fb, self.cache)
-        logits = out
+            fb = ForwardBatch.chain(tokens, start, row_ids, logit_index)
+        hidden = self.model.run(fb, self.cache)                                      # [B, T, D]
+        logits = self.model.logits(hidden, fb.logit_index)                           # [B, k+1, vocab]
         if self.wants_hidden:
-            logits, hidden = out
             self.drafter.observe(seqs, starts, hidden)
         needs_history = any(s.params.uses_penalties for s in seqs)
         transformed = transform_logits(

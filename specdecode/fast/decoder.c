@@ -2,9 +2,9 @@
  * specdecode/fast/decoder.c -- fused Llama/Qwen2 decoder stack for batch 1 (included by kernels.c).
  *
  * sd_decoder_rows (and its batch-1 form sd_decoder_forward) runs embedding -> L x (rmsnorm, qkv(+bias), RoPE, KV-cache write, causal GQA
- * attention, o-proj + residual, rmsnorm, gate_up, silu*up, down + residual) -> final rmsnorm ->
- * LM head (selected rows) for T <= 64 tokens in ONE OpenMP parallel region with barriers between
- * phases.  Activations are kept in the model dtype (bf16 or fp32) with the eager path's rounding
+ * attention, o-proj + residual, rmsnorm, gate_up, silu*up, down + residual) for T <= 64 tokens in ONE
+ * OpenMP parallel region with barriers between phases, leaving the hidden states (before the final
+ * norm) in md->hid; sd_decoder_head runs final rmsnorm -> LM head on the rows that need logits.  Activations are kept in the model dtype (bf16 or fp32) with the eager path's rounding
  * points (after every projection, rmsnorm, rope product/sum, silu, silu*up, residual add).
  *
  * Batch invariance: every token row is computed by the same instruction sequence whatever T is:
@@ -241,12 +241,12 @@ static inline void range(int n, int t, int nt, int *a, int *b) {
  * tbase[r] + i (its own included: every row's key/value is written before any attention); in
  * that order they are its logical keys 0..pos[r], so popcount(tmask[r]) == pos[r] - tbase[r] + 1.
  * tbase NULL: a chain, row r sees slots 0..pos[r].  (The per-pass description is built in
- * specdecode/forward.py.)  idx[n]: rows that get logits, written to out[n, V] fp32.  scores:
+ * specdecode/forward.py.)  The hidden states of the T rows are left in md->hid.  scores:
  * nthreads * score_len floats, score_len >= max(pos) + 17.  Returns 0, or -1 on bad arguments. */
 int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *pos, const int32_t *slot,
                     const int32_t *tbase, const uint64_t *tmask, int T, const sd_kv *kv,
-                    int score_len, const int32_t *idx, int n, float *out, float *scores, int nthreads) {
-    if (T < 1 || T > SD_MAX_T || n < 0 || n > SD_MAX_T || kv->block < 1) return -1;   /* n rows of scratch */
+                    int score_len, float *scores, int nthreads) {
+    if (T < 1 || T > SD_MAX_T || kv->block < 1) return -1;
     int32_t path[SD_MAX_T][64], row_base[SD_MAX_T], row_slot[SD_MAX_T];
     for (int r = 0; r < T; r++) {
         if (pos[r] < 0 || pos[r] >= md->rope_len || pos[r] + 17 > score_len) return -1;
@@ -332,30 +332,43 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
             mm_part(md, act, md->Ip, md->down_w[l], md->down_q ? md->down_q[l] : NULL, NULL, hid, D, T, D, md->Ip, mode_res, t, nt, &cfg);
 #pragma omp barrier
         }
-        if (n > 0) {
-            range(n, t, nt, &a, &b);
-            for (int r = a; r < b; r++)
-                rmsnorm_row(hid + (size_t)idx[r] * D * esz, md->final_norm, xn + (size_t)r * md->Dp * esz, D, md->eps, bf);
+        if (cfg >= 0) _tile_release();
+    }
+    return 0;
+}
+
+/* The LM head: hidden[n, D] (model dtype, rows as sd_decoder_rows leaves them in md->hid: before the
+ * final norm) -> final rmsnorm -> logits out[n, V] fp32, n <= SD_MAX_T.  Each row is computed as in
+ * a pass of any size (batch invariant).  Returns 0, or -1 on bad arguments. */
+int sd_decoder_head(const sd_model *md, const void *hidden, int n, float *out, int nthreads) {
+    if (n < 1 || n > SD_MAX_T) return -1;
+    const int bf = md->is_bf16, esz = bf ? 2 : 4, D = md->D;
+    char *xn = md->xn;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int cfg = -1, a, b;
+        range(n, t, nt, &a, &b);
+        for (int r = a; r < b; r++)
+            rmsnorm_row((const char *)hidden + (size_t)r * D * esz, md->final_norm, xn + (size_t)r * md->Dp * esz,
+                        D, md->eps, bf);
 #pragma omp barrier
-            mm_part(md, xn, md->Dp, md->head_w, md->head_q, md->head_b, out, md->V, n, md->V, md->Dp,
-                    bf ? OUT_F32_VIA_BF16 : OUT_F32, t, nt, &cfg);
-        }
+        mm_part(md, xn, md->Dp, md->head_w, md->head_q, md->head_b, out, md->V, n, md->V, md->Dp,
+                bf ? OUT_F32_VIA_BF16 : OUT_F32, t, nt, &cfg);
         if (cfg >= 0) _tile_release();
     }
     return 0;
 }
 
 /* Batch 1, contiguous cache: tokens[T] (T <= SD_MAX_T) at positions start..start+T-1.  kc/vc: per
- * layer, batch row 0 of the cache [KVH, max_len, HD].  idx[n]: rows (0..T-1) that get logits,
- * written to out[n, V] fp32.  scores: nthreads * (max_len + 16) floats.  Returns 0, or -1 on bad
- * arguments. */
+ * layer, batch row 0 of the cache [KVH, max_len, HD].  Hidden states are left in md->hid.
+ * scores: nthreads * (max_len + 16) floats.  Returns 0, or -1 on bad arguments. */
 int sd_decoder_forward(const sd_model *md, const int64_t *tokens, int T, int start,
-                       void *const *kc, void *const *vc, int max_len,
-                       const int32_t *idx, int n, float *out, float *scores, int nthreads) {
-    if (T < 1 || T > SD_MAX_T || start < 0 || start + T > max_len || start + T > md->rope_len || n < 0 || n > SD_MAX_T)
+                       void *const *kc, void *const *vc, int max_len, float *scores, int nthreads) {
+    if (T < 1 || T > SD_MAX_T || start < 0 || start + T > max_len || start + T > md->rope_len)
         return -1;
     int32_t pos[SD_MAX_T], tables[SD_MAX_T];
     for (int r = 0; r < T; r++) { pos[r] = start + r; tables[r] = 0; }
     sd_kv kv = {kc, vc, tables, 1, max_len, 0, md->HD, (long)max_len * md->HD};
-    return sd_decoder_rows(md, tokens, pos, NULL, NULL, NULL, T, &kv, max_len + 16, idx, n, out, scores, nthreads);
+    return sd_decoder_rows(md, tokens, pos, NULL, NULL, NULL, T, &kv, max_len + 16, scores, nthreads);
 }

@@ -1,8 +1,9 @@
 """Fused native decoder stack for batch 1 (see decoder.c and README.md).
 
-``FusedDecoder(model).forward(tokens[1, T], cache, start, logit_index)`` runs the whole layer
-stack in one ctypes call (one OpenMP parallel region) per block of <= 64 tokens, reusing the
-``PackedLinear`` weights of the model.  Token rows are computed independently of each other and of
+``FusedDecoder(model).forward(tokens[1, T], cache, start)`` runs the whole layer stack in one
+ctypes call (one OpenMP parallel region) per block of <= 64 tokens, reusing the ``PackedLinear``
+weights of the model, and returns the hidden states; ``head(hidden, logit_index)`` computes the
+logits of the rows that need them in one more call.  Token rows are computed independently of each other and of
 T (batch invariant): a verify block's logits are bitwise equal to single-token decodes given the
 same cache contents, so greedy speculative decoding in bf16 matches plain decoding exactly.
 
@@ -52,8 +53,8 @@ def why_not(model) -> str | None:
     st = _lin._load()
     if st["lib"] is None:
         return f"native kernels unavailable: {st['reason']}"
-    if not hasattr(st["lib"], "sd_decoder_forward"):
-        return "kernel library has no sd_decoder_forward"
+    if not hasattr(st["lib"], "sd_decoder_head"):
+        return "kernel library has no sd_decoder_head"
     c = getattr(model, "config", None)
     if c is None or not hasattr(model, "layers"):
         return "not a specdecode Transformer"
@@ -102,7 +103,7 @@ class FusedDecoder:
         st = _lin._load()
         self._lib = st["lib"]
         fn = self._lib.sd_decoder_forward
-        fn.argtypes = [P, P, I, I, P, P, I, P, I, P, P, I]
+        fn.argtypes = [P, P, I, I, P, P, I, P, I]
         fn.restype = I
         self._fn = fn
         c, dt = model.config, model.dtype
@@ -150,12 +151,15 @@ class FusedDecoder:
         self._m, self._keep = m, keep
         self._mref = ctypes.byref(m)
         rows_fn = self._lib.sd_decoder_rows
-        rows_fn.argtypes = [P, P, P, P, P, P, I, P, I, P, I, P, P, I]
+        rows_fn.argtypes = [P, P, P, P, P, P, I, P, I, P, I]
         rows_fn.restype = I
         self._rows_fn = rows_fn
+        head_fn = self._lib.sd_decoder_head
+        head_fn.argtypes = [P, P, I, P, I]
+        head_fn.restype = I
+        self._head_fn = head_fn
         self._cache_key = None
         self._scores = torch.empty(0)
-        self._all_idx = torch.arange(MAX_T, dtype=torch.int32)
 
     def _bind_cache(self, cache):
         key = (id(cache), cache.keys[0].data_ptr(), cache.values[0].data_ptr())
@@ -172,11 +176,9 @@ class FusedDecoder:
         if self._scores.numel() < need:
             self._scores = torch.empty(need, dtype=torch.float32)
 
-    def forward(self, tokens: Tensor, cache, start: int, logit_index: Tensor | None = None,
-                return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        """tokens [1, T] int64 at positions start..start+T-1 -> logits [1, n, vocab] float32 for
-        the rows in logit_index ([1, n] positions in 0..T-1; None = all rows); with return_hidden
-        also the last hidden states before the final norm, [1, T, D] in the model dtype."""
+    def forward(self, tokens: Tensor, cache, start: int) -> Tensor:
+        """tokens [1, T] int64 at positions start..start+T-1 -> the last hidden states before the
+        final norm, [1, T, D] in the model dtype (logits: `head`)."""
         T = tokens.shape[1]
         if tokens.shape[0] != 1:
             raise ValueError("FusedDecoder runs batch 1")
@@ -186,41 +188,55 @@ class FusedDecoder:
         tok = tokens[0]
         if tok.dtype != torch.int64 or not tok.is_contiguous():
             tok = tok.to(torch.int64).contiguous()
-        if logit_index is None:
-            rows = None
-            n = T
-        else:
-            rows = logit_index.reshape(-1)
-            n = rows.numel()
-            if n and not 0 <= min(lst := rows.tolist()) <= max(lst) < T:
-                raise ValueError(f"logit_index outside 0..{T - 1}")
-        out = torch.empty(1, n, self.vocab, dtype=torch.float32)
-        hidden = torch.empty(1, T, self.model.config.hidden_size, dtype=self.dtype) if return_hidden else None
+        hidden = torch.empty(1, T, self.model.config.hidden_size, dtype=self.dtype)
         nt = torch.get_num_threads()
         for c0 in range(0, T, MAX_T):
             Tc = min(MAX_T, T - c0)
-            if rows is None:
-                idx, ni, dst, gather = self._all_idx, Tc, out[0, c0:c0 + Tc], None
-            else:
-                # chunked, or repeated rows: compute each distinct row of the chunk once (<= MAX_T)
-                sel = ((rows >= c0) & (rows < c0 + Tc)).nonzero().reshape(-1) if (T > MAX_T or n > Tc) else None
-                if sel is None:
-                    idx, ni = rows.to(torch.int32).contiguous(), n
-                    dst, gather = out[0], None
-                else:
-                    uniq, inverse = torch.unique(rows[sel] - c0, return_inverse=True)
-                    idx, ni = uniq.to(torch.int32).contiguous(), uniq.numel()
-                    dst = torch.empty(ni, self.vocab, dtype=torch.float32)
-                    gather = (sel, inverse)
             rc = self._fn(self._mref, tok.data_ptr() + 8 * c0, Tc, start + c0, self._kc, self._vc,
-                          cache.max_len, idx.data_ptr(), ni, dst.data_ptr(), self._scores.data_ptr(), nt)
+                          cache.max_len, self._scores.data_ptr(), nt)
             if rc != 0:
                 raise ValueError("sd_decoder_forward rejected its arguments")
-            if gather is not None and ni:
-                out[0, gather[0]] = dst[gather[1]]
-            if hidden is not None:       # the native stack leaves the pre-norm states in its scratch
-                hidden[0, c0:c0 + Tc] = self._scratch["hid"][:Tc]
-        return (out, hidden) if return_hidden else out
+            hidden[0, c0:c0 + Tc] = self._scratch["hid"][:Tc]    # the stack leaves them in its scratch
+        return hidden
+
+    def head(self, hidden: Tensor,                       # [B, T, D] model dtype, before the final norm
+             logit_index: Tensor | None = None,          # [B, n] rows 0..T-1 that need logits; None = all
+             ) -> Tensor:                                # [B, n, vocab] float32
+        """Final norm and LM head on the rows asked for; each distinct row once (the engine repeats
+        a row's last position for missing drafts), at most MAX_T rows per native call."""
+        B, T, D = hidden.shape
+        if hidden.dtype != self.dtype:
+            raise ValueError(f"hidden states are {hidden.dtype}, the model computes in {self.dtype}")
+        flat = hidden.reshape(B * T, D)
+        if logit_index is None:
+            wanted = list(range(B * T))
+        else:
+            if logit_index.numel() and not 0 <= int(logit_index.min()) <= int(logit_index.max()) < T:
+                raise ValueError(f"logit_index outside 0..{T - 1}")
+            wanted = [r + b * T for b, row in enumerate(logit_index.tolist()) for r in row]
+        n = len(wanted) // B if B else 0
+        uniq = sorted(set(wanted))
+        first = uniq[0] if uniq else 0
+        if len(uniq) == len(wanted) and (not uniq or uniq[-1] - first == len(uniq) - 1):
+            rows, inverse = flat[first:first + len(uniq)], None          # consecutive rows: a slice
+            if uniq != wanted:
+                inverse = torch.tensor([w - first for w in wanted])
+        else:
+            rows = flat[torch.tensor(uniq)]
+            where = {r: i for i, r in enumerate(uniq)}
+            inverse = torch.tensor([where[w] for w in wanted])
+        rows = rows.contiguous()
+        logits = torch.empty(rows.shape[0], self.vocab, dtype=torch.float32)
+        nt = torch.get_num_threads()
+        for c0 in range(0, rows.shape[0], MAX_T):
+            m = min(MAX_T, rows.shape[0] - c0)
+            rc = self._head_fn(self._mref, rows.data_ptr() + c0 * D * rows.element_size(), m,
+                               logits.data_ptr() + c0 * self.vocab * 4, nt)
+            if rc != 0:
+                raise ValueError("sd_decoder_head rejected its arguments")
+        if inverse is not None:                  # repeated or unordered rows: copies
+            logits = logits[inverse]
+        return logits.view(B, n, self.vocab)
 
     def _bind_layout(self, lay):
         """Layer base pointers of a layout's cache tensors, checked and built once per cache."""
@@ -235,13 +251,13 @@ class FusedDecoder:
             self._layout_key = key
         return self._layout_bases
 
-    def forward_rows(self, fb, cache) -> Tensor | tuple[Tensor, Tensor]:
+    def forward_rows(self, fb, cache) -> Tensor:
         """Batched form of `forward` for any pass description `fb` (specdecode/forward.py: chain or
         tree, per-row starts and cache rows) and any cache with a `layout` (contiguous or paged).
-        Returns logits [B, n, vocab] float32 (and hidden [B, T, D]). Every token row is computed
-        as in `forward` and a tree node as the same path verified as a chain, so a request's logits
+        Returns the hidden states [B, T, D] (logits: `head`). Every token row is computed as in
+        `forward` and a tree node as the same path verified as a chain, so a request's results
         depend neither on the rest of the batch nor on the shape of its draft."""
-        tokens, logit_index, return_hidden = fb.tokens, fb.logit_index, fb.return_hidden
+        tokens = fb.tokens
         B, T = tokens.shape
         starts = fb.starts()
         row_ids = list(range(B)) if fb.rows is None else [int(r) for r in fb.rows.reshape(-1).tolist()]
@@ -261,34 +277,20 @@ class FusedDecoder:
             base = fb.tree_base.to(torch.int32).reshape(R).contiguous()
             mask = fb.tree_mask.to(torch.int64).reshape(R).contiguous()
         tables = lay.tables.to(torch.int32).repeat_interleave(T, 0).contiguous()      # [R, blocks]
-        n = T if logit_index is None else logit_index.shape[1]
-        flat = (torch.arange(T).repeat(B) if logit_index is None else logit_index.reshape(B, n).long().cpu())
-        flat = (flat.reshape(B, n) + torch.arange(B)[:, None] * T).reshape(-1)        # [B*n] rows wanted
-        out = torch.empty(B * n, self.vocab, dtype=torch.float32)
-        hidden = torch.empty(R, self.model.config.hidden_size, dtype=self.dtype) if return_hidden else None
+        hidden = torch.empty(R, self.model.config.hidden_size, dtype=self.dtype)
         nt = torch.get_num_threads()
         score_len = int(pos.max()) + 17
         if self._scores.numel() < nt * score_len:
             self._scores = torch.empty(nt * score_len, dtype=torch.float32)
         for c0 in range(0, R, MAX_T):
             Rc = min(MAX_T, R - c0)
-            sel = ((flat >= c0) & (flat < c0 + Rc)).nonzero().reshape(-1)
-            # distinct rows only (the engine repeats a row's last position for missing drafts):
-            # the native call computes at most Rc <= MAX_T logit rows
-            uniq, inverse = torch.unique(flat[sel] - c0, return_inverse=True)
-            idx = uniq.to(torch.int32).contiguous()
-            dst = torch.empty(idx.numel(), self.vocab, dtype=torch.float32)
             kv = _KV(kbase, vbase, tables.data_ptr() + 4 * c0 * tables.shape[1],
                      tables.shape[1], lay.block, lay.block_stride, lay.key_stride, lay.head_stride)
             rc = self._rows_fn(self._mref, tok.data_ptr() + 8 * c0, pos.data_ptr() + 4 * c0, slot.data_ptr() + 4 * c0,
                                None if base is None else base.data_ptr() + 4 * c0,
                                None if mask is None else mask.data_ptr() + 8 * c0, Rc, ctypes.byref(kv),
-                               score_len, idx.data_ptr(), idx.numel(), dst.data_ptr(), self._scores.data_ptr(), nt)
+                               score_len, self._scores.data_ptr(), nt)
             if rc != 0:
                 raise ValueError("sd_decoder_rows rejected its arguments")
-            if sel.numel():
-                out[sel] = dst[inverse]
-            if hidden is not None:
-                hidden[c0:c0 + Rc] = self._scratch["hid"][:Rc]
-        out = out.view(B, n, self.vocab)
-        return (out, hidden.view(B, T, -1)) if return_hidden else out
+            hidden[c0:c0 + Rc] = self._scratch["hid"][:Rc]
+        return hidden.view(B, T, -1)

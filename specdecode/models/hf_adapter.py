@@ -56,23 +56,33 @@ class HFAdapter:
         return sum(p.numel() * p.element_size() for p in self.hf.parameters())
 
     supports_trees = False    # transformers' caches are cropped, not position-addressed: chains only
+    has_features = False      # `run` returns transformers' output logits (see `run`)
 
     def run(self, fb, cache: AdapterCache) -> torch.Tensor:
-        """A chain pass described by a `ForwardBatch` (specdecode/forward.py)."""
+        """A chain pass described by a `ForwardBatch` (specdecode/forward.py). The states it returns
+        are transformers' own output logits [B, T, vocab] (its head may do more than a matmul, e.g.
+        soft-capping), which `logits` selects from: no features for drafters that read them."""
         if not fb.is_chain:
             raise ModelError("the transformers adapter verifies chains only: use a drafter that proposes "
                              "chains (ngram, model, eagle) with this model")
-        return self.forward(fb.tokens, cache, fb.start, fb.rows, fb.logit_index, fb.return_hidden)
+        return self._pass(fb.tokens, cache, fb.start, fb.rows)
 
-    @torch.inference_mode()
+    def logits(self, states: torch.Tensor,              # [B, T, vocab] from `run`
+               logit_index: torch.Tensor | None = None,  # [B, n]
+               ) -> torch.Tensor:                       # [B, n, vocab] float32
+        if logit_index is None:
+            return states
+        return torch.gather(states, 1, logit_index.to(states.device)[:, :, None].expand(-1, -1, states.shape[-1]))
+
     def forward(self, tokens: torch.Tensor,            # [B, T]
                 cache: AdapterCache, start, rows: torch.Tensor | None = None,
                 logit_index: torch.Tensor | None = None,  # [B, n]
-                return_hidden: bool = False,
                 ) -> torch.Tensor:                     # [B, n, vocab] float32
+        return self.logits(self._pass(tokens, cache, start, rows), logit_index)
+
+    @torch.inference_mode()
+    def _pass(self, tokens: torch.Tensor, cache: AdapterCache, start, rows: torch.Tensor | None) -> torch.Tensor:
         from transformers import DynamicCache
-        if return_hidden:   # drafters that read target features refuse adapter targets before this
-            raise ModelError("the transformers adapter does not return hidden states (EAGLE needs a native target)")
         batch, num_tokens = tokens.shape
         starts = [start] * batch if isinstance(start, int) else [int(s) for s in torch.as_tensor(start).reshape(-1)]
         row_ids = list(range(batch)) if rows is None else [int(r) for r in rows]
@@ -87,8 +97,5 @@ class HFAdapter:
             out = self.hf(input_ids=tokens[b:b + 1].to(self.device), past_key_values=past,
                           position_ids=positions, use_cache=True)
             cache.rows[row] = out.past_key_values
-            logits = out.logits[0].float()                              # [T, vocab]
-            if logit_index is not None:
-                logits = logits[logit_index[b]]
-            outputs.append(logits)
+            outputs.append(out.logits[0].float())                       # [T, vocab]
         return torch.stack(outputs)

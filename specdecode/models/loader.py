@@ -16,6 +16,7 @@ import torch
 
 from ..tokenizer import Tokenizer
 from .config import ModelConfig, ModelError
+from .interface import CausalLM
 
 DEFAULT_MODEL = "smollm2"
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -55,7 +56,7 @@ def resolve_device(name: str | None) -> torch.device:
 
 @dataclass
 class LoadedModel:
-    model: object            # Transformer or HFAdapter: forward(tokens, cache, start, rows, logit_index)
+    model: CausalLM          # Transformer or HFAdapter (models/interface.py: run, logits, forward)
     tokenizer: Tokenizer
     name: str                # what the user asked for, for messages
     path: Path               # the directory the weights came from (converted dir for GGUF)

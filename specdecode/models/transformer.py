@@ -4,9 +4,11 @@ Qwen2 differs from Llama only by biases on the q/k/v projections, which `ModelCo
 switches on; tied or untied LM heads both work. Weights use the Hugging Face layout
 (q/k rows in rotate-half order); q/k/v and gate/up are fused into one matrix each at load.
 
-The forward pass takes a batch of sequences at different positions (ragged), writes
-keys/values into a position-addressed `KVCache` and returns logits only for the
-positions asked for (prefill needs one row of logits, verification needs k+1).
+The model interface: `run(ForwardBatch, cache)` takes a batch of sequences at different positions
+(ragged, chain or tree; specdecode/forward.py), writes keys/values into a position-addressed
+`KVCache` and returns the hidden states; `logits(hidden, logit_index)` computes logits only for
+the positions asked for (prefill needs none, verification needs k+1); `forward` is the two for a
+chain.
 
 References: Touvron et al. 2023 (Llama), Su et al. 2021 (RoPE), Ainslie et al. 2023 (GQA).
 """
@@ -79,6 +81,7 @@ class Transformer:
     `specdecode.fast`)."""
 
     supports_trees = True     # `run` verifies draft trees (specdecode/forward.py)
+    has_features = True       # `run` returns the last hidden states (models/interface.py)
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  make_linear: Callable[[torch.Tensor, torch.Tensor | None], LinearFn] = eager_linear) -> None:
@@ -159,20 +162,20 @@ class Transformer:
                 start: int | torch.Tensor,            # slot of tokens[:, 0]: int (all rows) or [B]
                 rows: torch.Tensor | None = None,     # [B] cache rows; None = rows 0..B-1 of the cache
                 logit_index: torch.Tensor | None = None,  # [B, n] positions in 0..T-1 that need logits; None = all
-                return_hidden: bool = False,
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """A chain pass (`run` of `ForwardBatch.chain`): logits [B, n, vocab] float32; with
-        return_hidden also the last hidden states of every position, before the final norm
-        ([B, T, D], model dtype: the features EAGLE heads read)."""
-        return self.run(ForwardBatch.chain(tokens, start, rows, logit_index, return_hidden), cache)
+                ) -> torch.Tensor:                    # [B, n, vocab] float32
+        """A chain pass and its logits: `logits(run(ForwardBatch.chain(...)), logit_index)`."""
+        return self.logits(self.run(ForwardBatch.chain(tokens, start, rows, logit_index), cache), logit_index)
 
     @torch.inference_mode()
-    def run(self, fb: ForwardBatch, cache: KVCache) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """One pass as `fb` describes it (specdecode/forward.py): chain or tree, any rows. The
-        fused native decoder runs it when it can (batch-1 chains by their own entry), else eager."""
-        tokens, logit_index, return_hidden = fb.tokens, fb.logit_index, fb.return_hidden
+    def run(self, fb: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """One pass as `fb` describes it (specdecode/forward.py): chain or tree, any rows. Writes
+        the keys/values into `cache` and returns the last hidden states of every token, before
+        the final norm: [B, T, D] in the model dtype (the features EAGLE heads read; logits:
+        `logits`). The fused native decoder runs it when it can (batch-1 chains by their own
+        entry), else eager torch."""
+        tokens = fb.tokens
         if self.fused is not None and fb.uniform and tokens.shape[0] == 1 and tokens.shape[1] <= 64:
-            return self.fused.forward(tokens, cache, fb.start, logit_index, return_hidden)
+            return self.fused.forward(tokens, cache, fb.start)
         if (self.fused is not None and tokens.numel() <= FUSED_MAX_ROWS and hasattr(cache, "layout")
                 and not (fb.uniform and tokens.shape[0] == 1)):
             return self.fused.forward_rows(fb, cache)
@@ -212,9 +215,17 @@ class Transformer:
             gate, up = layer["gate_up"](x).chunk(2, dim=-1)
             hidden = hidden + layer["down"](F.silu(gate) * up)
 
-        features = hidden
+        return hidden
+
+    @torch.inference_mode()
+    def logits(self,
+               hidden: torch.Tensor,                    # [B, T, D] from `run`
+               logit_index: torch.Tensor | None = None,  # [B, n] token indices 0..T-1; None = all
+               ) -> torch.Tensor:                       # [B, n, vocab] float32
+        """Final norm and LM head on the rows asked for (each row as in a pass of any size)."""
+        if self.fused is not None:
+            return self.fused.head(hidden, logit_index)
         if logit_index is not None:
             hidden = torch.gather(hidden, 1, logit_index[:, :, None].expand(-1, -1, hidden.shape[-1]))
-        hidden = F.rms_norm(hidden, (c.hidden_size,), self.final_norm, c.rms_norm_eps)
-        logits = self.lm_head(hidden).float()
-        return (logits, features) if return_hidden else logits
+        hidden = F.rms_norm(hidden, (self.config.hidden_size,), self.final_norm, self.config.rms_norm_eps)
+        return self.lm_head(hidden).float()
