@@ -67,8 +67,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "skipped with a note when llama-cpp-python is missing)")
     all_methods = methods()
     s.add_argument("--methods", type=comma_list("--methods", all_methods), default=list(all_methods),
-                   help="comma-separated, from plain, ngram (prompt lookup), eagle (a trained head: --drafter, or the "
-                        "one shipped for the target), model (needs --draft); default all")
+                   help=f"comma-separated, from {', '.join(all_methods)} (the registered drafters; eagle / cascade "
+                        "use --drafter or the one shipped for the target, model needs --draft); default all")
     s.add_argument("-k", "--num-speculative-tokens", dest="ks", type=_ks, default=[5],
                    help="draft tokens per step; a list (e.g. 1,3,5,8) measures each (default 5)")
     s.add_argument("--adaptive", default=None, action=argparse.BooleanOptionalAction,
