@@ -123,6 +123,17 @@ def test_playground_colours_token_kinds_and_stats_follow(browser, server):
     wait(browser, lambda d: int(float(by_id(d, "stat-finished").get_attribute("data-value"))) >= 1)
     wait(browser, lambda d: d.find_elements("css selector", "#chart-positions rect.bar"),
          message="no acceptance-per-position bars")
+    # the last verified draft is drawn: one box per node plus the root, the accepted path highlighted
+    tree = httpx.get(server.url + "/api/stats", timeout=10).json()["speculation"]["last_tree"]
+    wait(browser, lambda d: int(by_id(d, "pg-tree").get_attribute("data-nodes") or 0) > 0,
+         message="the draft tree was never drawn")
+    svg = by_id(browser, "pg-tree")
+    boxes = svg.find_elements("css selector", "g.tree-node")
+    assert len(svg.find_elements("css selector", "g.tree-node.root")) == 1
+    drawn_nodes = int(svg.get_attribute("data-nodes"))
+    assert len(boxes) in (drawn_nodes + 1, drawn_nodes + 2)           # root, nodes, maybe the extra token
+    assert int(svg.get_attribute("data-accepted")) == len(svg.find_elements("css selector", "g.tree-node.accepted"))
+    assert tree is not None and by_id(browser, "stat-tree-nodes").text != "–"
 
 
 def test_playground_speculation_off_gives_only_target_tokens(browser):

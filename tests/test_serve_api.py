@@ -192,6 +192,42 @@ def test_metrics_and_stats(server, client):
     assert memory["kv_bytes_used"] == {"target": 0, "draft": 0} and memory["kv_bytes_capacity"]["target"] > 0
     for point in stats["history"]:
         assert set(point) == {"t", "tokens_per_s", "acceptance_rate", "mean_accepted_length", "running", "waiting"}
+    assert "\nspecdecode:spec_decode_tree_nodes_per_step_bucket" in text
+    assert spec["tree_nodes_mean"] > 0 and sum(spec["tree_nodes_histogram"].values()) > 0
+    _check_last_tree(spec["last_tree"])
+
+
+def _check_last_tree(tree):
+    """The dashboard's last verified draft is a valid tree whose accepted path is a root path and
+    whose accepted node tokens are the tokens the step emitted first."""
+    n = len(tree["tokens"])
+    assert n > 0 and len(tree["parents"]) == n == len(tree["texts"])
+    assert all(-1 <= p < i for i, p in enumerate(tree["parents"]))
+    parent = -1
+    for node in tree["accepted"]:
+        assert tree["parents"][node] == parent
+        parent = node
+    assert [tree["tokens"][i] for i in tree["accepted"]] == tree["emitted"][:len(tree["accepted"])]
+    assert len(tree["emitted"]) in (len(tree["accepted"]), len(tree["accepted"]) + 1)
+
+
+def test_tree_drafter_metrics_and_last_tree(tiny_models):
+    """A tree drafter through the server: trees of several nodes per step in /metrics and
+    /api/stats, the last tree well formed, greedy output identical to plain decoding."""
+    llm = LLM(model=str(tiny_models["llama"]), method="recycle", num_speculative_tokens=12, adaptive=False,
+              dtype="fp32", progress=False)
+    state = build_state(llm, ServeConfig(max_batch_size=2, max_model_len=128, block_size=8, prefill_chunk=32,
+                                         served_model_name="tiny"))
+    with BackgroundServer(create_app(state)) as srv:
+        body = dict(model="tiny", prompt=REPEAT, max_tokens=24, temperature=0, ignore_eos=True)
+        spec = httpx.post(srv.url + "/v1/completions", json=dict(body, speculate=True), timeout=60).json()
+        stats = httpx.get(srv.url + "/api/stats", timeout=10).json()["speculation"]
+        text = httpx.get(srv.url + "/metrics", timeout=10).text
+        plain = httpx.post(srv.url + "/v1/completions", json=dict(body, speculate=False), timeout=60).json()
+        assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert stats["tree_nodes_mean"] > 1                       # recycle drafts trees of several nodes
+    _check_last_tree(stats["last_tree"])
+    assert 'spec_decode_tree_nodes_per_step_bucket{le="12.0"}' in text
 
 
 def test_memory_budget_refuses_at_start_up(tiny_models, capsys):

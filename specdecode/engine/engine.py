@@ -33,6 +33,9 @@ class StepReport:
     accepted_nodes: list[list[int]]   # per sequence the accepted path, node indices by depth
     draft_seconds: float
     verify_seconds: float
+    node_tokens: list[list[int]] | None = None    # per sequence its draft's tokens (num_nodes of them)
+    node_parents: list[list[int]] | None = None   # per sequence each node's parent (-1: the root)
+    emitted: list[list[int]] | None = None        # per sequence the tokens this step appended
 MAX_CHAIN = 32          # draft tokens per row of a chain drafter
 
 
@@ -166,10 +169,12 @@ class SpecEngine:
         emitted_rows = result.tokens.tolist()
         num_drafted = proposal.num_tokens.tolist()
         depth = tree_depth(proposal)
+        appended_rows = []
         for row, s in enumerate(seqs):
             emitted = emitted_rows[row][:num_accepted[row] + 1]
             old_len = len(s.token_ids)
             appended = s.append(emitted, self.target.tokenizer.decode if s.params.stop else None)
+            appended_rows.append(emitted[:appended])
             if proposal.is_tree and num_accepted[row]:
                 self.runner.compact(s.row, old_len, result.accepted_nodes[row, :num_accepted[row]].tolist())
             self.runner.keep(s.row, old_len + num_accepted[row])
@@ -182,4 +187,8 @@ class SpecEngine:
         if self.drafter is not None:
             self.drafter.commit(seqs, proposal, num_accepted)
         accepted_nodes = [result.accepted_nodes[row, :num_accepted[row]].tolist() for row in range(len(seqs))]
-        return StepReport(num_drafted, accepted_nodes, t1 - t0, t2 - t1)
+        parents = proposal.tree_parents().tolist()
+        tokens = proposal.tokens.tolist()
+        return StepReport(num_drafted, accepted_nodes, t1 - t0, t2 - t1,
+                          [t[:n] for t, n in zip(tokens, num_drafted)], [p[:n] for p, n in zip(parents, num_drafted)],
+                          appended_rows)

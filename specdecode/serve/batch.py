@@ -124,10 +124,11 @@ class BatchEngine:
         """The drafter's per-request state (the paged draft cache of a draft model), for accounting."""
         return self.runner.drafter_state
 
-    def step(self, seqs: list[ServeSequence], on_tokens=None) -> None:
-        """One speculative step; row b drafts up to its k_now (set by the scheduler)."""
+    def step(self, seqs: list[ServeSequence], on_tokens=None):
+        """One speculative step; row b drafts up to its k_now (set by the scheduler). Returns the
+        engine's StepReport (each row's draft tree and accepted path)."""
         room = [draft_room(s, s.k_now, self.context) if self.drafter is not None else 0 for s in seqs]
-        self.loop.step(seqs, room, on_tokens)
+        return self.loop.step(seqs, room, on_tokens)
 
     # ------------------------------------------------------------ rows
     def fits(self, tokens: int) -> bool:

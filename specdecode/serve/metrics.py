@@ -17,6 +17,7 @@ disable_created_metrics()          # no `_created` series next to every counter 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+NODE_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 HISTORY_LEN = 120          # one sample per second
 RATE_WINDOW_S = 10.0
 
@@ -38,6 +39,9 @@ class ServeMetrics:
                                         "Draft tokens accepted at each draft position", ["position"], registry=r)
         self.drafted_per_pos = Counter(P + "spec_decode_num_draft_tokens_per_pos",
                                        "Draft tokens proposed at each draft position", ["position"], registry=r)
+        self.tree_nodes = Histogram(P + "spec_decode_tree_nodes_per_step",
+                                    "Draft tokens / tree nodes verified per request and step (the chosen draft "
+                                    "size; 0 = a plain step)", buckets=NODE_BUCKETS, registry=r)
         self.mean_accepted_length = Gauge(P + "spec_decode_mean_accepted_length",
                                           "Emitted tokens per verification step of a request (bonus included)",
                                           registry=r)
@@ -80,7 +84,9 @@ class ServeMetrics:
             self.weights.labels(name).set(value)
         # aggregates for /api/stats (under self.lock)
         self.totals = dict(row_steps=0, drafted=0, accepted=0, emitted=0, steps=0, draft_s=0.0, verify_s=0.0,
-                           finished=0, failed=0, aborted=0)
+                           finished=0, failed=0, aborted=0, nodes=0)
+        self.node_counts = [0] * (len(NODE_BUCKETS) + 1)     # row-steps per node-count bucket (last: more)
+        self.last_tree: dict | None = None
         self.drafted_pos: list[int] = []
         self.accepted_pos: list[int] = []
         self.counts = dict(running=0, waiting=0, speculating=0, batch_off=False)
@@ -90,8 +96,14 @@ class ServeMetrics:
 
     # ------------------------------------------------------------ engine thread
     def record_step(self, drafted: list[int], accepted: list[int], emitted: list[int],
-                    draft_s: float, verify_s: float) -> None:
+                    draft_s: float, verify_s: float, nodes: list[int] | None = None) -> None:
+        """One batched step: per row the draft depth (a chain's length, a tree's deepest node: the
+        per-position series count by depth), accepted drafts, emitted tokens and tree nodes."""
+        nodes = drafted if nodes is None else nodes
         with self.lock:
+            self.totals["nodes"] += sum(nodes)
+            for n in nodes:
+                self.node_counts[next((i for i, b in enumerate(NODE_BUCKETS) if n <= b), len(NODE_BUCKETS))] += 1
             t = self.totals
             t["steps"] += 1
             t["row_steps"] += len(emitted)
@@ -117,9 +129,23 @@ class ServeMetrics:
                 self.drafted_per_pos.labels(str(i)).inc()
                 if i < a:
                     self.accepted_per_pos.labels(str(i)).inc()
+        for n in nodes:
+            self.tree_nodes.observe(n)
         self.generation_tokens.inc(sum(emitted))
         self.draft_time.inc(draft_s)
         self.verify_time.inc(verify_s)
+
+    def record_tree(self, request_id: str, tokens: list[int], texts: list[str], parents: list[int],
+                    accepted: list[int], emitted: list[int], emitted_texts: list[str]) -> None:
+        """The last verified draft (the dashboard draws it): node tokens and parents (-1 = the
+        root, the last committed token), the accepted path's node indices by depth, and the tokens
+        the step emitted (the accepted ones, then the recovered or bonus token)."""
+        tree = {"request_id": request_id, "tokens": tokens, "texts": texts, "parents": parents,
+                "accepted": accepted, "emitted": emitted, "emitted_texts": emitted_texts,
+                "extra_token": emitted[len(accepted)] if len(emitted) > len(accepted) else None,
+                "t": round(time.time(), 3)}
+        with self.lock:
+            self.last_tree = tree
 
     def record_decisions(self, decisions) -> None:
         for d in decisions:
@@ -208,6 +234,11 @@ class ServeMetrics:
                     "tokens_per_step": round(t["emitted"] / t["steps"], 4) if t["steps"] else 0.0,
                     "acceptance_per_position": [round(a / d, 4) if d else 0.0
                                                 for a, d in zip(self.accepted_pos, self.drafted_pos)],
+                    "tree_nodes_mean": round(t["nodes"] / t["row_steps"], 4) if t["row_steps"] else 0.0,
+                    "tree_nodes_histogram": {("<=%d" % b if i < len(NODE_BUCKETS) else ">%d" % NODE_BUCKETS[-1]): c
+                                             for i, (b, c) in enumerate(zip(NODE_BUCKETS + (NODE_BUCKETS[-1],),
+                                                                            self.node_counts))},
+                    "last_tree": self.last_tree,
                     "draft_s": round(t["draft_s"], 4), "verify_s": round(t["verify_s"], 4),
                     "drafted_tokens": t["drafted"], "accepted_tokens": t["accepted"], "steps": t["steps"]},
                 "throughput_tokens_per_s": round(rate, 3),

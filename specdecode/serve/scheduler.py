@@ -286,7 +286,7 @@ class Scheduler:
                    s.stats.verify_seconds) for s in seqs]
         self._before = {id(s): b for s, b in zip(seqs, before)}
         started = time.perf_counter()
-        self.engine.step(seqs, self._on_tokens)
+        report = self.engine.step(seqs, self._on_tokens)
         seconds = time.perf_counter() - started
         drafted = [s.stats.drafted - b[0] for s, b in zip(seqs, before)]
         accepted = [s.stats.accepted - b[1] for s, b in zip(seqs, before)]
@@ -294,12 +294,24 @@ class Scheduler:
         decisions += self.policy.observe([s.policy for s in seqs], ks, drafted, accepted, seconds)
         decisions += self._score_shadows(seqs)
         self.metrics.record_step(drafted, accepted, emitted, seqs[0].stats.draft_seconds - before[0][3],
-                                 seqs[0].stats.verify_seconds - before[0][4])
+                                 seqs[0].stats.verify_seconds - before[0][4], nodes=report.num_nodes)
+        self._record_tree(seqs, report)
         self.metrics.record_decisions(decisions)
         for s in seqs:
             if s.finished:
                 self._end(s, s.finish_reason, None)
         self.running = [s for s in seqs if not s.finished]
+
+    def _record_tree(self, seqs: list[ServeSequence], report) -> None:
+        """The dashboard's last verified tree: the widest draft of this step, if any row drafted."""
+        widest = max(range(len(seqs)), key=lambda b: report.num_nodes[b])
+        if not report.num_nodes[widest]:
+            return
+        decode = self.target.tokenizer.decode
+        tokens, emitted = report.node_tokens[widest], report.emitted[widest]
+        self.metrics.record_tree(seqs[widest].request.id, tokens, [decode([t]) for t in tokens],
+                                 report.node_parents[widest], report.accepted_nodes[widest],
+                                 emitted, [decode([t]) for t in emitted])
 
     def _on_tokens(self, s: ServeSequence, tokens: list[int]) -> None:
         drafted0, accepted0 = self._before[id(s)][:2]

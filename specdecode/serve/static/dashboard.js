@@ -117,6 +117,10 @@
     }
     renderMemory(stats.memory || {});
     SpecCharts.bars($("chart-positions"), spec.acceptance_per_position || []);
+    set("stat-tree-nodes", spec.tree_nodes_mean, typeof spec.tree_nodes_mean === "number" ? spec.tree_nodes_mean.toFixed(2) : "–");
+    const tree = spec.last_tree;
+    if (window.SpecTree) SpecTree.draw($("pg-tree"), tree);
+    $("tree-summary").textContent = tree ? `${tree.tokens.length} nodes, ${tree.accepted.length} accepted` : "none yet";
     renderHistory(Array.isArray(stats.history) ? stats.history : []);
     document.body.dataset.statsUpdated = String(Date.now());
   }
