@@ -189,3 +189,22 @@ def test_eagle_sampling_matches_plain_distribution(setup, models, tmp_path_facto
     assert outside == 0
     assert p_value > P_MIN, (p_value, tv)
     assert tv < tv_bound(n), (p_value, tv)
+
+
+def test_lookahead_sampling_matches_plain_distribution(setup):
+    """Lookahead's drafts (pool n-grams and Jacobi window cells, point masses in one tree) pass
+    the same test at 2x10^4 samples; with 2-grams every window column is one node, so the 2-node
+    budget of this set-up holds a window."""
+    from specdecode.drafters.registry import build_drafter
+    llm, prompt, exact = setup
+    spec = LLM.__new__(LLM)
+    spec.__dict__.update(llm.__dict__)
+    spec.drafter = build_drafter("lookahead", llm.target, lookahead_window=2, lookahead_ngram=2)
+    spec.method = "lookahead"
+    n = 20_000
+    counts, acceptance = draw(spec, prompt, n, K, seed0=4_000_000)
+    p_value, tv, outside = compare(counts, exact)
+    assert acceptance > 0.005, acceptance
+    assert outside == 0
+    assert p_value > P_MIN, (p_value, tv)
+    assert tv < tv_bound(n), (p_value, tv)

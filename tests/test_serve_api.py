@@ -211,10 +211,11 @@ def _check_last_tree(tree):
     assert len(tree["emitted"]) in (len(tree["accepted"]), len(tree["accepted"]) + 1)
 
 
-def test_tree_drafter_metrics_and_last_tree(tiny_models):
+@pytest.mark.parametrize("method", ["recycle", "lookahead"])
+def test_tree_drafter_metrics_and_last_tree(tiny_models, method):
     """A tree drafter through the server: trees of several nodes per step in /metrics and
     /api/stats, the last tree well formed, greedy output identical to plain decoding."""
-    llm = LLM(model=str(tiny_models["llama"]), method="recycle", num_speculative_tokens=12, adaptive=False,
+    llm = LLM(model=str(tiny_models["llama"]), method=method, num_speculative_tokens=12, adaptive=False,
               dtype="fp32", progress=False)
     state = build_state(llm, ServeConfig(max_batch_size=2, max_model_len=128, block_size=8, prefill_chunk=32,
                                          served_model_name="tiny"))

@@ -34,7 +34,8 @@ BUILTIN = {"ngram": "specdecode.drafters.ngram:NgramDrafter",
            "model": "specdecode.drafters.model:ModelDrafter",
            "self-quant": "specdecode.drafters.self_quant:SelfQuantDrafter",
            "recycle": "specdecode.drafters.recycle:RecycleDrafter",
-           "suffix": "specdecode.drafters.suffix:SuffixDrafter"}
+           "suffix": "specdecode.drafters.suffix:SuffixDrafter",
+           "lookahead": "specdecode.drafters.lookahead:LookaheadDrafter"}
 RESERVED = ("none", "plain")      # "none": no drafter (API / CLI); "plain": plain decoding (bench)
 
 _registered: dict[str, type] = {}

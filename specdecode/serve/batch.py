@@ -12,6 +12,7 @@ in paged caches (composed, not subclassed).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from ..drafters.base import DraftProposal, Drafter, DrafterState
@@ -78,7 +79,9 @@ class RowDrafter(Drafter):
 
     def observe_topk(self, seqs, proposal, topk_ids):
         """Every row's target top-k reaches the drafter (speculating or not): a table-driven
-        drafter learns from all of them."""
+        drafter learns from all of them. The proposal carries the inner drafter's own step state."""
+        if proposal.step_state is not None:
+            proposal = dataclasses.replace(proposal, step_state=proposal.step_state[1].step_state)
         self.inner.observe_topk(seqs, proposal, topk_ids)
 
     def commit(self, seqs, proposal, num_accepted):
