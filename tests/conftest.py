@@ -49,6 +49,13 @@ def make_model(folder: Path, arch: str, seed: int, layers: int = 2, hidden: int 
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=hidden // heads))
+        with torch.no_grad():   # q/k norm weights away from 1 so the per-head norm is tested
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
         with torch.no_grad():   # give the q/k/v biases real values so they are tested

@@ -40,7 +40,7 @@ class EagleDrafter(Drafter):
         from .format import check_target, read_meta, shipped_drafter
         from .head import HeadConfig, rope_tables
         if not getattr(target, "native", False):
-            raise DrafterError(f"method 'eagle' needs a natively loaded target (Llama/Qwen2); {target.name} runs "
+            raise DrafterError(f"method 'eagle' needs a natively loaded target (Llama/Qwen2/Qwen3); {target.name} runs "
                                f"through the transformers adapter")
         path = Path(drafter_path).expanduser() if drafter_path is not None else shipped_drafter(target, "eagle")
         if not isinstance(min_confidence, (int, float)) or not 0.0 <= min_confidence < 1.0:

@@ -49,6 +49,8 @@ typedef struct {
      * (bf16 activations only): per layer sd_qmat pointers, or NULL arrays for none */
     const sd_qmat *const *qkv_q, *const *o_q, *const *gu_q, *const *down_q;
     const sd_qmat *head_q;
+    /* Qwen3: RMSNorm weights [L] -> [HD] over each q / k head before RoPE, or NULL */
+    const void *const *q_norm, *const *k_norm;
 } sd_model;
 
 /* Where the cache keeps key/value j of kv head h for one token row (elements from a layer's base):
@@ -291,6 +293,13 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
                 const char *src = qkv + ((size_t)r * NQKV + (size_t)h * HD) * esz;
                 const char *cs = (const char *)md->rope_cos + (size_t)p * HD * esz;
                 const char *sn = (const char *)md->rope_sin + (size_t)p * HD * esz;
+                const void *nw = h < H ? (md->q_norm ? md->q_norm[l] : NULL)
+                                       : h < H + KVH && md->k_norm ? md->k_norm[l] : NULL;
+                _Alignas(64) char normed[256 * 4];
+                if (nw) {                                   /* per-head RMSNorm (Qwen3), then RoPE */
+                    rmsnorm_row(src, nw, normed, HD, md->eps, bf);
+                    src = normed;
+                }
                 if (h < H)
                     rope_head(src, cs, sn, qb + ((size_t)r * QS + (size_t)h * HD) * esz, HD, bf);
                 else if (h < H + KVH)

@@ -38,7 +38,7 @@ class _Model(ctypes.Structure):  # must match sd_model in decoder.c
         ("attn_norm", P), ("mlp_norm", P), ("qkv_w", P), ("qkv_b", P), ("o_w", P), ("gu_w", P),
         ("down_w", P), ("final_norm", P), ("head_w", P), ("head_b", P),
         ("hid", P), ("xn", P), ("qkv", P), ("q", P), ("att", P), ("gu", P), ("act", P),
-        ("qkv_q", P), ("o_q", P), ("gu_q", P), ("down_q", P), ("head_q", P)]
+        ("qkv_q", P), ("o_q", P), ("gu_q", P), ("down_q", P), ("head_q", P), ("q_norm", P), ("k_norm", P)]
 
 
 class _KV(ctypes.Structure):  # must match sd_kv in decoder.c
@@ -148,6 +148,11 @@ class FusedDecoder:
             m.qkv_q, m.o_q, m.gu_q, m.down_q = qarr("qkv"), qarr("o"), qarr("gate_up"), qarr("down")
             if isinstance(model.lm_head, QuantLinear):
                 m.head_q = ctypes.addressof(model.lm_head.qmat)
+        if c.qk_norm:
+            qn = [ly["q_norm"].contiguous() for ly in model.layers]
+            kn = [ly["k_norm"].contiguous() for ly in model.layers]
+            keep += qn + kn
+            m.q_norm, m.k_norm = arr(qn), arr(kn)
         self._m, self._keep = m, keep
         self._mref = ctypes.byref(m)
         rows_fn = self._lib.sd_decoder_rows

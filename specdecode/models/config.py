@@ -1,11 +1,11 @@
-"""Architecture hyper-parameters of a Llama/Qwen2-family decoder, read from an HF config.json
+"""Architecture hyper-parameters of a Llama/Qwen2/Qwen3-family decoder, read from an HF config.json
 or from GGUF metadata. Validated on construction."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3")
 
 
@@ -15,7 +15,7 @@ class ModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                      # "llama" or "qwen2"
+    arch: str                      # "llama", "qwen2" or "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -31,6 +31,7 @@ class ModelConfig:
     attention_bias: bool = False   # q/k/v projections have biases (Qwen2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    qk_norm: bool = False          # RMSNorm over each q / k head before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -45,7 +46,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         model_type = cfg.get("model_type", "")
-        arch = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama"}.get(model_type)
+        arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}.get(model_type)
         if arch is None:
             raise ModelError(f"model_type {model_type!r} is not native")
         if model_type == "mistral" and cfg.get("sliding_window") not in (None, 0):
@@ -77,12 +78,13 @@ class ModelConfig:
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            qk_norm=arch == "qwen3",
         )
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json that transformers can load (used for the converted-GGUF cache)."""
         model_type = self.arch
-        arch_name = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.arch]
+        arch_name = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.arch]
         eos: Any = list(self.eos_token_ids)
         if len(eos) == 1:
             eos = eos[0]
@@ -101,7 +103,7 @@ class ModelConfig:
             "rope_scaling": self.rope_scaling,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias if self.arch == "llama" else None,
+            "attention_bias": self.attention_bias if self.arch != "qwen2" else None,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": eos,
             "hidden_act": "silu",
@@ -115,5 +117,5 @@ class ModelConfig:
         """Parameters read per decoded token (the LM head counted once even when tied)."""
         d, i, hd = self.hidden_size, self.intermediate_size, self.head_dim
         attn = d * (self.num_heads + 2 * self.num_kv_heads) * hd + self.num_heads * hd * d
-        per_layer = attn + 3 * d * i + 2 * d
+        per_layer = attn + 3 * d * i + 2 * d + (2 * hd if self.qk_norm else 0)
         return self.num_layers * per_layer + self.vocab_size * d + d

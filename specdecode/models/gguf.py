@@ -158,6 +158,7 @@ _NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 
 
@@ -195,8 +196,8 @@ def end_of_generation_ids(reader) -> tuple[int, ...]:
 
 def read_config(reader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ModelError(f"GGUF architecture {arch!r} is not supported (supported: llama, qwen2)")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ModelError(f"GGUF architecture {arch!r} is not supported (supported: llama, qwen2, qwen3)")
     g = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
@@ -218,6 +219,7 @@ def read_config(reader) -> ModelConfig:
         max_position_embeddings=int(g("context_length", 2048)),
         tie_word_embeddings="output.weight" not in names, attention_bias=arch == "qwen2",
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+        qk_norm=arch == "qwen3",
     )
 
 

@@ -1,7 +1,8 @@
-"""A lean Llama / Qwen2 decoder (GQA, RoPE with optional scaling, RMSNorm, SwiGLU).
+"""A lean Llama / Qwen2 / Qwen3 decoder (GQA, RoPE with optional scaling, RMSNorm, SwiGLU).
 
 Qwen2 differs from Llama only by biases on the q/k/v projections, which `ModelConfig.attention_bias`
-switches on; tied or untied LM heads both work. Weights use the Hugging Face layout
+switches on; Qwen3 by an RMSNorm over each q and k head before RoPE (`ModelConfig.qk_norm`); tied
+or untied LM heads both work. Weights use the Hugging Face layout
 (q/k rows in rotate-half order); q/k/v and gate/up are fused into one matrix each at load.
 
 The model interface: `run(ForwardBatch, cache)` takes a batch of sequences at different positions
@@ -103,6 +104,8 @@ class Transformer:
                 "mlp_norm": weights[p + "post_attention_layernorm.weight"],
                 "gate_up": make_linear(gate_up, None),
                 "down": make_linear(weights[p + "mlp.down_proj.weight"], None),
+                "q_norm": weights[p + "self_attn.q_norm.weight"] if config.qk_norm else None,
+                "k_norm": weights[p + "self_attn.k_norm.weight"] if config.qk_norm else None,
             })
         self.final_norm = weights["model.norm.weight"]
         # a quantized file keeps its (tied or own) output matrix quantized under "lm_head.weight"
@@ -204,6 +207,9 @@ class Transformer:
             q = q.view(batch, num_tokens, c.num_heads, c.head_dim).transpose(1, 2)
             k = k.view(batch, num_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
             v = v.view(batch, num_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            if c.qk_norm:
+                q = F.rms_norm(q, (c.head_dim,), layer["q_norm"], c.rms_norm_eps)
+                k = F.rms_norm(k, (c.head_dim,), layer["k_norm"], c.rms_norm_eps)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             keys, values = cache.write(index, rows, start, k, v)
