@@ -44,8 +44,10 @@ class LLM:
     any drafter registered with `specdecode.drafters.registry.register` or the `specdecode.drafters`
     entry-point group (default: see default_method); drafter_path: a trained drafter directory (methods "eagle", "cascade").
     num_speculative_tokens: draft length k; 0 means plain decoding.
-    dtype: None (a GGUF file computes on its own quantized weights, anything else in bf16), "bf16" or
-    "fp32" (dense; a GGUF file is dequantized); weights: "auto", "native" or "dense" (see load_model);
+    dtype: None (a GGUF file computes on its own quantized weights, anything else in bf16), "auto"
+    (the checkpoint's own: a GGUF file's quantized weights, an HF directory's torch_dtype), or dense
+    "bf16"/"bfloat16", "fp32"/"float32"/"float", "fp16"/"float16"/"half" (any case; a GGUF file is
+    dequantized); weights: "auto", "native" or "dense" (see load_model);
     draft_dtype: the draft's dtype if not the target's, or "int8" (weights quantized per channel).
     adaptive: choose each step's draft size up to num_speculative_tokens from measured costs and
     acceptance (engine/budget.py), plain decoding when drafts do not pay; None = on; False: every

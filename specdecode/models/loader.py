@@ -19,8 +19,10 @@ from .config import ModelConfig, ModelError
 from .interface import CausalLM
 
 DEFAULT_MODEL = "smollm2"
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
+DTYPE_NAMES = ("auto", *DTYPES)      # auto: the checkpoint's own (a GGUF file: its quantized weights)
 
 
 def default_model_path() -> Path:
@@ -36,10 +38,20 @@ def default_model_path() -> Path:
     return files[0]
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ModelError(f"dtype must be one of fp32, bf16, fp16 (or int8 for a draft), got {name!r}")
-    return DTYPES[name]
+def parse_dtype(name: str) -> torch.dtype | None:
+    """A dtype name (any case) -> torch dtype; "auto" -> None (the checkpoint's own)."""
+    key = name.lower() if isinstance(name, str) else name
+    if key == "auto":
+        return None
+    if key not in DTYPES:
+        raise ModelError(f"dtype must be one of {', '.join(DTYPE_NAMES)} (or int8 for a draft), got {name!r}")
+    return DTYPES[key]
+
+
+def checkpoint_dtype(hf_config: dict) -> torch.dtype:
+    """The float type an HF config says its weights are in (bf16 when it says nothing usable)."""
+    name = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16").lower()
+    return DTYPES.get(name, torch.bfloat16)
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -164,12 +176,15 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
     started = time.perf_counter()
     if weights not in WEIGHTS:
         raise ModelError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    int8 = dtype == "int8"
+    int8 = isinstance(dtype, str) and dtype.lower() == "int8"
+    auto = isinstance(dtype, str) and dtype.lower() == "auto"
     if int8:            # dense bf16, then every projection quantized to int8 per output channel
         dtype, weights = "bf16", "dense"
         if not fast:
             raise ModelError("dtype int8 runs in the fast kernels (not with fast=False / --eager)")
     torch_dtype = (parse_dtype(dtype) if isinstance(dtype, str) else dtype)
+    if auto:
+        dtype = None
     torch_device = resolve_device(device)
     name = spec or DEFAULT_MODEL
     path = default_model_path() if spec in (None, DEFAULT_MODEL) else Path(spec).expanduser()
@@ -192,6 +207,8 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
     if not (model_dir / "config.json").is_file():
         raise ModelError(f"{model_dir} has no config.json: not a Hugging Face model directory")
     hf_config = json.loads((model_dir / "config.json").read_text())
+    if auto and not path.is_file():            # an HF directory in its own float type
+        torch_dtype = checkpoint_dtype(hf_config)
     tokenizer = Tokenizer(model_dir)
     try:
         config = ModelConfig.from_hf(hf_config)
