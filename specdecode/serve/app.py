@@ -16,6 +16,7 @@ from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -23,6 +24,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from ..params import SamplingParams
+from .auth import DEFAULT_MAX_BODY_BYTES, Guard
 from .protocol import ApiError, ParsedRequest, error_body, parse
 from .scheduler import Failed, Finished, QueueFull, Request, Tokens
 
@@ -264,8 +266,10 @@ async def internal_error(http: HttpRequest, exc: Exception) -> Response:
     return error(500, f"internal server error ({type(exc).__name__})")
 
 
-def create_app(state) -> Starlette:
-    """`state`: a `server.ServeState` (scheduler, tokenizer, parsing context)."""
+def create_app(state, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+    """`state`: a `server.ServeState` (scheduler, tokenizer, parsing context); api_key: required as
+    `Authorization: Bearer KEY` on every endpoint but /health and the dashboard's files (auth.py);
+    max_body_bytes: larger request bodies get 413."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -287,6 +291,7 @@ def create_app(state) -> Starlette:
     if STATIC.is_dir():
         routes.append(Mount("/static", app=StaticFiles(directory=STATIC), name="static"))
     app = Starlette(routes=routes, lifespan=lifespan,
+                    middleware=[Middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)],
                     exception_handlers={HTTPException: http_error, Exception: internal_error})
     app.state.serve = state
     return app

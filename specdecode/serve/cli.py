@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
 def add_serve_parser(sub) -> None:
     from ..cli_common import add_model_options, number, positive_int
+    from .auth import DEFAULT_MAX_BODY_BYTES
     p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching, per-request "
                                      "speculation, Prometheus metrics and a live dashboard at /")
     add_model_options(p)
@@ -32,6 +34,11 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--health-timeout", type=number("--health-timeout"), default=10.0,
                    help="seconds /health waits for its one-token generation (default 10)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"), metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on every endpoint but /health and the dashboard page "
+                        "(default: env SPECDECODE_API_KEY, else none)")
+    g.add_argument("--max-body-bytes", type=positive_int("--max-body-bytes", 1), default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES})")
     p.set_defaults(run=cmd_serve)
 
 
@@ -41,6 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..api import LLM
     from ..cli_common import CliError
     from .app import create_app
+    from .auth import exposed_without_key
     from .memory import weights_bytes
     from .scheduler import ServeConfig
     from .server import build_state
@@ -63,5 +71,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{(sched.engine.draft_cache.nbytes() if sched.engine.draft_cache else 0) / 2**20:.0f} MiB draft, "
           f"weights {weights_bytes(llm.target.model) / 2**20:.0f} MiB; http://{args.host}:{args.port}/",
           file=sys.stderr)
-    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
+    if exposed_without_key(args.host, args.api_key):
+        print(f"warning: listening on {args.host} without an API key: anyone who can reach this port may use "
+              f"the server (set --api-key or SPECDECODE_API_KEY)", file=sys.stderr)
+    uvicorn.run(create_app(state, api_key=args.api_key, max_body_bytes=args.max_body_bytes), host=args.host,
+                port=args.port, log_level=args.log_level)
     return 0

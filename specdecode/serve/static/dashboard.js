@@ -129,7 +129,7 @@
     if (inFlight) return inFlight;
     inFlight = (async () => {
       try {
-        const response = await fetch("api/stats", { cache: "no-store" });
+        const response = await apiFetch("api/stats", { cache: "no-store" });
         if (!response.ok) throw new Error("HTTP " + response.status);
         render(await response.json());
         connection(true);

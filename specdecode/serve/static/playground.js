@@ -9,7 +9,7 @@
   async function loadModels() {
     const select = $("pg-model");
     try {
-      const response = await fetch("v1/models", { cache: "no-store" });
+      const response = await apiFetch("v1/models", { cache: "no-store" });
       if (!response.ok) throw new Error("HTTP " + response.status);
       const body = await response.json();
       for (const model of body.data || []) select.appendChild(new Option(model.id, model.id));
@@ -129,7 +129,7 @@
     const start = performance.now();
     let ttft = null, finish = null, failure = null;
     try {
-      const response = await fetch(request.url, {
+      const response = await apiFetch(request.url, {
         method: "POST", headers: { "Content-Type": "application/json" },
         body: JSON.stringify(request.body), signal: controller.signal,
       });
