@@ -9,6 +9,7 @@ import json
 import os
 import statistics
 import sys
+from pathlib import Path
 
 from .cli_common import CliError, add_model_options, number, positive_int
 from .params import ParamError
@@ -36,6 +37,46 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=positive_int("--max-tokens", 1), default=128)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    s = p.add_argument_group("structured output (at most one; the output follows it, speculation stays lossless)")
+    s.add_argument("--json-schema", metavar="FILE", help="a JSON schema file (- for stdin)")
+    s.add_argument("--json-object", action="store_true", help="any JSON object")
+    s.add_argument("--regex", metavar="RE", help="a regular expression the whole output matches")
+    s.add_argument("--choice", action="append", metavar="TEXT", help="one allowed output (repeatable)")
+    s.add_argument("--grammar", metavar="FILE", help="a context-free grammar file (GBNF with ::=, else Lark)")
+
+
+def structured_option(args: argparse.Namespace):
+    """The --json-schema / --json-object / --regex / --choice / --grammar constraint, or None."""
+    from .cli_common import CliError
+    from .params import ParamError
+    from .structured import Structured
+    given = [(flag, value) for flag, value in (("--json-schema", args.json_schema), ("--json-object", args.json_object),
+                                               ("--regex", args.regex), ("--choice", args.choice),
+                                               ("--grammar", args.grammar)) if value]
+    if len(given) > 1:
+        raise CliError(f"give at most one of --json-schema, --json-object, --regex, --choice, --grammar "
+                       f"(got {', '.join(f for f, _ in given)})")
+    if not given:
+        return None
+    flag, value = given[0]
+    try:
+        if flag in ("--json-schema", "--grammar"):
+            text = sys.stdin.read() if value == "-" else Path(value).expanduser().read_text()
+            if flag == "--json-schema":
+                structured = Structured("json_schema", json.loads(text))
+            else:
+                structured = Structured("grammar", text)
+        else:
+            structured = Structured({"--json-object": "json_object", "--regex": "regex", "--choice": "choice"}[flag],
+                                    None if flag == "--json-object" else value)
+        structured.grammar()                            # parse errors now, as one line
+    except OSError as exc:
+        raise CliError(f"{flag}: cannot read {value}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{flag}: {value} is not JSON: {exc}") from None
+    except ParamError as exc:
+        raise CliError(f"{flag}: {exc}") from None
+    return structured
 
 
 def sampling_params(args: argparse.Namespace):
@@ -43,7 +84,8 @@ def sampling_params(args: argparse.Namespace):
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, logit_bias=dict(args.logit_bias),
-                          seed=args.seed, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+                          seed=args.seed, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+                          structured=structured_option(args))
 
 
 def build_parser() -> argparse.ArgumentParser:

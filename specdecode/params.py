@@ -46,6 +46,7 @@ class SamplingParams:
     max_tokens: int = 128
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    structured: object = None       # specdecode.structured.Structured: the output follows a grammar
 
     def __post_init__(self) -> None:
         _finite("temperature", self.temperature)
@@ -87,6 +88,8 @@ class SamplingParams:
         _check(len(self.stop) <= 16, f"stop accepts at most 16 strings, got {len(self.stop)}")
 
         _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        _check(self.structured is None or callable(getattr(self.structured, "grammar", None)),
+               f"structured must be a specdecode.structured.Structured, got {type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:

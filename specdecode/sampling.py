@@ -51,8 +51,9 @@ def transform_logits(
     prompt_lens: Sequence[int] | None = None,
     block_tokens: torch.Tensor | None = None,
     block_paths: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Apply bias, penalties, temperature and filters; returns float32 logits.
+    """Apply a grammar's mask, bias, penalties, temperature and filters; returns float32 logits.
 
     logits:       [batch, T, vocab] raw logits, any float dtype (computed in float32).
     params:       len batch, one SamplingParams per row.
@@ -66,6 +67,8 @@ def transform_logits(
     block_paths:  [batch, T, T-1] bool, for a draft tree: entry [b, t, j] says block token j
                   precedes position t (is on its path; specdecode/tree.py `ancestors`). None =
                   a chain: every earlier block position precedes t.
+    allowed:      [batch, T, vocab] bool, the tokens a grammar allows at each position
+                  (structured.py); the others get -inf first. None = no constraint.
 
     Returns [batch, T, vocab] float32. When there is nothing to do and `logits` is already
     float32, the input tensor itself may be returned (do not modify it in place).
@@ -76,6 +79,8 @@ def transform_logits(
     if len(params) != batch:
         raise ValueError(f"got {len(params)} SamplingParams for a batch of {batch}")
     device = logits.device
+    if allowed is not None:
+        logits = logits.float().masked_fill(~allowed.to(device), float("-inf"))
 
     bias_rows = [b for b, p in enumerate(params) if p.logit_bias]
     penalty_rows = [b for b, p in enumerate(params) if p.uses_penalties]

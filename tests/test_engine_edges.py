@@ -311,7 +311,7 @@ BAD_PARAMS = [
     ("seed", -1), ("seed", 2**63), ("seed", 1.5), ("seed", "7"),
     ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", 2.0), ("max_tokens", True),
     ("stop", [""]), ("stop", ["a"] * 17), ("stop", [1]),
-    ("stop", 5), ("ignore_eos", "yes"),
+    ("stop", 5), ("ignore_eos", "yes"), ("structured", {"type": "object"}), ("structured", "json"),
 ]
 
 

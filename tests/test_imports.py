@@ -15,7 +15,8 @@ import specdecode
 
 ROOT = Path(specdecode.__file__).resolve().parent
 # subpackages / modules below the interfaces: they must never import the layers above them
-LOW = ("params", "sampling", "verify", "kv_cache", "tokenizer", "datasets", "models", "fast", "drafters", "engine")
+LOW = ("params", "sampling", "structured", "verify", "kv_cache", "tokenizer", "datasets", "models", "fast", "drafters",
+       "engine")
 HIGH = ("api", "cli", "serve", "bench", "distill")
 
 

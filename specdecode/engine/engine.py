@@ -22,6 +22,8 @@ from .runner import ModelRunner
 from .budget import DraftBudget, ShadowDrafts, measure_cost_curve
 from .scheduler import StaticBatch, draft_room
 from .sequence import Sequence
+from ..structured import grammar_tokenizer
+from .forced import FORCED_MAX, merge_forced
 
 StreamCallback = Callable[[Sequence, list[int]], None]
 
@@ -99,6 +101,9 @@ class SpecEngine:
         device = self.model.device
         seqs = [Sequence(i, prompt, p, self.target.eos_token_ids, row=i, device=device)
                 for i, (prompt, p) in enumerate(zip(prompts, params))]
+        for s in seqs:
+            if s.params.structured is not None:
+                s.constraint = grammar_tokenizer(self.target).constraint(s.params.structured)
         max_len = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs) + self.slack
         batch = StaticBatch(seqs, self.k, max_len - self.slack)
         self.runner.allocate(len(seqs), max_len)
@@ -151,9 +156,12 @@ class SpecEngine:
         # 1. draft
         t0 = time.perf_counter()
         if self.drafter is not None and max(room) > 0:
-            proposal = self.drafter.propose(seqs, room).simplified()
+            own = self.drafter.propose(seqs, room).simplified()
         else:
-            proposal = DraftProposal.empty(len(seqs))
+            own = DraftProposal.empty(len(seqs))
+        # a grammar's forced tokens replace a constrained row's drafts when speculating (structured.py)
+        proposal, forced_rows = merge_forced(seqs, own, [draft_room(s, FORCED_MAX, self.model.max_len)
+                                                         if self.k > 0 else 0 for s in seqs])
         t1 = time.perf_counter()
         # 2. score all drafts in one target pass, then verify
         target_probs = self.runner.score(seqs, proposal)                # [B, n+1, vocab]
@@ -175,6 +183,8 @@ class SpecEngine:
             old_len = len(s.token_ids)
             appended = s.append(emitted, self.target.tokenizer.decode if s.params.stop else None)
             appended_rows.append(emitted[:appended])
+            if s.constraint is not None:
+                s.constraint.consume(emitted[:appended])
             if proposal.is_tree and num_accepted[row]:
                 self.runner.compact(s.row, old_len, result.accepted_nodes[row, :num_accepted[row]].tolist())
             self.runner.keep(s.row, old_len + num_accepted[row])
@@ -184,8 +194,8 @@ class SpecEngine:
             s.stats.verify_seconds += t2 - t1
             if on_tokens is not None:
                 on_tokens(s, emitted[:appended])
-        if self.drafter is not None:
-            self.drafter.commit(seqs, proposal, num_accepted)
+        if self.drafter is not None:         # its own proposal: a row of forced tokens kept none of its drafts
+            self.drafter.commit(seqs, own, [0 if row in forced_rows else n for row, n in enumerate(num_accepted)])
         accepted_nodes = [result.accepted_nodes[row, :num_accepted[row]].tolist() for row in range(len(seqs))]
         parents = proposal.tree_parents().tolist()
         tokens = proposal.tokens.tolist()

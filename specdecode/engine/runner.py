@@ -22,6 +22,7 @@ import torch
 from ..drafters.base import DraftProposal, Drafter, DrafterState
 from ..forward import ForwardBatch
 from ..sampling import probs_from_logits, transform_logits
+from ..structured import allowed_masks
 from ..tree import ancestors
 from .sequence import Sequence
 
@@ -139,7 +140,8 @@ class ModelRunner:
             [s.token_ids for s in seqs] if needs_history else None,
             [s.prompt_len for s in seqs] if needs_history else None,
             proposal.tokens.to(device) if k > 0 else None,
-            ancestors(proposal.parents, proposal.num_tokens) if needs_history and proposal.is_tree else None)
+            ancestors(proposal.parents, proposal.num_tokens) if needs_history and proposal.is_tree else None,
+            allowed_masks(seqs, proposal, logits.shape[-1]))
         if self.drafter is not None and self.drafter.capabilities.needs_target_topk:
             self.drafter.observe_topk(seqs, proposal,
                                       transformed.topk(self.drafter.capabilities.needs_target_topk, dim=-1).indices)

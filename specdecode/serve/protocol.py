@@ -107,9 +107,6 @@ def _unsupported(body: dict) -> None:
         raise _bad("logprobs", "is not supported by this server")
     if body.get("tools") or body.get("functions"):
         raise _bad("tools", "(function calling) is not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise _bad("response_format", "only {'type': 'text'} is supported (no structured output)")
 
 
 def _sampling(body: dict, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
@@ -134,6 +131,13 @@ def _sampling(body: dict, max_tokens: int | None, default_max_tokens: int) -> Sa
         values["stop"] = stop
     values["ignore_eos"] = _bool(body, "ignore_eos")
     values["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+    from ..structured import structured_from_body
+    try:
+        values["structured"], _ = structured_from_body(body)
+    except ParamError as exc:
+        field = str(exc).split(":")[0].split()[0]
+        raise ApiError(400, str(exc), param=field if field in ("response_format", "guided_json", "guided_regex",
+                                                             "guided_choice", "guided_grammar") else None) from None
     try:
         return SamplingParams(**values)
     except ParamError as exc:

@@ -256,8 +256,12 @@ class Scheduler:
             mode = ON if request.speculate else AUTO
             k = min(request.num_speculative_tokens or self.config.num_speculative_tokens, self.max_k)
         policy = RowPolicy(mode=mode, k=k, probe_wait=self.policy.probe_interval)
-        return ServeSequence(request, request.prompt_ids, request.params, self.target.eos_token_ids, row,
-                             policy, self.target.model.device)
+        seq = ServeSequence(request, request.prompt_ids, request.params, self.target.eos_token_ids, row,
+                            policy, self.target.model.device)
+        if request.params.structured is not None:         # the grammar's state (structured.py)
+            from ..structured import grammar_tokenizer
+            seq.constraint = grammar_tokenizer(self.target).constraint(request.params.structured)
+        return seq
 
     def _prefill_some(self) -> None:
         budget, chunks = self.config.prefill_chunk, []

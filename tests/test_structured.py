@@ -1,0 +1,128 @@
+"""Structured output (llguidance): every finished constrained output parses and validates; greedy
+output is identical with and without speculation (a chain and a tree drafter) while the grammar's
+forced tokens are accepted as drafts; the server takes response_format / guided_* through the
+unchanged openai client; bad schemas, regexes and grammars get one clear error naming the field."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from specdecode import LLM, SamplingParams
+from specdecode.params import ParamError
+from specdecode.serve.app import create_app
+from specdecode.serve.scheduler import ServeConfig
+from specdecode.serve.server import BackgroundServer, build_state
+from specdecode.structured import Structured, structured_from_body
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                      "country": {"type": "string", "enum": ["France", "Spain", "Japan", "Other"]},
+                                      "sunny": {"type": "boolean"}},
+     "required": ["city", "country", "sunny"], "additionalProperties": False},
+    {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                "minItems": 1, "maxItems": 3}},
+     "required": ["items"], "additionalProperties": False},
+]
+PROMPTS = ["Describe Maria, a 34 year old nurse, as JSON.", "Where is Kyoto? Answer as JSON.",
+           "List three fruits as JSON."]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(method="ngram", progress=False, adaptive=False, num_speculative_tokens=8)
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_outputs_validate_and_speculation_changes_nothing(llm, schema):
+    params = SamplingParams(max_tokens=96, structured=Structured("json_schema", schema))
+    plain = llm.generate(PROMPTS, params, num_speculative_tokens=0)
+    spec = llm.generate(PROMPTS, params)
+    for p, s in zip(plain, spec):
+        assert s.token_ids == p.token_ids
+        assert s.finish_reason == "stop", s.text          # bounded schemas finish
+        jsonschema.validate(json.loads(s.text), schema)
+    # keys and punctuation are forced tokens: drafted for free and accepted
+    assert max(s.stats["mean_accepted_length"] for s in spec) > 1.5
+
+
+def test_sampled_outputs_validate_and_tree_drafter(llm):
+    schema = SCHEMAS[0]
+    sampled = SamplingParams(max_tokens=96, temperature=0.8, top_p=0.95, seed=3,
+                             structured=Structured("json_schema", schema))
+    for out in llm.generate(PROMPTS * 2, sampled):
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), schema)
+    tree = LLM(method="suffix", progress=False, adaptive=False, num_speculative_tokens=16)
+    greedy = SamplingParams(max_tokens=96, structured=Structured("json_schema", SCHEMAS[1]))
+    assert [o.token_ids for o in tree.generate(PROMPTS, greedy)] == \
+        [o.token_ids for o in tree.generate(PROMPTS, greedy, num_speculative_tokens=0)]
+
+
+def test_regex_choice_and_grammar(llm):
+    out = llm.generate(["What is 6 times 7?"], SamplingParams(max_tokens=12, structured=Structured("regex", r"[0-9]{1,3}")))[0]
+    assert re.fullmatch(r"[0-9]{1,3}", out.text)
+    out = llm.generate(["Is the sky blue?"], SamplingParams(max_tokens=8, structured=Structured("choice", ["yes", "no"])))[0]
+    assert out.text in ("yes", "no")
+    gbnf = 'root ::= "The answer is " ("yes" | "no") "."'
+    out = llm.generate(["Is water wet?"], SamplingParams(max_tokens=16, structured=Structured("grammar", gbnf)))[0]
+    assert re.fullmatch(r"The answer is (yes|no)\.", out.text), out.text
+    assert out.stats["mean_accepted_length"] > 1.5           # "The answer is " is forced
+
+
+def test_length_limit_ends_with_length_not_a_crash(llm):
+    schema = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
+    out = llm.generate(["Tell a long story as JSON."], SamplingParams(max_tokens=10,
+                                                                       structured=Structured("json_schema", schema)))[0]
+    assert out.finish_reason == "length" and out.text.startswith('{"story": "')
+
+
+def test_bad_inputs_name_the_field():
+    with pytest.raises(ParamError, match="structured kind must be one of"):
+        Structured("yaml", "x")
+    with pytest.raises(ParamError, match="choice needs a non-empty list"):
+        Structured("choice", [])
+    with pytest.raises(ParamError, match=r"guided_regex: invalid regex"):
+        structured_from_body({"guided_regex": "(unclosed"})
+    with pytest.raises(ParamError, match=r"at most one of response_format"):
+        structured_from_body({"guided_regex": "a", "guided_choice": ["a"]})
+    with pytest.raises(ParamError, match=r"guided_grammar: invalid grammar"):
+        structured_from_body({"guided_grammar": "root ::= ( 'a'"})
+    with pytest.raises(ParamError, match="response_format must be"):
+        structured_from_body({"response_format": {"type": "xml"}})
+    assert structured_from_body({"response_format": {"type": "text"}}) == (None, None)
+
+
+@pytest.fixture(scope="module")
+def client(llm):
+    state = build_state(llm, ServeConfig(max_batch_size=2, max_model_len=512, served_model_name="m"))
+    with BackgroundServer(create_app(state)) as srv:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def test_openai_client_response_format_streamed_and_not(client):
+    schema = SCHEMAS[0]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    full = client.chat.completions.create(model="m", messages=messages, max_tokens=96, temperature=0,
+                                          response_format=fmt)
+    jsonschema.validate(json.loads(full.choices[0].message.content), schema)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="m", messages=messages, max_tokens=96, temperature=0, response_format=fmt, stream=True) if c.choices)
+    assert streamed == full.choices[0].message.content
+    obj = client.chat.completions.create(model="m", messages=messages, max_tokens=60, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.startswith("{")
+    choice = client.completions.create(model="m", prompt="Is the sky blue?", max_tokens=5, temperature=0,
+                                       extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].text in ("yes", "no")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="m", prompt="x", max_tokens=5, extra_body={"guided_json": {"type": 5}})
+    assert err.value.body["param"] == "guided_json"
