@@ -122,7 +122,10 @@ class Constraint:
             mask[list(self.eos_token_ids)] = True
             return mask
         bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        return torch.from_numpy(bits[:self.vocab_size].astype(bool))
+        mask = torch.from_numpy(bits[:self.vocab_size].astype(bool))
+        if not mask.any():                           # a finished grammar (e.g. past its end): only the end
+            mask[list(self.eos_token_ids)] = True
+        return mask
 
     def consume(self, tokens: list[int]) -> None:
         """Committed tokens (always allowed: they were drawn under the mask)."""
