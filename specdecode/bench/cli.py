@@ -58,6 +58,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="custom prompts instead: JSONL with 'text' and optional 'task', 'id', 'chat'")
     w.add_argument("--max-tokens", type=positive_int("--max-tokens", 1), default=None,
                    help="max new tokens; EOS stops earlier (default: 64 with --quick, 128 with --full)")
+    w.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain every answer to this JSON schema (structured output; specdecode only: the "
+                        "peers are skipped with a note); e.g. specdecode/data/json_extract/schema.json")
     w.add_argument("--temperature", type=number("--temperature"), default=0.0,
                    help="0 = greedy (default; losslessness is then checked token by token)")
     w.add_argument("--seed", type=positive_int("--seed", 0), default=0, help="base seed for sampling runs")
@@ -102,6 +105,26 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _schema(path: str | None) -> dict | None:
+    """The --json-schema file's schema (checked now: a bad file is one line, not a traceback)."""
+    if path is None:
+        return None
+    import json
+    from pathlib import Path
+
+    from ..cli_common import CliError
+    from ..params import ParamError
+    from ..structured import Structured
+    try:
+        schema = json.loads(Path(path).expanduser().read_text())
+        Structured("json_schema", schema).grammar()
+    except OSError as exc:
+        raise CliError(f"--json-schema: cannot read {path}: {exc.strerror}") from None
+    except (json.JSONDecodeError, ParamError) as exc:
+        raise CliError(f"--json-schema: {path}: {exc}") from None
+    return schema
+
+
 def config_from(args: argparse.Namespace) -> dict:
     """The resolved settings of a run (stored in run.json / results.json), with the canonical
     command line that reproduces them."""
@@ -118,10 +141,12 @@ def config_from(args: argparse.Namespace) -> dict:
            "seed": args.seed, "systems": args.systems, "methods": args.methods, "ks": args.ks,
            "model": args.model, "draft": args.draft, "drafter": args.drafter, "dtype": args.dtype, "weights": args.weights,
            "draft_dtype": args.draft_dtype, "threads": args.threads, "adaptive": args.adaptive,
-           "eager": args.eager, "resume": args.resume}
+           "eager": args.eager, "resume": args.resume, "json_schema": _schema(args.json_schema)}
     words = ["specdecode", "bench"] + (["--protocol", args.mode] if args.mode == "spec-bench" else [f"--{args.mode}"])
     if args.prompts_file:
         words += ["--prompts-file", args.prompts_file]
+    if args.json_schema:
+        words += ["--json-schema", args.json_schema]
     elif args.tasks != list(TASKS) and not (args.mode == "spec-bench" and args.tasks == list(SPEC_BENCH_TASKS)):
         words += ["--tasks", ",".join(args.tasks)]
     if args.prompts_per_task:

@@ -59,7 +59,11 @@ def build_systems(config: dict, llm, prompts: list[workload.BenchPrompt], notes:
     systems: list[System] = []
     wanted = config["systems"]
     if "specdecode" in wanted:
-        systems.append(SpecdecodeSystem(llm, config.get("drafter"), config.get("adaptive")))
+        systems.append(SpecdecodeSystem(llm, config.get("drafter"), config.get("adaptive"), config.get("json_schema")))
+    if config.get("json_schema") is not None:            # the peers have no grammar-constrained decoding here
+        for peer in [w for w in wanted if w != "specdecode"]:
+            notes.append(f"{peer}: skipped — --json-schema constrains specdecode only")
+        wanted = [w for w in wanted if w == "specdecode"]
     if "transformers" in wanted:
         try:
             systems.append(TransformersSystem(llm, parse_dtype(config["dtype"] or "bf16"), notes))

@@ -61,10 +61,13 @@ class SpecdecodeSystem(System):
 
     name = "specdecode"
 
-    def __init__(self, llm, drafter_path: str | None = None, adaptive: bool | None = None) -> None:
+    def __init__(self, llm, drafter_path: str | None = None, adaptive: bool | None = None,
+                 json_schema: dict | None = None) -> None:
         from ..drafters.base import DrafterError
         from ..drafters.registry import build_drafter, method_names
+        from ..structured import Structured
         self.llm = llm
+        self.structured = Structured("json_schema", json_schema) if json_schema is not None else None
         self.adaptive = adaptive              # None: the engine's default (adaptive)
         self.cost_curves: dict[int, dict[int, float]] = {}   # k -> forward-cost curve (adaptive tree sizes)
         self.drafter_path = drafter_path
@@ -97,7 +100,7 @@ class SpecdecodeSystem(System):
         from ..engine.engine import SpecEngine
         from ..params import SamplingParams
 
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, structured=self.structured)
         engine = SpecEngine(self.llm.target, self.drafter(cell.method, cell.k), cell.k, adaptive=self.adaptive,
                             cost_curve=self.cost_curves.get(cell.k))
         if engine.adaptive and engine.cost_curve is None:     # measured once per k, outside the timed run
