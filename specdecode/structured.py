@@ -16,9 +16,10 @@ uses. Drafts themselves may ignore the mask (any draft distribution is lossless;
 is only a wasted node).
 
 Forced tokens (jump-forward): where the grammar allows exactly one continuation, those tokens
-(`Constraint.forced`) are proposed as point-mass drafts in place of the drafter's; they are
-verified like any draft, so the output is unchanged and the step emits them all in one target pass,
-even with no drafter.
+(`Constraint.forced`) have probability 1 under the masked target distribution whatever the logits
+(so verifying them as drafts would accept every one): a speculating engine commits them at the
+start of a step (engine.py `_jump_forward`), the step's target pass writes their keys/values as
+pending tokens, and the drafter drafts what follows them.
 """
 from __future__ import annotations
 

@@ -22,8 +22,7 @@ from .runner import ModelRunner
 from .budget import DraftBudget, ShadowDrafts, measure_cost_curve
 from .scheduler import StaticBatch, draft_room
 from .sequence import Sequence
-from ..structured import grammar_tokenizer
-from .forced import FORCED_MAX, merge_forced
+from ..structured import FORCED_MAX, grammar_tokenizer
 
 StreamCallback = Callable[[Sequence, list[int]], None]
 
@@ -151,17 +150,40 @@ class SpecEngine:
         self.cost_curve = measure_cost_curve(self.model, self.runner.cache, rows)
 
     # ------------------------------------------------------------------ one step
+    def _jump_forward(self, seqs: list[Sequence], room: list[int], on_tokens: StreamCallback | None) -> list[int]:
+        """Commit each constrained row's forced tokens (at most FORCED_MAX, never the last token
+        of its budget, never an end-of-sequence or past a stop string: those end it in the
+        ordinary way); returns the rows' draft room after them."""
+        for b, s in enumerate(seqs):
+            if s.constraint is None or s.params.stop:
+                continue
+            forced = s.constraint.forced(draft_room(s, FORCED_MAX, self.model.max_len))
+            forced = forced[:next((i for i, t in enumerate(forced) if t in s.eos_token_ids), len(forced))]
+            if not forced:
+                continue
+            appended = s.append(forced)
+            s.constraint.consume(forced[:appended])
+            s.stats.emitted += appended
+            if on_tokens is not None:
+                s.forced_now = True                  # the stream labels these tokens "forced"
+                on_tokens(s, forced[:appended])
+                s.forced_now = False
+            room[b] = min(room[b], draft_room(s, room[b], self.model.max_len))
+        return room
+
     def step(self, seqs: list[Sequence], room: list[int], on_tokens: StreamCallback | None = None) -> "StepReport":
         """One step over `seqs` (rows of the runner's caches); room[b]: drafts row b may carry."""
-        # 1. draft
+        # 0. jump forward (speculating, structured output): tokens a row's grammar allows alone
+        #    have probability 1 under the masked target distribution, whatever the logits: they are
+        #    committed now, written by this step's pass as pending tokens, and the drafts follow them
         t0 = time.perf_counter()
+        if self.k > 0 and any(s.constraint is not None for s in seqs):
+            room = self._jump_forward(seqs, room, on_tokens)
+        # 1. draft
         if self.drafter is not None and max(room) > 0:
-            own = self.drafter.propose(seqs, room).simplified()
+            proposal = self.drafter.propose(seqs, room).simplified()
         else:
-            own = DraftProposal.empty(len(seqs))
-        # a grammar's forced tokens replace a constrained row's drafts when speculating (structured.py)
-        proposal, forced_rows = merge_forced(seqs, own, [draft_room(s, FORCED_MAX, self.model.max_len)
-                                                         if self.k > 0 else 0 for s in seqs])
+            proposal = DraftProposal.empty(len(seqs))
         t1 = time.perf_counter()
         # 2. score all drafts in one target pass, then verify
         target_probs = self.runner.score(seqs, proposal)                # [B, n+1, vocab]
@@ -194,8 +216,8 @@ class SpecEngine:
             s.stats.verify_seconds += t2 - t1
             if on_tokens is not None:
                 on_tokens(s, emitted[:appended])
-        if self.drafter is not None:         # its own proposal: a row of forced tokens kept none of its drafts
-            self.drafter.commit(seqs, own, [0 if row in forced_rows else n for row, n in enumerate(num_accepted)])
+        if self.drafter is not None:
+            self.drafter.commit(seqs, proposal, num_accepted)
         accepted_nodes = [result.accepted_nodes[row, :num_accepted[row]].tolist() for row in range(len(seqs))]
         parents = proposal.tree_parents().tolist()
         tokens = proposal.tokens.tolist()

@@ -98,6 +98,7 @@ class Sequence:
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.row = row                             # cache row in target and draft caches
         self.constraint = None                     # structured output's grammar state (structured.py)
+        self.forced_now = False                    # True while a stream callback gets jump-forward tokens
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.finish_reason: str | None = None     # "stop" (eos or stop string) or "length"

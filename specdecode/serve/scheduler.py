@@ -320,9 +320,12 @@ class Scheduler:
     def _on_tokens(self, s: ServeSequence, tokens: list[int]) -> None:
         drafted0, accepted0 = self._before[id(s)][:2]
         drafted, accepted = s.stats.drafted - drafted0, s.stats.accepted - accepted0
-        kinds = ["accepted"] * min(accepted, len(tokens))
-        if len(tokens) > accepted:
-            kinds.append("recovered" if accepted < drafted else "bonus")
+        if s.forced_now:                 # a grammar's forced tokens (jump-forward, engine.py)
+            kinds = ["forced"] * len(tokens)
+        else:
+            kinds = ["accepted"] * min(accepted, len(tokens))
+            if len(tokens) > accepted:
+                kinds.append("recovered" if accepted < drafted else "bonus")
         now = time.perf_counter()
         if s.first_token_at is None:
             s.first_token_at = now
