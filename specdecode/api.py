@@ -20,6 +20,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     finish_reason: str
     stats: dict = field(default_factory=dict)   # acceptance_rate, mean_accepted_length, tokens_per_s, ...
+    logprobs: list | None = None    # with SamplingParams(logprobs=N): per output token (token id, its
+                                    # log-probability, the top N [(token id, log-probability)])
 
 
 def default_method(draft: object | None, target: LoadedModel | None = None, drafter_path: str | None = None) -> str:
@@ -124,6 +126,7 @@ class LLM:
             outputs.append(RequestOutput(prompt=prompt if isinstance(prompt, str) else str(prompt), text=text,
                                          token_ids=s.output_ids, prompt_token_ids=s.prompt_ids,
                                          finish_reason=s.finish_reason or "length",
-                                         stats=s.stats.as_dict(s.num_output)))
+                                         stats=s.stats.as_dict(s.num_output),
+                                         logprobs=s.logprobs[:s.num_output] if s.params.logprobs is not None else None))
         return outputs
 

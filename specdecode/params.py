@@ -47,6 +47,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     structured: object = None       # specdecode.structured.Structured: the output follows a grammar
+    logprobs: int | None = None     # report each emitted token's log-probability and the top N (0..20)
 
     def __post_init__(self) -> None:
         _finite("temperature", self.temperature)
@@ -88,6 +89,9 @@ class SamplingParams:
         _check(len(self.stop) <= 16, f"stop accepts at most 16 strings, got {len(self.stop)}")
 
         _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                         and 0 <= self.logprobs <= 20),
+               f"logprobs must be an integer in [0, 20] (top alternatives per token) or None, got {self.logprobs!r}")
         _check(self.structured is None or callable(getattr(self.structured, "grammar", None)),
                f"structured must be a specdecode.structured.Structured, got {type(self.structured).__name__}")
 

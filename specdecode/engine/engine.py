@@ -58,6 +58,19 @@ def tree_depth(proposal: DraftProposal) -> list[int]:
     return torch.where(live, depths(proposal.parents), 0).max(dim=1).values.tolist()
 
 
+def record_logprobs(s: Sequence, tokens: list[int],
+                    logprobs: torch.Tensor) -> None:                  # [len >= len(tokens), vocab]
+    """Each emitted token's log-probability and the top N alternatives, at the position it was
+    drawn at (the same values with speculation on or off: rows are computed alike)."""
+    n = s.params.logprobs
+    rows = logprobs[:len(tokens)].cpu()
+    chosen = rows.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    top = rows.topk(n, dim=-1) if n else None
+    for j, t in enumerate(tokens):
+        alternatives = list(zip(top.indices[j].tolist(), top.values[j].tolist())) if n else []
+        s.logprobs.append((t, chosen[j], alternatives))
+
+
 class SpecEngine:
     def __init__(self, target, drafter: Drafter | None = None, num_speculative_tokens: int = 5,
                  runner: ModelRunner | None = None, adaptive: bool | None = None,
@@ -163,6 +176,8 @@ class SpecEngine:
                 continue
             appended = s.append(forced)
             s.constraint.consume(forced[:appended])
+            if s.params.logprobs is not None:    # probability 1 under the masked distribution
+                s.logprobs += [(t, 0.0, [(t, 0.0)][:s.params.logprobs]) for t in forced[:appended]]
             s.stats.emitted += appended
             if on_tokens is not None:
                 s.forced_now = True                  # the stream labels these tokens "forced"
@@ -186,7 +201,7 @@ class SpecEngine:
             proposal = DraftProposal.empty(len(seqs))
         t1 = time.perf_counter()
         # 2. score all drafts in one target pass, then verify
-        target_probs = self.runner.score(seqs, proposal)                # [B, n+1, vocab]
+        target_probs, target_logprobs = self.runner.score(seqs, proposal)   # [B, n+1, vocab] each
         device = target_probs.device            # drafts may come from the host (n-gram lookup)
         greedy = torch.tensor([s.params.greedy for s in seqs], device=device)
         generators = [s.generator for s in seqs]
@@ -205,6 +220,9 @@ class SpecEngine:
             old_len = len(s.token_ids)
             appended = s.append(emitted, self.target.tokenizer.decode if s.params.stop else None)
             appended_rows.append(emitted[:appended])
+            if s.params.logprobs is not None:    # position of emitted token j: 0, then after accepted node j-1
+                nodes = result.accepted_nodes[row, :num_accepted[row]].tolist()
+                record_logprobs(s, emitted[:appended], target_logprobs[row, [0] + [n + 1 for n in nodes]])
             if s.constraint is not None:
                 s.constraint.consume(emitted[:appended])
             if proposal.is_tree and num_accepted[row]:

@@ -103,7 +103,7 @@ class ModelRunner:
             cache.truncate(s.row, start + n)
 
     # ------------------------------------------------------------------ the step's target pass
-    def score(self, seqs: list[Sequence], proposal: DraftProposal) -> torch.Tensor:
+    def score(self, seqs: list[Sequence], proposal: DraftProposal) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One target forward over each row's pending tokens + drafts (a chain or a tree); returns
         the transformed target probabilities at the n+1 positions verification needs: [B, n+1, vocab]
         (position 0 after the last pending token, position i+1 after draft node i)."""
@@ -145,7 +145,11 @@ class ModelRunner:
         if self.drafter is not None and self.drafter.capabilities.needs_target_topk:
             self.drafter.observe_topk(seqs, proposal,
                                       transformed.topk(self.drafter.capabilities.needs_target_topk, dim=-1).indices)
-        return probs_from_logits(transformed, [s.params for s in seqs])
+        probs = probs_from_logits(transformed, [s.params for s in seqs])                # [B, k+1, vocab]
+        # log-probabilities as reported to users: log-softmax of the transformed logits (greedy
+        # rows at temperature 1), only when some row asked for them
+        wants = any(s.params.logprobs is not None for s in seqs)
+        return probs, (transformed.float().log_softmax(dim=-1) if wants else None)
 
     def compact(self, row: int, first_node_slot: int, accepted_nodes: list[int]) -> None:
         """After a tree step: move the accepted path (node indices, by depth) of `row` from its

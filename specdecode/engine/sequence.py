@@ -99,6 +99,8 @@ class Sequence:
         self.row = row                             # cache row in target and draft caches
         self.constraint = None                     # structured output's grammar state (structured.py)
         self.forced_now = False                    # True while a stream callback gets jump-forward tokens
+        self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []   # per output token, if asked:
+                                                   # (token, its logprob, the top N (token, logprob))
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.finish_reason: str | None = None     # "stop" (eos or stop string) or "length"

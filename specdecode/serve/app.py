@@ -90,7 +90,28 @@ class Generation:
         self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
-    def choice(self, text: str, kinds: list[str], ids: list[int], texts: list[str], finish: str | None) -> dict:
+    def logprobs(self, lps: list | None, offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object for these tokens: chat `{"content": [...]}`, completions the
+        legacy `tokens / token_logprobs / top_logprobs / text_offset` (offsets from `offset`)."""
+        if lps is None or self.parsed.params.logprobs is None:
+            return None
+        decode = self.state.tokenizer.decode
+        if self.parsed.chat:
+            def entry(token: int, value: float) -> dict:
+                text = decode([token])
+                return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+            return {"content": [dict(entry(t, v), top_logprobs=[entry(a, w) for a, w in top])
+                                for t, v, top in lps]}
+        texts = [decode([t]) for t, _, _ in lps]
+        offsets, at = [], offset
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": texts, "token_logprobs": [v for _, v, _ in lps],
+                "top_logprobs": [{decode([a]): w for a, w in top} for _, _, top in lps], "text_offset": offsets}
+
+    def choice(self, text: str, kinds: list[str], ids: list[int], texts: list[str], finish: str | None,
+               lps: list | None = None, offset: int = 0) -> dict:
         p = self.parsed
         out: dict = {"index": 0}
         if p.chat:
@@ -98,7 +119,7 @@ class Generation:
                 {"role": "assistant", "content": text} if not p.stream else ({"content": text} if text else {}))
         else:
             out["text"] = text
-        out["logprobs"] = None
+        out["logprobs"] = self.logprobs(lps, offset)
         out["finish_reason"] = finish
         if p.return_token_kinds:
             out["token_kinds"] = [{"text": t, "kind": k} for t, k in zip(texts, kinds)]
@@ -127,9 +148,11 @@ async def stream_events(gen: Generation):
         while True:
             event = await gen.queue.get()
             if isinstance(event, Tokens):
+                sent = gen.text.sent
                 delta, texts = gen.text.add(event.ids, p.return_token_kinds)
-                if delta or p.return_token_kinds or p.return_token_ids:
-                    yield sse(gen.envelope([gen.choice(delta, event.kinds, event.ids, texts, None)]))
+                if delta or p.return_token_kinds or p.return_token_ids or event.logprobs:
+                    yield sse(gen.envelope([gen.choice(delta, event.kinds, event.ids, texts, None, event.logprobs,
+                                                       sent)]))
             elif isinstance(event, Finished):
                 gen.done = True
                 delta = gen.text.finish(event.stop_text_index)
@@ -152,6 +175,7 @@ async def collect(gen: Generation, http: HttpRequest) -> Response:
     ids: list[int] = []
     kinds: list[str] = []
     texts: list[str] = []
+    lps: list = []
     while True:
         try:
             event = await asyncio.wait_for(gen.queue.get(), timeout=0.5)
@@ -163,11 +187,12 @@ async def collect(gen: Generation, http: HttpRequest) -> Response:
         if isinstance(event, Tokens):
             ids += event.ids
             kinds += event.kinds
+            lps += event.logprobs or []
             texts += gen.text.add(event.ids, gen.parsed.return_token_kinds)[1]
         elif isinstance(event, Finished):
             text = gen.text.full_text(event.stop_text_index)
-            body = gen.envelope([gen.choice(text, kinds, ids, texts, event.reason)], usage=event.usage,
-                                speculation=event.speculation)
+            body = gen.envelope([gen.choice(text, kinds, ids, texts, event.reason, lps if lps else None)],
+                                usage=event.usage, speculation=event.speculation)
             return JSONResponse(body)
         else:
             return error(event.status, event.message)

@@ -103,8 +103,6 @@ def _unsupported(body: dict) -> None:
         raise _bad("echo", "is not supported")
     if body.get("suffix"):
         raise _bad("suffix", "is not supported")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise _bad("logprobs", "is not supported by this server")
     if body.get("tools") or body.get("functions"):
         raise _bad("tools", "(function calling) is not supported")
 
@@ -131,6 +129,7 @@ def _sampling(body: dict, max_tokens: int | None, default_max_tokens: int) -> Sa
         values["stop"] = stop
     values["ignore_eos"] = _bool(body, "ignore_eos")
     values["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+    values["logprobs"] = _logprobs(body)
     from ..structured import structured_from_body
     try:
         values["structured"], _ = structured_from_body(body)
@@ -144,6 +143,20 @@ def _sampling(body: dict, max_tokens: int | None, default_max_tokens: int) -> Sa
         message = str(exc)
         head = message.split()[0].split("[")[0]
         raise ApiError(400, message, param=head if head in SAMPLING_FIELDS else None) from None
+
+
+def _logprobs(body: dict) -> int | None:
+    """How many top alternatives per token to report, or None: chat `logprobs: true` +
+    `top_logprobs: N`; completions `logprobs: N` (OpenAI's legacy field)."""
+    chat_style = isinstance(body.get("logprobs"), bool)
+    if chat_style or "top_logprobs" in body:
+        if not _bool(body, "logprobs"):
+            if body.get("top_logprobs") not in (None, 0):
+                raise _bad("top_logprobs", "needs logprobs: true")
+            return None
+        top = _int(body, "top_logprobs", 0, 20)
+        return 0 if top is None else top
+    return _int(body, "logprobs", 0, 20)
 
 
 def _prompt_ids(body: dict, ctx: ServeContext) -> list[int]:

@@ -73,7 +73,8 @@ class ServeConfig:
 @dataclass
 class Tokens:
     ids: list[int]
-    kinds: list[str]          # "accepted" | "recovered" | "bonus", one per id
+    kinds: list[str]          # "accepted" | "recovered" | "bonus" | "forced", one per id
+    logprobs: list | None = None   # per id (token, logprob, [(token, logprob)] top N) when asked
 
 
 @dataclass
@@ -330,7 +331,8 @@ class Scheduler:
         if s.first_token_at is None:
             s.first_token_at = now
         s.last_token_at = now
-        s.request.sink(Tokens(list(tokens), kinds))
+        lps = s.logprobs[len(s.logprobs) - len(tokens):] if s.params.logprobs is not None else None
+        s.request.sink(Tokens(list(tokens), kinds, lps))
 
     # ------------------------------------------------------------ free scoring of lookup drafts
     def _shadow_drafts(self, seqs: list[ServeSequence]) -> None:
