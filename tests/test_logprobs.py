@@ -101,3 +101,28 @@ def test_bad_requests(server):
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                              "top_logprobs": 2}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_n_choices(server):
+    """n > 1: n samples of one prompt as choices 0..n-1 (choice i seeded seed + i: reproducible),
+    streamed and not; usage counts the prompt once."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    # plain decoding: with speculation a sampled row's draws follow the draft sizes the server's
+    # policy picks for the batch, so a seed fixes the distribution, not the sample
+    base = dict(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0.9, seed=11, n=3,
+                extra_body={"ignore_eos": True, "speculate": False})
+    first, again = client.completions.create(**base), client.completions.create(**base)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]       # seeded
+    assert len({c.text for c in first.choices}) > 1                                  # distinct samples
+    assert first.usage.completion_tokens == 30 and first.usage.prompt_tokens == again.usage.prompt_tokens
+    texts = {i: "" for i in range(3)}
+    for chunk in client.completions.create(stream=True, **base):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert [texts[i] for i in range(3)] == [c.text for c in first.choices]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}], n=2,
+                                          max_tokens=6, temperature=0)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "n": 17}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"

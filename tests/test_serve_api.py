@@ -120,7 +120,7 @@ def test_bad_inputs_get_clear_errors_and_the_server_keeps_serving(server):
     assert err["param"] == "prompt" and "[0, " in err["message"]
     err = error_of(post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"}), 404)
     assert err["code"] == "model_not_found" and "gpt-4" in err["message"]
-    error_of(post("/v1/completions", json={"prompt": "hi", "n": 2}), 400)
+    error_of(post("/v1/completions", json={"prompt": "hi", "n": 0}), 400)
     error_of(post("/v1/chat/completions", json={"messages": []}), 400)
     err = error_of(post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                       "response_format": {"type": "yaml"}}), 400)

@@ -7,6 +7,7 @@ client goes away aborts its request (the scheduler frees its blocks between two 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -73,8 +74,12 @@ class TextStream:
 class Generation:
     """One request's trip through the scheduler, as seen by the handler."""
 
-    def __init__(self, state, parsed: ParsedRequest) -> None:
-        self.state, self.parsed = state, parsed
+    def __init__(self, state, parsed: ParsedRequest, index: int = 0) -> None:
+        """Choice `index` of the request (n > 1: choice i is seeded seed + i when a seed is given)."""
+        self.state, self.parsed, self.index = state, parsed, index
+        params = parsed.params
+        if index and params.seed is not None:
+            params = dataclasses.replace(params, seed=(params.seed + index) % 2**63)
         self.queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -83,9 +88,8 @@ class Generation:
                 loop.call_soon_threadsafe(self.queue.put_nowait, event)
             except RuntimeError:       # the event loop is gone (shutdown)
                 pass
-        self.request = Request(parsed.prompt_ids, parsed.params, sink, parsed.speculate,
-                               parsed.num_speculative_tokens)
-        self.text = TextStream(state.tokenizer, parsed.params)
+        self.request = Request(parsed.prompt_ids, params, sink, parsed.speculate, parsed.num_speculative_tokens)
+        self.text = TextStream(state.tokenizer, params)
         self.done = False
         self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -113,7 +117,7 @@ class Generation:
     def choice(self, text: str, kinds: list[str], ids: list[int], texts: list[str], finish: str | None,
                lps: list | None = None, offset: int = 0) -> dict:
         p = self.parsed
-        out: dict = {"index": 0}
+        out: dict = {"index": self.index}
         if p.chat:
             out["message" if not p.stream else "delta"] = (
                 {"role": "assistant", "content": text} if not p.stream else ({"content": text} if text else {}))
@@ -138,40 +142,63 @@ def sse(data) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def stream_events(gen: Generation):
-    """Server-sent events of one request; cancelled (client gone) -> the request is aborted."""
-    p = gen.parsed
+def merged_usage(usages: list[dict]) -> dict:
+    """One prompt, several choices: prompt tokens counted once, completion tokens summed."""
+    prompt = usages[0]["prompt_tokens"]
+    completion = sum(u["completion_tokens"] for u in usages)
+    return dict(usages[0], prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def stream_events(gens: list[Generation]):
+    """Server-sent events of one request's choices, interleaved as their tokens come; cancelled
+    (client gone) -> every unfinished choice is aborted."""
+    p = gens[0].parsed
+    pending = {asyncio.ensure_future(g.queue.get()): g for g in gens}
+    usages: list[dict] = []
     try:
         if p.chat:
-            yield sse(gen.envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}]))
-        while True:
-            event = await gen.queue.get()
-            if isinstance(event, Tokens):
-                sent = gen.text.sent
-                delta, texts = gen.text.add(event.ids, p.return_token_kinds)
-                if delta or p.return_token_kinds or p.return_token_ids or event.logprobs:
-                    yield sse(gen.envelope([gen.choice(delta, event.kinds, event.ids, texts, None, event.logprobs,
-                                                       sent)]))
-            elif isinstance(event, Finished):
-                gen.done = True
-                delta = gen.text.finish(event.stop_text_index)
-                yield sse(gen.envelope([gen.choice(delta, [], [], [], event.reason)], speculation=event.speculation))
-                if p.include_usage:
-                    yield sse(gen.envelope([], usage=event.usage))
-                yield "data: [DONE]\n\n"
-                return
-            else:
-                gen.done = True
-                yield sse(error_body(event.status, event.message))
-                yield "data: [DONE]\n\n"
-                return
+            for g in gens:
+                yield sse(g.envelope([{"index": g.index, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]))
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                gen = pending.pop(task)
+                event = task.result()
+                if isinstance(event, Tokens):
+                    sent = gen.text.sent
+                    delta, texts = gen.text.add(event.ids, p.return_token_kinds)
+                    if delta or p.return_token_kinds or p.return_token_ids or event.logprobs:
+                        yield sse(gen.envelope([gen.choice(delta, event.kinds, event.ids, texts, None,
+                                                           event.logprobs, sent)]))
+                    pending[asyncio.ensure_future(gen.queue.get())] = gen
+                elif isinstance(event, Finished):
+                    gen.done = True
+                    usages.append(event.usage)
+                    delta = gen.text.finish(event.stop_text_index)
+                    yield sse(gen.envelope([gen.choice(delta, [], [], [], event.reason)],
+                                           speculation=event.speculation))
+                else:
+                    gen.done = True
+                    yield sse(error_body(event.status, event.message))
+                    for other in pending:
+                        other.cancel()
+                    pending.clear()
+                    yield "data: [DONE]\n\n"
+                    return
+        if p.include_usage:
+            yield sse(gens[0].envelope([], usage=merged_usage(usages)))
+        yield "data: [DONE]\n\n"
     finally:
-        if not gen.done:
-            gen.state.scheduler.abort(gen.request.id)
+        for task in pending:
+            task.cancel()
+        for g in gens:
+            if not g.done:
+                g.state.scheduler.abort(g.request.id)
 
 
-async def collect(gen: Generation, http: HttpRequest) -> Response:
+async def collect_one(gen: Generation, http: HttpRequest):
+    """(choice, usage, speculation) of one choice, or an error Response."""
     ids: list[int] = []
     kinds: list[str] = []
     texts: list[str] = []
@@ -190,12 +217,27 @@ async def collect(gen: Generation, http: HttpRequest) -> Response:
             lps += event.logprobs or []
             texts += gen.text.add(event.ids, gen.parsed.return_token_kinds)[1]
         elif isinstance(event, Finished):
+            gen.done = True
             text = gen.text.full_text(event.stop_text_index)
-            body = gen.envelope([gen.choice(text, kinds, ids, texts, event.reason, lps if lps else None)],
-                                usage=event.usage, speculation=event.speculation)
-            return JSONResponse(body)
+            return gen.choice(text, kinds, ids, texts, event.reason, lps if lps else None), event.usage, event.speculation
         else:
+            gen.done = True
             return error(event.status, event.message)
+
+
+async def collect(gens: list[Generation], http: HttpRequest) -> Response:
+    results = []
+    for gen in gens:                     # they run concurrently in the scheduler; collected in order
+        result = await collect_one(gen, http)
+        if isinstance(result, Response):
+            for other in gens:
+                if not other.done:
+                    other.state.scheduler.abort(other.request.id)
+            return result
+        results.append(result)
+    speculation = results[0][2] if len(results) == 1 else [r[2] for r in results]
+    return JSONResponse(gens[0].envelope([r[0] for r in results], usage=merged_usage([r[1] for r in results]),
+                                         speculation=speculation))
 
 
 async def generate(http: HttpRequest, chat: bool) -> Response:
@@ -214,15 +256,20 @@ async def generate(http: HttpRequest, chat: bool) -> Response:
                                 f"needs {cache.blocks_for(needed)} KV blocks of {cache.block_size} tokens, more than "
                                 f"the {cache.usable_blocks} the server has (--num-blocks)", param="max_tokens",
                            code="context_length_exceeded")
-        gen = Generation(state, parsed)
-        try:
-            state.scheduler.submit(gen.request)
-        except QueueFull as exc:
-            raise ApiError(429, str(exc), code="queue_full") from None
+        gens = [Generation(state, parsed, i) for i in range(parsed.n)]
+        for g in gens[1:]:
+            g.id, g.created = gens[0].id, gens[0].created
+        for i, g in enumerate(gens):
+            try:
+                state.scheduler.submit(g.request)
+            except QueueFull as exc:
+                for submitted in gens[:i]:
+                    state.scheduler.abort(submitted.request.id)
+                raise ApiError(429, str(exc), code="queue_full") from None
         if parsed.stream:
-            return StreamingResponse(stream_events(gen), media_type="text/event-stream",
+            return StreamingResponse(stream_events(gens), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await collect(gen, http)
+        return await collect(gens, http)
     except ApiError as exc:
         return JSONResponse(exc.body(), status_code=exc.status)
     except Exception as exc:  # noqa: BLE001 -- never a traceback to the client

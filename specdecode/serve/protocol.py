@@ -18,6 +18,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
                    "frequency_penalty", "logit_bias", "seed", "max_tokens", "stop", "ignore_eos")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_K = 64            # draft tree nodes per step (tree drafters); a chain drafter's limit is 32
+MAX_N = 16            # choices per request (`n`)
 
 
 class ApiError(Exception):
@@ -57,6 +58,7 @@ class ParsedRequest:
     return_token_ids: bool
     model: str
     chat: bool
+    n: int = 1                       # choices: n sequences of the prompt (choice i seeded seed + i)
 
 
 def _bad(name: str, message: str) -> ApiError:
@@ -93,9 +95,6 @@ def _number(body: dict, name: str):
 
 
 def _unsupported(body: dict) -> None:
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise _bad("n", f"must be 1 (one choice per request), got {n!r}")
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise _bad("best_of", f"must be 1, got {best_of!r}")
@@ -260,5 +259,6 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
         raise ApiError(400, "this server has no drafter (started with --method none or -k 0): "
                             "speculate / num_speculative_tokens cannot turn speculation on",
                        param="speculate" if speculate else "num_speculative_tokens")
+    n = _int(body, "n", 1, MAX_N)
     return ParsedRequest(ids, params, speculate, k, stream, include_usage, _bool(body, "return_token_kinds"),
-                         _bool(body, "return_token_ids"), model, chat)
+                         _bool(body, "return_token_ids"), model, chat, 1 if n is None else n)
