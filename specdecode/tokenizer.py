@@ -59,12 +59,18 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self.backend.id_to_token(token_id) or f"<{token_id}>"
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             raise ModelError("this model has no chat template; use --no-chat (chat=False)")
+        extra = {"tools": tools} if tools else {}
         return self._compiled_template().render(
             messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+
+    @property
+    def template_takes_tools(self) -> bool:
+        return bool(self.chat_template) and "tools" in self.chat_template
 
     def _compiled_template(self):
         """The chat template compiled once, in a sandbox, with the helpers transformers provides."""

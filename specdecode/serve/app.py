@@ -26,6 +26,7 @@ from starlette.staticfiles import StaticFiles
 
 from ..params import SamplingParams
 from .auth import DEFAULT_MAX_BODY_BYTES, Guard
+from .tools import extract_calls
 from .protocol import ApiError, ParsedRequest, error_body, parse
 from .scheduler import Failed, Finished, QueueFull, Request, Tokens
 
@@ -168,7 +169,9 @@ async def stream_events(gens: list[Generation]):
                 if isinstance(event, Tokens):
                     sent = gen.text.sent
                     delta, texts = gen.text.add(event.ids, p.return_token_kinds)
-                    if delta or p.return_token_kinds or p.return_token_ids or event.logprobs:
+                    if p.tools is not None:          # tool calls are parsed from the whole answer
+                        pass
+                    elif delta or p.return_token_kinds or p.return_token_ids or event.logprobs:
                         yield sse(gen.envelope([gen.choice(delta, event.kinds, event.ids, texts, None,
                                                            event.logprobs, sent)]))
                     pending[asyncio.ensure_future(gen.queue.get())] = gen
@@ -176,7 +179,19 @@ async def stream_events(gens: list[Generation]):
                     gen.done = True
                     usages.append(event.usage)
                     delta = gen.text.finish(event.stop_text_index)
-                    yield sse(gen.envelope([gen.choice(delta, [], [], [], event.reason)],
+                    reason = event.reason
+                    if p.tools is not None:
+                        content, calls = extract_calls(gen.text.full_text(event.stop_text_index))
+                        if content:
+                            yield sse(gen.envelope([{"index": gen.index, "delta": {"content": content},
+                                                     "logprobs": None, "finish_reason": None}]))
+                        if calls:
+                            reason = "tool_calls"
+                            yield sse(gen.envelope([{"index": gen.index, "delta": {"tool_calls": [
+                                dict(c, index=i) for i, c in enumerate(calls)]}, "logprobs": None,
+                                "finish_reason": None}]))
+                        delta = ""
+                    yield sse(gen.envelope([gen.choice(delta, [], [], [], reason)],
                                            speculation=event.speculation))
                 else:
                     gen.done = True
@@ -219,7 +234,13 @@ async def collect_one(gen: Generation, http: HttpRequest):
         elif isinstance(event, Finished):
             gen.done = True
             text = gen.text.full_text(event.stop_text_index)
-            return gen.choice(text, kinds, ids, texts, event.reason, lps if lps else None), event.usage, event.speculation
+            choice = gen.choice(text, kinds, ids, texts, event.reason, lps if lps else None)
+            if gen.parsed.tools is not None:
+                content, calls = extract_calls(text)
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                    choice["finish_reason"] = "tool_calls"
+            return choice, event.usage, event.speculation
         else:
             gen.done = True
             return error(event.status, event.message)

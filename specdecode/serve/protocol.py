@@ -7,6 +7,7 @@ OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}`. Extra req
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -59,6 +60,7 @@ class ParsedRequest:
     model: str
     chat: bool
     n: int = 1                       # choices: n sequences of the prompt (choice i seeded seed + i)
+    tools: object = None             # serve/tools.py ToolSpec (chat with tools), or None
 
 
 def _bad(name: str, message: str) -> ApiError:
@@ -102,8 +104,8 @@ def _unsupported(body: dict) -> None:
         raise _bad("echo", "is not supported")
     if body.get("suffix"):
         raise _bad("suffix", "is not supported")
-    if body.get("tools") or body.get("functions"):
-        raise _bad("tools", "(function calling) is not supported")
+    if body.get("functions"):
+        raise _bad("functions", "is the legacy form: send tools")
 
 
 def _sampling(body: dict, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
@@ -180,7 +182,7 @@ def _prompt_ids(body: dict, ctx: ServeContext) -> list[int]:
     return ids
 
 
-def _chat_ids(body: dict, ctx: ServeContext) -> list[int]:
+def _chat_ids(body: dict, ctx: ServeContext, tools=None) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "must be a non-empty list of {role, content} objects")
@@ -200,12 +202,24 @@ def _chat_ids(body: dict, ctx: ServeContext) -> list[int]:
             content = ""
         elif not isinstance(content, str):
             raise _bad(f"messages[{i}].content", f"must be a string or a list of text parts, got {content!r}")
-        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+        entry = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+        for key in ("tool_calls", "tool_call_id", "name"):     # tool turns, as the template knows them
+            if m.get(key) is not None:
+                entry[key] = m[key]
+        clean.append(entry)
+    template_tools = None
+    if tools is not None and tools.active:
+        if ctx.tokenizer.template_takes_tools:
+            template_tools = tools.tools
+        elif clean and clean[0]["role"] == "system":
+            clean[0] = dict(clean[0], content=clean[0]["content"] + "\n\n" + tools.system_prompt())
+        else:
+            clean.insert(0, {"role": "system", "content": tools.system_prompt()})
     from jinja2.exceptions import TemplateError
 
     from ..models.config import ModelError
     try:
-        text = ctx.tokenizer.apply_chat_template(clean)
+        text = ctx.tokenizer.apply_chat_template(clean, tools=template_tools)
     except ModelError:
         raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages") from None
     except TemplateError as exc:
@@ -231,7 +245,14 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
     if options is not None and not isinstance(options, dict):
         raise _bad("stream_options", f"must be an object, got {options!r}")
     include_usage = bool((options or {}).get("include_usage", False))
-    ids = _chat_ids(body, ctx) if chat else _prompt_ids(body, ctx)
+    from .tools import parse_tools
+    try:
+        tools = parse_tools(body) if chat else None
+    except ParamError as exc:
+        raise ApiError(400, str(exc), param=str(exc).split()[0].split("[")[0]) from None
+    if not chat and body.get("tools") is not None:
+        raise _bad("tools", "are for /v1/chat/completions")
+    ids = _chat_ids(body, ctx, tools) if chat else _prompt_ids(body, ctx)
     name = "max_tokens"
     max_tokens = _int(body, "max_tokens", 1)
     if chat and max_tokens is None and body.get("max_completion_tokens") is not None:
@@ -243,6 +264,11 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
                        code="context_length_exceeded")
     default = room if chat else min(16, room)
     params = _sampling(body, max_tokens, default)
+    forced_call = tools.structured() if tools is not None else None
+    if forced_call is not None:                      # tool_choice required / a named function
+        if params.structured is not None:
+            raise _bad("tool_choice", "cannot be combined with response_format / guided_* constraints")
+        params = dataclasses.replace(params, structured=forced_call)
     if len(ids) + params.max_tokens > ctx.max_model_len:
         raise ApiError(400, f"prompt ({len(ids)} tokens) + {name} ({params.max_tokens}) = "
                             f"{len(ids) + params.max_tokens} tokens exceeds the maximum context of "
@@ -261,4 +287,5 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
                        param="speculate" if speculate else "num_speculative_tokens")
     n = _int(body, "n", 1, MAX_N)
     return ParsedRequest(ids, params, speculate, k, stream, include_usage, _bool(body, "return_token_kinds"),
-                         _bool(body, "return_token_ids"), model, chat, 1 if n is None else n)
+                         _bool(body, "return_token_ids"), model, chat, 1 if n is None else n,
+                         tools if tools is not None and tools.active else None)

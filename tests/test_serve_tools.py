@@ -1,0 +1,88 @@
+"""Tool calls through the unchanged openai client: tools reach the model (its template, or a
+system instruction in the Hermes format), `tool_choice` naming a function constrains the answer to
+one call whose arguments follow the function's schema, parsed into OpenAI `tool_calls`
+(finish_reason "tool_calls"), streamed and not; bad tools get a 400 naming the field."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from specdecode import LLM
+from specdecode.serve.app import create_app
+from specdecode.serve.scheduler import ServeConfig
+from specdecode.serve.server import BackgroundServer, build_state
+from specdecode.serve.tools import extract_calls
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "Local time in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string", "maxLength": 20}},
+                                               "required": ["city"], "additionalProperties": False}}}]
+
+
+@pytest.fixture(scope="module")
+def client():
+    llm = LLM(method="ngram", progress=False)
+    state = build_state(llm, ServeConfig(max_batch_size=2, max_model_len=1024, served_model_name="m"))
+    with BackgroundServer(create_app(state)) as srv:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120), srv
+
+
+def test_named_tool_choice_gives_a_valid_call(client):
+    c, _ = client
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = c.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice=named, max_tokens=80,
+                                  temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    chunks = list(c.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice=named,
+                                            max_tokens=80, temperature=0, stream=True))
+    deltas = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
+    assert len(deltas) == 1 and deltas[0].function.name == "get_weather"
+    assert deltas[0].function.arguments == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    required = c.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="required",
+                                         max_tokens=80, temperature=0)
+    assert required.choices[0].message.tool_calls[0].function.name in ("get_weather", "get_time")
+
+
+def test_auto_and_none(client):
+    c, _ = client
+    messages = [{"role": "user", "content": "Say hello."}]
+    none = c.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8,
+                                     temperature=0)
+    assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason in ("stop", "length")
+    auto = c.chat.completions.create(model="m", messages=messages, tools=TOOLS, max_tokens=8, temperature=0)
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_parsing():
+    content, calls = extract_calls('ok <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
+    assert content == "ok" and calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    assert extract_calls("no calls here") == ("no calls here", [])
+    assert extract_calls("<tool_call>{not json}</tool_call>")[1] == []
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": "x"}, "tools"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+])
+def test_bad_tools(client, body, param):
+    _, srv = client
+    r = httpx.post(srv.url + "/v1/chat/completions",
+                   json=dict(body, messages=[{"role": "user", "content": "hi"}], max_tokens=4), timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
