@@ -159,7 +159,8 @@ def test_detects_wrong_residual(setup, monkeypatch):
 
 
 @pytest.mark.parametrize("method,options", [("eagle", {}), ("eagle", {"min_confidence": 0.05}),
-                                            ("cascade", {"ngram_min": 1, "ngram_max": 2})])
+                                            ("cascade", {"ngram_min": 1, "ngram_max": 2}),
+                                            ("eagle2", {"tree_topk": 2, "tree_depth": 2})])
 def test_eagle_sampling_matches_plain_distribution(setup, models, tmp_path_factory, method, options):
     """The EAGLE drafter's proposals (a head on the target's features, reduced draft vocabulary:
     tokens outside it have draft probability 0) pass the same test at 2x10^4 samples; so does the

@@ -48,6 +48,57 @@ def test_eagle_greedy_equals_plain(tiny_models, heads, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_eagle2_tree_greedy_equals_plain(tiny_models, heads, arch):
+    """EAGLE-2 dynamic trees from the same head: identical greedy output batched and alone, for
+    several frontier widths and node budgets, and the drafts are accepted."""
+    llm = LLM(model=str(tiny_models[arch]), method="eagle2", drafter_path=str(heads[arch]), dtype="fp32",
+              progress=False, adaptive=False, tree_topk=3, tree_depth=4)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    plain = llm.generate(PROMPTS, params, num_speculative_tokens=0)
+    for k in (1, 4, 12, 40):
+        spec = llm.generate(PROMPTS, params, num_speculative_tokens=k)
+        assert [s.token_ids for s in spec] == [p.token_ids for p in plain], k
+        alone = llm.generate([PROMPTS[1]], params, num_speculative_tokens=k)[0]
+        assert alone.token_ids == plain[1].token_ids
+        assert spec[0].stats["steps"] < 30     # it drafted and the loop advanced
+    assert llm.drafter.capabilities.drafts_trees
+
+
+def test_eagle2_tree_shape_and_bad_options(tiny_models, heads):
+    from specdecode.drafters.registry import build_drafter
+    from specdecode.tree import validate
+    llm = LLM(model=str(tiny_models["llama"]), dtype="fp32", progress=False, method="none")
+    for bad in ({"tree_topk": 0}, {"tree_topk": 17}, {"tree_depth": 0}, {"tree_topk": 1}, {"tree_depth": 2.5}):
+        with pytest.raises(DrafterError, match="tree_"):
+            build_drafter("eagle2", llm.target, drafter_path=str(heads["llama"]), **bad)
+    drafter = build_drafter("eagle2", llm.target, drafter_path=str(heads["llama"]), tree_topk=4, tree_depth=3)
+    from specdecode.engine.engine import SpecEngine
+    engine = SpecEngine(llm.target, drafter, 20, adaptive=False)
+    seen = []
+    original = drafter.propose
+
+    def spy(seqs, max_tokens):
+        proposal = original(seqs, max_tokens)
+        seen.append((proposal, list(max_tokens)))
+        return proposal
+    drafter.propose = spy
+    ids = llm.encode(PROMPTS[0], chat=False)
+    engine.generate([ids, ids[:5]], [SamplingParams(max_tokens=10, ignore_eos=True)] * 2)
+    assert seen
+    for proposal, budgets in seen:
+        assert proposal.is_tree
+        validate(proposal.parents, proposal.num_tokens)
+        assert all(n <= b for n, b in zip(proposal.num_tokens.tolist(), budgets))
+        from specdecode.tree import depths
+        live = torch.arange(proposal.k)[None] < proposal.num_tokens[:, None]
+        assert int(torch.where(live, depths(proposal.parents), 0).max()) <= 3
+        for b in range(proposal.tokens.shape[0]):            # siblings carry distinct tokens
+            n = int(proposal.num_tokens[b])
+            pairs = list(zip(proposal.parents[b, :n].tolist(), proposal.tokens[b, :n].tolist()))
+            assert len(set(pairs)) == len(pairs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_cascade_greedy_equals_plain(tiny_models, heads, arch):
     """Lookup rows and head rows in one batch (the repetitive prompts match, "x" does not)."""
     llm = LLM(model=str(tiny_models[arch]), method="cascade", drafter_path=str(heads[arch]), dtype="fp32",

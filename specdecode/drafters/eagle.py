@@ -28,7 +28,11 @@ from ..forward import ForwardBatch
 from ..kv_cache import KVCache
 from ..sampling import probs_from_logits, sample, transform_logits
 from .base import ContiguousState, DraftProposal, Drafter, DrafterCapabilities, DrafterError, DrafterState
+from .dynamic_tree import Candidates, expand, select_nodes
 from .registry import register
+
+MAX_TREE_TOPK = 16     # children per expanded node (and frontier width) of a dynamic tree
+MAX_TREE_DEPTH = 16    # head passes per tree (its depth); the head-cache tree mask also needs (depth-1)*topk < 64
 
 
 @register("eagle")
@@ -36,7 +40,7 @@ class EagleDrafter(Drafter):
     capabilities = DrafterCapabilities(needs_target_hidden=True, has_state=True)
 
     def __init__(self, target, drafter_path: str | Path | None = None, fast: bool = True,
-                 min_confidence: float = 0.0, **_: object) -> None:
+                 min_confidence: float = 0.0, tree_topk: int = 1, tree_depth: int = 6, **_: object) -> None:
         from .format import check_target, read_meta, shipped_drafter
         from .head import HeadConfig, rope_tables
         if not getattr(target, "native", False):
@@ -46,6 +50,12 @@ class EagleDrafter(Drafter):
         if not isinstance(min_confidence, (int, float)) or not 0.0 <= min_confidence < 1.0:
             raise DrafterError(f"min_confidence must be in [0, 1), got {min_confidence!r}")
         self.min_confidence = float(min_confidence)
+        for name, value, limit in (("tree_topk", tree_topk, MAX_TREE_TOPK), ("tree_depth", tree_depth, MAX_TREE_DEPTH)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+                raise DrafterError(f"{name} must be an integer in [1, {limit}], got {value!r}")
+        self.tree_topk, self.tree_depth = tree_topk, tree_depth
+        if tree_topk > 1:       # EAGLE-2 dynamic trees (dynamic_tree.py); 1: a chain
+            self.capabilities = DrafterCapabilities(needs_target_hidden=True, has_state=True, drafts_trees=True)
         if path is None:
             raise DrafterError(f"no EAGLE drafter for {target.name}: train one with `specdecode distill --target "
                                f"{target.name} --out DIR` and pass --drafter DIR")
@@ -82,7 +92,8 @@ class EagleDrafter(Drafter):
     # ------------------------------------------------------------------ state
     def prepare(self, batch_size: int, max_len: int) -> DrafterState:
         c = self.config
-        self.cache = KVCache(1, batch_size, c.num_kv_heads, c.head_dim, max_len, self.dtype, self.device)
+        room = 64 if self.tree_topk > 1 else 0       # a tree's head slots past the row's end (< 64 bits)
+        self.cache = KVCache(1, batch_size, c.num_kv_heads, c.head_dim, max_len + room, self.dtype, self.device)
         self.features = torch.zeros(batch_size, max_len, c.hidden_size, dtype=self.dtype, device=self.device)
         return ContiguousState(self.cache, self.features)
 
@@ -99,8 +110,10 @@ class EagleDrafter(Drafter):
     def _pass(self, rows: torch.Tensor, starts: list[int],
               tokens: torch.Tensor,        # [B, T] token j+1 of each slot j
               features: torch.Tensor,      # [B, T, D]
+              fb: ForwardBatch | None = None,   # the pass's positions / visibility; None = a chain
               ) -> torch.Tensor:           # -> [B, T, D] predicted features
-        fb = ForwardBatch.chain(tokens, torch.tensor(starts), rows)      # the pass, described once
+        if fb is None:
+            fb = ForwardBatch.chain(tokens, torch.tensor(starts), rows)      # the pass, described once
         positions = fb.rope_positions().to(self.device)                   # [B, T]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         mask = fb.visible(max(starts) + tokens.shape[1]).to(self.device)[:, None]   # [B, 1, T, L]
@@ -153,6 +166,8 @@ class EagleDrafter(Drafter):
         feature = predicted[torch.arange(batch, device=self.device), last]               # [B, D]
         for b, s in enumerate(seqs):
             self.cache.truncate(s.row, ends[b])
+        if self.tree_topk > 1:
+            return self._propose_tree(rows, ends, feature, max_tokens)
         # 2. chain: each draft comes from the feature the previous slot predicted. Greedy rows with
         # no logit bias or penalties only need the argmax (a point-mass proposal: verify then
         # accepts a draft iff it is the target's argmax), so the full-vocabulary work is skipped.
@@ -194,9 +209,70 @@ class EagleDrafter(Drafter):
         return DraftProposal(draft_tokens, torch.tensor(num_drafts, dtype=torch.long),
                              None if argmax_only else draft_probs, step_state=ends)
 
+    def _propose_tree(self, rows: torch.Tensor, ends: list[int],
+                      root_feature: torch.Tensor,      # [B, D] predicted feature of each row's root
+                      budgets: list[int]) -> DraftProposal:
+        """2'. an EAGLE-2 dynamic tree (dynamic_tree.py): one head pass per depth over the K best
+        candidates of that depth (the frontier), then the best `budgets[b]` candidates overall.
+
+        Head slots of the tree: frontier f of depth d (tokens at position root + d) is written at
+        slot end + (d-1)*K + f, RoPE position end + d - 1 (it reads its parent's predicted feature),
+        and sees the true slots (< end) and the slots of its own ancestors (tree_mask bits)."""
+        batch, topk, dim = len(ends), self.tree_topk, self.config.hidden_size
+        depth = min(self.tree_depth, max(budgets), 63 // topk + 1)
+        if depth <= 0:
+            return DraftProposal.empty(batch)
+        ends_t = torch.tensor(ends, dtype=torch.long)
+        candidates = Candidates()
+        root_log_probs = F.log_softmax(self._draft_logits(root_feature), dim=-1)          # [B, V_draft]
+        scores, tokens = root_log_probs.topk(min(topk, root_log_probs.shape[-1]), dim=-1)  # [B, K]
+        first = candidates.add(tokens, scores, torch.full_like(tokens, -1))
+        features = root_feature[:, None].expand(batch, tokens.shape[1], dim)             # [B, K, D] parents'
+        parent_masks = torch.zeros(batch, tokens.shape[1], dtype=torch.long)              # [B, K] ancestors' bits
+        for d in range(1, depth):
+            # frontier: the K best candidates of depth d
+            frontier_scores, pick = scores.topk(min(topk, scores.shape[1]), dim=1)         # [B, F]
+            width = pick.shape[1]
+            frontier_tokens = tokens.gather(1, pick)
+            own_bits = torch.ones(width, dtype=torch.long) << ((d - 1) * topk + torch.arange(width))
+            frontier_masks = parent_masks.gather(1, pick) | own_bits                         # [B, F]
+            frontier_features = features.gather(1, pick.to(self.device)[:, :, None].expand(-1, -1, dim))
+            starts = [e + (d - 1) * topk for e in ends]
+            head_tokens = self.draft_vocab[frontier_tokens.to(self.device)]                 # [B, F] target ids
+            fb = ForwardBatch(head_tokens, torch.tensor(starts), rows,
+                              positions=(ends_t + d - 1)[:, None].expand(batch, width),
+                              tree_base=ends_t[:, None].expand(batch, width), tree_mask=frontier_masks)
+            predicted = self._pass(rows, starts, head_tokens, frontier_features, fb)        # [B, F, D]
+            log_probs = F.log_softmax(self._draft_logits(predicted.reshape(batch * width, dim)), dim=-1)
+            tokens, scores = expand(log_probs.reshape(batch, width, -1).cpu(), frontier_scores.cpu(), topk)
+            children = tokens.shape[1] // width
+            parent_slot = torch.arange(width).repeat_interleave(children)                    # [F*K] frontier index
+            parents = (first + pick.gather(1, parent_slot.expand(batch, -1)))                 # global candidate ids
+            first = candidates.add(tokens, scores, parents)
+            features = predicted[:, parent_slot.to(self.device)]                              # [B, F*K, D]
+            parent_masks = frontier_masks[:, parent_slot]
+        for b, row in enumerate(rows.tolist()):
+            self.cache.truncate(row, ends[b])
+        node_tokens, node_parents, num_nodes = select_nodes(candidates, budgets)
+        return DraftProposal(self.draft_vocab.cpu()[node_tokens], num_nodes, None, step_state=ends,
+                             parents=node_parents)
+
     def commit(self, seqs, proposal, num_accepted):
         if proposal.step_state is None:
             return
         for s, true_len in zip(seqs, proposal.step_state):    # keep only slots computed from true features
             self.cache.truncate(s.row, min(self.cache.lengths[s.row], true_len))
 
+
+
+@register("eagle2")
+class Eagle2Drafter(EagleDrafter):
+    """The same head drafting EAGLE-2 dynamic trees (dynamic_tree.py): `tree_topk` children per
+    expanded node, `tree_depth` head passes; the node budget is the step's draft size."""
+
+    capabilities = DrafterCapabilities(needs_target_hidden=True, has_state=True, drafts_trees=True)
+
+    def __init__(self, target, tree_topk: int = 8, tree_depth: int = 6, **options) -> None:
+        if tree_topk == 1:
+            raise DrafterError("method 'eagle2' drafts trees: tree_topk must be >= 2 (use method 'eagle' for a chain)")
+        super().__init__(target, tree_topk=tree_topk, tree_depth=tree_depth, **options)

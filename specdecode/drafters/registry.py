@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 ENTRY_POINT_GROUP = "specdecode.drafters"
 BUILTIN = {"ngram": "specdecode.drafters.ngram:NgramDrafter",
            "eagle": "specdecode.drafters.eagle:EagleDrafter",
+           "eagle2": "specdecode.drafters.eagle:Eagle2Drafter",
            "cascade": "specdecode.drafters.cascade:CascadeDrafter",
            "model": "specdecode.drafters.model:ModelDrafter",
            "self-quant": "specdecode.drafters.self_quant:SelfQuantDrafter",
