@@ -187,9 +187,15 @@ def adapter_dir(path: Path, arch: str) -> Path:
     print(f"specdecode: converting {path.name} once with transformers into {out}", file=sys.stderr)
     _quiet_transformers()
     dtype_arg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    options = {dtype_arg: torch.float32}
+    try:      # transformers >= 5 can keep the blocks quantized: dense here (HFAdapter takes any dtype)
+        from transformers import GgufConfig
+        options["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:
+        pass
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, output_loading_info=True,
-                                                           **{dtype_arg: torch.float32})
+        model, info = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           output_loading_info=True, **options)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:  # transformers raises many kinds for a file it cannot use
         raise ModelError(f"transformers cannot load {path} ({arch}): {type(exc).__name__}: {exc}") from None
@@ -198,6 +204,8 @@ def adapter_dir(path: Path, arch: str) -> Path:
         raise ModelError(f"{path} is missing tensors: {len(missing)} weights of the {arch} model are not in the "
                          f"file ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})")
     tmp = out.with_name(out.name + ".tmp")
+    model.hf_quantizer = None                      # dense now: saved as a plain checkpoint
+    model.config.__dict__.pop("quantization_config", None)
     model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
     (tmp / "DONE").write_text(json.dumps({"source": str(path), "format_version": FORMAT_VERSION}))
