@@ -129,6 +129,9 @@ def inspect_file(path: Path) -> str:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelError(f"{path} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
+    record = cache_root() / "converted" / (file_key(path) + "-checked.json")   # this size and content passed
+    if record.is_file():
+        return json.loads(record.read_text())["architecture"]
     try:
         arch, ends = _tensor_ends(path)
     except Exception as exc:  # struct / numpy / the gguf package raise many kinds for a cut header
@@ -141,6 +144,8 @@ def inspect_file(path: Path) -> str:
     if cut:
         raise ModelError(f"{path} is truncated: it has {size} bytes but tensor {cut[0][0]} ends at byte "
                          f"{cut[0][1]} ({len(cut)} of {len(ends)} tensors are cut off)")
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"architecture": str(arch), "source": str(path)}))
     return str(arch)
 
 
