@@ -8,6 +8,7 @@ import torch
 from .drafters.base import Drafter, DrafterError
 from .drafters.registry import build_drafter, method_names
 from .engine.engine import SpecEngine, StreamCallback, check_num_speculative_tokens
+from .models.dtypes import canonical_dtype
 from .models.loader import LoadedModel, load_model
 from .params import ParamError, SamplingParams
 
@@ -48,8 +49,8 @@ class LLM:
     num_speculative_tokens: draft length k; 0 means plain decoding.
     dtype: None (a GGUF file computes on its own quantized weights, anything else in bf16), "auto"
     (the checkpoint's own: a GGUF file's quantized weights, an HF directory's torch_dtype), or dense
-    "bf16"/"bfloat16", "fp32"/"float32"/"float", "fp16"/"float16"/"half" (any case; a GGUF file is
-    dequantized); weights: "auto", "native" or "dense" (see load_model);
+    "bfloat16"/"bf16", "float32"/"fp32"/"float", "float16"/"fp16"/"half" (any case, or a torch dtype;
+    a GGUF file is dequantized; models/dtypes.py); weights: "auto", "native" or "dense" (see load_model);
     draft_dtype: the draft's dtype if not the target's, or "int8" (weights quantized per channel).
     adaptive: choose each step's draft size up to num_speculative_tokens from measured costs and
     acceptance (engine/budget.py), plain decoding when drafts do not pay; None = on; False: every
@@ -68,11 +69,13 @@ class LLM:
             torch.set_num_threads(threads)
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
             check_num_speculative_tokens(num_speculative_tokens, None)   # the upper limit is the drafter's: below
+        dtype = canonical_dtype(dtype, "dtype", allow_int8=True)          # bad names fail before any load
+        draft_dtype = canonical_dtype(draft_dtype, "draft_dtype", allow_int8=True)
         self.target: LoadedModel = load_model(model, dtype, device, progress=progress, fast=fast, weights=weights)
         self.draft: LoadedModel | None = None
         if draft is not None:
             self.draft = load_model(draft, draft_dtype or dtype, device, progress=progress, fast=fast,
-                                    weights=weights)
+                                    weights=weights, dtype_param="draft_dtype" if draft_dtype else "dtype")
         self.method = method or default_method(draft, self.target, drafter_options.get("drafter_path"))
         self.num_speculative_tokens = num_speculative_tokens
         self.drafter: Drafter | None = None

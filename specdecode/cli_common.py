@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-# --dtype names (models/loader.py DTYPE_NAMES; kept here so the CLI starts without torch; a test checks they agree)
-DTYPE_NAMES = ("auto", "fp32", "float32", "float", "bf16", "bfloat16", "fp16", "float16", "half")
+from .models.dtypes import DTYPE_NAMES, DtypeAction, accepted  # noqa: F401  (torch-free; DTYPE_NAMES re-exported)
 
 
 class CliError(ValueError):
@@ -78,15 +77,15 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adaptive", default=None, action=argparse.BooleanOptionalAction,
                    help="choose each step's draft size up to -k from measured costs and acceptance, plain "
                         "decoding when drafts do not pay (default: on; --no-adaptive drafts k every step)")
-    g.add_argument("--dtype", default=None, type=str.lower, choices=list(DTYPE_NAMES), metavar="DTYPE",
-                   help="dense weights in this dtype (a GGUF file is dequantized): bf16/bfloat16, fp32/float32/"
-                        "float, fp16/float16/half, or auto (the checkpoint's own: a GGUF file computes on its "
+    g.add_argument("--dtype", default=None, action=DtypeAction,
+                   help=f"dense weights in this dtype (a GGUF file is dequantized): {accepted()} (any case); "
+                        "auto (the checkpoint's own: a GGUF file computes on its "
                         "quantized weights, an HF directory in its config's torch_dtype); default: a GGUF file "
                         "on its own quantized weights (--weights native), anything else in bf16")
     g.add_argument("--weights", default="auto", choices=["auto", "native", "dense"],
                    help="native: a GGUF file's quantized weights as stored (bf16 activations); dense: dequantized "
                         "to --dtype; auto (default): native for a GGUF file unless --dtype is given")
-    g.add_argument("--draft-dtype", default=None, type=str.lower, choices=[*DTYPE_NAMES, "int8"], metavar="DTYPE",
+    g.add_argument("--draft-dtype", default=None, action=DtypeAction, allow_int8=True,
                    help="the draft model's dtype if not the target's; int8 quantizes its weights per channel")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
     g.add_argument("--threads", type=positive_int("--threads", 1, 1024), default=None,

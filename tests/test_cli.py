@@ -62,10 +62,10 @@ def commands(paths) -> dict[str, tuple[list[str], str | None]]:
         "model_without_draft": (["hi", "--model", model, "--method", "model"], None),
         "temperature": (["hi", "--model", model, "--temperature", "-1"], None),
         "top_p": (["hi", "--model", model, "--top-p", "2"], None),
+        "dtype_int8": (["hi", "--model", model, "--dtype", "int8"], None),   # models/dtypes.py DtypeAction
         # argparse usage errors
         "k_99": (["hi", "--model", model, "-k", "99"], None),
         "max_tokens_0": (["hi", "--model", model, "--max-tokens", "0"], None),
-        "dtype_int8": (["hi", "--model", model, "--dtype", "int8"], None),
     }
 
 
@@ -149,6 +149,7 @@ def test_default_path(runs):
     ("model_without_draft", ["--draft"]),
     ("temperature", ["temperature", "-1"]),
     ("top_p", ["top_p", "2"]),
+    ("dtype_int8", ["--dtype", "'int8'", "bfloat16 (bf16)"]),
 ])
 def test_bad_argument_is_one_line(runs, name, words):
     run = runs[name].result()
@@ -162,7 +163,6 @@ def test_bad_argument_is_one_line(runs, name, words):
 @pytest.mark.parametrize("name,option", [
     ("k_99", "-k"),
     ("max_tokens_0", "--max-tokens"),
-    ("dtype_int8", "--dtype"),
 ])
 def test_bad_argument_usage_error(runs, name, option):
     run = runs[name].result()

@@ -33,7 +33,7 @@ def _ks(text: str) -> list[int]:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from ..cli_common import DTYPE_NAMES, comma_list, number, positive_int
+    from ..cli_common import DtypeAction, accepted, comma_list, number, positive_int
     p = sub.add_parser("bench", help="benchmark specdecode against transformers and llama.cpp on Spec-Bench "
                                      "and HumanEval, interleaved per prompt",
                        description="Measure every system on the same prompts, weights, dtype and machine, in one "
@@ -82,12 +82,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--draft", default=None, help="draft model sharing the target's tokenizer (method model)")
     m.add_argument("--drafter", default=None, metavar="DIR",
                    help="trained EAGLE drafter from `specdecode distill` (method eagle; default: the shipped one)")
-    m.add_argument("--dtype", default=None, type=str.lower, choices=list(DTYPE_NAMES), metavar="DTYPE",
-                   help=f"{', '.join(DTYPE_NAMES)}: dense weights in this dtype, auto = the checkpoint's own "
+    m.add_argument("--dtype", default=None, action=DtypeAction,
+                   help=f"{accepted()}: dense weights in this dtype, auto = the checkpoint's own "
                         "(default: a GGUF target on its own quantized weights, else bf16)")
     m.add_argument("--weights", default="auto", choices=["auto", "native", "dense"],
                    help="native / dense / auto (default) as for generate")
-    m.add_argument("--draft-dtype", default=None, type=str.lower, choices=[*DTYPE_NAMES, "int8"], metavar="DTYPE",
+    m.add_argument("--draft-dtype", default=None, action=DtypeAction, allow_int8=True,
                    help="the draft model's dtype if not the target's (int8: per-channel quantized)")
     m.add_argument("--threads", type=positive_int("--threads", 1, 1024), default=None,
                    help="CPU threads for every system (default: torch's choice)")

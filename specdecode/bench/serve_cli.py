@@ -56,7 +56,7 @@ def _positive_float(name: str):
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
-    from ..cli_common import DTYPE_NAMES, comma_list, number, positive_int
+    from ..cli_common import DtypeAction, comma_list, number, positive_int
     p = sub.add_parser("serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, goodput)",
                        description="Load generator for `specdecode serve` (or any OpenAI-compatible server): "
                                    "streaming Spec-Bench requests at fixed concurrency or Poisson arrivals; reports "
@@ -72,7 +72,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--method", default=None, help="own server: drafter (as `specdecode serve --method`)")
     s.add_argument("-k", "--num-speculative-tokens", dest="k", type=positive_int("-k", 0, 32), default=None,
                    help="own server: default draft tokens per step")
-    s.add_argument("--dtype", default=None, type=str.lower, choices=list(DTYPE_NAMES), metavar="DTYPE",
+    s.add_argument("--dtype", default=None, action=DtypeAction,
                    help="own server: weights dtype (as for serve)")
     s.add_argument("--threads", type=positive_int("--threads", 1, 1024), default=None, help="own server: CPU threads")
     s.add_argument("--eager", action="store_true", default=None, help="own server: no fast kernels")

@@ -6,6 +6,11 @@ Reading a GGUF file with the `gguf` package and converting its tokenizer takes ~
 the cache, keyed by the file's size and a hash of its head and tail. Later loads read
 that directory in well under a second.
 
+A file of an architecture without a native decoder that transformers' GGUF reader knows is
+converted once by transformers instead (`adapter_dir`) and runs through HFAdapter. Every load
+first checks the file (`inspect_file`): not GGUF, truncated, or missing tensors is one ModelError
+naming the file.
+
 Dequantization is `gguf.quants.dequantize` (exact for every ggml type it supports).
 llama.cpp stores Llama q/k rows permuted for its interleaved RoPE; they are permuted
 back to the rotate-half (HF) order here. Qwen2 GGUF files use the NeoX order already.
@@ -23,6 +28,10 @@ import numpy as np
 from .config import ModelConfig, ModelError
 
 FORMAT_VERSION = 2   # 2: end-of-generation tokens of the vocabulary added to the EOS ids
+NATIVE_ARCHS = ("llama", "qwen2", "qwen3")
+# llama.cpp's names of architectures that transformers files under another (its load_gguf_checkpoint)
+TRANSFORMERS_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
+                      "minimax-m2": "minimax_m2", "t5encoder": "t5"}
 
 
 def cache_root() -> Path:
@@ -57,7 +66,7 @@ def tokenizer_dir(path: Path) -> Path:
         return out
     from dataclasses import asdict
     reader = _open(path)
-    config = read_config(reader)
+    config = read_config(reader, path)
     listing = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in reversed(t.shape)],
                 "offset": int(t.data_offset), "bytes": int(t.n_bytes)} for t in reader.tensors]
     table = {"config": asdict(config), "tensors": listing}
@@ -106,10 +115,129 @@ def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
 
 def _open(path: Path):
     from gguf import GGUFReader
+    inspect_file(path)
     try:
         return GGUFReader(str(path))
     except Exception as exc:  # the gguf package raises many kinds for a bad file
         raise ModelError(f"{path} is not a readable GGUF file: {exc}") from None
+
+
+def inspect_file(path: Path) -> str:
+    """The file's architecture (general.architecture), after checking that it is a whole GGUF
+    file: the magic bytes, a readable header, and every tensor's bytes inside the file."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelError(f"{path} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
+    record = cache_root() / "converted" / (file_key(path) + "-checked.json")   # this size and content passed
+    if record.is_file():
+        return json.loads(record.read_text())["architecture"]
+    try:
+        arch, ends = _tensor_ends(path)
+    except Exception as exc:  # struct / numpy / the gguf package raise many kinds for a cut header
+        raise ModelError(f"{path} is a damaged GGUF file (truncated or corrupt header: {type(exc).__name__}: "
+                         f"{exc})") from None
+    if not arch:
+        raise ModelError(f"{path} is a damaged GGUF file: its metadata has no general.architecture")
+    size = path.stat().st_size
+    cut = [(name, end) for name, end in ends if end > size]
+    if cut:
+        raise ModelError(f"{path} is truncated: it has {size} bytes but tensor {cut[0][0]} ends at byte "
+                         f"{cut[0][1]} ({len(cut)} of {len(ends)} tensors are cut off)")
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"architecture": str(arch), "source": str(path)}))
+    return str(arch)
+
+
+def _tensor_ends(path: Path) -> tuple[str | None, list[tuple[str, int]]]:
+    """(architecture, [(tensor name, byte offset just past its data)]). transformers' header
+    reader skips the vocabulary (milliseconds); the gguf package's reader parses it (seconds) and
+    is the fallback for what the former does not read."""
+    try:
+        from transformers.integrations.gguf.reader import GgufHeader
+        header = GgufHeader.from_file(str(path))
+        return header.architecture, [(t.name, header.data_start + t.offset + t.nbytes) for t in header.tensors]
+    except Exception:  # noqa: BLE001  (an older transformers, or a type / header it does not read)
+        from gguf import GGUFReader
+        reader = GGUFReader(str(path))
+        ends = [(t.name, int(t.data_offset) + int(t.n_bytes)) for t in reader.tensors]
+        return _field(reader, "general.architecture"), ends
+
+
+def transformers_archs() -> tuple[str, ...]:
+    """The GGUF architectures the installed transformers can read."""
+    try:
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    except ImportError:
+        return ()
+    return tuple(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer"))
+
+
+def adapter_dir(path: Path, arch: str) -> Path:
+    """An HF directory for a GGUF file of an architecture without a native decoder, converted once
+    by transformers (weights dequantized to float32, its tokenizer) under the cache; an architecture
+    transformers cannot read either is refused, listing what is supported."""
+    others = [a for a in transformers_archs() if a not in NATIVE_ARCHS]
+    if TRANSFORMERS_NAMES.get(arch, arch) not in others:
+        raise ModelError(f"{path}: GGUF architecture {arch!r} is not supported (native: {', '.join(NATIVE_ARCHS)}; "
+                         f"through transformers: {', '.join(others) or 'none (transformers is not installed)'})")
+    out = cache_root() / "converted" / (file_key(path) + "-hf")
+    if (out / "DONE").is_file():
+        return out
+    import shutil
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    print(f"specdecode: converting {path.name} once with transformers into {out}", file=sys.stderr)
+    _quiet_transformers()
+    dtype_arg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    options = {dtype_arg: torch.float32}
+    try:      # transformers >= 5 can keep the blocks quantized: dense here (HFAdapter takes any dtype)
+        from transformers import GgufConfig
+        options["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:
+        pass
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           output_loading_info=True, **options)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:  # transformers raises many kinds for a file it cannot use
+        raise ModelError(f"transformers cannot load {path} ({arch}): {type(exc).__name__}: {exc}") from None
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ModelError(f"{path} is missing tensors: {len(missing)} weights of the {arch} model are not in the "
+                         f"file ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})")
+    tmp = out.with_name(out.name + ".tmp")
+    model.hf_quantizer = None                      # dense now: saved as a plain checkpoint
+    model.config.__dict__.pop("quantization_config", None)
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    (tmp / "DONE").write_text(json.dumps({"source": str(path), "format_version": FORMAT_VERSION}))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def _quiet_transformers() -> None:
+    import logging
+
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def required_tensors(config: ModelConfig) -> list[str]:
+    """The GGUF tensors a native decoder of `config` reads (output.weight only when untied)."""
+    per_layer = ["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                 "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
+    if config.attention_bias:
+        per_layer += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+    if config.qk_norm:
+        per_layer += ["attn_q_norm.weight", "attn_k_norm.weight"]
+    return ["token_embd.weight", "output_norm.weight"] + [f"blk.{i}.{n}" for i in range(config.num_layers)
+                                                        for n in per_layer]
 
 
 def _hf_order(name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
@@ -194,10 +322,11 @@ def end_of_generation_ids(reader) -> tuple[int, ...]:
     return tuple(found)
 
 
-def read_config(reader) -> ModelConfig:
+def read_config(reader, path: Path | str = "the GGUF file") -> ModelConfig:
+    """The native config of a llama / qwen2 / qwen3 file; ModelError if a tensor it needs is missing."""
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise ModelError(f"GGUF architecture {arch!r} is not supported (supported: llama, qwen2, qwen3)")
+    if arch not in NATIVE_ARCHS:
+        raise ModelError(f"{path}: GGUF architecture {arch!r} has no native decoder (native: {', '.join(NATIVE_ARCHS)})")
     g = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
@@ -209,7 +338,7 @@ def read_config(reader) -> ModelConfig:
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(int(x) for x in (eos, eot) if x is not None) + end_of_generation_ids(reader)
-    return ModelConfig(
+    config = ModelConfig(
         arch=arch, vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
         num_heads=heads, num_kv_heads=int(g("attention.head_count_kv", heads)),
@@ -221,6 +350,11 @@ def read_config(reader) -> ModelConfig:
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos_ids)),
         qk_norm=arch == "qwen3",
     )
+    missing = [n for n in required_tensors(config) if n not in names]
+    if missing:
+        raise ModelError(f"{path} is missing tensors: {len(missing)} of the {arch} model's are not in the file "
+                         f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})")
+    return config
 
 
 def convert(path: Path, out: Path) -> None:
@@ -231,7 +365,7 @@ def convert(path: Path, out: Path) -> None:
     print(f"specdecode: converting {path.name} once into {out} (later loads take under a second)",
           file=sys.stderr)
     reader = _open(path)
-    config = read_config(reader)
+    config = read_config(reader, path)
     weights = {}
     for tensor in tqdm(reader.tensors, desc="dequantize", unit="tensor", file=sys.stderr, leave=False):
         name = _hf_name(tensor.name)
@@ -245,12 +379,7 @@ def convert(path: Path, out: Path) -> None:
 
 def _convert_tokenizer(path: Path, out: Path) -> None:
     """transformers' GGUF tokenizer converter produces the tokenizer.json and chat template."""
-    import logging
-
     from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    logging.getLogger("transformers").setLevel(logging.ERROR)
+    _quiet_transformers()
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.save_pretrained(str(out))

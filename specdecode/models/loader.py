@@ -16,13 +16,11 @@ import torch
 
 from ..tokenizer import Tokenizer
 from .config import ModelConfig, ModelError
+from .dtypes import ALIASES, INT8, canonical_dtype
 from .interface import CausalLM
 
 DEFAULT_MODEL = "smollm2"
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
-DTYPE_NAMES = ("auto", *DTYPES)      # auto: the checkpoint's own (a GGUF file: its quantized weights)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}   # canonical names (dtypes.py)
 
 
 def default_model_path() -> Path:
@@ -38,20 +36,17 @@ def default_model_path() -> Path:
     return files[0]
 
 
-def parse_dtype(name: str) -> torch.dtype | None:
-    """A dtype name (any case) -> torch dtype; "auto" -> None (the checkpoint's own)."""
-    key = name.lower() if isinstance(name, str) else name
-    if key == "auto":
-        return None
-    if key not in DTYPES:
-        raise ModelError(f"dtype must be one of {', '.join(DTYPE_NAMES)} (or int8 for a draft), got {name!r}")
-    return DTYPES[key]
+def parse_dtype(name, param: str = "dtype") -> torch.dtype | None:
+    """A dtype name (any spelling dtypes.py accepts) or torch dtype -> torch dtype; "auto" -> None
+    (the checkpoint's own). A bad name is one ModelError naming `param`."""
+    canonical = canonical_dtype(name, param)
+    return None if canonical in (None, "auto") else DTYPES[canonical]
 
 
 def checkpoint_dtype(hf_config: dict) -> torch.dtype:
     """The float type an HF config says its weights are in (bf16 when it says nothing usable)."""
     name = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16").lower()
-    return DTYPES.get(name, torch.bfloat16)
+    return DTYPES.get(ALIASES.get(name, ""), torch.bfloat16)
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -167,22 +162,26 @@ def native_weights_reason(path: Path, dtype, device: torch.device, fast: bool) -
 
 
 def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, device: str | None = "cpu",
-               progress: bool = True, fast: bool = True, weights: str = "auto") -> LoadedModel:
+               progress: bool = True, fast: bool = True, weights: str = "auto", dtype_param: str = "dtype",
+               ) -> LoadedModel:
     """Load `spec`: None or "smollm2" (embedded default), a .gguf file, or an HF model directory.
 
     weights: "native" keeps a GGUF file's quantized projections as stored and computes on them
     (bf16 activations); "dense" dequantizes them to `dtype` (bf16 unless given); "auto" is native
-    for a GGUF file when no dtype is given and the CPU can run the kernels, else dense."""
+    for a GGUF file when no dtype is given and the CPU can run the kernels, else dense.
+    dtype: any name models/dtypes.py accepts, "int8", or a torch dtype; a bad one is an error naming
+    `dtype_param`. A GGUF file of an architecture without a native decoder that transformers can
+    read is converted once by transformers and runs through HFAdapter."""
     started = time.perf_counter()
     if weights not in WEIGHTS:
         raise ModelError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    int8 = isinstance(dtype, str) and dtype.lower() == "int8"
-    auto = isinstance(dtype, str) and dtype.lower() == "auto"
+    dtype = canonical_dtype(dtype, dtype_param, allow_int8=True)
+    int8, auto = dtype == INT8, dtype == "auto"
     if int8:            # dense bf16, then every projection quantized to int8 per output channel
         dtype, weights = "bf16", "dense"
         if not fast:
             raise ModelError("dtype int8 runs in the fast kernels (not with fast=False / --eager)")
-    torch_dtype = (parse_dtype(dtype) if isinstance(dtype, str) else dtype)
+    torch_dtype = parse_dtype(dtype, dtype_param)
     if auto:
         dtype = None
     torch_device = resolve_device(device)
@@ -190,6 +189,14 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
     path = default_model_path() if spec in (None, DEFAULT_MODEL) else Path(spec).expanduser()
     if not path.exists():
         raise ModelError(f"model not found: {path} (give a .gguf file or a Hugging Face model directory)")
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from .gguf import NATIVE_ARCHS, inspect_file
+        arch = inspect_file(path)          # not GGUF, truncated, or no architecture: one clear error
+        if arch not in NATIVE_ARCHS:       # transformers reads it, or it is refused naming the file
+            if int8 or weights == "native":
+                raise ModelError(f"{'dtype int8' if int8 else '--weights native'}: {path} is a {arch} GGUF file, "
+                                 f"which has no native decoder here (native: {', '.join(NATIVE_ARCHS)})")
+            return _load_gguf_adapter(path, name, arch, torch_dtype or torch.bfloat16, torch_device, started)
     why_not = native_weights_reason(path, torch_dtype, torch_device, fast) if weights != "dense" else "dense"
     if weights == "native" and why_not is not None:
         raise ModelError(f"--weights native: {why_not}")
@@ -234,6 +241,21 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
     model = Transformer(config, weights, make_linear)
     eos = _eos_ids(model_dir, tokenizer, config.eos_token_ids)
     return LoadedModel(model, tokenizer, name, model_dir, True, eos, time.perf_counter() - started, fingerprint)
+
+
+def _load_gguf_adapter(path: Path, name: str, arch: str, dtype: torch.dtype, device: torch.device,
+                       started: float) -> LoadedModel:
+    """A GGUF file of an architecture without a native decoder: converted once by transformers
+    into an HF directory (gguf.adapter_dir), run through HFAdapter."""
+    from .gguf import adapter_dir
+    from .hf_adapter import HFAdapter
+    model_dir = adapter_dir(path, arch)
+    print(f"note: {path.name} is a {arch} GGUF file, which has no native decoder here: running it through the "
+          f"transformers adapter (slower, still lossless)", file=sys.stderr)
+    model = HFAdapter(model_dir, dtype, device)
+    tokenizer = Tokenizer(model_dir)
+    eos = _eos_ids(model_dir, tokenizer, model.eos_token_ids)
+    return LoadedModel(model, tokenizer, name, model_dir, False, eos, time.perf_counter() - started)
 
 
 def _load_native(path: Path, name: str, dtype: torch.dtype, device: torch.device, started: float) -> LoadedModel:
