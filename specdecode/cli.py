@@ -11,7 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from .cli_common import CliError, add_model_options, number, positive_int
+from .cli_common import CliError, add_model_options, drafter_options, number, positive_int
 from .params import ParamError
 
 
@@ -143,7 +143,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
               dtype=args.dtype, device=args.device, threads=args.threads, fast=not args.eager,
               progress=not args.json, drafter_path=args.drafter, weights=args.weights, draft_dtype=args.draft_dtype,
-              adaptive=args.adaptive)
+              adaptive=args.adaptive, **drafter_options(args))
     ids = llm.encode(prompt, chat=args.chat)
     # warm-up so that the first measured run does not pay one-time costs (allocations, kernels)
     llm.generate([ids], type(params)(max_tokens=4, ignore_eos=True), num_speculative_tokens=min(args.k, 2))

@@ -61,6 +61,38 @@ def method_choices() -> list[str]:
     return [*method_names(), "none"]
 
 
+def drafter_option(text: str) -> tuple[str, object]:
+    """argparse type of --drafter-option: KEY=VALUE with VALUE an int, a float, true/false or text."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip() or not key.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"--drafter-option takes KEY=VALUE (KEY an identifier), got {text!r}")
+    value: object = raw
+    for cast in (int, float):
+        try:
+            value = cast(raw)
+            break
+        except ValueError:
+            pass
+    if raw.lower() in ("true", "false"):
+        value = raw.lower() == "true"
+    return key.strip(), value
+
+
+def drafter_options(args: argparse.Namespace) -> dict:
+    """--drafter-option pairs as keyword options, checked against the method's drafter (CliError)."""
+    options = dict(getattr(args, "drafter_options", None) or [])
+    if options:
+        from .drafters.base import DrafterError
+        from .drafters.registry import check_drafter_options
+        if args.method in (None, "none"):
+            raise CliError("--drafter-option needs --method (the drafter whose option it is)")
+        try:
+            check_drafter_options(args.method, options)
+        except DrafterError as exc:
+            raise CliError(str(exc)) from None
+    return options
+
+
 def add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="target: a .gguf file or an HF directory (default: embedded SmolLM2-135M-Instruct)")
@@ -74,6 +106,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("-k", "--num-speculative-tokens", dest="k", type=positive_int("-k", 0, 64), default=5,
                    help="draft tokens per step (chains, up to 32) or draft tree nodes (tree drafters: recycle, "
                         "suffix; up to 64); 0 = plain decoding (default 5)")
+    g.add_argument("--drafter-option", dest="drafter_options", action="append", default=[], metavar="KEY=VALUE",
+                   type=drafter_option,
+                   help="an option of the method's drafter, repeatable, e.g. tree_topk=8 tree_depth=6 (eagle2), "
+                        "min_confidence=0.3 (eagle), ngram_max=4 (ngram); an unknown key lists the accepted ones")
     g.add_argument("--adaptive", default=None, action=argparse.BooleanOptionalAction,
                    help="choose each step's draft size up to -k from measured costs and acceptance, plain "
                         "decoding when drafts do not pay (default: on; --no-adaptive drafts k every step)")

@@ -98,6 +98,30 @@ def drafter_class(method: str) -> "type[Drafter]":
     return register(method)(cls)
 
 
+def drafter_option_names(method: str) -> list[str]:
+    """The keyword options a method's drafter takes (its constructors' named parameters along the
+    class hierarchy, `target` excluded)."""
+    import inspect
+    names: dict[str, None] = {}
+    for cls in drafter_class(method).__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None or cls is object:
+            continue
+        for param in list(inspect.signature(init).parameters.values())[1:]:
+            if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY) and param.name != "target":
+                names[param.name] = None
+    return list(names)
+
+
+def check_drafter_options(method: str, options: dict) -> None:
+    """DrafterError naming any option that `method`'s drafter does not take."""
+    known = drafter_option_names(method)
+    unknown = [name for name in options if name not in known]
+    if unknown:
+        raise _drafter_errors()(f"drafter option {unknown[0]!r} is not one of method {method!r}'s: "
+                                f"{', '.join(known) or '(none)'}")
+
+
 def build_drafter(method: str, target: "LoadedModel", **options) -> "Drafter":
     """A drafter of `method` for `target`; options are passed to its constructor (each drafter
     takes what it knows: draft=, drafter_path=, ngram_min=, ... and ignores the rest)."""

@@ -46,7 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..api import LLM
-    from ..cli_common import CliError
+    from ..cli_common import CliError, drafter_options
     from .app import create_app
     from .auth import exposed_without_key
     from .memory import weights_bytes
@@ -61,7 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          served_model_name=args.served_model_name)
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
               dtype=args.dtype, device=args.device, threads=args.threads, fast=not args.eager,
-              weights=args.weights, draft_dtype=args.draft_dtype)
+              weights=args.weights, draft_dtype=args.draft_dtype, **drafter_options(args))
     state = build_state(llm, config)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sched = state.scheduler
