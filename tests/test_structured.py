@@ -126,3 +126,27 @@ def test_openai_client_response_format_streamed_and_not(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="m", prompt="x", max_tokens=5, extra_body={"guided_json": {"type": 5}})
     assert err.value.body["param"] == "guided_json"
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram"])
+def test_transformers_peer_follows_the_same_grammar(llm, method):
+    """The bench's transformers peer: generate() with the grammar as a logits processor gives
+    valid JSON, plain and with prompt lookup (which calls the processor on prefixes that go back)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    from specdecode.bench.systems import GrammarLogitsProcessor
+    from specdecode.structured import grammar_tokenizer
+    model = AutoModelForCausalLM.from_pretrained(str(llm.target.dense_path()), dtype=torch.float32).eval()
+    schema = SCHEMAS[0]
+    ids = llm.encode(PROMPTS[0], chat=True)
+    constraint = grammar_tokenizer(llm.target).constraint(Structured("json_schema", schema))
+    processor = GrammarLogitsProcessor(constraint, len(ids))
+    x = torch.tensor([ids])
+    kwargs = {"prompt_lookup_num_tokens": 8} if method == "ngram" else {}
+    with torch.inference_mode():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=96, do_sample=False,
+                             eos_token_id=list(llm.target.eos_token_ids), pad_token_id=llm.target.eos_token_ids[0],
+                             logits_processor=LogitsProcessorList([processor]), **kwargs)
+    text = llm.tokenizer.decode([t for t in out[0, len(ids):].tolist() if t not in llm.target.eos_token_ids])
+    jsonschema.validate(json.loads(text), schema)

@@ -59,8 +59,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     w.add_argument("--max-tokens", type=positive_int("--max-tokens", 1), default=None,
                    help="max new tokens; EOS stops earlier (default: 64 with --quick, 128 with --full)")
     w.add_argument("--json-schema", default=None, metavar="FILE",
-                   help="constrain every answer to this JSON schema (structured output; specdecode only: the "
-                        "peers are skipped with a note); e.g. specdecode/data/json_extract/schema.json")
+                   help="constrain every answer to this JSON schema (structured output; specdecode and "
+                        "transformers, which gets the same grammar as a logits processor; llama.cpp is skipped "
+                        "with a note); e.g. specdecode/data/json_extract/schema.json")
     w.add_argument("--temperature", type=number("--temperature"), default=0.0,
                    help="0 = greedy (default; losslessness is then checked token by token)")
     w.add_argument("--seed", type=positive_int("--seed", 0), default=0, help="base seed for sampling runs")

@@ -60,13 +60,14 @@ def build_systems(config: dict, llm, prompts: list[workload.BenchPrompt], notes:
     wanted = config["systems"]
     if "specdecode" in wanted:
         systems.append(SpecdecodeSystem(llm, config.get("drafter"), config.get("adaptive"), config.get("json_schema")))
-    if config.get("json_schema") is not None:            # the peers have no grammar-constrained decoding here
-        for peer in [w for w in wanted if w != "specdecode"]:
-            notes.append(f"{peer}: skipped — --json-schema constrains specdecode only")
-        wanted = [w for w in wanted if w == "specdecode"]
+    if config.get("json_schema") is not None:            # llama.cpp is not given the grammar here
+        for peer in [w for w in wanted if w not in ("specdecode", "transformers")]:
+            notes.append(f"{peer}: skipped — --json-schema constrains specdecode and transformers only")
+        wanted = [w for w in wanted if w in ("specdecode", "transformers")]
     if "transformers" in wanted:
         try:
-            systems.append(TransformersSystem(llm, parse_dtype(config["dtype"] or "bf16"), notes))
+            systems.append(TransformersSystem(llm, parse_dtype(config["dtype"] or "bf16"), notes,
+                                              config.get("json_schema")))
         except Exception as exc:  # noqa: BLE001
             notes.append(f"transformers: skipped — cannot load {llm.target.path} ({type(exc).__name__}: {exc})")
     if "llama.cpp" in wanted:

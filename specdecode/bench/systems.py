@@ -161,7 +161,7 @@ class TransformersSystem(System):
 
     name = "transformers"
 
-    def __init__(self, llm, dtype: torch.dtype, notes: list[str]) -> None:
+    def __init__(self, llm, dtype: torch.dtype, notes: list[str], json_schema: dict | None = None) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
         hf_logging.set_verbosity_error()
@@ -174,6 +174,11 @@ class TransformersSystem(System):
                 notes.append(f"transformers: draft not loadable ({type(exc).__name__}: {exc}); "
                              f"assisted generation skipped")
         self.eos = list(llm.target.eos_token_ids)
+        self.target = llm.target
+        self.structured = None
+        if json_schema is not None:
+            from ..structured import Structured
+            self.structured = Structured("json_schema", json_schema)
 
     def supports(self, method: str) -> bool:
         return method == "ngram" or (method == "model" and self.draft is not None)
@@ -186,6 +191,12 @@ class TransformersSystem(System):
         if temperature > 0:
             kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
             torch.manual_seed(seed)
+        if self.structured is not None:      # the same grammar, applied as a logits processor
+            from transformers import LogitsProcessorList
+
+            from ..structured import grammar_tokenizer
+            constraint = grammar_tokenizer(self.target).constraint(self.structured)
+            kwargs["logits_processor"] = LogitsProcessorList([GrammarLogitsProcessor(constraint, x.shape[1])])
         if cell.method == "ngram":
             kwargs["prompt_lookup_num_tokens"] = cell.k
         elif cell.method == "model":
@@ -198,3 +209,33 @@ class TransformersSystem(System):
         ids = out[0, x.shape[1]:].tolist()   # batch 1: no padding, every id after the prompt was generated
         return measurement(ids, seconds, None if clock.first is None else clock.first - started,
                            steps=max(clock.calls - 1, 0) or None)
+
+
+class GrammarLogitsProcessor:
+    """A transformers logits processor that masks what a grammar forbids after the generated
+    prefix (llguidance's matcher, as transformers users plug it in). Assisted generation calls it
+    at every candidate position with prefixes that may go back; the matcher follows by rollback."""
+
+    def __init__(self, constraint, prompt_len: int) -> None:
+        self.constraint, self.prompt_len = constraint, prompt_len
+        self.consumed: list[int] = []          # generated tokens the matcher has taken, in order
+
+    def __call__(self, input_ids: torch.Tensor,      # [1, prompt + generated] int64
+                 scores: torch.Tensor,               # [1, vocab] float
+                 ) -> torch.Tensor:                  # [1, vocab] with forbidden tokens at -inf
+        prefix = input_ids[0, self.prompt_len:].tolist()
+        common = 0
+        while common < min(len(prefix), len(self.consumed)) and prefix[common] == self.consumed[common]:
+            common += 1
+        matcher = self.constraint.matcher
+        if len(self.consumed) > common:
+            matcher.rollback(len(self.consumed) - common)
+            del self.consumed[common:]
+        rest = prefix[common:]
+        if rest and not matcher.is_stopped():
+            done = matcher.try_consume_tokens(rest)
+            self.consumed += rest[:done]      # a forbidden candidate stops here: its logits are not used
+        allowed = self.constraint.allowed()                                   # [vocab] bool
+        if allowed.shape[0] < scores.shape[-1]:
+            allowed = torch.cat([allowed, allowed.new_zeros(scores.shape[-1] - allowed.shape[0])])
+        return scores.masked_fill(~allowed[:scores.shape[-1]].to(scores.device), float("-inf"))
