@@ -161,6 +161,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
               **{key: out.stats[key] for key in ("tokens_per_s", "acceptance_rate", "mean_accepted_length",
                                                  "acceptance_per_position", "draft_s", "verify_s",
                                                  "prefill_s", "total_s", "tree_nodes_mean")}}
+    if llm.drafter is not None and llm.drafter.summary():
+        result["drafter"] = llm.drafter.summary()
     if args.compare:
         base = llm.generate([ids], params, num_speculative_tokens=0)[0]
         spec_speeds, base_speeds = [out.stats["tokens_per_s"]], [base.stats["tokens_per_s"]]

@@ -243,6 +243,11 @@ class Drafter(ABC):
     def close(self) -> None:
         """Free per-batch state."""
 
+    def summary(self) -> dict:
+        """What the drafter chose or learned that a user should see (e.g. the layers a layer-skip
+        drafter skips); JSON-serializable, {} when nothing."""
+        return {}
+
 
 class DrafterError(ValueError):
     """A drafter cannot be built with these options; the message says why."""

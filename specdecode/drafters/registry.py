@@ -36,7 +36,8 @@ BUILTIN = {"ngram": "specdecode.drafters.ngram:NgramDrafter",
            "self-quant": "specdecode.drafters.self_quant:SelfQuantDrafter",
            "recycle": "specdecode.drafters.recycle:RecycleDrafter",
            "suffix": "specdecode.drafters.suffix:SuffixDrafter",
-           "lookahead": "specdecode.drafters.lookahead:LookaheadDrafter"}
+           "lookahead": "specdecode.drafters.lookahead:LookaheadDrafter",
+           "layer-skip": "specdecode.drafters.layer_skip:LayerSkipDrafter"}
 RESERVED = ("none", "plain")      # "none": no drafter (API / CLI); "plain": plain decoding (bench)
 
 _registered: dict[str, type] = {}

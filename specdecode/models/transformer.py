@@ -170,18 +170,21 @@ class Transformer:
         return self.logits(self.run(ForwardBatch.chain(tokens, start, rows, logit_index), cache), logit_index)
 
     @torch.inference_mode()
-    def run(self, fb: ForwardBatch, cache: KVCache) -> torch.Tensor:
+    def run(self, fb: ForwardBatch, cache: KVCache,
+            skip: frozenset[int] = frozenset()) -> torch.Tensor:
         """One pass as `fb` describes it (specdecode/forward.py): chain or tree, any rows. Writes
         the keys/values into `cache` and returns the last hidden states of every token, before
         the final norm: [B, T, D] in the model dtype (the features EAGLE heads read; logits:
         `logits`). The fused native decoder runs it when it can (batch-1 chains by their own
-        entry), else eager torch."""
+        entry), else eager torch. `skip`: layer indices left out (their residual passes through;
+        layer-skip self-drafting, eager only)."""
         tokens = fb.tokens
-        if self.fused is not None and fb.uniform and tokens.shape[0] == 1 and tokens.shape[1] <= 64:
-            return self.fused.forward(tokens, cache, fb.start)
-        if (self.fused is not None and tokens.numel() <= FUSED_MAX_ROWS and hasattr(cache, "layout")
+        fused = self.fused if not skip else None
+        if fused is not None and fb.uniform and tokens.shape[0] == 1 and tokens.shape[1] <= 64:
+            return fused.forward(tokens, cache, fb.start)
+        if (fused is not None and tokens.numel() <= FUSED_MAX_ROWS and hasattr(cache, "layout")
                 and not (fb.uniform and tokens.shape[0] == 1)):
-            return self.fused.forward_rows(fb, cache)
+            return fused.forward_rows(fb, cache)
         c = self.config
         batch, num_tokens = tokens.shape
         start, rows = fb.start, fb.rows
@@ -200,6 +203,8 @@ class Transformer:
 
         hidden = F.embedding(tokens, self.embed)                              # [B, T, D]
         for index, layer in enumerate(self.layers):
+            if index in skip:
+                continue
             # 1. attention: fused qkv projection, RoPE, cache write, GQA attention
             x = F.rms_norm(hidden, (c.hidden_size,), layer["attn_norm"], c.rms_norm_eps)
             qkv = layer["qkv"](x)
