@@ -122,6 +122,8 @@ class LayerSkipDrafter(ModelDrafter):
         self.agreement: float | None = None          # measured top-1 agreement of the chosen set
         self.cache = None
         self.draft_vocab = self.target_vocab = target.model.vocab_size
+        self.skip: frozenset[int] | None = None      # the skipped layers (None: chosen at the first request)
+        self.model = self.draft = None                # the SkipView and its LoadedModel (set by _use)
         self._use(frozenset(skip_layers) if skip_layers is not None else None)
 
     def _use(self, skip: frozenset[int] | None) -> None:

@@ -62,8 +62,6 @@ def why_not(model) -> str | None:
         return f"tensors on {model.device}"
     if model.dtype not in (torch.bfloat16, torch.float32):
         return f"dtype {model.dtype} (bf16/fp32 only)"
-    if model.dtype == torch.bfloat16 and not st["bf16"]:
-        return "CPU lacks avx512_bf16"
     if c.head_dim % 16 or c.head_dim > 256:
         return f"head_dim {c.head_dim} (needs a multiple of 16, <= 256)"
     if c.num_heads % c.num_kv_heads:

@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "avx512_compat.h"   /* no AVX512: the same kernels on AVX2 through SIMDe */
 #include <unistd.h>
 #include <sys/syscall.h>
 #include <omp.h>
@@ -28,6 +29,9 @@
 #define XFEATURE_XTILEDATA 18
 
 typedef uint16_t bf16;
+
+/* 2: built with every AVX512 feature the kernels use; 1: some emulated (avx512_compat.h). */
+int sd_isa(void) { return sd_isa_level(); }
 
 /* Ask the Linux kernel for permission to use AMX tile data (process-wide). 0 on success. */
 int sd_amx_init(void) {

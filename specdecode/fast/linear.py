@@ -35,10 +35,15 @@ from torch import Tensor
 __all__ = ["PackedLinear", "available", "reason", "self_check"]
 
 _SRC = Path(__file__).with_name("kernels.c")
-_SOURCES = (_SRC, *(_SRC.with_name(n) for n in ("decoder.c", "quant.c", "quant16.c", "quant_dequant.c")))  # #included
+_SOURCES = (_SRC, *(_SRC.with_name(n) for n in ("decoder.c", "quant.c", "quant16.c", "quant_dequant.c",
+                                                  "avx512_compat.h")))  # #included
 # -mamx-*: the AMX kernels compile on any x86 CPU; they only run where the CPU has AMX (checked at load)
 _CFLAGS = ["-O3", "-march=native", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared", "-fPIC", "-std=gnu11",
-           "-ffp-contract=off"]
+           "-ffp-contract=off", "-Wno-psabi"]
+# CPUs without (all of) AVX512 compile the same kernels through SIMDe (avx512_compat.h): its headers
+# come from Debian's libsimde-dev (/usr/include/simde) or SPECDECODE_SIMDE_INCLUDE=DIR
+_AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
+_AVX2_FLAGS = ("avx2", "fma", "f16c")
 _CACHE = Path(os.environ.get("SPECDECODE_KERNEL_CACHE", "~/.cache/specdecode/kernels")).expanduser()
 # bf16 uses AMX for every row count when available: each output row is then bitwise identical
 # whether computed alone or in a block (AVX512-BF16 at M=1 sums in another order than AMX), which
@@ -71,7 +76,9 @@ def _compile() -> Path:
     _CACHE.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=_CACHE)  # build then rename: safe vs. races
     os.close(fd)
-    r = subprocess.run([cc, *_CFLAGS, str(_SRC), "-o", tmp], capture_output=True, text=True)
+    include = os.environ.get("SPECDECODE_SIMDE_INCLUDE")
+    r = subprocess.run([cc, *_CFLAGS, *([f"-I{include}"] if include else []), str(_SRC), "-o", tmp],
+                       capture_output=True, text=True)
     if r.returncode != 0:
         os.unlink(tmp)
         raise RuntimeError(f"compile failed: {r.stderr.strip()[:500]}")
@@ -88,8 +95,14 @@ def _load() -> dict:
     if os.environ.get("SPECDECODE_FAST", "1") == "0":
         _state["reason"] = "disabled by SPECDECODE_FAST=0"
         return _state
-    if "avx512f" not in flags:
-        _state["reason"] = "CPU lacks avx512f"
+    emulated = [f for f in _AVX512_FLAGS if f not in flags]
+    missing = [f for f in _AVX2_FLAGS if f not in flags]
+    if missing:
+        _state["reason"] = f"CPU lacks {', '.join(missing)} (the kernels need AVX512, or AVX2 + FMA + F16C)"
+        return _state
+    if emulated and not _simde_available():
+        _state["reason"] = (f"CPU lacks {', '.join(emulated)}: the kernels then compile through SIMDe, whose "
+                            f"headers are missing (apt install libsimde-dev, or SPECDECODE_SIMDE_INCLUDE=DIR)")
         return _state
     try:
         lib = ctypes.CDLL(str(_compile()))  # torch is imported first, so libgomp is shared
@@ -104,14 +117,27 @@ def _load() -> dict:
         f.restype = None
     lib.sd_linear_fp32.argtypes = [P, I, P, P, P, I, I, I, I, I]
     lib.sd_linear_fp32.restype = None
+    lib.sd_isa.restype = I
     _state["lib"] = lib
     _state["fp32"] = True
-    _state["bf16"] = "avx512_bf16" in flags
+    _state["bf16"] = True      # AVX512-BF16, or its emulation through SIMDe (the same lane semantics)
+    _state["isa"] = "avx512" if lib.sd_isa() == 2 else "avx2"
+    _state["emulated"] = emulated
     # AMX needs the CPU flags *and* the kernel's permission (arch_prctl XCOMP_PERM).
-    _state["amx"] = _state["bf16"] and {"amx_tile", "amx_bf16"} <= flags and lib.sd_amx_init() == 0
-    if not _state["bf16"]:
-        _state["reason"] = "CPU lacks avx512_bf16: bf16 weights use F.linear (fp32 is fast)"
+    _state["amx"] = "avx512_bf16" in flags and {"amx_tile", "amx_bf16"} <= flags and lib.sd_amx_init() == 0
     return _state
+
+
+def _simde_available() -> bool:
+    include = os.environ.get("SPECDECODE_SIMDE_INCLUDE")
+    roots = [Path(include)] if include else [Path("/usr/include"), Path("/usr/local/include")]
+    return any((root / "simde" / "x86" / "avx512.h").is_file() for root in roots)
+
+
+def isa() -> str:
+    """Which kernels run: 'avx512' (native), 'avx2' (the AVX512 kernels through SIMDe) or 'none'."""
+    st = _load()
+    return st.get("isa", "none") if st["lib"] is not None else "none"
 
 
 def available() -> bool:
@@ -122,7 +148,11 @@ def available() -> bool:
 def reason() -> str:
     """Why the fast path is (partly) unavailable, or 'ok'."""
     st = _load()
-    return st["reason"] if st["reason"] != "ok" else ("ok" + ("" if st["amx"] else " (no AMX)"))
+    if st["reason"] != "ok":
+        return st["reason"]
+    if st.get("emulated"):
+        return f"ok (AVX2: {', '.join(st['emulated'])} emulated through SIMDe)"
+    return "ok" + ("" if st["amx"] else " (no AMX)")
 
 
 class PackedLinear:
