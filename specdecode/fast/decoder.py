@@ -38,7 +38,8 @@ class _Model(ctypes.Structure):  # must match sd_model in decoder.c
         ("attn_norm", P), ("mlp_norm", P), ("qkv_w", P), ("qkv_b", P), ("o_w", P), ("gu_w", P),
         ("down_w", P), ("final_norm", P), ("head_w", P), ("head_b", P),
         ("hid", P), ("xn", P), ("qkv", P), ("q", P), ("att", P), ("gu", P), ("act", P),
-        ("qkv_q", P), ("o_q", P), ("gu_q", P), ("down_q", P), ("head_q", P), ("q_norm", P), ("k_norm", P)]
+        ("qkv_q", P), ("o_q", P), ("gu_q", P), ("down_q", P), ("head_q", P), ("q_norm", P), ("k_norm", P),
+        ("window", I)]
 
 
 class _KV(ctypes.Structure):  # must match sd_kv in decoder.c
@@ -68,6 +69,8 @@ def why_not(model) -> str | None:
         return f"head_dim {c.head_dim} (needs a multiple of 16, <= 256)"
     if c.num_heads % c.num_kv_heads:
         return "num_heads not a multiple of num_kv_heads"
+    if c.rotary_dim != c.head_dim:
+        return f"partial_rotary_factor {c.partial_rotary_factor} (RoPE on {c.rotary_dim} of {c.head_dim} dims)"
     for lin in model.projections():
         if not isinstance(lin, (PackedLinear, QuantLinear)) or not lin.fast or lin.dtype != model.dtype:
             return "projections are not native PackedLinear / QuantLinear (eager make_linear?)"
@@ -139,7 +142,7 @@ class FusedDecoder:
                    o_w=arr([_packed(ly["o"]) for ly in model.layers]),
                    gu_w=arr([_packed(ly["gate_up"]) for ly in model.layers]),
                    down_w=arr([_packed(ly["down"]) for ly in model.layers]),
-                   final_norm=self._final.data_ptr(), head_w=_ptrs([_packed(model.lm_head)])[0], head_b=None,
+                   window=c.sliding_window or 0, final_norm=self._final.data_ptr(), head_w=_ptrs([_packed(model.lm_head)])[0], head_b=None,
                    **{k: v.data_ptr() for k, v in self._scratch.items()})
         if any(isinstance(lin, QuantLinear) for lin in model.projections()):
             def qarr(key):
