@@ -51,6 +51,10 @@ def why_not(model) -> str | None:
     """None if `model` can use the fused decoder, else the reason."""
     if os.environ.get("SPECDECODE_FUSED", "1") == "0":
         return "disabled by SPECDECODE_FUSED=0"
+    rotary = getattr(getattr(model, "config", None), "rotary_dim", None)
+    if rotary is not None and rotary != model.config.head_dim:    # the model's own limit, whatever the CPU
+        return (f"partial_rotary_factor {model.config.partial_rotary_factor} (RoPE on {rotary} of "
+                f"{model.config.head_dim} dims) runs eagerly")
     st = _lin._load()
     if st["lib"] is None:
         return f"native kernels unavailable: {st['reason']}"
@@ -69,8 +73,6 @@ def why_not(model) -> str | None:
         return f"head_dim {c.head_dim} (needs a multiple of 16, <= 256)"
     if c.num_heads % c.num_kv_heads:
         return "num_heads not a multiple of num_kv_heads"
-    if c.rotary_dim != c.head_dim:
-        return f"partial_rotary_factor {c.partial_rotary_factor} (RoPE on {c.rotary_dim} of {c.head_dim} dims)"
     for lin in model.projections():
         if not isinstance(lin, (PackedLinear, QuantLinear)) or not lin.fast or lin.dtype != model.dtype:
             return "projections are not native PackedLinear / QuantLinear (eager make_linear?)"
