@@ -15,6 +15,7 @@ from specdecode.fast import linear as fast_linear
 from specdecode.forward import ForwardBatch
 from specdecode.models.config import ModelConfig
 from specdecode.models.loader import load_model
+from specdecode.serve.paged_cache import PagedKVCache
 
 WINDOW = 8
 
@@ -83,13 +84,21 @@ def test_logits_match_transformers(mistral, fast, dtype):
                                    atol=tol, rtol=tol)
     got = lm.model.forward(tokens[:, 23:30], cache, 23)                   # a verify-sized block
     torch.testing.assert_close(got, expected[:, 23:30], atol=tol, rtol=tol)
-    # a ragged batch (per-row starts: the rows/paged form of the pass) continues row 0 at 30
-    ragged = lm.model.new_cache(2, 64)
-    lm.model.forward(tokens[:, :30].repeat(2, 1), ragged, 0)
-    fb = ForwardBatch.chain(torch.cat([tokens[:, 30:36], tokens[:, 26:32]]), torch.tensor([30, 26]))
-    got = lm.model.logits(lm.model.run(fb, ragged))
-    torch.testing.assert_close(got[0], expected[0, 30:36], atol=tol, rtol=tol)
-    torch.testing.assert_close(got[1], expected[0, 26:32], atol=tol, rtol=tol)
+    # a ragged batch (per-row starts and cache rows), in a contiguous and in paged caches (blocks
+    # smaller than, equal to and not dividing the window)
+    c = lm.model.config
+    caches = [lm.model.new_cache(3, 64)] + [
+        PagedKVCache(c.num_layers, 3, c.num_kv_heads, c.head_dim, 64, 40, size, lm.model.dtype) for size in (4, 8, 5)]
+    rows = torch.tensor([2, 0])
+    for cache in caches:
+        for r, n in zip(rows.tolist(), (30, 26)):
+            if isinstance(cache, PagedKVCache):
+                cache.reserve(r, 40)
+            lm.model.forward(tokens[:, :n], cache, torch.tensor([0]), rows=torch.tensor([r]))
+        fb = ForwardBatch.chain(torch.cat([tokens[:, 30:36], tokens[:, 26:32]]), torch.tensor([30, 26]), rows)
+        got = lm.model.logits(lm.model.run(fb, cache))
+        torch.testing.assert_close(got[0], expected[0, 30:36], atol=tol, rtol=tol)
+        torch.testing.assert_close(got[1], expected[0, 26:32], atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("fast", [False, True])
