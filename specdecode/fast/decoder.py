@@ -144,7 +144,8 @@ class FusedDecoder:
                    o_w=arr([_packed(ly["o"]) for ly in model.layers]),
                    gu_w=arr([_packed(ly["gate_up"]) for ly in model.layers]),
                    down_w=arr([_packed(ly["down"]) for ly in model.layers]),
-                   window=c.sliding_window or 0, final_norm=self._final.data_ptr(), head_w=_ptrs([_packed(model.lm_head)])[0], head_b=None,
+                   window=c.sliding_window or 0,
+                   final_norm=self._final.data_ptr(), head_w=_ptrs([_packed(model.lm_head)])[0], head_b=None,
                    **{k: v.data_ptr() for k, v in self._scratch.items()})
         if any(isinstance(lin, QuantLinear) for lin in model.projections()):
             def qarr(key):
