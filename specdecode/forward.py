@@ -10,7 +10,9 @@ nodes on its own path (specdecode/tree.py). One rule covers both, per token:
     key slot j is visible  <=>  j < tree_base  or  bit (j - tree_base) of tree_mask is set
 
 with (tree_base, tree_mask) = (own slot, 1) for a chain token and (first node slot, ancestor bits)
-for a node; the visible keys, in slot order, are the token's logical keys 0..position. The eager
+for a node; the visible keys, in slot order, are the token's logical keys 0..position. A sliding
+window W (Mistral) keeps logical keys position-W+1..position: along a node's own path, as a chain
+of the same tokens would. The eager
 torch path builds its attention mask from this (`visible`), the fused C decoder reads the same
 arrays (`sd_decoder_rows`), and the paged cache sees only slots.
 """
@@ -93,11 +95,16 @@ class ForwardBatch:
         slots = self.slots()
         return slots, torch.ones_like(slots)
 
-    def visible(self, key_len: int) -> torch.Tensor:
-        """[B, T, key_len] bool: which cache slots each token attends to."""
+    def visible(self, key_len: int, window: int | None = None) -> torch.Tensor:
+        """[B, T, key_len] bool: which cache slots each token attends to; with a sliding `window`,
+        only its last `window` logical keys (the visible slots counted in slot order)."""
         base, mask = self.visibility()
         keys = torch.arange(key_len)[None, None, :]                              # [1, 1, L]
         offset = keys - base[:, :, None]                                         # [B, T, L]
         in_tree = (offset >= 0) & (offset < 64)
         bits = (mask[:, :, None] >> offset.clamp(0, 63)) & 1
-        return (offset < 0) | (in_tree & bits.bool())
+        seen = (offset < 0) | (in_tree & bits.bool())
+        if window is None:
+            return seen
+        logical = seen.long().cumsum(-1) - 1                                     # [B, T, L] key index on the path
+        return seen & (logical > self.rope_positions()[:, :, None] - window)

@@ -52,9 +52,11 @@ def write_tokenizer(writer, tokenizer_json: Path, eos_token: str, bos_token: str
 
 
 def write_gguf(path: Path, model, arch: str, tokenizer_json: Path, eos_token: str,
-               bos_token: str | None = None, permute_qk: bool = False, skip: tuple[str, ...] = ()) -> Path:
+               bos_token: str | None = None, permute_qk: bool = False, skip: tuple[str, ...] = (),
+               metadata: dict[str, int] | None = None) -> Path:
     """`model` (a transformers causal LM) as an F32 GGUF file of llama.cpp architecture `arch`.
-    `skip`: GGUF tensor names to leave out (to build a file with missing tensors)."""
+    `skip`: GGUF tensor names to leave out (to build a file with missing tensors); `metadata`: more
+    uint32 keys (e.g. "llama.attention.sliding_window", which transformers' reader does not map)."""
     import gguf
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
     from transformers.pytorch_utils import Conv1D
@@ -72,6 +74,8 @@ def write_gguf(path: Path, model, arch: str, tokenizer_json: Path, eos_token: st
             writer.add_uint32(f"{arch}.{gguf_key}", value)
         elif isinstance(value, float):
             writer.add_float32(f"{arch}.{gguf_key}", value)
+    for key, value in (metadata or {}).items():
+        writer.add_uint32(key, value)
     write_tokenizer(writer, tokenizer_json, eos_token, bos_token)
     conv1d = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Conv1D)}
     tied = bool(getattr(config, "tie_word_embeddings", False))

@@ -51,6 +51,7 @@ typedef struct {
     const sd_qmat *head_q;
     /* Qwen3: RMSNorm weights [L] -> [HD] over each q / k head before RoPE, or NULL */
     const void *const *q_norm, *const *k_norm;
+    int window;                      /* sliding window: a row at position p sees logical keys p-window+1..p; 0 = all */
 } sd_model;
 
 /* Where the cache keeps key/value j of kv head h for one token row (elements from a layer's base):
@@ -159,15 +160,16 @@ static void reduce16_init(void) {
  * tbase + i (i = 0, 1, ...) is the i-th node on the row's path, at slot tslots[i]. */
 #define KEY_SLOT(j) ((j) < tbase ? (j) : tslots[(j) - tbase])
 
-/* Attention for one query row and one q head over logical keys/values 0..len-1 of kv head h
+/* Attention for one query row and one q head over logical keys/values lo..len-1 of kv head h
  * (addressed through kv/tab from the layer bases kbase/vbase, KEY_SLOT mapping a logical key to its
- * cache slot; model dtype), q [HD] (model dtype), out [HD].  scores: scratch of >= len + 16 floats.
- * Keys go in chunks of 16 starting at key 0, so logical key j's dot product always takes slot
- * j % 16 of the same tree, whatever the cache layout and wherever a tree put the key: a tree
- * node's row is computed exactly as the same path verified as a chain. */
+ * cache slot; model dtype), q [HD] (model dtype), out [HD].  scores: scratch of >= len - lo + 16 floats.
+ * Keys go in chunks of 16 starting at key lo (0, or the first key of a sliding window: a function of
+ * the row's position only), so logical key j's dot product always takes slot (j - lo) % 16 of the
+ * same tree, whatever the cache layout and wherever a tree put the key: a tree node's row is
+ * computed exactly as the same path verified as a chain. */
 static void attend(const void *q, const char *kbase, const char *vbase, const sd_kv *kv, const int32_t *tab,
                    int tbase, const int32_t *tslots,
-                   int h, int len, int HD, float scale, int bf, float *scores, void *out) {
+                   int h, int lo, int len, int HD, float scale, int bf, float *scores, void *out) {
     const int C = HD / 16;                 /* HD % 16 == 0, HD <= 256 */
     __m512 qv[16];
     for (int c = 0; c < C; c++) qv[c] = ld16(q, 16 * c, bf, 0xffff);
@@ -176,7 +178,7 @@ static void attend(const void *q, const char *kbase, const char *vbase, const sd
     const int esz = bf ? 2 : 4;
     __m512 mxv = _mm512_set1_ps(-__builtin_inff());
     char tail[16 * 256 * 4] __attribute__((aligned(64)));
-    for (int j0 = 0; j0 < len; j0 += 16) {
+    for (int j0 = lo; j0 < len; j0 += 16) {
         const int nk = len - j0 < 16 ? len - j0 : 16;
         const char *kb = kbase + kv_off(kv, tab, j0, h) * esz;
         size_t ks = (size_t)kv->key_stride;
@@ -196,12 +198,12 @@ static void attend(const void *q, const char *kbase, const char *vbase, const sd
                 acc[i] = _mm512_fmadd_ps(qv[c], ld16(kb, (size_t)i * ks + 16 * c, bf, 0xffff), acc[i]);
         __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(inv, reduce16(acc)), sv);
         __mmask16 m = lanes(nk);
-        _mm512_mask_storeu_ps(scores + j0, m, s);
+        _mm512_mask_storeu_ps(scores + (j0 - lo), m, s);
         mxv = _mm512_mask_max_ps(mxv, m, mxv, s);
     }
     __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mxv)), sum = _mm512_setzero_ps();
-    for (int j = 0; j < len; j += 16) {
-        __mmask16 m = lanes(len - j);
+    for (int j = 0; j < len - lo; j += 16) {
+        __mmask16 m = lanes(len - lo - j);
         __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), mv));
         p = _mm512_maskz_mov_ps(m, p);
         _mm512_mask_storeu_ps(scores + j, m, p);
@@ -210,8 +212,8 @@ static void attend(const void *q, const char *kbase, const char *vbase, const sd
     __m512 invs = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
     __m512 o[16];
     for (int c = 0; c < C; c++) o[c] = _mm512_setzero_ps();
-    for (int j = 0; j < len; j++) {
-        __m512 p = _mm512_set1_ps(scores[j]);
+    for (int j = lo; j < len; j++) {
+        __m512 p = _mm512_set1_ps(scores[j - lo]);
         const char *vj = vbase + kv_off(kv, tab, KEY_SLOT(j), h) * esz;
         for (int c = 0; c < C; c++) o[c] = _mm512_fmadd_ps(p, ld16(vj, 16 * c, bf, 0xffff), o[c]);
     }
@@ -242,7 +244,8 @@ static inline void range(int n, int t, int nt, int *a, int *b) {
  * Row r sees the keys at slots 0..tbase[r]-1 and, for each bit i set in tmask[r], the key at slot
  * tbase[r] + i (its own included: every row's key/value is written before any attention); in
  * that order they are its logical keys 0..pos[r], so popcount(tmask[r]) == pos[r] - tbase[r] + 1.
- * tbase NULL: a chain, row r sees slots 0..pos[r].  (The per-pass description is built in
+ * tbase NULL: a chain, row r sees slots 0..pos[r].  With md->window > 0 only the last window of
+ * those logical keys are attended to.  (The per-pass description is built in
  * specdecode/forward.py.)  The hidden states of the T rows are left in md->hid.  scores:
  * nthreads * score_len floats, score_len >= max(pos) + 17.  Returns 0, or -1 on bad arguments. */
 int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *pos, const int32_t *slot,
@@ -311,8 +314,9 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
             range(T * H, t, nt, &a, &b);
             for (int u = a; u < b; u++) {
                 int r = u / H, h = u % H;
+                int lo = md->window > 0 && pos[r] + 1 > md->window ? pos[r] + 1 - md->window : 0;
                 attend(qb + ((size_t)r * QS + (size_t)h * HD) * esz, kl, vl, kv,
-                       kv->tables + (size_t)r * kv->table_width, row_base[r], path[r], h / grp, pos[r] + 1,
+                       kv->tables + (size_t)r * kv->table_width, row_base[r], path[r], h / grp, lo, pos[r] + 1,
                        HD, md->scale, bf, sc,
                        att + ((size_t)r * md->Qp + (size_t)h * HD) * esz);
             }

@@ -38,7 +38,8 @@ class _Model(ctypes.Structure):  # must match sd_model in decoder.c
         ("attn_norm", P), ("mlp_norm", P), ("qkv_w", P), ("qkv_b", P), ("o_w", P), ("gu_w", P),
         ("down_w", P), ("final_norm", P), ("head_w", P), ("head_b", P),
         ("hid", P), ("xn", P), ("qkv", P), ("q", P), ("att", P), ("gu", P), ("act", P),
-        ("qkv_q", P), ("o_q", P), ("gu_q", P), ("down_q", P), ("head_q", P), ("q_norm", P), ("k_norm", P)]
+        ("qkv_q", P), ("o_q", P), ("gu_q", P), ("down_q", P), ("head_q", P), ("q_norm", P), ("k_norm", P),
+        ("window", I)]
 
 
 class _KV(ctypes.Structure):  # must match sd_kv in decoder.c
@@ -50,6 +51,10 @@ def why_not(model) -> str | None:
     """None if `model` can use the fused decoder, else the reason."""
     if os.environ.get("SPECDECODE_FUSED", "1") == "0":
         return "disabled by SPECDECODE_FUSED=0"
+    rotary = getattr(getattr(model, "config", None), "rotary_dim", None)
+    if rotary is not None and rotary != model.config.head_dim:    # the model's own limit, whatever the CPU
+        return (f"partial_rotary_factor {model.config.partial_rotary_factor} (RoPE on {rotary} of "
+                f"{model.config.head_dim} dims) runs eagerly")
     st = _lin._load()
     if st["lib"] is None:
         return f"native kernels unavailable: {st['reason']}"
@@ -137,6 +142,7 @@ class FusedDecoder:
                    o_w=arr([_packed(ly["o"]) for ly in model.layers]),
                    gu_w=arr([_packed(ly["gate_up"]) for ly in model.layers]),
                    down_w=arr([_packed(ly["down"]) for ly in model.layers]),
+                   window=c.sliding_window or 0,
                    final_norm=self._final.data_ptr(), head_w=_ptrs([_packed(model.lm_head)])[0], head_b=None,
                    **{k: v.data_ptr() for k, v in self._scratch.items()})
         if any(isinstance(lin, QuantLinear) for lin in model.projections()):

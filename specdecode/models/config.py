@@ -1,11 +1,15 @@
-"""Architecture hyper-parameters of a Llama/Qwen2/Qwen3-family decoder, read from an HF config.json
-or from GGUF metadata. Validated on construction."""
+"""Architecture hyper-parameters of a Llama/Mistral/Qwen2/Qwen3/Phi-3-family decoder, read from an
+HF config.json or from GGUF metadata. Validated on construction.
+
+Mistral is Llama with a sliding attention window (`sliding_window`: each query sees the keys at
+positions p-W+1..p); Phi-3 is Llama with fused qkv_proj / gate_up_proj weights, an optional sliding
+window and optionally RoPE on only the first `partial_rotary_factor` of each head."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
 SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3")
 
 
@@ -15,7 +19,7 @@ class ModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                      # "llama", "qwen2" or "qwen3"
+    arch: str                      # "llama" (also Mistral), "qwen2", "qwen3" or "phi3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -32,6 +36,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     qk_norm: bool = False          # RMSNorm over each q / k head before RoPE (Qwen3)
+    sliding_window: int | None = None   # each query sees the last W keys (positions p-W+1..p); None = all
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims of each head (Phi-3)
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -42,21 +48,31 @@ class ModelConfig:
         if kind not in SUPPORTED_ROPE_SCALING:
             raise ModelError(f"rope_scaling type {kind!r} is not supported natively "
                              f"(supported: linear, llama3)")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelError(f"sliding_window must be >= 1 (or null for none), got {self.sliding_window}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ModelError(f"partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1] and give an "
+                             f"even number of rotary dims of head_dim {self.head_dim} (got {self.rotary_dim})")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each q/k head that RoPE rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         model_type = cfg.get("model_type", "")
-        arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}.get(model_type)
+        arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama",
+                "phi3": "phi3"}.get(model_type)
         if arch is None:
             raise ModelError(f"model_type {model_type!r} is not native")
-        if model_type == "mistral" and cfg.get("sliding_window") not in (None, 0):
-            if cfg.get("sliding_window", 0) < cfg.get("max_position_embeddings", 0):
-                raise ModelError("mistral with a sliding window is not native")
         heads = cfg["num_attention_heads"]
         # transformers >= 5 writes "rope_parameters" (with rope_theta inside); older "rope_scaling"
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         rope_theta = cfg.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0
         rope.pop("rope_theta", None)
+        partial = float(cfg.get("partial_rotary_factor") or rope.pop("partial_rotary_factor", None) or 1.0)
+        rope.pop("partial_rotary_factor", None)
         if rope.get("rope_type", rope.get("type")) in (None, "default"):
             rope = {}
         eos = cfg.get("eos_token_id")
@@ -79,12 +95,16 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             qk_norm=arch == "qwen3",
+            sliding_window=_hf_window(cfg, model_type),
+            partial_rotary_factor=partial,
         )
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json that transformers can load (used for the converted-GGUF cache)."""
-        model_type = self.arch
-        arch_name = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.arch]
+        # a windowed llama is Mistral (transformers' Llama has no window)
+        model_type = "mistral" if self.arch == "llama" and self.sliding_window else self.arch
+        arch_name = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                     "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}[model_type]
         eos: Any = list(self.eos_token_ids)
         if len(eos) == 1:
             eos = eos[0]
@@ -108,6 +128,10 @@ class ModelConfig:
             "eos_token_id": eos,
             "hidden_act": "silu",
             "torch_dtype": "float32",
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
+            "max_window_layers": 0,
+            "partial_rotary_factor": self.partial_rotary_factor,
         }
 
     def as_dict(self) -> dict[str, Any]:
@@ -119,3 +143,26 @@ class ModelConfig:
         attn = d * (self.num_heads + 2 * self.num_kv_heads) * hd + self.num_heads * hd * d
         per_layer = attn + 3 * d * i + 2 * d + (2 * hd if self.qk_norm else 0)
         return self.num_layers * per_layer + self.vocab_size * d + d
+
+
+def _hf_window(cfg: dict[str, Any], model_type: str) -> int | None:
+    """The attention window an HF config asks for, on every layer, or None. Qwen2 configs carry a
+    `sliding_window` that applies only with `use_sliding_window` true, and then only to layers from
+    `max_window_layers` on; a window on some layers only is refused."""
+    window = cfg.get("sliding_window")
+    if model_type in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window", False) or not window:
+            return None
+        first = cfg.get("max_window_layers", 0) or 0
+        if first >= cfg["num_hidden_layers"]:
+            return None
+        if first > 0:
+            raise ModelError(f"use_sliding_window with max_window_layers {first} (a window on layers {first}.. of "
+                             f"{cfg['num_hidden_layers']} only) is not supported natively")
+    layer_types = cfg.get("layer_types")
+    if window and layer_types and len(set(layer_types)) > 1:
+        raise ModelError(f"layer_types mixes {sorted(set(layer_types))}: a window on some layers only is not "
+                         f"supported natively")
+    if layer_types and set(layer_types) == {"full_attention"}:
+        return None
+    return int(window) if window else None

@@ -28,7 +28,7 @@ import numpy as np
 from .config import ModelConfig, ModelError
 
 FORMAT_VERSION = 2   # 2: end-of-generation tokens of the vocabulary added to the EOS ids
-NATIVE_ARCHS = ("llama", "qwen2", "qwen3")
+NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
 # llama.cpp's names of architectures that transformers files under another (its load_gguf_checkpoint)
 TRANSFORMERS_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
                       "minimax-m2": "minimax_m2", "t5encoder": "t5"}
@@ -90,7 +90,7 @@ def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     weights: dict = {}
     for t in table["tensors"]:
-        name, qtype, shape = _hf_name(t["name"]), t["type"], tuple(t["shape"])
+        name, qtype, shape = _hf_name(t["name"], config.arch), t["type"], tuple(t["shape"])
         if name is None:
             continue
         data = raw[t["offset"]:t["offset"] + t["bytes"]]
@@ -232,6 +232,9 @@ def required_tensors(config: ModelConfig) -> list[str]:
     """The GGUF tensors a native decoder of `config` reads (output.weight only when untied)."""
     per_layer = ["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
                  "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
+    if config.arch == "phi3":      # q|k|v fused in attn_qkv, gate|up in ffn_up
+        per_layer = ["attn_norm.weight", "attn_qkv.weight", "attn_output.weight", "ffn_norm.weight",
+                     "ffn_up.weight", "ffn_down.weight"]
     if config.attention_bias:
         per_layer += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
     if config.qk_norm:
@@ -289,8 +292,10 @@ _NAMES = {
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 
+_PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}   # ffn_up holds gate|up
 
-def _hf_name(name: str) -> str | None:
+
+def _hf_name(name: str, arch: str | None = None) -> str | None:
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output_norm.weight":
@@ -298,6 +303,8 @@ def _hf_name(name: str) -> str | None:
     if name == "output.weight":
         return "lm_head.weight"
     parts = name.split(".")
+    if arch == "phi3" and parts[0] == "blk" and parts[2] in _PHI3_NAMES:   # llama.cpp's fused phi3 tensors
+        return f"model.layers.{parts[1]}.{_PHI3_NAMES[parts[2]]}.{parts[3]}"
     if parts[0] == "blk" and parts[2] in _NAMES:
         return f"model.layers.{parts[1]}.{_NAMES[parts[2]]}.{parts[3]}"
     return None
@@ -335,6 +342,10 @@ def read_config(reader, path: Path | str = "the GGUF file") -> ModelConfig:
     rope_scaling = None
     if _field(reader, f"{arch}.rope.scaling.type") == "linear":
         rope_scaling = {"type": "linear", "factor": float(g("rope.scaling.factor"))}
+    if "rope_factors_long.weight" in names:       # Phi-3 128k: per-dimension factors (HF rope_scaling longrope)
+        raise ModelError(f"{path}: longrope scaling (tensor rope_factors_long) is not supported natively")
+    head_dim = int(g("attention.key_length", hidden // heads))
+    window = g("attention.sliding_window")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(int(x) for x in (eos, eot) if x is not None) + end_of_generation_ids(reader)
@@ -342,13 +353,14 @@ def read_config(reader, path: Path | str = "the GGUF file") -> ModelConfig:
         arch=arch, vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
         num_heads=heads, num_kv_heads=int(g("attention.head_count_kv", heads)),
-        head_dim=int(g("attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=rope_scaling,
         max_position_embeddings=int(g("context_length", 2048)),
         tie_word_embeddings="output.weight" not in names, attention_bias=arch == "qwen2",
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos_ids)),
-        qk_norm=arch == "qwen3",
+        qk_norm=arch == "qwen3", sliding_window=int(window) if window else None,
+        partial_rotary_factor=int(g("rope.dimension_count", head_dim)) / head_dim,
     )
     missing = [n for n in required_tensors(config) if n not in names]
     if missing:
@@ -368,7 +380,7 @@ def convert(path: Path, out: Path) -> None:
     config = read_config(reader, path)
     weights = {}
     for tensor in tqdm(reader.tensors, desc="dequantize", unit="tensor", file=sys.stderr, leave=False):
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, config.arch)
         if name is None:
             continue
         array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)

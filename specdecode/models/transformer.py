@@ -1,9 +1,13 @@
-"""A lean Llama / Qwen2 / Qwen3 decoder (GQA, RoPE with optional scaling, RMSNorm, SwiGLU).
+"""A lean Llama / Mistral / Qwen2 / Qwen3 / Phi-3 decoder (GQA, RoPE with optional scaling, RMSNorm,
+SwiGLU, optional sliding attention window).
 
 Qwen2 differs from Llama only by biases on the q/k/v projections, which `ModelConfig.attention_bias`
-switches on; Qwen3 by an RMSNorm over each q and k head before RoPE (`ModelConfig.qk_norm`); tied
-or untied LM heads both work. Weights use the Hugging Face layout
-(q/k rows in rotate-half order); q/k/v and gate/up are fused into one matrix each at load.
+switches on; Qwen3 by an RMSNorm over each q and k head before RoPE (`ModelConfig.qk_norm`);
+Mistral by a sliding window (`ModelConfig.sliding_window`: a query at position p sees the keys at
+positions p-W+1..p, counted along its own path in a tree pass); Phi-3 stores q|k|v and gate|up
+already fused (qkv_proj, gate_up_proj) and may rotate only part of each head
+(`ModelConfig.partial_rotary_factor`). Tied or untied LM heads both work. Weights use the Hugging
+Face layout (q/k rows in rotate-half order); q/k/v and gate/up are fused into one matrix each at load.
 
 The model interface: `run(ForwardBatch, cache)` takes a batch of sequences at different positions
 (ragged, chain or tree; specdecode/forward.py), writes keys/values into a position-addressed
@@ -53,7 +57,7 @@ def cat_rows(weights: list[Weight], dtype: torch.dtype) -> Weight:
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] in float32 (as transformers and llama.cpp compute
     them), with linear or llama3 scaling applied."""
-    dim = config.head_dim
+    dim = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -69,6 +73,36 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
     return inv_freq
+
+
+def fused_projections(weights: dict, prefix: str, config: ModelConfig,
+                      dtype: torch.dtype) -> tuple[Weight, torch.Tensor | None, Weight]:
+    """Layer `prefix`'s q|k|v weight [(H+2KVH)*HD, D], its bias (or None) and gate|up weight [2I, D]:
+    Phi-3 stores them fused already (qkv_proj; gate_up_proj with gate first, as here), the other
+    families as separate q/k/v and gate/up projections."""
+    qkv = weights.get(prefix + "self_attn.qkv_proj.weight")
+    if qkv is None:
+        qkv = cat_rows([weights[prefix + f"self_attn.{n}_proj.weight"] for n in "qkv"], dtype)
+    qkv_bias = None
+    if config.attention_bias:
+        qkv_bias = weights.get(prefix + "self_attn.qkv_proj.bias")
+        if qkv_bias is None:
+            qkv_bias = torch.cat([weights[prefix + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+    gate_up = weights.get(prefix + "mlp.gate_up_proj.weight")
+    if gate_up is None:
+        gate_up = cat_rows([weights[prefix + "mlp.gate_proj.weight"], weights[prefix + "mlp.up_proj.weight"]], dtype)
+    return qkv, qkv_bias, gate_up
+
+
+def apply_rope(x: torch.Tensor,       # [B, heads, T, head_dim]
+               cos: torch.Tensor,     # broadcastable to [B, heads, T, rotary_dim]
+               sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first rotary_dim dims of each head (all of them unless partial); the rest pass."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -92,11 +126,7 @@ class Transformer:
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            qkv = cat_rows([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], self.dtype)
-            qkv_bias = None
-            if config.attention_bias:
-                qkv_bias = torch.cat([weights[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
-            gate_up = cat_rows([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]], self.dtype)
+            qkv, qkv_bias, gate_up = fused_projections(weights, p, config, self.dtype)
             self.layers.append({
                 "attn_norm": weights[p + "input_layernorm.weight"],
                 "qkv": make_linear(qkv, qkv_bias),
@@ -117,7 +147,7 @@ class Transformer:
         self.quantized = any(isinstance(w, QuantWeight) for w in weights.values())
         positions = torch.arange(config.max_position_embeddings + 64, dtype=torch.float32)
         angles = torch.outer(positions, rope_inv_freq(config))
-        angles = torch.cat([angles, angles], dim=-1)                     # [max_pos, head_dim]
+        angles = torch.cat([angles, angles], dim=-1)                     # [max_pos, rotary_dim]
         self.rope_cos = angles.cos().to(self.dtype).to(self.device)
         self.rope_sin = angles.sin().to(self.dtype).to(self.device)
         # Fused native stack for batch-1 blocks (specdecode.fast.decoder); None = eager only.
@@ -192,13 +222,17 @@ class Transformer:
             positions = torch.arange(start, start + num_tokens, device=self.device)
             cos, sin = self.rope_cos[positions][None, None], self.rope_sin[positions][None, None]
             mask = None
-            if num_tokens > 1:
-                mask = torch.arange(start + num_tokens, device=self.device)[None, :] <= positions[:, None]
+            window = c.sliding_window
+            if num_tokens > 1 or (window is not None and start + num_tokens > window):
+                keys = torch.arange(start + num_tokens, device=self.device)[None, :]
+                mask = keys <= positions[:, None]                                      # [T, L]
+                if window is not None:
+                    mask &= keys > positions[:, None] - window
         else:
             positions = fb.rope_positions().to(self.device)                          # [B, T]
             cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
             key_len = max(fb.starts()) + num_tokens          # the cache write returns slots < key_len
-            mask = fb.visible(key_len).to(self.device)[:, None]                      # [B, 1, T, L]
+            mask = fb.visible(key_len, c.sliding_window).to(self.device)[:, None]   # [B, 1, T, L]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
 
         hidden = F.embedding(tokens, self.embed)                              # [B, T, D]
@@ -215,8 +249,7 @@ class Transformer:
             if c.qk_norm:
                 q = F.rms_norm(q, (c.head_dim,), layer["q_norm"], c.rms_norm_eps)
                 k = F.rms_norm(k, (c.head_dim,), layer["k_norm"], c.rms_norm_eps)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             keys, values = cache.write(index, rows, start, k, v)
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
             attn = attn.transpose(1, 2).reshape(batch, num_tokens, q_size)
