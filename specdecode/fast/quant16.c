@@ -32,6 +32,7 @@
 #define qprefetch(p) ((void)(p))
 #endif
 
+#if defined(__AVX512F__)
 typedef int32_t sd_i32u __attribute__((may_alias, aligned(1)));
 /* 4 activation bytes broadcast to 16 lanes (folds into VPDPBUSD's {1to16} memory operand) */
 static inline __m512i bcast4(const int8_t *p) {
@@ -116,6 +117,8 @@ q6k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
+#endif
+
 /* The 32-block formats 16 columns at a time, per block of 32 k (the file's bytes, rearranged):
  *   d[16] fp16 | m[16] fp16 (Q4_1, Q5_1) | 4-bit: q[4][64] as Q4_K16's sub-block; 5-bit: then
  *   hb[8] u64 masks (bit 4c+i of mask G: the high bit of u[c][4G+i]); Q8_0: q[8][64] with byte
@@ -124,6 +127,7 @@ static inline int leg16_bytes(int type) {
     return type == GQ_Q4_016 ? 288 : type == GQ_Q4_116 ? 320 : type == GQ_Q5_016 ? 352 : type == GQ_Q5_116 ? 384 : 544;
 }
 
+#if defined(__AVX512F__)
 static inline __attribute__((always_inline)) void
 leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R,
             float *out) {
@@ -177,6 +181,10 @@ leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
+
+#else
+#include "quant16_avx2.c"   /* the three kernels above on 8-column halves */
+#endif
 
 static void leg16_rows(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums,
                        int R, float *out) {
