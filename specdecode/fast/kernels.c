@@ -217,6 +217,43 @@ void sd_linear_bf16_amx(const bf16 *x, int lda, const bf16 *Wp, const float *bia
 
 /* ---------------------------------------------------------------- AVX512-BF16 */
 
+#if !defined(__AVX512F__)
+/* AVX2: the same per-lane arithmetic on four 8-column vectors (lanes = columns, k pairs in the
+ * same order, c = fma(w1, x1, fma(w0, x0, c)) per pair), two rows at a time (16 registers). */
+static inline __attribute__((always_inline)) void
+dpbf16_group(const bf16 *x, int lda, const bf16 *w0, int KB, int MR, float *acc /*[MR][32]*/) {
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int m0 = 0; m0 < MR; m0 += 2) {
+        const int rows = MR - m0 < 2 ? MR - m0 : 2;
+        __m256 c[2][4];
+        for (int m = 0; m < 2; m++) for (int i = 0; i < 4; i++) c[m][i] = _mm256_setzero_ps();
+        const bf16 *w = w0;
+        for (int kb = 0; kb < KB; kb++, w += 1024) {
+            for (int p = 0; p < 16; p++) {
+                prefetch(w + 32 * p); prefetch(w + 512 + 32 * p);
+                __m256i wv[4] = {_mm256_loadu_si256((const __m256i *)(w + 32 * p)),
+                                 _mm256_loadu_si256((const __m256i *)(w + 32 * p + 16)),
+                                 _mm256_loadu_si256((const __m256i *)(w + 512 + 32 * p)),
+                                 _mm256_loadu_si256((const __m256i *)(w + 512 + 32 * p + 16))};
+                __m256 wlo[4], whi[4];
+                for (int i = 0; i < 4; i++) {
+                    wlo[i] = _mm256_castsi256_ps(_mm256_slli_epi32(wv[i], 16));
+                    whi[i] = _mm256_castsi256_ps(_mm256_and_si256(wv[i], high));
+                }
+                for (int m = 0; m < rows; m++) {
+                    uint32_t pair;
+                    memcpy(&pair, x + (size_t)(m0 + m) * lda + kb * 32 + 2 * p, 4);
+                    const __m256 x0 = _mm256_castsi256_ps(_mm256_set1_epi32((int)(pair << 16)));
+                    const __m256 x1 = _mm256_castsi256_ps(_mm256_set1_epi32((int)(pair & 0xffff0000u)));
+                    for (int i = 0; i < 4; i++) c[m][i] = _mm256_fmadd_ps(whi[i], x1, _mm256_fmadd_ps(wlo[i], x0, c[m][i]));
+                }
+            }
+        }
+        for (int m = 0; m < rows; m++)
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(acc + 32 * (m0 + m) + 8 * i, c[m][i]);
+    }
+}
+#else
 /* MR rows x 32 columns of one column group; MR is a compile-time constant after inlining.
  * Each row has its own accumulators and the same k order for any MR: batch invariant. */
 static inline __attribute__((always_inline)) void
@@ -242,6 +279,8 @@ dpbf16_group(const bf16 *x, int lda, const bf16 *w, int KB, int MR, float *acc /
         _mm512_storeu_ps(acc + 32 * m + 16, c1[m]);
     }
 }
+
+#endif
 
 static void avx512bf16_part(const bf16 *x, int lda, const bf16 *Wp, const float *bias, void *y,
                             int ldy, int M, int N, int Kp, int mode, int g0, int g1) {
@@ -287,6 +326,32 @@ void sd_linear_bf16_avx512(const bf16 *x, int lda, const bf16 *Wp, const float *
 
 /* ---------------------------------------------------------------- AVX512F fp32 */
 
+#if !defined(__AVX512F__)
+/* AVX2: four 8-column vectors per row (the AVX512 lanes, same k order), two rows at a time. */
+static inline __attribute__((always_inline)) void
+fma_group(const float *x, int lda, const float *w0, int K, int MR, float *acc /*[MR][32]*/) {
+    for (int m0 = 0; m0 < MR; m0 += 2) {
+        const int rows = MR - m0 < 2 ? MR - m0 : 2;
+        __m256 c[2][4];
+        for (int m = 0; m < 2; m++) for (int i = 0; i < 4; i++) c[m][i] = _mm256_setzero_ps();
+        const float *w = w0;
+        for (int k = 0; k < K; k++, w += 32) {
+            prefetch(w); prefetch(w + 16);
+            const __m256 a0 = _mm256_loadu_ps(w), a1 = _mm256_loadu_ps(w + 8);
+            const __m256 a2 = _mm256_loadu_ps(w + 16), a3 = _mm256_loadu_ps(w + 24);
+            for (int m = 0; m < rows; m++) {
+                const __m256 xb = _mm256_set1_ps(x[(size_t)(m0 + m) * lda + k]);
+                c[m][0] = _mm256_fmadd_ps(a0, xb, c[m][0]);
+                c[m][1] = _mm256_fmadd_ps(a1, xb, c[m][1]);
+                c[m][2] = _mm256_fmadd_ps(a2, xb, c[m][2]);
+                c[m][3] = _mm256_fmadd_ps(a3, xb, c[m][3]);
+            }
+        }
+        for (int m = 0; m < rows; m++)
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(acc + 32 * (m0 + m) + 8 * i, c[m][i]);
+    }
+}
+#else
 static inline __attribute__((always_inline)) void
 fma_group(const float *x, int lda, const float *w, int K, int MR, float *acc /*[MR][32]*/) {
     __m512 c0[8], c1[8];
@@ -305,6 +370,8 @@ fma_group(const float *x, int lda, const float *w, int K, int MR, float *acc /*[
         _mm512_storeu_ps(acc + 32 * m + 16, c1[m]);
     }
 }
+
+#endif
 
 static void fp32_part(const float *x, int lda, const float *Wp, const float *bias, float *y,
                       int ldy, int M, int N, int K, int mode, int g0, int g1) {
