@@ -72,7 +72,7 @@ def head_block(p: Mapping, config: HeadConfig,
 
 
 def rope_tables(config: HeadConfig, length: int, dtype: torch.dtype, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    cfg = type("RopeCfg", (), {"head_dim": config.head_dim, "rope_theta": config.rope_theta, "rope_scaling": None})
+    cfg = type("RopeCfg", (), {"head_dim": config.head_dim, "rotary_dim": config.head_dim, "rope_theta": config.rope_theta, "rope_scaling": None})
     angles = torch.outer(torch.arange(length, dtype=torch.float32), rope_inv_freq(cfg))
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
