@@ -16,7 +16,7 @@ from pathlib import Path
 
 def add_parser(sub) -> argparse.ArgumentParser:
     from ..cli_common import number, positive_int
-    p = sub.add_parser("distill", help="train a drafter (EAGLE-style head or small draft LM) for a target",
+    p = sub.add_parser("distill", help="train a drafter (EAGLE-style head, Medusa heads or small draft LM) for a target",
                        description=__doc__.split("\n\n")[1] if __doc__ else None)
     p.add_argument("--target", default=None, help="target model: .gguf or HF directory (default: embedded SmolLM2)")
     p.add_argument("--out", required=True, help="output directory (corpus, features, checkpoints, drafter)")
@@ -34,7 +34,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=number("--minutes"), default=60.0, help="training time budget (default 60)")
     p.add_argument("--epochs", type=number("--epochs"), default=20.0, help="stop after this many epochs (default 20)")
     p.add_argument("--draft-vocab", type=positive_int("--draft-vocab", 16), default=8192,
-                   help="eagle: size of the reduced draft vocabulary (default 8192)")
+                   help="eagle, medusa: size of the reduced draft vocabulary (default 8192)")
     p.add_argument("--unroll", type=positive_int("--unroll", 1, 8), default=3,
                    help="eagle: training-time unroll depth (default 3)")
     p.add_argument("--heads", type=positive_int("--heads", 1), default=4,
