@@ -160,23 +160,31 @@ def test_detects_wrong_residual(setup, monkeypatch):
 
 @pytest.mark.parametrize("method,options", [("eagle", {}), ("eagle", {"min_confidence": 0.05}),
                                             ("cascade", {"ngram_min": 1, "ngram_max": 2}),
-                                            ("eagle2", {"tree_topk": 2, "tree_depth": 2})])
+                                            ("eagle2", {"tree_topk": 2, "tree_depth": 2}),
+                                            ("medusa", {"tree_topk": 2})])
 def test_eagle_sampling_matches_plain_distribution(setup, models, tmp_path_factory, method, options):
     """The EAGLE drafter's proposals (a head on the target's features, reduced draft vocabulary:
     tokens outside it have draft probability 0) pass the same test at 2x10^4 samples; so does the
-    cascade, whose batches mix lookup rows (one-hot draft distributions) with head rows."""
-    from specdecode.drafters.format import save_eagle
+    cascade, whose batches mix lookup rows (one-hot draft distributions) with head rows, and so do
+    untrained Medusa heads (point-mass trees from the target's feature)."""
+    from specdecode.drafters.format import save_eagle, save_medusa
     from specdecode.drafters.head import EagleHead
+    from specdecode.drafters.medusa import MedusaConfig, MedusaHeads
     from specdecode.drafters.registry import build_drafter
     llm, prompt, exact = setup
     torch.manual_seed(5)
     vocab = torch.arange(0, llm.target.model.vocab_size, 2)           # every other token
-    head = EagleHead.from_target(llm.target.model, vocab)
-    with torch.no_grad():          # fc = [0 | identity]: the untrained head acts as one more target
-        d = llm.target.model.config.hidden_size      # layer, so its drafts are accepted now and then
-        head.fc.weight.zero_()
-        head.fc.weight[:, d:].copy_(torch.eye(d))
-    path = save_eagle(head, tmp_path_factory.mktemp("eagle_e2e"), llm.target, {})
+    c = llm.target.model.config
+    if method == "medusa":         # W = 0: every head predicts what the target's LM head does
+        head = MedusaHeads(MedusaConfig(c.hidden_size, 2, vocab.numel(), c.vocab_size), vocab)
+        path = save_medusa(head, tmp_path_factory.mktemp("medusa_e2e"), llm.target, {})
+    else:
+        head = EagleHead.from_target(llm.target.model, vocab)
+        with torch.no_grad():      # fc = [0 | identity]: the untrained head acts as one more target
+            d = c.hidden_size      # layer, so its drafts are accepted now and then
+            head.fc.weight.zero_()
+            head.fc.weight[:, d:].copy_(torch.eye(d))
+        path = save_eagle(head, tmp_path_factory.mktemp("eagle_e2e"), llm.target, {})
     spec = LLM.__new__(LLM)
     spec.__dict__.update(llm.__dict__)
     spec.drafter = build_drafter(method, llm.target, drafter_path=str(path), **options)

@@ -16,13 +16,14 @@ from pathlib import Path
 
 def add_parser(sub) -> argparse.ArgumentParser:
     from ..cli_common import number, positive_int
-    p = sub.add_parser("distill", help="train a drafter (EAGLE-style head or small draft LM) for a target",
+    p = sub.add_parser("distill", help="train a drafter (EAGLE-style head, Medusa heads or small draft LM) for a target",
                        description=__doc__.split("\n\n")[1] if __doc__ else None)
     p.add_argument("--target", default=None, help="target model: .gguf or HF directory (default: embedded SmolLM2)")
     p.add_argument("--out", required=True, help="output directory (corpus, features, checkpoints, drafter)")
-    p.add_argument("--kind", default="eagle", choices=["eagle", "draft-lm"],
+    p.add_argument("--kind", default="eagle", choices=["eagle", "draft-lm", "medusa"],
                    help="eagle: one-layer head on the target's features (default); draft-lm: small standalone "
-                        "Llama model initialised from the target's layers, saved as an HF checkpoint")
+                        "Llama model initialised from the target's layers, saved as an HF checkpoint; medusa: "
+                        "--heads residual heads on the target's features, head i predicting i+2 tokens ahead")
     p.add_argument("--corpus", default=None,
                    help="use the corpus already built in this directory as it is (default: build or finish "
                         "building OUT/corpus)")
@@ -33,9 +34,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=number("--minutes"), default=60.0, help="training time budget (default 60)")
     p.add_argument("--epochs", type=number("--epochs"), default=20.0, help="stop after this many epochs (default 20)")
     p.add_argument("--draft-vocab", type=positive_int("--draft-vocab", 16), default=8192,
-                   help="eagle: size of the reduced draft vocabulary (default 8192)")
+                   help="eagle, medusa: size of the reduced draft vocabulary (default 8192)")
     p.add_argument("--unroll", type=positive_int("--unroll", 1, 8), default=3,
                    help="eagle: training-time unroll depth (default 3)")
+    p.add_argument("--heads", type=positive_int("--heads", 1), default=4,
+                   help="medusa: number of heads, i.e. the draft tree's depth (default 4)")
     p.add_argument("--batch-tokens", type=positive_int("--batch-tokens", 256), default=2048,
                    help="tokens per training step (default 2048)")
     p.add_argument("--layers", type=positive_int("--layers", 1, 64), default=4,
@@ -60,6 +63,9 @@ def _validate(args) -> None:
         raise CliError(f"--epochs must be > 0, got {args.epochs}")
     if args.lr is not None and not 0 < args.lr < 1:
         raise CliError(f"--lr must be in (0, 1), got {args.lr}")
+    from ..drafters.medusa import MAX_HEADS
+    if args.heads > MAX_HEADS:
+        raise CliError(f"--heads must be in [1, {MAX_HEADS}], got {args.heads}")
     if args.eval_every <= 0:
         raise CliError(f"--eval-every must be > 0 minutes, got {args.eval_every}")
     out = Path(args.out).expanduser()
@@ -96,8 +102,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
     data = corpus_features(target, corpus, corpus_dir, out / "features.pt")
     print(f"[3/4] training a {args.kind} drafter for {args.minutes:g} min (at most {args.epochs:g} epochs)",
           file=sys.stderr)
-    if args.kind == "eagle":
-        drafter_dir = _train_eagle(args, target, data, out)
+    if args.kind in ("eagle", "medusa"):
+        drafter_dir = _train_head(args, target, data, out)
     else:
         from .draft_lm import train_draft_lm
         drafter_dir = train_draft_lm(args, target, data, out)
@@ -112,14 +118,19 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_eagle(args, target, data, out: Path) -> Path:
-    from ..drafters.format import save_eagle
+def _train_head(args, target, data, out: Path) -> Path:
+    """An EAGLE head or Medusa heads: the same trainer loop (train.py), another module and loss."""
+    from ..drafters.format import save_eagle, save_medusa
+    from .medusa import MedusaTrainConfig, MedusaTrainer
     from .train import TrainConfig, Trainer
-    config = TrainConfig(draft_vocab_size=args.draft_vocab, unroll=args.unroll, minutes=args.minutes,
-                         batch_tokens=args.batch_tokens,
-                         epochs=args.epochs, eval_every_minutes=args.eval_every,
-                         checkpoint_every_minutes=args.eval_every, **({"lr": args.lr} if args.lr else {}))
-    trainer = Trainer(target, data, config, out, device=str(target.model.device))
+    config_class, trainer_class, save, kind_options = (
+        (MedusaTrainConfig, MedusaTrainer, save_medusa, {"heads": args.heads}) if args.kind == "medusa"
+        else (TrainConfig, Trainer, save_eagle, {"unroll": args.unroll}))
+    config = config_class(draft_vocab_size=args.draft_vocab, minutes=args.minutes, batch_tokens=args.batch_tokens,
+                          epochs=args.epochs, eval_every_minutes=args.eval_every,
+                          checkpoint_every_minutes=args.eval_every, **kind_options,
+                          **({"lr": args.lr} if args.lr else {}))
+    trainer = trainer_class(target, data, config, out, device=str(target.model.device))
     print(f"      draft vocabulary {config.draft_vocab_size} tokens covers {trainer.vocab_coverage:.1%} of the "
           f"target's predictions; {len(trainer.train_ids)} train / {len(trainer.held_ids)} held-out sequences",
           file=sys.stderr)
@@ -129,11 +140,12 @@ def _train_eagle(args, target, data, out: Path) -> Path:
 
     def report(point: dict) -> None:
         mal = point["mean_accepted_length"]
+        heads = f", per-head top-1 {point['head_top1']}" if "head_top1" in point else ""
         print(f"\n      eval @ {point['seconds'] / 60:.1f} min, epoch {point['epoch']:.2f}: held-out acceptance by "
-              f"depth {point['accept_depth'][:5]}, mean accepted length k=1..8 {mal}", file=sys.stderr)
+              f"depth {point['accept_depth'][:5]}, mean accepted length k=1..8 {mal}{heads}", file=sys.stderr)
     final = trainer.run(on_eval=report)
     drafter_dir = out / "drafter"
-    save_eagle(trainer.head, drafter_dir, target,
+    save(trainer.head, drafter_dir, target,
                {"corpus_sequences": data.num_sequences, "train_tokens": trainer.state.tokens,
                 "train_seconds": round(trainer.state.seconds, 1), "steps": trainer.state.step,
                 "config": {k: v for k, v in vars(config).items()}, "final_eval": final,

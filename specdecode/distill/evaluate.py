@@ -11,8 +11,8 @@ from ..params import SamplingParams
 
 
 def drafter_for(target, drafter_dir: Path, kind: str):
-    if kind == "eagle":
-        return build_drafter("eagle", target, drafter_path=str(drafter_dir))
+    if kind in ("eagle", "medusa"):
+        return build_drafter(kind, target, drafter_path=str(drafter_dir))
     from ..models.loader import load_model
     draft = load_model(str(drafter_dir), target.model.dtype, str(target.model.device), progress=False)
     return build_drafter("model", target, draft=draft)

@@ -101,7 +101,7 @@ class Trainer:
         model = target.model
         self.train_ids, self.held_ids = split(data, config.holdout_share, config.seed)
         vocab = choose_draft_vocab(data, config.draft_vocab_size, target.eos_token_ids, model.vocab_size)
-        self.head = EagleHead.from_target(model, vocab).to(self.device)
+        self.head = self.make_head(model, vocab).to(self.device)
         self.to_draft = torch.full((model.vocab_size,), IGNORE, dtype=torch.long)
         self.to_draft[vocab] = torch.arange(vocab.numel())
         self.to_draft = self.to_draft.to(self.device)
@@ -109,13 +109,18 @@ class Trainer:
         self.final_norm = model.final_norm.float().to(self.device)
         self.lm_head = model.lm_head_weight.index_select(0, vocab.to(model.lm_head_weight.device)).float().to(self.device)
         self.eps = model.config.rms_norm_eps
-        self.cos, self.sin = rope_tables(self.head.config, config.max_len + 8, torch.float32, self.device)
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                            betas=(0.9, 0.95))
         self.state = TrainState()
         known = data.labels[data.labels >= 0].long().to(self.device)
         covered = (self.to_draft[known] != IGNORE).float().mean().item()
         self.vocab_coverage = covered
+
+    def make_head(self, model, vocab: torch.Tensor) -> torch.nn.Module:
+        """The module to train (a subclass trains another kind of drafter: distill/medusa.py)."""
+        head = EagleHead.from_target(model, vocab)
+        self.cos, self.sin = rope_tables(head.config, self.config.max_len + 8, torch.float32, self.device)
+        return head
 
     # ------------------------------------------------------------------ data
     def _batch(self, ids: list[int]):

@@ -2,7 +2,7 @@
 
 A drafter is a directory:
 
-    drafter.json        {"format": "specdecode-drafter", "version": 1, "kind": "eagle" | "draft-lm",
+    drafter.json        {"format": "specdecode-drafter", "version": 1, "kind": "eagle" | "draft-lm" | "medusa",
                          "target": {"name", "fingerprint", "vocab_size", "hidden_size", "num_layers"},
                          "config": {...kind-specific...}, "training": {...how it was made, metrics...}}
     model.safetensors   kind "eagle": the head's own weights (fc, qkv, o, gate_up, down, in_norm,
@@ -11,6 +11,8 @@ A drafter is a directory:
                         kind "draft-lm": a standard Hugging Face Llama checkpoint (config.json,
                         model.safetensors, tokenizer files beside it), usable by transformers'
                         assisted generation and other engines as well.
+                        kind "medusa": the heads' `weight` [K, D, D], `bias` [K, D] and `draft_vocab`;
+                        config["version"] versions the heads' layout (drafters/medusa.py).
 
 `target.fingerprint` is `specdecode.models.loader.weights_fingerprint` of the target the drafter
 was trained for (dtype independent). Loading against another target warns: the drafter still
@@ -29,7 +31,7 @@ from .base import DrafterError
 
 FORMAT = "specdecode-drafter"
 VERSION = 1
-KINDS = ("eagle", "draft-lm")
+KINDS = ("eagle", "draft-lm", "medusa")
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "drafters"
 
 
@@ -75,8 +77,8 @@ def check_target(meta: dict, target, path: Path) -> bool:
     if want.get("vocab_size") not in (None, target.model.config.vocab_size):
         raise DrafterError(f"drafter {path} was trained for a target with {want['vocab_size']} tokens; "
                            f"{target.name} has {target.model.config.vocab_size}")
-    if want.get("hidden_size") not in (None, target.model.config.hidden_size) and meta.get("kind") == "eagle":
-        raise DrafterError(f"EAGLE drafter {path} reads features of width {want['hidden_size']}; "
+    if want.get("hidden_size") not in (None, target.model.config.hidden_size) and meta.get("kind") in ("eagle", "medusa"):
+        raise DrafterError(f"{meta['kind']} drafter {path} reads features of width {want['hidden_size']}; "
                            f"{target.name} has hidden size {target.model.config.hidden_size}")
     if want.get("fingerprint") and target.fingerprint and want["fingerprint"] != target.fingerprint:
         message = (f"drafter {path} was trained for target {want.get('name')!r} (weights {want['fingerprint']}), "
@@ -111,4 +113,16 @@ def save_eagle(head, out_dir: Path, target, training: dict) -> Path:
     state = {n: (t if n == "draft_vocab" else t.to(torch.bfloat16)) for n, t in state.items()}
     save_file(state, str(out_dir / "model.safetensors"))
     write_meta(out_dir, "eagle", target, head.config.as_dict(), training)
+    return out_dir
+
+
+def save_medusa(heads, out_dir: Path, target, training: dict) -> Path:
+    """Write MedusaHeads (drafters/medusa.py) as a version-1 drafter directory of kind "medusa"."""
+    from safetensors.torch import save_file
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in heads.state_dict().items()}
+    state = {n: (t if n == "draft_vocab" else t.to(torch.bfloat16)) for n, t in state.items()}
+    save_file(state, str(out_dir / "model.safetensors"))
+    write_meta(out_dir, "medusa", target, heads.config.as_dict(), training)
     return out_dir

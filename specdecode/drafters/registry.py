@@ -37,7 +37,8 @@ BUILTIN = {"ngram": "specdecode.drafters.ngram:NgramDrafter",
            "recycle": "specdecode.drafters.recycle:RecycleDrafter",
            "suffix": "specdecode.drafters.suffix:SuffixDrafter",
            "lookahead": "specdecode.drafters.lookahead:LookaheadDrafter",
-           "layer-skip": "specdecode.drafters.layer_skip:LayerSkipDrafter"}
+           "layer-skip": "specdecode.drafters.layer_skip:LayerSkipDrafter",
+           "medusa": "specdecode.drafters.medusa:MedusaDrafter"}
 RESERVED = ("none", "plain")      # "none": no drafter (API / CLI); "plain": plain decoding (bench)
 
 _registered: dict[str, type] = {}
