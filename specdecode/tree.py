@@ -75,3 +75,15 @@ def ancestors(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) -> t
     if num_nodes is not None:
         on_path &= (bits[None, None, :] < num_nodes.cpu().reshape(batch, 1, 1))
     return torch.cat([torch.zeros(batch, 1, n, dtype=torch.bool), on_path], dim=1)
+
+
+def walk_path(parents: list[int], tokens: list[int], path: list[int]) -> list[int] | None:
+    """The nodes met from the root along `path` (one row's live `parents` / `tokens`; siblings are
+    distinct), or None if the path leaves the tree."""
+    nodes, node = [], -1
+    for token in path:
+        node = next((i for i, p in enumerate(parents) if p == node and tokens[i] == token), None)
+        if node is None:
+            return None
+        nodes.append(node)
+    return nodes

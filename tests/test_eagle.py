@@ -192,3 +192,26 @@ def test_shipped_drafter_for_the_embedded_model(smollm2):
     spec = SpecEngine(smollm2, drafter, 4, adaptive=False).generate([ids], params)[0]
     assert spec.output_ids == plain.output_ids
     assert spec.stats.accepted > 0
+
+
+def test_eagle2_reads_the_features_of_the_accepted_path(tiny_models, heads):
+    """After tree steps the head's features are the target's hidden states at the path's positions
+    (the verify pass wrote node i's at slot root+1+i: commit moves the accepted ones)."""
+    from specdecode.forward import ForwardBatch
+    llm = LLM(model=str(tiny_models["llama"]), method="eagle2", drafter_path=str(heads["llama"]), dtype="fp32",
+              progress=False, adaptive=False, tree_topk=3, tree_depth=4)
+    drafter, model = llm.drafter, llm.target.model
+    checked = []
+    original = drafter.propose
+
+    def spy(seqs, max_tokens):
+        for s in seqs:
+            ids = torch.tensor([s.token_ids])
+            reference = model.run(ForwardBatch.chain(ids, 0), model.new_cache(1, ids.shape[1]))[0]   # [L, D]
+            end = len(s.token_ids) - 1
+            torch.testing.assert_close(drafter.features[s.row, :end], reference[:end], atol=1e-4, rtol=1e-4)
+            checked.append(end)
+        return original(seqs, max_tokens)
+    drafter.propose = spy
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=30, ignore_eos=True), num_speculative_tokens=12)[0]
+    assert len(checked) > 3 and out.stats["steps"] < 30

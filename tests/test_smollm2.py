@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 
 def spec_bench_prompts():
-    per_task = {"multi_turn": 4, "translation": 4, "qa": 4, "math_reasoning": 4, "summarization": 2, "rag": 2}
+    per_task = {"multi_turn": 2, "translation": 2, "qa": 2, "math_reasoning": 2, "summarization": 1, "rag": 1}
     return [p for task, n in per_task.items() for p in datasets.load(task)[:n]]
 
 
@@ -39,10 +39,10 @@ def test_chat_template_and_eos(smollm2):
     assert 2 in smollm2.eos_token_ids   # <|im_end|>
 
 
-def test_greedy_equality_spec_bench_20_prompts_ngram(smollm2):
+def test_greedy_equality_spec_bench_10_prompts_ngram(smollm2):
     prompts = [encode(smollm2, p) for p in spec_bench_prompts()]
-    assert len(prompts) == 20
-    params = [SamplingParams(max_tokens=64, ignore_eos=True)] * len(prompts)
+    assert len(prompts) == 10
+    params = [SamplingParams(max_tokens=48, ignore_eos=True)] * len(prompts)
     plain = SpecEngine(smollm2, None, 0).generate(prompts, params)
     from specdecode.drafters.ngram import NgramDrafter
     spec = SpecEngine(smollm2, NgramDrafter(), 5, adaptive=False).generate(prompts, params)
@@ -50,7 +50,7 @@ def test_greedy_equality_spec_bench_20_prompts_ngram(smollm2):
     assert not mismatches, f"prompts {mismatches} diverged"
     assert sum(s.stats.accepted for s in spec) > 0
     # batch of one (the fast uniform path) on two of them
-    for i in (0, 17):
+    for i in (0, 9):
         alone = SpecEngine(smollm2, NgramDrafter(), 5, adaptive=False).generate([prompts[i]], params[:1])[0]
         assert alone.output_ids == plain[i].output_ids
 

@@ -150,3 +150,16 @@ def test_transformers_peer_follows_the_same_grammar(llm, method):
                              logits_processor=LogitsProcessorList([processor]), **kwargs)
     text = llm.tokenizer.decode([t for t in out[0, len(ids):].tolist() if t not in llm.target.eos_token_ids])
     jsonschema.validate(json.loads(text), schema)
+
+
+def test_validation_workload_at_small_scale(llm):
+    """The scale check (specdecode/bench/structured_check.py, 100 prompts x 5 schemas in
+    RESULTS.md) on 1 prompt per schema: every answer validates, greedy is identical with
+    speculation, sampled answers validate too."""
+    from specdecode.bench.structured_check import check, load_workload, table
+    prompts, schemas = load_workload(1)
+    assert len(schemas) == 5 and len(prompts) == 5
+    result = check(llm, prompts, schemas, k=8, batch_size=5, max_tokens=112)
+    assert result["failures"] == [], result["failures"]
+    assert all(r["identical"] == r["prompts"] == 1 for r in result["per_schema"].values())
+    assert "| person | 1 |" in table(result)

@@ -27,6 +27,7 @@ from .head import head_block
 from ..forward import ForwardBatch
 from ..kv_cache import KVCache
 from ..sampling import probs_from_logits, sample, transform_logits
+from ..tree import walk_path
 from .base import ContiguousState, DraftProposal, Drafter, DrafterCapabilities, DrafterError, DrafterState
 from .dynamic_tree import Candidates, expand, select_nodes
 from .registry import register
@@ -260,6 +261,15 @@ class EagleDrafter(Drafter):
     def commit(self, seqs, proposal, num_accepted):
         if proposal.step_state is None:
             return
+        if proposal.is_tree:      # the verify pass wrote node i's feature at slot root+1+i: move the
+            parents, tokens = proposal.tree_parents().tolist(), proposal.tokens.tolist()   # accepted path's
+            for b, (s, root) in enumerate(zip(seqs, proposal.step_state)):              # to root+depth
+                accepted = num_accepted[b]
+                path = s.token_ids[root + 1:root + 1 + accepted]
+                nodes = walk_path(parents[b][:int(proposal.num_tokens[b])], tokens[b], path) if accepted else []
+                for depth, node in enumerate(nodes or [], start=1):
+                    if node != depth - 1 and root + 1 + node < self.features.shape[1]:
+                        self.features[s.row, root + depth] = self.features[s.row, root + 1 + node]
         for s, true_len in zip(seqs, proposal.step_state):    # keep only slots computed from true features
             self.cache.truncate(s.row, min(self.cache.lengths[s.row], true_len))
 

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterError
+from ..tree import walk_path
 from .dynamic_tree import Candidates, select_nodes
 from .registry import register
 
@@ -228,7 +229,8 @@ class MedusaDrafter(Drafter):
             if accepted == 0:
                 continue
             path = s.token_ids[old_len:old_len + accepted]
-            node = _walk(parents[b][:int(proposal.num_tokens[b])], tokens[b], path)
+            nodes = walk_path(parents[b][:int(proposal.num_tokens[b])], tokens[b], path)
+            node = nodes[-1] if nodes else None
             if node is None or old_len + node >= features.shape[1]:    # cut short (a stop string) / no room
                 known[s.row] = min(known[s.row], old_len)
                 continue
@@ -236,12 +238,3 @@ class MedusaDrafter(Drafter):
                 features[s.row, old_len + accepted - 1] = features[s.row, old_len + node]
             known[s.row] = old_len + accepted
 
-
-def _walk(parents: list[int], tokens: list[int], path: list[int]) -> int | None:
-    """The node reached from the root along `path` (siblings are distinct), None if it leaves the tree."""
-    node = -1
-    for token in path:
-        node = next((i for i, p in enumerate(parents) if p == node and tokens[i] == token), None)
-        if node is None:
-            return None
-    return node
