@@ -338,8 +338,8 @@ def test_bad_num_speculative_tokens(tiny_models, llms, k):
 
 @pytest.mark.parametrize("k", [0, 5])
 def test_unknown_method(tiny_models, k):
-    with pytest.raises(DrafterError, match="medusa"):
-        LLM(model=str(tiny_models["llama"]), method="medusa", num_speculative_tokens=k, dtype="fp32", progress=False)
+    with pytest.raises(DrafterError, match="nosuch"):
+        LLM(model=str(tiny_models["llama"]), method="nosuch", num_speculative_tokens=k, dtype="fp32", progress=False)
 
 
 def test_method_model_needs_a_draft(tiny_models):
