@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -26,7 +27,8 @@ class RequestOutput:
 
 
 def default_method(draft: object | None, target: LoadedModel | None = None, drafter_path: str | None = None) -> str:
-    """model with a draft model; cascade with a trained drafter directory; else ngram.
+    """model with a draft model; with a trained drafter directory: medusa for Medusa heads, cascade
+    (EAGLE head + n-gram) for an EAGLE head; else ngram.
 
     The EAGLE drafter shipped for the embedded model is not the default: on the quick benchmark
     (benchmarks/RESULTS.md) it does not beat n-gram drafting on this project's CPU, where a
@@ -35,7 +37,9 @@ def default_method(draft: object | None, target: LoadedModel | None = None, draf
     if draft is not None:
         return "model"
     if drafter_path is not None:
-        return "cascade"
+        from .drafters.format import read_meta
+        kind = read_meta(Path(drafter_path)).get("kind")
+        return "medusa" if kind == "medusa" else "cascade"
     return "ngram"
 
 

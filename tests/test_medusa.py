@@ -57,6 +57,11 @@ def test_medusa_greedy_equals_plain(tiny_models, heads, arch):
     assert caps.drafts_trees and caps.needs_target_hidden and caps.has_state
 
 
+def test_medusa_heads_directory_picks_the_medusa_method(tiny_models, heads):
+    llm = LLM(model=str(tiny_models["llama"]), drafter_path=str(heads["llama"]), dtype="fp32", progress=False)
+    assert llm.method == "medusa"
+
+
 def test_medusa_sampled_rows_run_seeded(tiny_models, heads):
     llm = LLM(model=str(tiny_models["llama"]), method="medusa", drafter_path=str(heads["llama"]), dtype="fp32",
               progress=False)
