@@ -51,6 +51,9 @@ def why_not(model) -> str | None:
     """None if `model` can use the fused decoder, else the reason."""
     if os.environ.get("SPECDECODE_FUSED", "1") == "0":
         return "disabled by SPECDECODE_FUSED=0"
+    if getattr(getattr(model, "config", None), "is_gemma", False):    # models/gemma.py, eager
+        return (f"{model.config.arch} (embedding scale, (1 + w) float32 norms around attention and MLP, GeGLU, "
+                f"soft-capping, per-layer windows and RoPE bases) runs eagerly")
     rotary = getattr(getattr(model, "config", None), "rotary_dim", None)
     if rotary is not None and rotary != model.config.head_dim:    # the model's own limit, whatever the CPU
         return (f"partial_rotary_factor {model.config.partial_rotary_factor} (RoPE on {rotary} of "

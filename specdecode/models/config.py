@@ -1,15 +1,23 @@
-"""Architecture hyper-parameters of a Llama/Mistral/Qwen2/Qwen3/Phi-3-family decoder, read from an
-HF config.json or from GGUF metadata. Validated on construction.
+"""Architecture hyper-parameters of a Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3 decoder, read
+from an HF config.json or from GGUF metadata. Validated on construction.
 
 Mistral is Llama with a sliding attention window (`sliding_window`: each query sees the keys at
 positions p-W+1..p); Phi-3 is Llama with fused qkv_proj / gate_up_proj weights, an optional sliding
-window and optionally RoPE on only the first `partial_rotary_factor` of each head."""
+window and optionally RoPE on only the first `partial_rotary_factor` of each head.
+
+Gemma 2 / Gemma 3 (models/gemma.py) scale the embeddings by sqrt(hidden_size), use (1 + weight)
+RMSNorms with a norm after attention and around the GeGLU MLP, scale attention scores by
+`query_pre_attn_scalar`**-0.5, and window only some layers (`sliding_layers`: Gemma 2 every other
+one, Gemma 3 five of six). Gemma 2 soft-caps attention scores and logits (`attn_logit_softcapping`,
+`final_logit_softcapping`); Gemma 3 normalizes q/k heads (`qk_norm`) and gives its windowed layers
+their own unscaled RoPE base (`rope_local_theta`)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+GEMMA_ARCHS = ("gemma2", "gemma3")
 SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3")
 
 
@@ -19,7 +27,7 @@ class ModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                      # "llama" (also Mistral), "qwen2", "qwen3" or "phi3"
+    arch: str                      # "llama" (also Mistral), "qwen2", "qwen3", "phi3", "gemma2" or "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -38,6 +46,11 @@ class ModelConfig:
     qk_norm: bool = False          # RMSNorm over each q / k head before RoPE (Qwen3)
     sliding_window: int | None = None   # each query sees the last W keys (positions p-W+1..p); None = all
     partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims of each head (Phi-3)
+    sliding_layers: tuple[bool, ...] | None = None  # the layers the window applies to; None = all (Gemma: some)
+    rope_local_theta: float | None = None           # RoPE base of the windowed layers, unscaled (Gemma 3)
+    query_pre_attn_scalar: float | None = None      # scores scaled by this**-0.5; None = head_dim (Gemma)
+    attn_logit_softcapping: float | None = None     # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None    # logits -> cap * tanh(logits / cap) (Gemma 2)
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -53,6 +66,27 @@ class ModelConfig:
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise ModelError(f"partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1] and give an "
                              f"even number of rotary dims of head_dim {self.head_dim} (got {self.rotary_dim})")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise ModelError(f"layer_types names {len(self.sliding_layers)} layers, the model has {self.num_layers}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                     "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ModelError(f"{name} must be > 0 (or null for none), got {value}")
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.arch in GEMMA_ARCHS
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer `layer` (None = it sees every earlier key)."""
+        if self.sliding_layers is not None and not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def rotary_dim(self) -> int:
@@ -63,9 +97,12 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         model_type = cfg.get("model_type", "")
         arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama",
-                "phi3": "phi3"}.get(model_type)
+                "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}.get(model_type)
         if arch is None:
             raise ModelError(f"model_type {model_type!r} is not native")
+        if arch in GEMMA_ARCHS:
+            from .gemma import gemma_fields
+            return cls(**gemma_fields(cfg, arch))
         heads = cfg["num_attention_heads"]
         # transformers >= 5 writes "rope_parameters" (with rope_theta inside); older "rope_scaling"
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -102,6 +139,9 @@ class ModelConfig:
     def to_hf(self) -> dict[str, Any]:
         """A config.json that transformers can load (used for the converted-GGUF cache)."""
         # a windowed llama is Mistral (transformers' Llama has no window)
+        if self.is_gemma:
+            from .gemma import gemma_hf_config
+            return gemma_hf_config(self)
         model_type = "mistral" if self.arch == "llama" and self.sliding_window else self.arch
         arch_name = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                      "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}[model_type]
@@ -141,7 +181,7 @@ class ModelConfig:
         """Parameters read per decoded token (the LM head counted once even when tied)."""
         d, i, hd = self.hidden_size, self.intermediate_size, self.head_dim
         attn = d * (self.num_heads + 2 * self.num_kv_heads) * hd + self.num_heads * hd * d
-        per_layer = attn + 3 * d * i + 2 * d + (2 * hd if self.qk_norm else 0)
+        per_layer = attn + 3 * d * i + (4 if self.is_gemma else 2) * d + (2 * hd if self.qk_norm else 0)
         return self.num_layers * per_layer + self.vocab_size * d + d
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from .config import ModelConfig, ModelError
 
 FORMAT_VERSION = 2   # 2: end-of-generation tokens of the vocabulary added to the EOS ids
-NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # llama.cpp's names of architectures that transformers files under another (its load_gguf_checkpoint)
 TRANSFORMERS_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
                       "minimax-m2": "minimax_m2", "t5encoder": "t5"}
@@ -235,6 +235,8 @@ def required_tensors(config: ModelConfig) -> list[str]:
     if config.arch == "phi3":      # q|k|v fused in attn_qkv, gate|up in ffn_up
         per_layer = ["attn_norm.weight", "attn_qkv.weight", "attn_output.weight", "ffn_norm.weight",
                      "ffn_up.weight", "ffn_down.weight"]
+    if config.is_gemma:            # sandwich norms: post_attention_norm, ffn_norm (pre-MLP), post_ffw_norm
+        per_layer += ["post_attention_norm.weight", "post_ffw_norm.weight"]
     if config.attention_bias:
         per_layer += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
     if config.qk_norm:
@@ -244,7 +246,10 @@ def required_tensors(config: ModelConfig) -> list[str]:
 
 
 def _hf_order(name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
-    """A dequantized tensor as fp32, C order, with llama.cpp's q/k row permutation undone."""
+    """A dequantized tensor as fp32, C order, with llama.cpp's q/k row permutation and Gemma norm
+    shift undone."""
+    from .gemma import gguf_norm_shift
+    array = array - gguf_norm_shift(name, config) if gguf_norm_shift(name, config) else array
     if config.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
         array = _unpermute(array, config.num_heads)
     elif config.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -303,6 +308,9 @@ def _hf_name(name: str, arch: str | None = None) -> str | None:
     if name == "output.weight":
         return "lm_head.weight"
     parts = name.split(".")
+    from .gemma import GGUF_NAMES      # llama.cpp's names of Gemma's four layer norms
+    if arch in ("gemma2", "gemma3") and parts[0] == "blk" and parts[2] in GGUF_NAMES:
+        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
     if arch == "phi3" and parts[0] == "blk" and parts[2] in _PHI3_NAMES:   # llama.cpp's fused phi3 tensors
         return f"model.layers.{parts[1]}.{_PHI3_NAMES[parts[2]]}.{parts[3]}"
     if parts[0] == "blk" and parts[2] in _NAMES:
@@ -330,7 +338,7 @@ def end_of_generation_ids(reader) -> tuple[int, ...]:
 
 
 def read_config(reader, path: Path | str = "the GGUF file") -> ModelConfig:
-    """The native config of a llama / qwen2 / qwen3 file; ModelError if a tensor it needs is missing."""
+    """The native config of a file of a NATIVE_ARCHS architecture; ModelError if a tensor it needs is missing."""
     arch = _field(reader, "general.architecture")
     if arch not in NATIVE_ARCHS:
         raise ModelError(f"{path}: GGUF architecture {arch!r} has no native decoder (native: {', '.join(NATIVE_ARCHS)})")
@@ -362,6 +370,11 @@ def read_config(reader, path: Path | str = "the GGUF file") -> ModelConfig:
         qk_norm=arch == "qwen3", sliding_window=int(window) if window else None,
         partial_rotary_factor=int(g("rope.dimension_count", head_dim)) / head_dim,
     )
+    if config.is_gemma:
+        from dataclasses import replace
+
+        from .gemma import gguf_fields
+        config = replace(config, **gguf_fields(arch, g, config))
     missing = [n for n in required_tensors(config) if n not in names]
     if missing:
         raise ModelError(f"{path} is missing tensors: {len(missing)} of the {arch} model's are not in the file "

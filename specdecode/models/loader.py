@@ -1,6 +1,7 @@
 """Find and load a model: the embedded default, a GGUF file, or a Hugging Face directory.
 
-Native architectures (Llama, Qwen2) load into `Transformer`; any other architecture that
+Native architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3) load into `Transformer`
+(Gemma: its subclass in gemma.py); any other architecture that
 transformers can load runs through `HFAdapter` (slower, still lossless).
 """
 from __future__ import annotations
@@ -226,7 +227,7 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
         model = HFAdapter(model_dir, torch_dtype, torch_device)
         eos = _eos_ids(model_dir, tokenizer, model.eos_token_ids)
         return LoadedModel(model, tokenizer, name, model_dir, False, eos, time.perf_counter() - started)
-    from .transformer import Transformer, eager_linear
+    from .transformer import build, eager_linear
     weights = read_weights(model_dir, torch_dtype, torch_device, progress)
     make_linear = eager_linear
     if fast:
@@ -238,7 +239,10 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
         if native_reason() is not None:
             raise ModelError(f"dtype int8: {native_reason()}")
         quantize_projections(weights, "int8")
-    model = Transformer(config, weights, make_linear)
+    model = build(config, weights, make_linear)
+    if config.is_gemma:
+        from .gemma import require_bos
+        require_bos(tokenizer, config)
     eos = _eos_ids(model_dir, tokenizer, config.eos_token_ids)
     return LoadedModel(model, tokenizer, name, model_dir, True, eos, time.perf_counter() - started, fingerprint)
 
@@ -262,7 +266,7 @@ def _load_native(path: Path, name: str, dtype: torch.dtype, device: torch.device
     """A GGUF file on its own quantized weights (fast.quant): see load_model."""
     from ..fast import make_linear
     from .gguf import native_weights, tokenizer_dir
-    from .transformer import Transformer
+    from .transformer import build
     model_dir = tokenizer_dir(path)
     tokenizer = Tokenizer(model_dir)
     config, weights = native_weights(path, dtype, device)
@@ -273,7 +277,10 @@ def _load_native(path: Path, name: str, dtype: torch.dtype, device: torch.device
         names = {k: v for k, v in weights.items() if not (k == "lm_head.weight" and config.tie_word_embeddings)}
         fingerprint = weights_fingerprint(names)
         fingerprint_file.write_text(json.dumps({"fingerprint": fingerprint}))
-    model = Transformer(config, weights, make_linear)
+    model = build(config, weights, make_linear)
+    if config.is_gemma:
+        from .gemma import require_bos
+        require_bos(tokenizer, config)
     eos = _eos_ids(model_dir, tokenizer, config.eos_token_ids)
     return LoadedModel(model, tokenizer, name, model_dir, True, eos, time.perf_counter() - started, fingerprint,
                        gguf_file=path)
@@ -302,7 +309,7 @@ def quantized_copy(target: LoadedModel, kind: str = "int8") -> LoadedModel:
     again (its HF directory, or the converted GGUF)."""
     from ..fast import make_linear
     from ..fast.quant import native_reason
-    from .transformer import Transformer
+    from .transformer import build
     if native_reason() is not None:
         raise ModelError(f"quantized weights need the native kernels: {native_reason()}")
     started = time.perf_counter()
@@ -310,6 +317,6 @@ def quantized_copy(target: LoadedModel, kind: str = "int8") -> LoadedModel:
     config = target.model.config
     weights = read_weights(source, torch.bfloat16, torch.device("cpu"), progress=False)
     quantize_projections(weights, kind)
-    model = Transformer(config, weights, make_linear)
+    model = build(config, weights, make_linear)
     return LoadedModel(model, target.tokenizer, f"{target.name} ({kind} self-draft)", source, True,
                        target.eos_token_ids, time.perf_counter() - started, "")

@@ -110,6 +110,44 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rope_at(rope_cos: torch.Tensor, rope_sin: torch.Tensor,   # [max_pos, rotary_dim] each
+            fb: ForwardBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin at the pass's RoPE positions: [1, 1, T, rotary_dim] for a uniform chain, else
+    [B, 1, T, rotary_dim]."""
+    if fb.uniform:
+        positions = torch.arange(fb.start, fb.start + fb.tokens.shape[1], device=device)
+        return rope_cos[positions][None, None], rope_sin[positions][None, None]
+    positions = fb.rope_positions().to(device)                                   # [B, T]
+    return rope_cos[positions][:, None], rope_sin[positions][:, None]
+
+
+def attention_mask(fb: ForwardBatch, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Which cache keys each token of the pass sees, with a sliding `window` (None: all earlier
+    ones): [T, L] bool for a uniform chain (None when a single token sees every key written),
+    else [B, 1, T, L] (a tree node sees its own path; the window counted along it)."""
+    num_tokens = fb.tokens.shape[1]
+    if fb.uniform:
+        start = fb.start
+        if num_tokens == 1 and (window is None or start + 1 <= window):
+            return None
+        positions = torch.arange(start, start + num_tokens, device=device)
+        keys = torch.arange(start + num_tokens, device=device)[None, :]
+        mask = keys <= positions[:, None]                                          # [T, L]
+        if window is not None:
+            mask &= keys > positions[:, None] - window
+        return mask
+    key_len = max(fb.starts()) + num_tokens          # the cache write returns slots < key_len
+    return fb.visible(key_len, window).to(device)[:, None]                         # [B, 1, T, L]
+
+
+def build(config: ModelConfig, weights: dict, make_linear: Callable = eager_linear) -> "Transformer":
+    """The decoder for `config`: Gemma 2 / Gemma 3 in models/gemma.py, the rest here."""
+    if config.is_gemma:
+        from .gemma import GemmaTransformer
+        return GemmaTransformer(config, weights, make_linear)
+    return Transformer(config, weights, make_linear)
+
+
 class Transformer:
     """Inference-only decoder. `weights` maps HF parameter names to tensors already in the
     target dtype/device; `make_linear` builds each projection (eager here, fused/fast in
@@ -218,21 +256,8 @@ class Transformer:
         c = self.config
         batch, num_tokens = tokens.shape
         start, rows = fb.start, fb.rows
-        if fb.uniform:
-            positions = torch.arange(start, start + num_tokens, device=self.device)
-            cos, sin = self.rope_cos[positions][None, None], self.rope_sin[positions][None, None]
-            mask = None
-            window = c.sliding_window
-            if num_tokens > 1 or (window is not None and start + num_tokens > window):
-                keys = torch.arange(start + num_tokens, device=self.device)[None, :]
-                mask = keys <= positions[:, None]                                      # [T, L]
-                if window is not None:
-                    mask &= keys > positions[:, None] - window
-        else:
-            positions = fb.rope_positions().to(self.device)                          # [B, T]
-            cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
-            key_len = max(fb.starts()) + num_tokens          # the cache write returns slots < key_len
-            mask = fb.visible(key_len, c.sliding_window).to(self.device)[:, None]   # [B, 1, T, L]
+        cos, sin = rope_at(self.rope_cos, self.rope_sin, fb, self.device)
+        masks = {w: attention_mask(fb, w, self.device) for w in {c.layer_window(i) for i in range(c.num_layers)}}
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
 
         hidden = F.embedding(tokens, self.embed)                              # [B, T, D]
@@ -251,6 +276,7 @@ class Transformer:
                 k = F.rms_norm(k, (c.head_dim,), layer["k_norm"], c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             keys, values = cache.write(index, rows, start, k, v)
+            mask = masks[c.layer_window(index)]
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
             attn = attn.transpose(1, 2).reshape(batch, num_tokens, q_size)
             hidden = hidden + layer["o"](attn)
