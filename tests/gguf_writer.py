@@ -5,7 +5,9 @@ Tensor names come from gguf's own TensorNameMap (the table llama.cpp's converter
 architecture's metadata keys from transformers' GGUF_CONFIG_MAPPING (the keys its reader reads
 back), so a family needs no code here unless llama.cpp stores a tensor differently from
 transformers: GPT-2 style Conv1D weights are transposed (the reader transposes them back), and
-`permute_qk` applies llama.cpp's q/k row permutation for llama-layout models.
+`permute_qk` applies llama.cpp's q/k row permutation for llama-layout models, and `norm_shift` adds
+what llama.cpp's converter adds to every norm weight (1 for Gemma 2 / Gemma 3, whose RMSNorm
+multiplies by 1 + weight).
 """
 from __future__ import annotations
 
@@ -53,10 +55,11 @@ def write_tokenizer(writer, tokenizer_json: Path, eos_token: str, bos_token: str
 
 def write_gguf(path: Path, model, arch: str, tokenizer_json: Path, eos_token: str,
                bos_token: str | None = None, permute_qk: bool = False, skip: tuple[str, ...] = (),
-               metadata: dict[str, int] | None = None) -> Path:
+               metadata: dict[str, int | float | str] | None = None, norm_shift: float = 0.0) -> Path:
     """`model` (a transformers causal LM) as an F32 GGUF file of llama.cpp architecture `arch`.
     `skip`: GGUF tensor names to leave out (to build a file with missing tensors); `metadata`: more
-    uint32 keys (e.g. "llama.attention.sliding_window", which transformers' reader does not map)."""
+    keys, uint32 / float32 / string by the value's type (e.g. "llama.attention.sliding_window", which
+    transformers' reader does not map)."""
     import gguf
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
     from transformers.pytorch_utils import Conv1D
@@ -75,7 +78,8 @@ def write_gguf(path: Path, model, arch: str, tokenizer_json: Path, eos_token: st
         elif isinstance(value, float):
             writer.add_float32(f"{arch}.{gguf_key}", value)
     for key, value in (metadata or {}).items():
-        writer.add_uint32(key, value)
+        add = {int: writer.add_uint32, float: writer.add_float32, str: writer.add_string}[type(value)]
+        add(key, value)
     write_tokenizer(writer, tokenizer_json, eos_token, bos_token)
     conv1d = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Conv1D)}
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -86,6 +90,8 @@ def write_gguf(path: Path, model, arch: str, tokenizer_json: Path, eos_token: st
         array = tensor.detach().to(torch.float32).numpy()
         if hf_name in conv1d:
             array = array.T
+        if name.endswith("norm.weight"):
+            array = array + norm_shift
         if permute_qk and name.endswith(("attn_q.weight", "attn_q.bias")):
             array = _permute(array, config.num_attention_heads)
         elif permute_qk and name.endswith(("attn_k.weight", "attn_k.bias")):

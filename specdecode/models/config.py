@@ -66,6 +66,8 @@ class ModelConfig:
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise ModelError(f"partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1] and give an "
                              f"even number of rotary dims of head_dim {self.head_dim} (got {self.rotary_dim})")
+        if self.sliding_layers is not None:          # a tuple also when read back from JSON
+            object.__setattr__(self, "sliding_layers", tuple(bool(x) for x in self.sliding_layers))
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
             raise ModelError(f"layer_types names {len(self.sliding_layers)} layers, the model has {self.num_layers}")
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
