@@ -1,5 +1,5 @@
 /*
- * specdecode/fast/decoder.c -- fused Llama/Qwen2 decoder stack for batch 1 (included by kernels.c).
+ * specdecode/fast/decoder.c -- fused Llama/Qwen2/Qwen3/Mistral/Gemma decoder stack (included by kernels.c).
  *
  * sd_decoder_rows (and its batch-1 form sd_decoder_forward) runs embedding -> L x (rmsnorm, qkv(+bias), RoPE, KV-cache write, causal GQA
  * attention, o-proj + residual, rmsnorm, gate_up, silu*up, down + residual) for T <= 64 tokens in ONE
@@ -52,6 +52,15 @@ typedef struct {
     /* Qwen3: RMSNorm weights [L] -> [HD] over each q / k head before RoPE, or NULL */
     const void *const *q_norm, *const *k_norm;
     int window;                      /* sliding window: a row at position p sees logical keys p-window+1..p; 0 = all */
+    /* Gemma 2 / 3 (specdecode/models/gemma.py); 0 / NULL for the other families */
+    float embed_scale;               /* embeddings times this (a value of the model dtype); 0 = none */
+    int norm_f32;                    /* every norm weight is fp32 (1 + stored weight) */
+    const void *const *post_attn_norm, *const *post_mlp_norm;   /* [L] -> [D] norms of the attention /
+                                        MLP output before its residual add, or NULL (then o / down add directly) */
+    const int32_t *windows;          /* [L] window of each layer (0 = all), or NULL: `window` on every layer */
+    const void *const *rope_cos_l, *const *rope_sin_l;          /* [L] each layer's RoPE tables, or NULL */
+    float attn_softcap, final_softcap;                          /* cap * tanh(x / cap) of scores / logits; 0 = none */
+    int gelu;                        /* MLP activation gelu(tanh approximation) instead of silu */
 } sd_model;
 
 /* Where the cache keeps key/value j of kv head h for one token row (elements from a layer's base):
@@ -73,152 +82,7 @@ static inline size_t kv_off(const sd_kv *kv, const int32_t *tab, int j, int h) {
            + (size_t)h * kv->head_stride;
 }
 
-/* ---- element helpers: model dtype <-> fp32 vectors of 16 (masked) */
-static inline __m512 ld16(const void *p, size_t i, int bf, __mmask16 m) {
-    if (bf) return bf16x16_to_ps(_mm256_maskz_loadu_epi16(m, (const bf16 *)p + i));
-    return _mm512_maskz_loadu_ps(m, (const float *)p + i);
-}
-static inline void st16(void *p, size_t i, int bf, __mmask16 m, __m512 v) {
-    if (bf) _mm256_mask_storeu_epi16((bf16 *)p + i, m, (__m256i)_mm512_cvtneps_pbh(v));
-    else _mm512_mask_storeu_ps((float *)p + i, m, v);
-}
-static inline __m512 rnd(__m512 v, int bf) { return bf ? round_bf16(v) : v; }
-static inline __mmask16 lanes(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
-
-/* exp(x) for fp32 lanes: Cody-Waite range reduction + degree-6 polynomial + scalef (~2 ulp).
- * Elementwise, so results do not depend on lane position. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-104.f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    __m512 r2 = _mm512_mul_ps(r, r);
-    p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* out[0:D] = rne(x * rsqrt(mean(x^2) + eps) * w)   (torch's fused rms_norm: one rounding) */
-static void rmsnorm_row(const void *x, const void *w, void *out, int D, float eps, int bf) {
-    __m512 ss = _mm512_setzero_ps();
-    for (int i = 0; i < D; i += 16) {
-        __m512 v = ld16(x, i, bf, lanes(D - i));
-        ss = _mm512_fmadd_ps(v, v, ss);
-    }
-    float r = 1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(_mm512_reduce_add_ps(ss) / (float)D + eps)));
-    __m512 rv = _mm512_set1_ps(r);
-    for (int i = 0; i < D; i += 16) {
-        __mmask16 m = lanes(D - i);
-        st16(out, i, bf, m, _mm512_mul_ps(_mm512_mul_ps(ld16(x, i, bf, m), rv), ld16(w, i, bf, m)));
-    }
-}
-
-/* RoPE (rotate-half) of one head vector x[HD] -> out[HD], rounding like q*cos + rotate_half(q)*sin */
-static void rope_head(const void *x, const void *cs, const void *sn, void *out, int HD, int bf) {
-    const int half = HD / 2;
-    for (int i = 0; i < half; i += 16) {
-        __mmask16 m = lanes(half - i);
-        __m512 x1 = ld16(x, i, bf, m), x2 = ld16(x, half + i, bf, m);
-        __m512 c1 = ld16(cs, i, bf, m), c2 = ld16(cs, half + i, bf, m);
-        __m512 s1 = ld16(sn, i, bf, m), s2 = ld16(sn, half + i, bf, m);
-        __m512 o1 = _mm512_sub_ps(rnd(_mm512_mul_ps(x1, c1), bf), rnd(_mm512_mul_ps(x2, s1), bf));
-        __m512 o2 = _mm512_add_ps(rnd(_mm512_mul_ps(x2, c2), bf), rnd(_mm512_mul_ps(x1, s2), bf));
-        st16(out, i, bf, m, o1);
-        st16(out, half + i, bf, m, o2);
-    }
-}
-
-/* Sum each of 16 vectors: returns r with lane l = sum of the lanes of v[perm[l]] (a fixed tree). */
-static inline __m512 reduce16(__m512 v[16]) {
-    __m512 w[8], x[4], y[2];
-    for (int i = 0; i < 8; i++)
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xee));
-    for (int i = 0; i < 4; i++)
-        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xdd));
-    for (int i = 0; i < 2; i++)
-        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[i], x[i + 2], 0x44), _mm512_shuffle_ps(x[i], x[i + 2], 0xee));
-    return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xdd));
-}
-
-static int32_t reduce16_inv[16];   /* lane of reduce16's result that holds vector j */
-static void reduce16_init(void) {
-    if (reduce16_inv[1]) return;
-    __m512 v[16];
-    float r[16];
-    for (int i = 0; i < 16; i++) v[i] = _mm512_set1_ps((float)i);
-    _mm512_storeu_ps(r, reduce16(v));
-    for (int l = 0; l < 16; l++) reduce16_inv[(int)(r[l] / 16.f)] = l;
-}
-
-/* Cache slot of logical key j of a row: keys below the row's tree base are at their own slot; key
- * tbase + i (i = 0, 1, ...) is the i-th node on the row's path, at slot tslots[i]. */
-#define KEY_SLOT(j) ((j) < tbase ? (j) : tslots[(j) - tbase])
-
-/* Attention for one query row and one q head over logical keys/values lo..len-1 of kv head h
- * (addressed through kv/tab from the layer bases kbase/vbase, KEY_SLOT mapping a logical key to its
- * cache slot; model dtype), q [HD] (model dtype), out [HD].  scores: scratch of >= len - lo + 16 floats.
- * Keys go in chunks of 16 starting at key lo (0, or the first key of a sliding window: a function of
- * the row's position only), so logical key j's dot product always takes slot (j - lo) % 16 of the
- * same tree, whatever the cache layout and wherever a tree put the key: a tree node's row is
- * computed exactly as the same path verified as a chain. */
-static void attend(const void *q, const char *kbase, const char *vbase, const sd_kv *kv, const int32_t *tab,
-                   int tbase, const int32_t *tslots,
-                   int h, int lo, int len, int HD, float scale, int bf, float *scores, void *out) {
-    const int C = HD / 16;                 /* HD % 16 == 0, HD <= 256 */
-    __m512 qv[16];
-    for (int c = 0; c < C; c++) qv[c] = ld16(q, 16 * c, bf, 0xffff);
-    const __m512i inv = _mm512_loadu_si512(reduce16_inv);
-    const __m512 sv = _mm512_set1_ps(scale);
-    const int esz = bf ? 2 : 4;
-    __m512 mxv = _mm512_set1_ps(-__builtin_inff());
-    char tail[16 * 256 * 4] __attribute__((aligned(64)));
-    for (int j0 = lo; j0 < len; j0 += 16) {
-        const int nk = len - j0 < 16 ? len - j0 : 16;
-        const char *kb = kbase + kv_off(kv, tab, j0, h) * esz;
-        size_t ks = (size_t)kv->key_stride;
-        if (nk < 16 || j0 % kv->block + 16 > kv->block || j0 + 16 > tbase) {
-            /* last partial chunk, a chunk across cache blocks or reaching into a tree: a
-             * (zero-padded) copy, same arithmetic */
-            if (nk < 16) memset(tail, 0, (size_t)16 * HD * esz);
-            for (int i = 0; i < nk; i++)
-                memcpy(tail + (size_t)i * HD * esz, kbase + kv_off(kv, tab, KEY_SLOT(j0 + i), h) * esz, (size_t)HD * esz);
-            kb = tail;
-            ks = (size_t)HD;
-        }
-        __m512 acc[16];
-        for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-        for (int c = 0; c < C; c++)
-            for (int i = 0; i < 16; i++)
-                acc[i] = _mm512_fmadd_ps(qv[c], ld16(kb, (size_t)i * ks + 16 * c, bf, 0xffff), acc[i]);
-        __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(inv, reduce16(acc)), sv);
-        __mmask16 m = lanes(nk);
-        _mm512_mask_storeu_ps(scores + (j0 - lo), m, s);
-        mxv = _mm512_mask_max_ps(mxv, m, mxv, s);
-    }
-    __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mxv)), sum = _mm512_setzero_ps();
-    for (int j = 0; j < len - lo; j += 16) {
-        __mmask16 m = lanes(len - lo - j);
-        __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), mv));
-        p = _mm512_maskz_mov_ps(m, p);
-        _mm512_mask_storeu_ps(scores + j, m, p);
-        sum = _mm512_add_ps(sum, p);
-    }
-    __m512 invs = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-    __m512 o[16];
-    for (int c = 0; c < C; c++) o[c] = _mm512_setzero_ps();
-    for (int j = lo; j < len; j++) {
-        __m512 p = _mm512_set1_ps(scores[j - lo]);
-        const char *vj = vbase + kv_off(kv, tab, KEY_SLOT(j), h) * esz;
-        for (int c = 0; c < C; c++) o[c] = _mm512_fmadd_ps(p, ld16(vj, 16 * c, bf, 0xffff), o[c]);
-    }
-    for (int c = 0; c < C; c++) st16(out, 16 * c, bf, 0xffff, _mm512_mul_ps(o[c], invs));
-}
+#include "decoder_ops.c"
 
 /* One thread's share of y[M, N] (op) x[M, Kp] @ W^T: dispatch on quantized / dtype / AMX. */
 static inline void mm_part(const sd_model *md, const void *x, int lda, const void *Wp, const sd_qmat *Wq,
@@ -236,6 +100,27 @@ static inline void mm_part(const sd_model *md, const void *x, int lda, const voi
 static inline void range(int n, int t, int nt, int *a, int *b) {
     *a = (int)((long)n * t / nt);
     *b = (int)((long)n * (t + 1) / nt);
+}
+
+/* A sublayer's output projection x[T, K] @ W^T into the residual md->hid, then a barrier: added
+ * directly (rne(hid + rne(out))), or when `post` (Gemma) through an RMSNorm first, via md->xn
+ * (free by then: its zero padding past D stays untouched). */
+static void sublayer_out(const sd_model *md, const void *x, int K, const void *Wp, const sd_qmat *Wq,
+                         const void *post, int T, int t, int nt, int *cfg) {
+    const int bf = md->is_bf16, esz = bf ? 2 : 4, D = md->D;
+    if (!post) {
+        mm_part(md, x, K, Wp, Wq, NULL, md->hid, D, T, D, K, bf ? OUT_BF16_ADD : OUT_F32_ADD, t, nt, cfg);
+#pragma omp barrier
+        return;
+    }
+    mm_part(md, x, K, Wp, Wq, NULL, md->xn, md->Dp, T, D, K, bf ? OUT_BF16 : OUT_F32, t, nt, cfg);
+#pragma omp barrier
+    int a, b;
+    range(T, t, nt, &a, &b);
+    for (int r = a; r < b; r++)
+        rmsnorm_row((char *)md->xn + (size_t)r * md->Dp * esz, post, bf && !md->norm_f32,
+                    (char *)md->hid + (size_t)r * D * esz, D, md->eps, bf, 1);
+#pragma omp barrier
 }
 
 /* General form: token rows r = 0..T-1 (T <= SD_MAX_T), row r is token tokens[r] at RoPE position
@@ -267,7 +152,7 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
     const int D = md->D, H = md->H, KVH = md->KVH, HD = md->HD, I = md->I;
     const int NQKV = (H + 2 * KVH) * HD, QS = H * HD, grp = H / KVH;
     char *hid = md->hid, *xn = md->xn, *qkv = md->qkv, *qb = md->q, *att = md->att, *gu = md->gu, *act = md->act;
-    const int mode_res = bf ? OUT_BF16_ADD : OUT_F32_ADD, mode_out = bf ? OUT_BF16 : OUT_F32;
+    const int mode_out = bf ? OUT_BF16 : OUT_F32, wbf = bf && !md->norm_f32;
     reduce16_init();
 
 #pragma omp parallel num_threads(nthreads)
@@ -277,14 +162,23 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
         int cfg = -1, a, b;
         /* embedding */
         range(T, t, nt, &a, &b);
-        for (int r = a; r < b; r++)
-            memcpy(hid + (size_t)r * D * esz, (const char *)md->embed + (size_t)tokens[r] * D * esz, (size_t)D * esz);
+        for (int r = a; r < b; r++) {
+            const char *row = (const char *)md->embed + (size_t)tokens[r] * D * esz;
+            if (md->embed_scale == 0.f) { memcpy(hid + (size_t)r * D * esz, row, (size_t)D * esz); continue; }
+            for (int i = 0; i < D; i += 16)                  /* rne(embedding * scale) */
+                st16(hid, (size_t)r * D + i, bf, lanes(D - i),
+                     _mm512_mul_ps(ld16(row, i, bf, lanes(D - i)), _mm512_set1_ps(md->embed_scale)));
+        }
 #pragma omp barrier
         for (int l = 0; l < md->L; l++) {
             char *kl = kv->k[l], *vl = kv->v[l];
+            const int win = md->windows ? md->windows[l] : md->window;
+            const void *rcos = md->rope_cos_l ? md->rope_cos_l[l] : md->rope_cos;
+            const void *rsin = md->rope_sin_l ? md->rope_sin_l[l] : md->rope_sin;
             range(T, t, nt, &a, &b);
             for (int r = a; r < b; r++)
-                rmsnorm_row(hid + (size_t)r * D * esz, md->attn_norm[l], xn + (size_t)r * md->Dp * esz, D, md->eps, bf);
+                rmsnorm_row(hid + (size_t)r * D * esz, md->attn_norm[l], wbf, xn + (size_t)r * md->Dp * esz, D, md->eps,
+                            bf, 0);
 #pragma omp barrier
             mm_part(md, xn, md->Dp, md->qkv_w[l], md->qkv_q ? md->qkv_q[l] : NULL, md->qkv_b[l], qkv, NQKV, T, NQKV, md->Dp, mode_out, t, nt, &cfg);
 #pragma omp barrier
@@ -294,13 +188,13 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
                 int r = u / (H + 2 * KVH), h = u % (H + 2 * KVH), p = pos[r];
                 const int32_t *tab = kv->tables + (size_t)r * kv->table_width;
                 const char *src = qkv + ((size_t)r * NQKV + (size_t)h * HD) * esz;
-                const char *cs = (const char *)md->rope_cos + (size_t)p * HD * esz;
-                const char *sn = (const char *)md->rope_sin + (size_t)p * HD * esz;
+                const char *cs = (const char *)rcos + (size_t)p * HD * esz;
+                const char *sn = (const char *)rsin + (size_t)p * HD * esz;
                 const void *nw = h < H ? (md->q_norm ? md->q_norm[l] : NULL)
                                        : h < H + KVH && md->k_norm ? md->k_norm[l] : NULL;
                 _Alignas(64) char normed[256 * 4];
                 if (nw) {                                   /* per-head RMSNorm (Qwen3), then RoPE */
-                    rmsnorm_row(src, nw, normed, HD, md->eps, bf);
+                    rmsnorm_row(src, nw, wbf, normed, HD, md->eps, bf, 0);
                     src = normed;
                 }
                 if (h < H)
@@ -314,22 +208,23 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
             range(T * H, t, nt, &a, &b);
             for (int u = a; u < b; u++) {
                 int r = u / H, h = u % H;
-                int lo = md->window > 0 && pos[r] + 1 > md->window ? pos[r] + 1 - md->window : 0;
+                int lo = win > 0 && pos[r] + 1 > win ? pos[r] + 1 - win : 0;
                 attend(qb + ((size_t)r * QS + (size_t)h * HD) * esz, kl, vl, kv,
                        kv->tables + (size_t)r * kv->table_width, row_base[r], path[r], h / grp, lo, pos[r] + 1,
-                       HD, md->scale, bf, sc,
+                       HD, md->scale, md->attn_softcap, bf, sc,
                        att + ((size_t)r * md->Qp + (size_t)h * HD) * esz);
             }
 #pragma omp barrier
-            mm_part(md, att, md->Qp, md->o_w[l], md->o_q ? md->o_q[l] : NULL, NULL, hid, D, T, D, md->Qp, mode_res, t, nt, &cfg);
-#pragma omp barrier
+            sublayer_out(md, att, md->Qp, md->o_w[l], md->o_q ? md->o_q[l] : NULL,
+                         md->post_attn_norm ? md->post_attn_norm[l] : NULL, T, t, nt, &cfg);
             range(T, t, nt, &a, &b);
             for (int r = a; r < b; r++)
-                rmsnorm_row(hid + (size_t)r * D * esz, md->mlp_norm[l], xn + (size_t)r * md->Dp * esz, D, md->eps, bf);
+                rmsnorm_row(hid + (size_t)r * D * esz, md->mlp_norm[l], wbf, xn + (size_t)r * md->Dp * esz, D, md->eps,
+                            bf, 0);
 #pragma omp barrier
             mm_part(md, xn, md->Dp, md->gu_w[l], md->gu_q ? md->gu_q[l] : NULL, NULL, gu, 2 * I, T, 2 * I, md->Dp, mode_out, t, nt, &cfg);
 #pragma omp barrier
-            /* act = rne(rne(silu(gate)) * up) */
+            /* act = rne(rne(silu(gate)) * up), or gelu_tanh(gate) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) */
             {
                 const int CH = (I + 15) / 16;
                 range(T * CH, t, nt, &a, &b);
@@ -338,12 +233,17 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
                     __mmask16 m = lanes(I - i);
                     __m512 g = ld16(gu, (size_t)r * 2 * I + i, bf, m), up = ld16(gu, (size_t)r * 2 * I + I + i, bf, m);
                     __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+                    if (md->gelu) {
+                        __m512 inner = _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(0.044715f), _mm512_mul_ps(_mm512_mul_ps(g, g), g)));
+                        __m512 th = tanh512(_mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), inner));
+                        s = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(_mm512_set1_ps(1.f), th));
+                    }
                     st16(act, (size_t)r * md->Ip + i, bf, m, _mm512_mul_ps(rnd(s, bf), up));
                 }
             }
 #pragma omp barrier
-            mm_part(md, act, md->Ip, md->down_w[l], md->down_q ? md->down_q[l] : NULL, NULL, hid, D, T, D, md->Ip, mode_res, t, nt, &cfg);
-#pragma omp barrier
+            sublayer_out(md, act, md->Ip, md->down_w[l], md->down_q ? md->down_q[l] : NULL,
+                         md->post_mlp_norm ? md->post_mlp_norm[l] : NULL, T, t, nt, &cfg);
         }
         if (cfg >= 0) _tile_release();
     }
@@ -363,11 +263,22 @@ int sd_decoder_head(const sd_model *md, const void *hidden, int n, float *out, i
         int cfg = -1, a, b;
         range(n, t, nt, &a, &b);
         for (int r = a; r < b; r++)
-            rmsnorm_row((const char *)hidden + (size_t)r * D * esz, md->final_norm, xn + (size_t)r * md->Dp * esz,
-                        D, md->eps, bf);
+            rmsnorm_row((const char *)hidden + (size_t)r * D * esz, md->final_norm, bf && !md->norm_f32,
+                        xn + (size_t)r * md->Dp * esz, D, md->eps, bf, 0);
 #pragma omp barrier
         mm_part(md, xn, md->Dp, md->head_w, md->head_q, md->head_b, out, md->V, n, md->V, md->Dp,
                 bf ? OUT_F32_VIA_BF16 : OUT_F32, t, nt, &cfg);
+        if (md->final_softcap > 0.f) {                 /* cap * tanh(logit / cap), per 16 logits */
+            const int CH = (md->V + 15) / 16;
+            const __m512 cap = _mm512_set1_ps(md->final_softcap);
+#pragma omp barrier
+            range(n * CH, t, nt, &a, &b);
+            for (int u = a; u < b; u++) {
+                float *o = out + (size_t)(u / CH) * md->V + (u % CH) * 16;
+                __mmask16 m = lanes(md->V - (u % CH) * 16);
+                _mm512_mask_storeu_ps(o, m, _mm512_mul_ps(cap, tanh512(_mm512_div_ps(_mm512_maskz_loadu_ps(m, o), cap))));
+            }
+        }
         if (cfg >= 0) _tile_release();
     }
     return 0;

@@ -39,7 +39,8 @@ class _Model(ctypes.Structure):  # must match sd_model in decoder.c
         ("down_w", P), ("final_norm", P), ("head_w", P), ("head_b", P),
         ("hid", P), ("xn", P), ("qkv", P), ("q", P), ("att", P), ("gu", P), ("act", P),
         ("qkv_q", P), ("o_q", P), ("gu_q", P), ("down_q", P), ("head_q", P), ("q_norm", P), ("k_norm", P),
-        ("window", I)]
+        ("window", I), ("embed_scale", F), ("norm_f32", I), ("post_attn_norm", P), ("post_mlp_norm", P),
+        ("windows", P), ("rope_cos_l", P), ("rope_sin_l", P), ("attn_softcap", F), ("final_softcap", F), ("gelu", I)]
 
 
 class _KV(ctypes.Structure):  # must match sd_kv in decoder.c
@@ -51,9 +52,6 @@ def why_not(model) -> str | None:
     """None if `model` can use the fused decoder, else the reason."""
     if os.environ.get("SPECDECODE_FUSED", "1") == "0":
         return "disabled by SPECDECODE_FUSED=0"
-    if getattr(getattr(model, "config", None), "is_gemma", False):    # models/gemma.py, eager
-        return (f"{model.config.arch} (embedding scale, (1 + w) float32 norms around attention and MLP, GeGLU, "
-                f"soft-capping, per-layer windows and RoPE bases) runs eagerly")
     rotary = getattr(getattr(model, "config", None), "rotary_dim", None)
     if rotary is not None and rotary != model.config.head_dim:    # the model's own limit, whatever the CPU
         return (f"partial_rotary_factor {model.config.partial_rotary_factor} (RoPE on {rotary} of "
@@ -133,11 +131,12 @@ class FusedDecoder:
                              gu=z(2 * Im), act=z(Ip))
         self._embed = model.embed.contiguous()
         self._cos, self._sin = model.rope_cos.contiguous(), model.rope_sin.contiguous()
-        self._final = model.final_norm.contiguous()
+        self._final = getattr(model, "final_norm_fp32", model.final_norm).contiguous()   # Gemma: fp32 1 + w
         m = _Model(D=D, H=H, KVH=KVH, HD=HD, I=Im, V=c.vocab_size, L=L,
                    is_bf16=int(dt == torch.bfloat16), use_amx=int(bool(st["amx"])),
                    Dp=Dp, Qp=Qp, Ip=Ip, rope_len=self._cos.shape[0],
-                   eps=c.rms_norm_eps, scale=1.0 / math.sqrt(HD),
+                   eps=c.rms_norm_eps,
+                   scale=c.attention_scale if c.query_pre_attn_scalar else 1.0 / math.sqrt(HD),
                    embed=self._embed.data_ptr(), rope_cos=self._cos.data_ptr(), rope_sin=self._sin.data_ptr(),
                    attn_norm=arr(norms_a), mlp_norm=arr(norms_m),
                    qkv_w=arr([_packed(ly["qkv"]) for ly in model.layers]),
@@ -160,6 +159,8 @@ class FusedDecoder:
             kn = [ly["k_norm"].contiguous() for ly in model.layers]
             keep += qn + kn
             m.q_norm, m.k_norm = arr(qn), arr(kn)
+        if c.is_gemma:
+            self._gemma(model, m, keep, arr)
         self._m, self._keep = m, keep
         self._mref = ctypes.byref(m)
         rows_fn = self._lib.sd_decoder_rows
@@ -172,6 +173,27 @@ class FusedDecoder:
         self._head_fn = head_fn
         self._cache_key = None
         self._scores = torch.empty(0)
+
+    @staticmethod
+    def _gemma(model, m: _Model, keep: list, arr) -> None:
+        """Gemma 2 / 3 (models/gemma.py): embedding scale, fp32 (1 + w) norms (attn_norm / mlp_norm /
+        q_norm / k_norm / final already are), the norms of the attention and MLP outputs, GeGLU,
+        soft-caps, and each layer's window and RoPE tables."""
+        c = model.config
+        m.embed_scale, m.norm_f32, m.gelu = float(model.embed_scale), 1, 1
+        m.attn_softcap, m.final_softcap = c.attn_logit_softcapping or 0.0, c.final_logit_softcapping or 0.0
+        post_a = [ly["post_attn_norm"].contiguous() for ly in model.layers]
+        post_m = [ly["post_mlp_norm"].contiguous() for ly in model.layers]
+        windows = torch.tensor([c.layer_window(i) or 0 for i in range(c.num_layers)], dtype=torch.int32)
+        local = model.local_rope or (model.rope_cos, model.rope_sin)
+        sliding = c.sliding_layers or (True,) * c.num_layers
+        tables = [t.contiguous() for t in local] + [model.rope_cos.contiguous(), model.rope_sin.contiguous()]
+        keep += post_a + post_m + tables + [windows]
+        m.post_attn_norm, m.post_mlp_norm, m.windows = arr(post_a), arr(post_m), windows.data_ptr()
+        m.rope_cos_l = arr([tables[0] if s else tables[2] for s in sliding])
+        m.rope_sin_l = arr([tables[1] if s else tables[3] for s in sliding])
+        if tables[0].shape[0] != m.rope_len:
+            raise RuntimeError("local and global RoPE tables differ in length")
 
     def _bind_cache(self, cache):
         key = (id(cache), cache.keys[0].data_ptr(), cache.values[0].data_ptr())

@@ -13,9 +13,10 @@
 - Gemma 3 normalizes each q / k head (1 + weight) before RoPE, and its windowed layers use their own
   RoPE base (rope_local_base_freq, unscaled) while the global ones use rope_theta with any scaling.
 
-The fused C decoder does not run these (fast/decoder.py `why_not` names the reason); every pass
-runs in eager torch. GGUF files (llama.cpp's gemma2 / gemma3) store each norm weight with the 1
-already added (convert_hf_to_gguf.py); `gguf_norm_shift` names the tensors read back minus 1.
+The fused C decoder (fast/decoder.c) runs them too, batch invariant as for the other families; the
+eager path here is the reference and runs what it does not take (layer skipping, long batched
+prefills, no native kernels). GGUF files (llama.cpp's gemma2 / gemma3) store each norm weight with
+the 1 already added (convert_hf_to_gguf.py); `gguf_norm_shift` names the tensors read back minus 1.
 """
 from __future__ import annotations
 
@@ -174,6 +175,8 @@ class GemmaTransformer(Transformer):
     """A Gemma 2 / Gemma 3 decoder with the interface of `Transformer` (run, logits, forward,
     new_cache); weights in the Hugging Face layout (norm weights without the 1)."""
 
+    fused_in_init = False       # built at the end of __init__, from the Gemma fields
+
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  make_linear: Callable = eager_linear) -> None:
         super().__init__(config, weights, make_linear)   # projections, embedding, global RoPE tables
@@ -199,10 +202,16 @@ class GemmaTransformer(Transformer):
             angles = torch.outer(positions, rope_inv_freq(local))
             angles = torch.cat([angles, angles], dim=-1)                     # [max_pos, rotary_dim]
             self.local_rope = (angles.cos().to(self.dtype).to(self.device), angles.sin().to(self.dtype).to(self.device))
+        if getattr(make_linear, "fused_decoder", None) is not None:      # reads the fields above
+            self.fused = make_linear.fused_decoder(self)
 
     @torch.inference_mode()
     def run(self, fb: ForwardBatch, cache: KVCache, skip: frozenset[int] = frozenset()) -> torch.Tensor:
-        """As `Transformer.run` (every pass kind, eager): the hidden states [B, T, D] before the final norm."""
+        """As `Transformer.run` (every pass kind; fused when it can, else eager): the hidden states
+        [B, T, D] before the final norm."""
+        hidden = self._run_fused(fb, cache, skip)
+        if hidden is not None:
+            return hidden
         c = self.config
         tokens, start, rows = fb.tokens, fb.start, fb.rows
         batch, num_tokens = tokens.shape
@@ -247,6 +256,8 @@ class GemmaTransformer(Transformer):
                logit_index: torch.Tensor | None = None,       # [B, n] token indices 0..T-1; None = all
                ) -> torch.Tensor:                             # [B, n, vocab] float32
         """Final norm, LM head and the final soft-cap (in float32) on the rows asked for."""
+        if self.fused is not None:
+            return self.fused.head(hidden, logit_index)
         if logit_index is not None:
             hidden = torch.gather(hidden, 1, logit_index[:, :, None].expand(-1, -1, hidden.shape[-1]))
         logits = self.lm_head(fp32_rms_norm(hidden, self.final_norm_fp32, self.config.rms_norm_eps)).float()

@@ -155,6 +155,7 @@ class Transformer:
 
     supports_trees = True     # `run` verifies draft trees (specdecode/forward.py)
     has_features = True       # `run` returns the last hidden states (models/interface.py)
+    fused_in_init = True      # a subclass that sets up more first builds the fused decoder itself
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  make_linear: Callable[[torch.Tensor, torch.Tensor | None], LinearFn] = eager_linear) -> None:
@@ -190,7 +191,7 @@ class Transformer:
         self.rope_sin = angles.sin().to(self.dtype).to(self.device)
         # Fused native stack for batch-1 blocks (specdecode.fast.decoder); None = eager only.
         self.fused = None
-        if getattr(make_linear, "fused_decoder", None) is not None:
+        if getattr(make_linear, "fused_decoder", None) is not None and self.fused_in_init:
             self.fused = make_linear.fused_decoder(self)
 
     def projections(self) -> list:
@@ -237,6 +238,17 @@ class Transformer:
         """A chain pass and its logits: `logits(run(ForwardBatch.chain(...)), logit_index)`."""
         return self.logits(self.run(ForwardBatch.chain(tokens, start, rows, logit_index), cache), logit_index)
 
+    def _run_fused(self, fb: ForwardBatch, cache: KVCache, skip: frozenset[int]) -> torch.Tensor | None:
+        """The pass in the fused native decoder when it takes it (batch-1 chains by their own entry,
+        other passes of <= FUSED_MAX_ROWS rows on caches with a layout, no skipped layers), else None."""
+        fused, tokens = self.fused if not skip else None, fb.tokens
+        if fused is not None and fb.uniform and tokens.shape[0] == 1 and tokens.shape[1] <= 64:
+            return fused.forward(tokens, cache, fb.start)
+        if (fused is not None and tokens.numel() <= FUSED_MAX_ROWS and hasattr(cache, "layout")
+                and not (fb.uniform and tokens.shape[0] == 1)):
+            return fused.forward_rows(fb, cache)
+        return None
+
     @torch.inference_mode()
     def run(self, fb: ForwardBatch, cache: KVCache,
             skip: frozenset[int] = frozenset()) -> torch.Tensor:
@@ -246,13 +258,10 @@ class Transformer:
         `logits`). The fused native decoder runs it when it can (batch-1 chains by their own
         entry), else eager torch. `skip`: layer indices left out (their residual passes through;
         layer-skip self-drafting, eager only)."""
+        hidden = self._run_fused(fb, cache, skip)
+        if hidden is not None:
+            return hidden
         tokens = fb.tokens
-        fused = self.fused if not skip else None
-        if fused is not None and fb.uniform and tokens.shape[0] == 1 and tokens.shape[1] <= 64:
-            return fused.forward(tokens, cache, fb.start)
-        if (fused is not None and tokens.numel() <= FUSED_MAX_ROWS and hasattr(cache, "layout")
-                and not (fb.uniform and tokens.shape[0] == 1)):
-            return fused.forward_rows(fb, cache)
         c = self.config
         batch, num_tokens = tokens.shape
         start, rows = fb.start, fb.rows
