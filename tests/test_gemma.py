@@ -138,15 +138,28 @@ def check_logits(model, ref, tokens, tol):
         torch.testing.assert_close(got[1], expected[0, 26:32], atol=tol, rtol=tol)
 
 
+def skip_unsupported(dtype, fast=True):
+    if fast and dtype == "bf16" and not fast_linear._load().get("bf16"):
+        pytest.skip("no avx512_bf16")
+
+
+def load(path, dtype, fast=True):
+    lm = load_model(str(path), dtype=dtype, progress=False, fast=fast)
+    assert lm.native and lm.model.config.is_gemma
+    if fast and fast_linear._load()["lib"] is not None:           # the fused decoder takes Gemma
+        assert lm.model.fused is not None and fast_decoder.why_not(lm.model) is None
+    return lm.model
+
+
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_logits_match_transformers(gemma, dtype):
+def test_logits_match_transformers(gemma, fast, dtype):
+    skip_unsupported(dtype, fast)
     arch, path = gemma
-    lm = load_model(str(path), dtype=dtype, progress=False, fast=True)
-    assert lm.native and lm.model.config.arch == arch
-    assert lm.model.fused is None and arch in fast_decoder.why_not(lm.model)     # eager, named
+    model = load(path, dtype, fast)
     ref = reference(path)
-    tokens = torch.randint(3, lm.model.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
-    if dtype == "fp32":          # the window and Gemma 2's attention soft-cap change these logits
+    tokens = torch.randint(3, model.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    if dtype == "fp32" and not fast:          # the window and Gemma 2's attention soft-cap change these logits
         expected = ref(tokens).logits
         ref.config.sliding_window = 1000
         assert not torch.allclose(ref(tokens).logits[:, 20:], expected[:, 20:], atol=1e-2)
@@ -156,14 +169,15 @@ def test_logits_match_transformers(gemma, dtype):
                 layer.self_attn.attn_logit_softcapping = None
             assert not torch.allclose(ref(tokens).logits, expected, atol=1e-2)
             ref = reference(path)
-    check_logits(lm.model, ref, tokens, 1e-4 if dtype == "fp32" else 1e-1)
+    check_logits(model, ref, tokens, 1e-4 if dtype == "fp32" else 1e-1)
 
 
-def test_tree_pass_windows_each_path(gemma):
+@pytest.mark.parametrize("fast", [False, True])
+def test_tree_pass_windows_each_path(gemma, fast):
     """A tree node sees the last W keys along its own path on the windowed layers and its whole path
     on the global ones: its logits equal those of the same path run as a chain."""
     _, path = gemma
-    model = load_model(str(path), dtype="fp32", progress=False).model
+    model = load(path, "fp32", fast)
     ref = reference(path)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, model.vocab_size, (1, 12), generator=gen)
@@ -194,10 +208,61 @@ def test_greedy_matches_generate_bos_and_stop_ids(gemma):
     assert out.token_ids == expected[0, prompt.shape[1]:].tolist()
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "recycle"])
-def test_greedy_speculation_equals_plain(gemma, method):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_rows_are_batch_invariant(gemma, dtype):
+    """In the fused decoder a row's results do not depend on the rest of the pass: row t of a verify
+    block equals decoding its tokens one at a time, a ragged batch's rows (contiguous and paged caches)
+    equal each sequence run alone, and a tree node equals its path verified as a chain, bitwise."""
+    from specdecode.kv_cache import KVCache
+    skip_unsupported(dtype)
     _, path = gemma
-    llm = LLM(model=str(path), method=method, dtype="fp32", progress=False, adaptive=False, num_speculative_tokens=8)
+    model = load(path, dtype)
+    if model.fused is None:
+        pytest.skip("no native kernels")
+    c, none = model.config, torch.zeros(1, 0, dtype=torch.long)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, model.vocab_size, (n,), generator=gen) for n in (37, 21, 12)]
+    refs = []
+    for p in prompts:                          # alone: prefill, a 6-token block, the same one by one
+        a, b = model.new_cache(1, 96), model.new_cache(1, 96)
+        for cache in (a, b):
+            model.forward(p[None, :-6], cache, 0, logit_index=none)
+        block = model.forward(p[None, -6:], a, len(p) - 6)                        # [1, 6, vocab]
+        for t in range(6):
+            pos = len(p) - 6 + t
+            assert torch.equal(model.forward(p[None, pos:pos + 1], b, pos)[0, 0], block[0, t])
+        refs.append(block[0])
+    blocks, starts = torch.stack([p[-6:] for p in prompts]), torch.tensor([len(p) - 6 for p in prompts])
+    caches = [KVCache(c.num_layers, 3, c.num_kv_heads, c.head_dim, 96, model.dtype)]
+    caches += [PagedKVCache(c.num_layers, 4, c.num_kv_heads, c.head_dim, 96, 80, size, model.dtype) for size in (16, 5)]
+    for cache in caches:
+        rows = torch.tensor([3, 1, 2]) if isinstance(cache, PagedKVCache) else torch.tensor([2, 0, 1])
+        for r, p in zip(rows.tolist(), prompts):
+            if isinstance(cache, PagedKVCache):
+                cache.reserve(r, 60)
+            model.forward(p[None, :-6], cache, torch.tensor([0]), rows=torch.tensor([r]), logit_index=none)
+        got = model.forward(blocks, cache, starts, rows=rows)
+        for i, ref in enumerate(refs):
+            assert torch.equal(got[i], ref), (type(cache).__name__, i)
+    prompt, nodes = prompts[0][None, :12], prompts[1][None, :5]
+    parents = torch.tensor([[-1, 0, 1, -1, 3]])
+    cache = model.new_cache(1, 64)
+    model.forward(prompt[:, :11], cache, 0, logit_index=none)
+    fb = ForwardBatch.tree(torch.cat([prompt[:, 11:], nodes], 1), torch.tensor([11]), None, [1], parents)
+    tree = model.logits(model.run(fb, cache))[0]
+    for branch, index in (([0, 1, 2], [1, 2, 3]), ([3, 4], [4, 5])):
+        chain = model.new_cache(1, 64)
+        model.forward(prompt[:, :11], chain, 0, logit_index=none)
+        expected = model.forward(torch.cat([prompt[:, 11:], nodes[:, branch]], 1), chain, 11)[0]
+        assert torch.equal(tree[[0] + index], expected)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "recycle"])
+def test_greedy_speculation_equals_plain(gemma, dtype, method):
+    skip_unsupported(dtype)
+    _, path = gemma
+    llm = LLM(model=str(path), method=method, dtype=dtype, progress=False, adaptive=False, num_speculative_tokens=8)
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     plain = llm.generate(PROMPTS, params, num_speculative_tokens=0)
     spec = llm.generate(PROMPTS, params)
