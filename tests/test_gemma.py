@@ -72,7 +72,6 @@ def make_gemma(folder, arch):
                 param.mul_(6.0)                # scores large enough for Gemma 2's soft-cap to bend them
         model.model.embed_tokens.weight.mul_(2.0)    # a sharper output distribution: fewer near-ties
     model.save_pretrained(str(folder), safe_serialization=True)
-    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": BOS, "eos_token_id": [EOS, END_OF_TURN]}))
     return folder
 
 
@@ -193,9 +192,15 @@ def test_tree_pass_windows_each_path(gemma, fast):
 
 
 def test_greedy_matches_generate_bos_and_stop_ids(gemma):
+    """<end_of_turn> stops a generation (listed in generation_config.json or not); <bos> starts
+    plain prompts, and chat prompts once (the template writes it)."""
     _, path = gemma
-    llm = LLM(model=str(path), method="ngram", dtype="fp32", progress=False, adaptive=False)
-    assert {EOS, END_OF_TURN} <= set(llm.target.eos_token_ids)
+    for listed in (True, False):
+        if listed:
+            (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, END_OF_TURN]}))
+        llm = LLM(model=str(path), method="ngram", dtype="fp32", progress=False, adaptive=False)
+        (path / "generation_config.json").unlink(missing_ok=True)
+        assert {EOS, END_OF_TURN} <= set(llm.target.eos_token_ids)
     ids = llm.encode(PROMPTS[0], chat=False)
     assert ids[0] == BOS and BOS not in ids[1:]
     chat = llm.encode("hello", chat=True)                            # the template writes <bos> once

@@ -240,10 +240,10 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
             raise ModelError(f"dtype int8: {native_reason()}")
         quantize_projections(weights, "int8")
     model = build(config, weights, make_linear)
-    if config.is_gemma:
-        from .gemma import require_bos
-        require_bos(tokenizer, config)
     eos = _eos_ids(model_dir, tokenizer, config.eos_token_ids)
+    if config.is_gemma:                  # <bos> on plain prompts, <end_of_turn> a stop id
+        from .gemma import prepare_tokenizer
+        eos = tuple(dict.fromkeys(eos + prepare_tokenizer(tokenizer, config)))
     return LoadedModel(model, tokenizer, name, model_dir, True, eos, time.perf_counter() - started, fingerprint)
 
 
@@ -278,10 +278,10 @@ def _load_native(path: Path, name: str, dtype: torch.dtype, device: torch.device
         fingerprint = weights_fingerprint(names)
         fingerprint_file.write_text(json.dumps({"fingerprint": fingerprint}))
     model = build(config, weights, make_linear)
-    if config.is_gemma:
-        from .gemma import require_bos
-        require_bos(tokenizer, config)
     eos = _eos_ids(model_dir, tokenizer, config.eos_token_ids)
+    if config.is_gemma:                  # <bos> on plain prompts, <end_of_turn> a stop id
+        from .gemma import prepare_tokenizer
+        eos = tuple(dict.fromkeys(eos + prepare_tokenizer(tokenizer, config)))
     return LoadedModel(model, tokenizer, name, model_dir, True, eos, time.perf_counter() - started, fingerprint,
                        gguf_file=path)
 
