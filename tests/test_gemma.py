@@ -319,3 +319,21 @@ def test_gguf_loads_natively(gemma, tmp_path, monkeypatch, weights):
     tol = 1e-4 if weights == "dense" else 1e-1
     torch.testing.assert_close(lm.model.forward(tokens, lm.model.new_cache(1, 32), 0), ref(tokens).logits,
                                atol=tol, rtol=tol)
+
+
+def test_quantized_projections_in_the_fused_decoder(gemma):
+    """dtype int8 (every projection quantized per channel, QuantLinear in the fused decoder): logits
+    near the dense model's, greedy speculative output identical to plain decoding."""
+    _, path = gemma
+    if fast_linear._load()["lib"] is None:
+        pytest.skip("quantized weights need the native kernels")
+    llm = LLM(model=str(path), method="suffix", dtype="int8", progress=False, adaptive=False, num_speculative_tokens=8)
+    model = llm.target.model
+    assert model.quantized and model.fused is not None
+    tokens = torch.randint(3, model.vocab_size, (1, 24), generator=torch.Generator().manual_seed(5))
+    expected = reference(path)(tokens).logits
+    got = model.forward(tokens, model.new_cache(1, 32), 0)
+    assert (got - expected).abs().max() < 0.1 * expected.abs().max()
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    plain = llm.generate(PROMPTS, params, num_speculative_tokens=0)
+    assert [s.token_ids for s in llm.generate(PROMPTS, params)] == [p.token_ids for p in plain]
