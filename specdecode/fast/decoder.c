@@ -6,6 +6,9 @@
  * OpenMP parallel region with barriers between phases, leaving the hidden states (before the final
  * norm) in md->hid; sd_decoder_head runs final rmsnorm -> LM head on the rows that need logits.  Activations are kept in the model dtype (bf16 or fp32) with the eager path's rounding
  * points (after every projection, rmsnorm, rope product/sum, silu, silu*up, residual add).
+ * Gemma 2 / 3 (sd_model's Gemma fields): scaled embeddings, fp32 (1 + w) norms, a norm on the o-proj and
+ * down outputs before each residual add (sublayer_out), gelu_tanh*up, soft-capped scores and logits,
+ * and each layer's own window and RoPE tables.  Row helpers and attention: decoder_ops.c.
  *
  * Batch invariance: every token row is computed by the same instruction sequence whatever T is:
  *   - matmuls: per-row accumulators, fixed k order (amx_part / avx512bf16_part / fp32_part);
