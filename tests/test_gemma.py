@@ -94,6 +94,9 @@ def test_config(gemma):
     if arch == "gemma2":
         assert config.sliding_layers == (True, False, True, False) and not config.qk_norm
         assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (4.0, 8.0)
+        # the spelling of transformers < 5 (real Gemma 2 checkpoints): the same config
+        old = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "layer_types")}
+        assert ModelConfig.from_hf(dict(old, rope_theta=10000.0, hidden_act="gelu_pytorch_tanh")) == config
     else:
         assert config.sliding_layers == (True,) * 5 + (False,) and config.qk_norm
         assert (config.rope_theta, config.rope_local_theta, config.rope_scaling) == (1e6, 1e4, {"rope_type": "linear",
