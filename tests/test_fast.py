@@ -228,6 +228,31 @@ def test_fused_batched_and_paged_rows_equal_batch_one(tiny_models, odd_model, wi
 
 
 @needs_native
+def test_large_passes_stay_in_the_fused_decoder(tiny_models):
+    """However many token rows a pass has (a batched verify of 40 rows x 8, a long prompt), it runs
+    natively, so each row equals the same tokens run alone and a prompt prefilled in one pass
+    equals the same prompt prefilled in chunks (eager torch would be neither)."""
+    model = _load(tiny_models["llama"], "bf16")
+    gen = torch.Generator().manual_seed(11)
+    rows, width, prefix = 40, 8, 5
+    tokens = torch.randint(0, model.vocab_size, (rows, prefix + width), generator=gen)
+    none = torch.zeros(rows, 0, dtype=torch.long)
+    cache = model.new_cache(rows, 32)
+    model.forward(tokens[:, :prefix], cache, 0, logit_index=none)
+    batched = model.forward(tokens[:, prefix:], cache, prefix)                        # 320 token rows
+    for r in (0, 17, 39):
+        alone = model.new_cache(1, 32)
+        model.forward(tokens[r:r + 1, :prefix], alone, 0, logit_index=none[:1])
+        assert torch.equal(batched[r], model.forward(tokens[r:r + 1, prefix:], alone, prefix)[0])
+    prompt = torch.randint(0, model.vocab_size, (1, 300), generator=gen)
+    whole = model.forward(prompt, model.new_cache(1, 320), 0, logit_index=torch.tensor([[299]]))
+    chunked = model.new_cache(1, 320)
+    for start in range(0, 296, 37):
+        model.forward(prompt[:, start:min(start + 37, 296)], chunked, start, logit_index=none[:1])
+    assert torch.equal(whole, model.forward(prompt[:, 296:], chunked, 296, logit_index=torch.tensor([[3]])))
+
+
+@needs_native
 def test_fused_logit_rows_may_repeat_past_the_row_limit(tiny_models):
     """The engine repeats a row's last position for drafts it lacks, so a pass can ask for more
     logit rows than it has token rows (here 68 > 64): each distinct row is computed once and the

@@ -30,9 +30,6 @@ from ..forward import ForwardBatch
 from ..kv_cache import KVCache
 from .config import ModelConfig
 
-# Batched passes (several rows, per-row starts, paged caches) of up to this many token rows run in
-# the fused native decoder, 64 rows per call; longer ones (batched prefill) run eagerly.
-FUSED_MAX_ROWS = 256
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -240,12 +237,12 @@ class Transformer:
 
     def _run_fused(self, fb: ForwardBatch, cache: KVCache, skip: frozenset[int]) -> torch.Tensor | None:
         """The pass in the fused native decoder when it takes it (batch-1 chains by their own entry,
-        other passes of <= FUSED_MAX_ROWS rows on caches with a layout, no skipped layers), else None."""
+        other passes of any size on caches with a layout, 64 token rows per native call; no skipped
+        layers), else None. Eager torch is not batch invariant: a pass never goes there for its size."""
         fused, tokens = self.fused if not skip else None, fb.tokens
         if fused is not None and fb.uniform and tokens.shape[0] == 1 and tokens.shape[1] <= 64:
             return fused.forward(tokens, cache, fb.start)
-        if (fused is not None and tokens.numel() <= FUSED_MAX_ROWS and hasattr(cache, "layout")
-                and not (fb.uniform and tokens.shape[0] == 1)):
+        if fused is not None and hasattr(cache, "layout"):
             return fused.forward_rows(fb, cache)
         return None
 
