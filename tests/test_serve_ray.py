@@ -1,0 +1,163 @@
+"""`specdecode serve --replicas 2` on a local Ray (loopback): 40 concurrent streaming requests
+through the unchanged openai client while one replica's process is killed. Every request ends
+with the single-engine greedy output or a 503; Ray brings the cluster back to 2 replicas, and
+/metrics carries both replicas' series. Skipped only when Ray Serve cannot be imported."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from specdecode import LLM, SamplingParams  # noqa: E402
+from specdecode.serve import ray_app  # noqa: E402
+from specdecode.serve.ray_router import routing_key  # noqa: E402
+
+APP = "specdecode-test"
+MAX_TOKENS = 16
+NUM_REQUESTS = 40
+CONCURRENCY = 8
+KILL_AFTER = 8            # completed requests before a replica is killed
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,",
+           "The three primary colors are", "To make a cup of tea, first", "import numpy as np\nx = np.",
+           "The quick brown fox jumps over the lazy dog. The quick brown fox", "Water boils at"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The single-engine greedy tokens of every prompt (the same model, one sequence at a time)."""
+    llm = LLM(dtype="fp32", threads=1, progress=False)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    return {p: llm.generate([llm.tokenizer.encode(p)], params, num_speculative_tokens=0)[0].token_ids
+            for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    port = free_port()
+    spec = {"llm": {"dtype": "fp32", "threads": 1}, "replicas": 2, "imbalance": 4, "retries": 2,
+            "api_key": None, "max_body_bytes": 1 << 20,
+            "config": {"max_batch_size": 4, "max_queue": 64, "max_model_len": 256, "served_model_name": "smollm2"}}
+    ray_app.start(spec, "127.0.0.1", port, None, app_name=APP)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def running_replicas() -> int:
+    status = serve.status().applications[APP].deployments["Engine"]
+    return status.replica_states.get("RUNNING", 0) if status.status == "HEALTHY" else -1
+
+
+def reported(url: str, count: int, timeout: float = 60.0) -> list[dict]:
+    """The /api/stats replica list once `count` replicas report."""
+    deadline = time.monotonic() + timeout
+    while True:
+        replicas = httpx.get(url + "/api/stats", timeout=10).json()["replicas"]
+        if len(replicas) == count or time.monotonic() > deadline:
+            return replicas
+        time.sleep(0.5)
+
+
+def stream_one(client: openai.OpenAI, i: int) -> tuple[str, object]:
+    prompt = PROMPTS[i % len(PROMPTS)]
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    try:
+        ids = []
+        for chunk in client.completions.create(model="smollm2", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                               stream=True, user=f"user-{i % 5}" if i % 2 else openai.NOT_GIVEN,
+                                               extra_body=extra):
+            ids += chunk.choices[0].token_ids or [] if chunk.choices else []
+        return prompt, ids
+    except openai.APIError as exc:       # an error event mid-stream, or a 503 response
+        return prompt, exc
+
+
+def test_two_replicas_survive_a_killed_replica(cluster, reference):
+    url = cluster
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    before = reported(url, 2)
+    assert len(before) == 2, before
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    done = threading.Semaphore(0)
+    killed: list[dict] = []
+
+    def killer():
+        for _ in range(KILL_AFTER):
+            done.acquire()
+        victim = before[0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed.append(victim)
+
+    def job(i):
+        try:
+            return stream_one(client, i)
+        finally:
+            done.release()
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        results = list(pool.map(job, range(NUM_REQUESTS)))
+    thread.join(timeout=10)
+    assert killed, "no replica was killed"
+
+    completed = errors = 0
+    for prompt, out in results:
+        if isinstance(out, openai.APIError):
+            status = getattr(out, "status_code", None) or int(out.code or 0)
+            assert status == 503, f"{prompt!r}: {out!r}"
+            errors += 1
+        else:
+            assert out == reference[prompt], prompt
+            completed += 1
+    assert completed + errors == NUM_REQUESTS and completed >= KILL_AFTER
+
+    deadline = time.monotonic() + 120
+    while running_replicas() != 2 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert running_replicas() == 2, serve.status().applications[APP].deployments["Engine"]
+    deadline = time.monotonic() + 60
+    while True:                                   # the dead replica's report goes stale
+        after = reported(url, 2)
+        if killed[0]["replica"] not in {r["replica"] for r in after} or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    ids = {r["replica"] for r in after}
+    assert len(ids) == 2 and killed[0]["replica"] not in ids
+    text = httpx.get(url + "/metrics", timeout=10).text
+    labelled = set(re.findall(r'specdecode:generation_tokens_total\{replica="([^"]+)"\}', text))
+    assert labelled == ids
+    assert re.search(r"^specdecode:cluster_replicas 2\.0$", text, re.M)
+    prompt, out = stream_one(client, 1)           # the recovered cluster serves
+    assert out == reference[prompt]
+
+
+def test_routing_key_follows_the_conversation():
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    later = chat + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "and?"}]
+    assert routing_key({"messages": chat}) == routing_key({"messages": later})
+    assert routing_key({"messages": chat}) != routing_key({"messages": [{"role": "user", "content": "bye"}]})
+    assert routing_key({"messages": later, "user": "ann"}) == "user:ann"
+    long = "x" * 600
+    assert routing_key({"prompt": long}) == routing_key({"prompt": long + " more"})
+    assert routing_key({"prompt": "a"}) != routing_key({"prompt": "b"})
+    assert routing_key([1, 2]) is None and routing_key({}) is None
