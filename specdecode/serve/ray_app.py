@@ -287,13 +287,31 @@ def build_app(spec: dict):
     return ingress.bind(engine.bind(spec), spec)
 
 
-def start(spec: dict, host: str, port: int, ray_address: str | None, app_name: str = "specdecode") -> None:
-    """Start (no address: a local Ray on loopback with this machine's cores) or join Ray, then
-    deploy the application with its HTTP proxy on host:port. Returns once it is running."""
+def replica_threads(replicas: int) -> int:
+    """Cores per replica when --threads is not given: the cluster's CPUs over the replicas (the
+    most there can be), at most the largest node's CPUs (a replica runs on one node)."""
+    per_node = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
+    total = sum(per_node) or os.cpu_count() or 1
+    return max(1, min(int(total // replicas), int(max(per_node, default=total))))
+
+
+def start(spec: dict, host: str, port: int, ray_address: str | None, app_name: str = "specdecode") -> dict:
+    """Start (no address: a local Ray instance with this machine's cores) or join Ray, then deploy
+    the application with its HTTP proxy on host:port; returns the spec (threads filled in) once
+    every replica runs (raises the replicas' error when they cannot start). Ray's own ports
+    listen with Ray's token authentication; the API listens on `host` only."""
     if ray_address:
         ray.init(address=ray_address, namespace=NAMESPACE, log_to_driver=False)
     else:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, namespace=NAMESPACE,
-                 _node_ip_address="127.0.0.1", log_to_driver=False)
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    if spec["llm"].get("threads") is None:
+        spec = dict(spec, llm=dict(spec["llm"], threads=replica_threads(max(spec["replicas"],
+                                                                             spec.get("max_replicas") or 0))))
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(spec), name=app_name, route_prefix="/")
+    try:
+        serve.run(build_app(spec), name=app_name, route_prefix="/")
+    except RuntimeError as exc:        # Ray's message names the deployment; the replica's error is in its status
+        app = serve.status().applications.get(app_name)
+        details = [d.message for d in app.deployments.values() if d.message] if app is not None else []
+        raise RuntimeError("\n".join([str(exc), *details])) from None
+    return spec
