@@ -147,6 +147,8 @@ def test_two_replicas_survive_a_killed_replica(cluster, reference):
     labelled = set(re.findall(r'specdecode:generation_tokens_total\{replica="([^"]+)"\}', text))
     assert labelled == ids
     assert re.search(r"^specdecode:cluster_replicas 2\.0$", text, re.M)
+    page = httpx.get(url + "/", timeout=10)
+    assert page.status_code == 200 and 'id="replicas-panel"' in page.text       # the dashboard, served by the ingress
     prompt, out = stream_one(client, 1)           # the recovered cluster serves
     assert out == reference[prompt]
 
@@ -161,3 +163,25 @@ def test_routing_key_follows_the_conversation():
     assert routing_key({"prompt": long}) == routing_key({"prompt": long + " more"})
     assert routing_key({"prompt": "a"}) != routing_key({"prompt": "b"})
     assert routing_key([1, 2]) is None and routing_key({}) is None
+
+
+def test_command_line_checks_and_replica_errors():
+    from specdecode.cli import build_parser
+    from specdecode.cli_common import CliError
+    from specdecode.serve.cli import uses_ray
+    from specdecode.serve.ray_cli import deploy_error, ray_spec
+    parse = lambda *a: build_parser().parse_args(["serve", *a])      # noqa: E731
+    assert not uses_ray(parse()) and uses_ray(parse("--replicas", "2")) and uses_ray(parse("--ray-address", "auto"))
+    spec = ray_spec(parse("--replicas", "3", "--max-batch-size", "6", "--min-replicas", "2", "--max-replicas", "4"))
+    assert (spec["replicas"], spec["min_replicas"], spec["max_replicas"], spec["imbalance"]) == (3, 2, 4, 6)
+    assert spec["llm"]["threads"] is None and spec["config"]["max_batch_size"] == 6
+    for args, words in [(("--min-replicas", "3", "--max-replicas", "2"), ["--min-replicas (3)", "--max-replicas (2)"]),
+                        (("--replicas", "5", "--max-replicas", "4"), ["--replicas (5)", "--max-replicas (4)"]),
+                        (("--replicas", "2", "--device", "cuda"), ["--device cuda"])]:
+        with pytest.raises(CliError) as err:
+            ray_spec(parse(*args))
+        assert all(w in str(err.value) for w in words), str(err.value)
+    report = ("Deploying application specdecode failed.\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+              "RuntimeError: Traceback (most recent call last):\n  File \"loader.py\", line 191, in load_model\n"
+              "specdecode.models.config.ModelError: model not found: /nope (give a .gguf file)")
+    assert deploy_error(RuntimeError(report)) == "model not found: /nope (give a .gguf file)"
