@@ -77,14 +77,18 @@ def reported(url: str, count: int, timeout: float = 60.0) -> list[dict]:
         time.sleep(0.5)
 
 
-def stream_one(client: openai.OpenAI, i: int) -> tuple[str, object]:
+def stream_one(client: openai.OpenAI, i: int, user: str | None = None) -> tuple[str, object]:
+    """Request i: streamed (every fourth one not: it is retried whole when its replica dies);
+    odd ones name a user (affinity by `user`), even ones by prompt prefix."""
     prompt = PROMPTS[i % len(PROMPTS)]
-    extra = {"ignore_eos": True, "return_token_ids": True}
+    args = dict(model="smollm2", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                user=user or (f"user-{i % 5}" if i % 2 else openai.NOT_GIVEN),
+                extra_body={"ignore_eos": True, "return_token_ids": True})
     try:
+        if i % 4 == 3:
+            return prompt, client.completions.create(**args).choices[0].token_ids
         ids = []
-        for chunk in client.completions.create(model="smollm2", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                               stream=True, user=f"user-{i % 5}" if i % 2 else openai.NOT_GIVEN,
-                                               extra_body=extra):
+        for chunk in client.completions.create(stream=True, **args):
             ids += chunk.choices[0].token_ids or [] if chunk.choices else []
         return prompt, ids
     except openai.APIError as exc:       # an error event mid-stream, or a 503 response
@@ -121,8 +125,9 @@ def test_two_replicas_survive_a_killed_replica(cluster, reference):
     assert killed, "no replica was killed"
 
     completed = errors = 0
-    for prompt, out in results:
+    for i, (prompt, out) in enumerate(results):
         if isinstance(out, openai.APIError):
+            assert i % 4 != 3, f"a non-streaming request was not retried: {out!r}"
             status = getattr(out, "status_code", None) or int(out.code or 0)
             assert status == 503, f"{prompt!r}: {out!r}"
             errors += 1
@@ -149,8 +154,17 @@ def test_two_replicas_survive_a_killed_replica(cluster, reference):
     assert re.search(r"^specdecode:cluster_replicas 2\.0$", text, re.M)
     page = httpx.get(url + "/", timeout=10)
     assert page.status_code == 200 and 'id="replicas-panel"' in page.text       # the dashboard, served by the ingress
-    prompt, out = stream_one(client, 1)           # the recovered cluster serves
-    assert out == reference[prompt]
+    finished = {r["replica"]: r["finished"] for r in after}
+    for i in range(4):                            # the recovered cluster serves; one user stays on one replica
+        prompt, out = stream_one(client, i, user="solo")
+        assert out == reference[prompt]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now = {r["replica"]: r["finished"] for r in reported(url, 2)}
+        if sum(now.values()) - sum(finished.values()) >= 4:
+            break
+        time.sleep(0.5)
+    assert sorted(now[r] - finished[r] for r in ids) == [0, 4], (finished, now)
 
 
 def test_routing_key_follows_the_conversation():
@@ -185,3 +199,31 @@ def test_command_line_checks_and_replica_errors():
               "RuntimeError: Traceback (most recent call last):\n  File \"loader.py\", line 191, in load_model\n"
               "specdecode.models.config.ModelError: model not found: /nope (give a .gguf file)")
     assert deploy_error(RuntimeError(report)) == "model not found: /nope (give a .gguf file)"
+
+
+def test_affinity_router_keeps_a_conversation_within_the_imbalance():
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.serve._private.request_router.common import ReplicaQueueLengthCache
+
+    from specdecode.serve.ray_router import AffinityRouter
+    router = object.__new__(AffinityRouter)       # the routing policy alone, without a Serve handle
+    router._replica_queue_len_cache = ReplicaQueueLengthCache()
+    router.initialize_state(imbalance=2)
+    a, b = SimpleNamespace(replica_id="a"), SimpleNamespace(replica_id="b")
+    router._replicas = {"a": a, "b": b}
+    router._replicas_list, router._replica_id_set, router._queue_len_gauge_last_update = [a, b], {"a", "b"}, {}
+    choose = lambda key: asyncio.run(router.choose_replicas([a, b], SimpleNamespace(args=[key])))  # noqa: E731
+    assert choose("user:ann") == [[a, b]]                      # a new conversation: the least-loaded of all
+    router.on_request_routed(SimpleNamespace(args=["user:ann"]), "b", None)
+    router._replica_queue_len_cache.update("a", 0)
+    router._replica_queue_len_cache.update("b", 2)
+    assert choose("user:ann") == [[b], [a]]                    # 2 above the least-loaded: stays
+    assert choose("user:bob") == [[a, b]] and choose(None) == [[a, b]]
+    router._replica_queue_len_cache.update("b", 3)
+    assert choose("user:ann") == [[a, b]]                      # 3 above: moves to the least-loaded
+    router.on_request_routed(SimpleNamespace(args=["user:ann"]), "a", None)
+    assert choose("user:ann") == [[a], [b]]
+    router.on_replica_actor_died("a")
+    assert "user:ann" not in router.owners and choose("user:ann") == [[a, b]]
