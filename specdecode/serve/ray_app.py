@@ -233,6 +233,7 @@ class Ingress:
                     return Response(content, status_code=status, headers=dict(out_headers))
                 first = await stream.__anext__()
             except REPLICA_GONE as exc:
+                stream.cancel()             # (unavailable may not mean dead: the first attempt must not run on)
                 died = f"{type(exc).__name__}"
                 log.warning("replica died before answering (attempt %d of %d): %s", attempt + 1, self.attempts, exc)
                 continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 from collections import OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -58,7 +59,6 @@ class AffinityRouter(RequestRouter):
             raise ValueError(f"imbalance must be an integer >= 0, got {imbalance!r}")
         self.imbalance, self.max_keys = imbalance, max_keys
         self.owners: OrderedDict[str, ReplicaID] = OrderedDict()
-        self.decisions = {"affinity": 0, "least_loaded": 0}
 
     @staticmethod
     def key_of(pending_request: PendingRequest | None) -> str | None:
@@ -80,10 +80,8 @@ class AffinityRouter(RequestRouter):
         if owner is not None:
             least = min(self.load(r) for r in candidate_replicas)
             if self.load(owner) - least <= self.imbalance:
-                self.decisions["affinity"] += 1
                 return [[owner], [r for r in candidate_replicas if r is not owner]]
-        self.decisions["least_loaded"] += 1
-        return [list(candidate_replicas)]
+        return [random.sample(candidate_replicas, len(candidate_replicas))]     # ties broken at random
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         key = self.key_of(pending_request)
