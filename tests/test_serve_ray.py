@@ -232,3 +232,15 @@ def test_affinity_router_keeps_a_conversation_within_the_imbalance():
     assert choose("user:ann") == [[a], [b]]
     router.on_replica_actor_died("a")
     assert "user:ann" not in router.owners and len(choose("user:ann")) == 1
+
+
+def test_one_replica_without_ray_does_not_import_ray():
+    import subprocess
+    import sys
+    code = ("import sys; from specdecode.cli import build_parser; from specdecode.serve.cli import uses_ray; "
+            "import specdecode.serve.app, specdecode.serve.server; "
+            "assert not uses_ray(build_parser().parse_args(['serve'])); "
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

@@ -54,6 +54,11 @@ class AffinityRouter(RequestRouter):
     everything else goes to the least-loaded replica (Ray Serve picks the lowest queue length
     among the candidates of a rank, probing replicas it has no fresh length for)."""
 
+    # set in initialize_state, the constructor hook Ray Serve calls with request_router_kwargs
+    imbalance: int
+    max_keys: int
+    owners: OrderedDict[str, ReplicaID]
+
     def initialize_state(self, imbalance: int = 8, max_keys: int = MAX_KEYS, **kwargs) -> None:
         if not isinstance(imbalance, int) or imbalance < 0:
             raise ValueError(f"imbalance must be an integer >= 0, got {imbalance!r}")
