@@ -45,6 +45,7 @@ log = logging.getLogger("specdecode.serve")
 NAMESPACE = "specdecode"
 REPORT_INTERVAL_S = 1.0
 STALE_AFTER_S = 5 * REPORT_INTERVAL_S      # a replica silent this long is left out of /metrics
+APP_EXIT_S = 1.0                           # an app call may take this long to end after its response
 REPLICA_GONE = (RayActorError, ActorUnavailableError)
 HOP_HEADERS = {"host", "content-length", "authorization", "connection", "transfer-encoding"}
 
@@ -103,13 +104,13 @@ async def asgi_call(app, method: str, path: str, query: bytes, headers: list[tup
                     yield message["body"]
                 if not message.get("more_body", False):
                     break
-        if task.done() and task.exception() is not None:
+        if task.done() and not task.cancelled() and task.exception() is not None:
             raise task.exception()
     finally:
         gone.set()
         if not task.done():
             try:
-                await asyncio.wait_for(task, timeout=REPORT_INTERVAL_S)
+                await asyncio.wait_for(task, timeout=APP_EXIT_S)
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001 -- the app handles its own errors
                 task.cancel()
 
@@ -156,10 +157,6 @@ class EngineReplica:
         thread = self.state.scheduler.thread
         if thread is None or not thread.is_alive():
             raise RuntimeError("the engine thread is not running")
-
-    def record_routing_stats(self) -> dict:
-        counts = self.state.scheduler.metrics.counts
-        return {"running": counts["running"], "waiting": counts["waiting"]}
 
     def __del__(self) -> None:
         stopped = getattr(self, "stopped", None)
@@ -225,23 +222,26 @@ class Ingress:
         for attempt in range(self.attempts):
             stream = self.engine.options(stream=True).handle.remote(*args)
             try:
-                status, out_headers = await stream.__anext__()
-                out_headers = [(k, v) for k, v in out_headers if k.lower() != "content-length"]
-                media = dict((k.lower(), v) for k, v in out_headers).get("content-type", "")
-                if not media.startswith("text/event-stream"):
+                start = await anext(stream, None)
+                if start is None:
+                    return error(500, "internal server error (the engine replica sent no response)")
+                status, out_headers = start[0], [(k, v) for k, v in start[1] if k.lower() != "content-length"]
+                if not dict((k.lower(), v) for k, v in out_headers).get("content-type", "").startswith(
+                        "text/event-stream"):
                     content = b"".join([chunk async for chunk in stream])
                     return Response(content, status_code=status, headers=dict(out_headers))
-                first = await stream.__anext__()
+                first = await anext(stream, b"")
             except REPLICA_GONE as exc:
                 stream.cancel()             # (unavailable may not mean dead: the first attempt must not run on)
-                died = f"{type(exc).__name__}"
-                log.warning("replica died before answering (attempt %d of %d): %s", attempt + 1, self.attempts, exc)
+                died = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                log.warning("engine replica lost (attempt %d of %d): %s", attempt + 1, self.attempts, died)
                 continue
-            except StopAsyncIteration:
-                return Response(b"", status_code=status, headers=dict(out_headers))
+            except asyncio.CancelledError:  # the client went away
+                stream.cancel()
+                raise
             return StreamingResponse(self.relay(stream, first), status_code=status, headers=dict(out_headers))
-        return error(503, f"no engine replica could serve the request: {self.attempts} replicas died while "
-                          f"serving it ({died}); retry later")
+        return error(503, f"no engine replica could serve the request: {self.attempts} attempts ended with the "
+                          f"replica gone (last: {died}); retry later")
 
     async def relay(self, stream, first: bytes):
         done = False
