@@ -24,6 +24,8 @@ from specdecode.serve import ray_app  # noqa: E402
 from specdecode.serve.ray_router import routing_key  # noqa: E402
 
 APP = "specdecode-test"
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_TOKENS = 16
 NUM_REQUESTS = 40
 CONCURRENCY = 8
@@ -53,7 +55,7 @@ def reference():
 def cluster():
     port = free_port()
     spec = {"llm": {"dtype": "fp32", "threads": 1}, "replicas": 2, "imbalance": 4, "retries": 2,
-            "api_key": None, "max_body_bytes": 1 << 20,
+            "api_key": KEY, "max_body_bytes": 1 << 20,
             "config": {"max_batch_size": 4, "max_queue": 64, "max_model_len": 256, "served_model_name": "smollm2"}}
     ray_app.start(spec, "127.0.0.1", port, None, app_name=APP)
     try:
@@ -72,7 +74,7 @@ def reported(url: str, count: int, timeout: float = 60.0) -> list[dict]:
     """The /api/stats replica list once `count` replicas report."""
     deadline = time.monotonic() + timeout
     while True:
-        replicas = httpx.get(url + "/api/stats", timeout=10).json()["replicas"]
+        replicas = httpx.get(url + "/api/stats", headers=AUTH, timeout=10).json()["replicas"]
         if len(replicas) == count or time.monotonic() > deadline:
             return replicas
         time.sleep(0.5)
@@ -98,10 +100,12 @@ def stream_one(client: openai.OpenAI, i: int, user: str | None = None) -> tuple[
 
 def test_two_replicas_survive_a_killed_replica(cluster, reference):
     url = cluster
-    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    assert httpx.get(url + "/health", timeout=30).status_code == 200                  # open, as on one server
+    denied = httpx.get(url + "/v1/models", timeout=30)
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
     before = reported(url, 2)
     assert len(before) == 2, before
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     done = threading.Semaphore(0)
     killed: list[dict] = []
 
@@ -149,7 +153,7 @@ def test_two_replicas_survive_a_killed_replica(cluster, reference):
         time.sleep(1)
     ids = {r["replica"] for r in after}
     assert len(ids) == 2 and killed[0]["replica"] not in ids
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", headers=AUTH, timeout=10).text
     labelled = set(re.findall(r'specdecode:generation_tokens_total\{replica="([^"]+)"\}', text))
     assert labelled == ids
     assert re.search(r"^specdecode:cluster_replicas 2\.0$", text, re.M)
