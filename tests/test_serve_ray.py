@@ -45,10 +45,15 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def reference():
     """The single-engine greedy tokens of every prompt (the same model, one sequence at a time)."""
+    import torch
+    threads = torch.get_num_threads()
     llm = LLM(dtype="fp32", threads=1, progress=False)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    return {p: llm.generate([llm.tokenizer.encode(p)], params, num_speculative_tokens=0)[0].token_ids
-            for p in PROMPTS}
+    try:
+        return {p: llm.generate([llm.tokenizer.encode(p)], params, num_speculative_tokens=0)[0].token_ids
+                for p in PROMPTS}
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
