@@ -43,6 +43,7 @@ from .ray_router import AffinityRouter, routing_key
 
 log = logging.getLogger("specdecode.serve")
 NAMESPACE = "specdecode"
+APP_NAME = "specdecode"
 REPORT_INTERVAL_S = 1.0
 STALE_AFTER_S = 5 * REPORT_INTERVAL_S      # a replica silent this long is left out of /metrics
 APP_EXIT_S = 1.0                           # an app call may take this long to end after its response
@@ -296,7 +297,7 @@ def replica_threads(replicas: int) -> int:
     return max(1, min(int(total // replicas), int(max(per_node, default=total))))
 
 
-def start(spec: dict, host: str, port: int, ray_address: str | None, app_name: str = "specdecode") -> dict:
+def start(spec: dict, host: str, port: int, ray_address: str | None, app_name: str = APP_NAME) -> dict:
     """Start (no address: a local Ray instance with this machine's cores) or join Ray, then deploy
     the application with its HTTP proxy on host:port; returns the spec (threads filled in) once
     every replica runs (raises the replicas' error when they cannot start). Ray's own ports

@@ -47,8 +47,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     from ..cli_common import CliError
     from .auth import exposed_without_key
     try:
-        import ray
-        from ray import serve
+        import ray.serve  # noqa: F401
     except ImportError:
         raise CliError("--replicas / --ray-address need Ray Serve: pip install 'specdecode[ray]'") from None
     from . import ray_app
@@ -56,15 +55,17 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     try:
         spec = ray_app.start(spec, args.host, args.port, args.ray_address)
     except ConnectionError as exc:
-        raise CliError(f"--ray-address {args.ray_address}: cannot join the Ray cluster ({exc})") from None
+        raise CliError(f"--ray-address {args.ray_address}: cannot join the Ray cluster ({exc}); a cluster with "
+                       f"token authentication needs RAY_AUTH_MODE=token and its token (~/.ray/auth_token or "
+                       f"RAY_AUTH_TOKEN)") from None
     except Exception as exc:  # noqa: BLE001 -- a replica failed to start: its own message, no traceback
-        serve.shutdown()
-        ray.shutdown()
+        leave(args.ray_address)
         raise CliError(f"the engine replicas did not start: {deploy_error(exc)}") from None
     where = f"Ray cluster {args.ray_address}" if args.ray_address else "a local Ray instance"
     scaling = (f"autoscaling {spec['min_replicas'] or 1}..{spec['max_replicas'] or 'unbounded'}"
                if spec["min_replicas"] is not None or spec["max_replicas"] is not None else "fixed")
-    print(f"specdecode serve: {spec['replicas']} replicas ({scaling}) of {args.served_model_name or args.model or 'the default model'}, "
+    model = args.served_model_name or args.model or "the default model"
+    print(f"specdecode serve: {spec['replicas']} replicas ({scaling}) of {model}, "
           f"{spec['llm']['threads']} threads each, on {where}; http://{args.host}:{args.port}/", file=sys.stderr)
     if exposed_without_key(args.host, args.api_key):
         print(f"warning: listening on {args.host} without an API key: anyone who can reach this port may use "
@@ -75,6 +76,19 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        leave(args.ray_address)
     return 0
+
+
+def leave(ray_address: str | None) -> None:
+    """Remove the application: a joined cluster keeps Serve and its other applications; the
+    local Ray instance stops."""
+    import ray
+    from ray import serve
+
+    from .ray_app import APP_NAME
+    if ray_address:
+        serve.delete(APP_NAME)
+    else:
+        serve.shutdown()
+    ray.shutdown()
