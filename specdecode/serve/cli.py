@@ -39,7 +39,28 @@ def add_serve_parser(sub) -> None:
                         "(default: env SPECDECODE_API_KEY, else none)")
     g.add_argument("--max-body-bytes", type=positive_int("--max-body-bytes", 1), default=DEFAULT_MAX_BODY_BYTES,
                    help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    r = p.add_argument_group("scale-out on Ray Serve (pip install 'specdecode[ray]')")
+    r.add_argument("--replicas", type=positive_int("--replicas", 1, 4096), default=1,
+                   help="engine replicas behind one OpenAI API (default 1: this process, no Ray); each uses "
+                        "--threads cores (default: the cores / the replicas)")
+    r.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this running Ray cluster (e.g. 10.0.0.5:6379 or auto); default: start a local Ray")
+    r.add_argument("--min-replicas", type=positive_int("--min-replicas", 1, 4096), default=None,
+                   help="autoscale on queue length between --min-replicas and --max-replicas")
+    r.add_argument("--max-replicas", type=positive_int("--max-replicas", 1, 4096), default=None,
+                   help="see --min-replicas")
+    r.add_argument("--route-imbalance", type=positive_int("--route-imbalance", 0), default=None,
+                   help="a conversation stays on its replica while that one has at most this many requests in "
+                        "flight above the least-loaded one (default: --max-batch-size)")
+    r.add_argument("--replica-retries", type=positive_int("--replica-retries", 0, 100), default=2,
+                   help="times a request is sent to another replica when its replica dies before answering "
+                        "(default 2)")
     p.set_defaults(run=cmd_serve)
+
+
+def uses_ray(args: argparse.Namespace) -> bool:
+    return (args.replicas > 1 or args.ray_address is not None or args.min_replicas is not None
+            or args.max_replicas is not None)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -54,6 +75,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import build_state
     if args.method == "model" and args.draft is None:
         raise CliError("--method model needs a draft model: add --draft PATH")
+    if uses_ray(args):
+        from .ray_cli import serve_on_ray
+        return serve_on_ray(args)
     config = ServeConfig(max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                          max_model_len=args.max_model_len, block_size=args.block_size, num_blocks=args.num_blocks,
                          prefill_chunk=args.prefill_chunk, num_speculative_tokens=args.k,

@@ -90,6 +90,23 @@
                                               { values: col("waiting"), color: color("--waiting") }]);
   }
 
+  function renderReplicas(replicas) {
+    // `specdecode serve --replicas N`: one row per engine replica (absent on a single server)
+    $("replicas-panel").hidden = !Array.isArray(replicas);
+    if (!Array.isArray(replicas)) return;
+    $("replicas-body").replaceChildren(...replicas.map((r) => {
+      const row = document.createElement("tr");
+      row.dataset.replica = r.replica;
+      for (const text of [r.replica, num(r.throughput_tokens_per_s).toFixed(1), pct(r.acceptance_rate),
+                          String(num(r.running)), String(num(r.waiting)), String(num(r.finished))]) {
+        const cell = document.createElement(row.children.length ? "td" : "th");
+        cell.textContent = text;
+        row.appendChild(cell);
+      }
+      return row;
+    }));
+  }
+
   function render(stats) {
     const spec = stats.speculation || {}, requests = stats.requests || {};
     $("model-name").textContent = stats.model || "–";
@@ -122,6 +139,7 @@
     if (window.SpecTree) SpecTree.draw($("pg-tree"), tree);
     $("tree-summary").textContent = tree ? `${tree.tokens.length} nodes, ${tree.accepted.length} accepted` : "none yet";
     renderHistory(Array.isArray(stats.history) ? stats.history : []);
+    renderReplicas(stats.replicas);
     document.body.dataset.statsUpdated = String(Date.now());
   }
 

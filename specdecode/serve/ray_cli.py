@@ -1,0 +1,94 @@
+"""`specdecode serve --replicas N [--ray-address ADDR]`: checks the options, starts or joins Ray,
+deploys the application (ray_app.py) and waits for Ctrl-C."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def ray_spec(args: argparse.Namespace) -> dict:
+    """The application's spec from the command line (CliError on inconsistent options)."""
+    from ..cli_common import CliError, drafter_options
+    from .scheduler import ServeConfig
+    low, high = args.min_replicas, args.max_replicas
+    if low is not None and high is not None and low > high:
+        raise CliError(f"--min-replicas ({low}) must be <= --max-replicas ({high})")
+    if (low is not None and args.replicas < low) or (high is not None and args.replicas > high):
+        raise CliError(f"--replicas ({args.replicas}) must be within --min-replicas ({low or 1}) and "
+                       f"--max-replicas ({high if high is not None else 'unbounded'})")
+    if args.device not in (None, "cpu"):
+        raise CliError(f"--replicas runs CPU engine replicas; --device {args.device} is not supported with Ray")
+    config = dict(max_batch_size=args.max_batch_size, max_queue=args.max_queue, max_model_len=args.max_model_len,
+                  block_size=args.block_size, num_blocks=args.num_blocks, prefill_chunk=args.prefill_chunk,
+                  num_speculative_tokens=args.k, spec_max_batch_size=args.spec_max_batch_size,
+                  health_timeout=args.health_timeout, served_model_name=args.served_model_name)
+    ServeConfig(**config)                         # ParamError here rather than in every replica
+    llm = dict(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
+               dtype=args.dtype, device="cpu", threads=args.threads, fast=not args.eager, weights=args.weights,
+               draft_dtype=args.draft_dtype, **drafter_options(args))
+    return {"llm": llm, "config": config, "replicas": args.replicas, "min_replicas": low, "max_replicas": high,
+            "imbalance": args.route_imbalance if args.route_imbalance is not None else args.max_batch_size,
+            "retries": args.replica_retries, "api_key": args.api_key, "max_body_bytes": args.max_body_bytes}
+
+
+def deploy_error(exc: Exception) -> str:
+    """The replica's own error (a bad model path, a memory budget) out of Ray's report: the last
+    `SomeError: message` line, without the traceback."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    own = [line for line in lines if line.split(":", 1)[0].rsplit(".", 1)[-1].endswith("Error")
+           and "Traceback" not in line and not line.startswith(("ray.", "RayTaskError", "RuntimeError"))]
+    if own:
+        return own[-1].split(": ", 1)[-1]
+    return lines[-1] if lines else type(exc).__name__
+
+
+def serve_on_ray(args: argparse.Namespace) -> int:
+    from ..cli_common import CliError
+    from .auth import exposed_without_key
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError:
+        raise CliError("--replicas / --ray-address need Ray Serve: pip install 'specdecode[ray]'") from None
+    from . import ray_app
+    spec = ray_spec(args)
+    try:
+        spec = ray_app.start(spec, args.host, args.port, args.ray_address)
+    except ConnectionError as exc:
+        raise CliError(f"--ray-address {args.ray_address}: cannot join the Ray cluster ({exc}); a cluster with "
+                       f"token authentication needs RAY_AUTH_MODE=token and its token (~/.ray/auth_token or "
+                       f"RAY_AUTH_TOKEN)") from None
+    except Exception as exc:  # noqa: BLE001 -- a replica failed to start: its own message, no traceback
+        leave(args.ray_address)
+        raise CliError(f"the engine replicas did not start: {deploy_error(exc)}") from None
+    where = f"Ray cluster {args.ray_address}" if args.ray_address else "a local Ray instance"
+    scaling = (f"autoscaling {spec['min_replicas'] or 1}..{spec['max_replicas'] or 'unbounded'}"
+               if spec["min_replicas"] is not None or spec["max_replicas"] is not None else "fixed")
+    model = args.served_model_name or args.model or "the default model"
+    print(f"specdecode serve: {spec['replicas']} replicas ({scaling}) of {model}, "
+          f"{spec['llm']['threads']} threads each, on {where}; http://{args.host}:{args.port}/", file=sys.stderr)
+    if exposed_without_key(args.host, args.api_key):
+        print(f"warning: listening on {args.host} without an API key: anyone who can reach this port may use "
+              f"the server (set --api-key or SPECDECODE_API_KEY)", file=sys.stderr)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        leave(args.ray_address)
+    return 0
+
+
+def leave(ray_address: str | None) -> None:
+    """Remove the application: a joined cluster keeps Serve and its other applications; the
+    local Ray instance stops."""
+    import ray
+    from ray import serve
+
+    from .ray_app import APP_NAME
+    if ray_address:
+        serve.delete(APP_NAME)
+    else:
+        serve.shutdown()
+    ray.shutdown()
