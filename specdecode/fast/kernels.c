@@ -17,6 +17,7 @@
  * No torch headers: called through ctypes on raw pointers.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
