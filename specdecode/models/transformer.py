@@ -137,14 +137,6 @@ def attention_mask(fb: ForwardBatch, window: int | None, device: torch.device) -
     return fb.visible(key_len, window).to(device)[:, None]                         # [B, 1, T, L]
 
 
-def build(config: ModelConfig, weights: dict, make_linear: Callable = eager_linear) -> "Transformer":
-    """The decoder for `config`: Gemma 2 / Gemma 3 in models/gemma.py, the rest here."""
-    if config.is_gemma:
-        from .gemma import GemmaTransformer
-        return GemmaTransformer(config, weights, make_linear)
-    return Transformer(config, weights, make_linear)
-
-
 class Transformer:
     """Inference-only decoder. `weights` maps HF parameter names to tensors already in the
     target dtype/device; `make_linear` builds each projection (eager here, fused/fast in

@@ -1,0 +1,127 @@
+"""What a Gemma 2 / Gemma 3 model's config says, read from an HF config.json or a llama.cpp GGUF
+file's metadata, and written back as a config.json (the GGUF cache). Apart from models/gemma.py
+(the decoder) so that models/config.py can read Gemma configs without importing the decoder."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .errors import ModelError
+
+ModelConfig = Any                   # models/config.py's ModelConfig (which imports this module)
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+# llama.cpp's layer pattern when the file has no attention.sliding_window_pattern: layer i is windowed
+# when i % n < n - 1 (as transformers' default layer_types)
+DEFAULT_PATTERN = {"gemma2": 2, "gemma3": 6}
+
+
+def gemma_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """ModelConfig fields of a Gemma 2 (model_type gemma2) or Gemma 3 text (gemma3_text) config.json,
+    in the old (rope_theta, rope_local_base_freq, sliding_window_pattern) or the transformers >= 5
+    (rope_parameters per layer type, layer_types) spelling."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ModelError(f"hidden_activation {act!r} is not supported natively for {arch} (gelu_pytorch_tanh)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelError("use_bidirectional_attention (an encoder) is not supported natively")
+    if cfg.get("attention_bias"):
+        raise ModelError(f"attention_bias (biases on q/k/v/o) is not supported natively for {arch}")
+    layers = cfg["num_hidden_layers"]
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        pattern = DEFAULT_PATTERN[arch] if arch == "gemma2" else int(cfg.get("sliding_window_pattern") or 6)
+        layer_types = [LAYER_TYPES[0] if (i + 1) % pattern else LAYER_TYPES[1] for i in range(layers)]
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise ModelError(f"layer_types {unknown} are not supported natively (supported: {', '.join(LAYER_TYPES)})")
+    rope = dict(cfg.get("rope_parameters") or {})
+    if arch == "gemma3" and set(rope) & set(LAYER_TYPES):        # transformers >= 5: per layer type
+        global_rope, local_rope = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
+    else:                          # one set for the global layers; the local base apart (Gemma 3)
+        global_rope = rope or dict(cfg.get("rope_scaling") or {})
+        local_rope = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+    theta = global_rope.pop("rope_theta", None) or cfg.get("rope_theta") or (1e6 if arch == "gemma3" else 1e4)
+    local_theta = local_rope.pop("rope_theta", None) or 10000.0
+    if local_rope.get("rope_type", local_rope.get("type")) not in (None, "default"):
+        raise ModelError(f"rope scaling on the sliding-window layers ({local_rope}) is not supported natively")
+    if global_rope.get("rope_type", global_rope.get("type")) in (None, "default"):
+        global_rope = {}
+    window = cfg.get("sliding_window")
+    heads = cfg["num_attention_heads"]
+    eos = cfg.get("eos_token_id")
+    gemma2 = arch == "gemma2"
+    return dict(
+        arch=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_layers=layers, num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=global_rope or None,
+        max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+        qk_norm=not gemma2, sliding_window=int(window) if window else None,
+        sliding_layers=tuple(t == LAYER_TYPES[0] for t in layer_types),
+        rope_local_theta=None if gemma2 else float(local_theta),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
+        # transformers' defaults when the key is absent; Gemma 3's attention ignores the attention cap
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping", 50.0) if gemma2 else None,
+        final_logit_softcapping=cfg.get("final_logit_softcapping", 30.0 if gemma2 else None),
+    )
+
+
+def gemma_hf_config(c: ModelConfig) -> dict[str, Any]:
+    """A config.json for `c` that transformers and `gemma_fields` both read (the GGUF cache)."""
+    gemma2 = c.arch == "gemma2"
+    global_rope = dict(c.rope_scaling or {"rope_type": "default"}, rope_theta=c.rope_theta)
+    eos: Any = list(c.eos_token_ids)
+    layer_types = [LAYER_TYPES[0] if s else LAYER_TYPES[1] for s in (c.sliding_layers or [True] * c.num_layers)]
+    return {
+        "architectures": ["Gemma2ForCausalLM" if gemma2 else "Gemma3ForCausalLM"],
+        "model_type": "gemma2" if gemma2 else "gemma3_text",
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
+        "rope_parameters": global_rope if gemma2 else {
+            "full_attention": global_rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_local_theta}},
+        "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": c.tie_word_embeddings,
+        "bos_token_id": c.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos,
+        "hidden_activation": "gelu_pytorch_tanh", "torch_dtype": "float32",
+        "sliding_window": c.sliding_window, "layer_types": layer_types,
+        "query_pre_attn_scalar": c.query_pre_attn_scalar,
+        "attn_logit_softcapping": c.attn_logit_softcapping, "final_logit_softcapping": c.final_logit_softcapping,
+    }
+
+
+def gguf_fields(arch: str, g: Callable[..., Any], config: ModelConfig) -> dict[str, Any]:
+    """The Gemma fields of a llama.cpp gemma2 / gemma3 file (`g(key, default)` reads `<arch>.key`),
+    with llama.cpp's rules for what the file leaves out: the window pattern (every 2nd / 6th layer
+    global), the local RoPE base (10000), and the score scale (1/sqrt(head_dim), or
+    1/sqrt(hidden/heads) for the 27B models, which llama.cpp tells apart by their layer count)."""
+    pattern = g("attention.sliding_window_pattern", DEFAULT_PATTERN[arch])
+    if isinstance(pattern, (list, tuple)):
+        sliding = tuple(bool(x) for x in pattern)
+    else:
+        n = int(pattern)
+        sliding = tuple(n == 0 or i % n < n - 1 for i in range(config.num_layers))
+    big = config.num_layers == {"gemma2": 46, "gemma3": 62}[arch]
+    attn_cap, final_cap = g("attn_logit_softcapping"), g("final_logit_softcapping")
+    return dict(
+        qk_norm=arch == "gemma3", sliding_layers=sliding,
+        rope_local_theta=float(g("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
+        query_pre_attn_scalar=float(config.hidden_size // config.num_heads if big else config.head_dim),
+        attn_logit_softcapping=float(attn_cap if attn_cap is not None else 50.0) if arch == "gemma2" else None,
+        final_logit_softcapping=(float(final_cap) if final_cap is not None
+                                 else (30.0 if arch == "gemma2" else None)),
+    )
+
+
+# llama.cpp's Gemma layer norms (ffn_norm is the pre-feedforward norm, not Llama's post-attention one)
+GGUF_NAMES = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+              "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+
+
+def gguf_norm_shift(hf_name: str, config: ModelConfig) -> float:
+    """What llama.cpp added to a Gemma tensor (1 on every norm weight), to subtract on reading."""
+    return 1.0 if config.is_gemma and hf_name.endswith("norm.weight") else 0.0
