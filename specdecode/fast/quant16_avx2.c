@@ -4,8 +4,8 @@
  * A 16-column group is two independent 8-column halves: every lane of the AVX512 kernels is one
  * column and no instruction mixes lanes, so each half runs the AVX512 kernel's instruction
  * sequence on 256-bit vectors (bytes 32h..32h+31 of every 64-byte vector, lanes 8h..8h+7 of every
- * scale vector). VPDPBUSD becomes VPMADDUBSW + VPMADDWD, exact while a weight byte is < 128 (the
- * 4/5/6-bit formats; Q8_0's bytes up to 255 are split as (u & 127) + 128 (u >> 7)). The integer
+ * scale vector). VPDPBUSD becomes VPMADDUBSW (+ VPADDW for as many as fit) + VPMADDWD, exact while a
+ * weight byte is < 128 (the 4/5/6-bit formats; Q8_0's bytes up to 255 are split as (u & 127) + 128 (u >> 7)). The integer
  * sums are exact and the float operations per lane are those of the AVX512 kernels in the same
  * order, so each column's result is the same whatever the row count (batch invariant). */
 
@@ -13,10 +13,12 @@ typedef int32_t sd_i32u2 __attribute__((may_alias, aligned(1)));
 
 static inline __m256i bcast4_8(const int8_t *p) { return _mm256_set1_epi32(*(const sd_i32u2 *)p); }
 
-/* acc + per 32-bit lane the sum of 4 products u8 * s8; u < 128 in every byte */
-static inline __m256i dp4_small(__m256i acc, __m256i u, __m256i x) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
-}
+/* u8 * s8 products summed in pairs into 16-bit lanes (VPMADDUBSW): exact while |sum| < 2^15, which
+ * the callers keep by how many they add before widening: |x| <= 127, so a pair is at most 3810 for
+ * 4-bit u (8 pairs fit), 7874 for 5-bit (4 fit), 16002 for 6-bit (2 fit). Adding in 16 bits before
+ * one VPMADDWD gives the same integer as widening every pair: only the integer sums' order changes. */
+static inline __m256i pairs(__m256i u, const int8_t *x) { return _mm256_maddubs_epi16(u, bcast4_8(x)); }
+static inline __m256i widen(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
 
 /* the same for any u (split off its top bit) */
 static inline __m256i dp4_any(__m256i acc, __m256i u, __m256i x) {
@@ -51,8 +53,8 @@ q4k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
     const int NC = K / 256, KH = K / 16;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int h = 0; h < 2; h++) {
-        __m256 acc[4];
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        float *o = out + 8 * h;           /* the row sums live in `out` (registers are short) */
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(o + 16 * r, _mm256_setzero_ps());
         for (int c = 0; c < NC; c++) {
             const uint8_t *sb = grp + (size_t)c * Q4K16_BYTES;
             const __m256 dv = cvtph8(sb + 16 * h), mv = cvtph8(sb + 32 + 16 * h);
@@ -69,20 +71,19 @@ q4k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
                 }
                 for (int r = 0; r < R; r++) {
                     const int8_t *xr = xq + (size_t)r * K + 256 * c + 32 * j;
-                    __m256i ia = _mm256_setzero_si256(), ib = _mm256_setzero_si256();
-                    for (int t = 0; t < 4; t++) {
-                        ia = dp4_small(ia, lo[t], bcast4_8(xr + 8 * t));
-                        ib = dp4_small(ib, hi[t], bcast4_8(xr + 8 * t + 4));
-                    }
-                    ia = _mm256_add_epi32(ia, ib);
+                    __m256i p = _mm256_add_epi16(pairs(lo[0], xr), pairs(hi[0], xr + 4));   /* 4-bit: 8 pairs fit */
+                    for (int t = 1; t < 4; t++)
+                        p = _mm256_add_epi16(p, _mm256_add_epi16(pairs(lo[t], xr + 8 * t), pairs(hi[t], xr + 8 * t + 4)));
+                    const __m256i ia = widen(p);
                     const float *sr = sums + (size_t)r * KH + 16 * c + 2 * j;
                     fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), scj, fs[r]);
                     fs[r] = _mm256_fnmadd_ps(mnj, _mm256_set1_ps(sr[0] + sr[1]), fs[r]);
                 }
             }
-            for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(fs[r], _mm256_set1_ps(dq[(size_t)r * NC + c]), acc[r]);
+            for (int r = 0; r < R; r++)
+                _mm256_storeu_ps(o + 16 * r, _mm256_fmadd_ps(fs[r], _mm256_set1_ps(dq[(size_t)r * NC + c]),
+                                                             _mm256_loadu_ps(o + 16 * r)));
         }
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 16 * r + 8 * h, acc[r]);
     }
 }
 
@@ -91,8 +92,8 @@ q6k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
     const int NC = K / 256, KH = K / 16;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; h++) {
-        __m256 acc[4];
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        float *o = out + 8 * h;           /* the row sums live in `out` (registers are short) */
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(o + 16 * r, _mm256_setzero_ps());
         for (int c = 0; c < NC; c++) {
             const uint8_t *sb = grp + (size_t)c * Q6K16_BYTES;
             const __m256 dv = cvtph8(sb + 16 * h);
@@ -110,18 +111,17 @@ q6k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
                 u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4), _mm256_and_si256(_mm256_srli_epi16(hb, 2), m2));
                 for (int r = 0; r < R; r++) {
                     const int8_t *xr = xq + (size_t)r * K + 256 * c + 16 * s;
-                    __m256i ia = dp4_small(_mm256_setzero_si256(), u[0], bcast4_8(xr));
-                    __m256i ib = dp4_small(_mm256_setzero_si256(), u[1], bcast4_8(xr + 4));
-                    ia = dp4_small(ia, u[2], bcast4_8(xr + 8));
-                    ib = dp4_small(ib, u[3], bcast4_8(xr + 12));
-                    ia = _mm256_add_epi32(ia, ib);
+                    /* 6-bit: 2 pairs fit in 16 bits */
+                    const __m256i ia = _mm256_add_epi32(widen(_mm256_add_epi16(pairs(u[0], xr), pairs(u[2], xr + 8))),
+                                                        widen(_mm256_add_epi16(pairs(u[1], xr + 4), pairs(u[3], xr + 12))));
                     fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), scs, fs[r]);
                     fs[r] = _mm256_fnmadd_ps(off, _mm256_set1_ps(sums[(size_t)r * KH + 16 * c + s]), fs[r]);
                 }
             }
-            for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(fs[r], _mm256_set1_ps(dq[(size_t)r * NC + c]), acc[r]);
+            for (int r = 0; r < R; r++)
+                _mm256_storeu_ps(o + 16 * r, _mm256_fmadd_ps(fs[r], _mm256_set1_ps(dq[(size_t)r * NC + c]),
+                                                             _mm256_loadu_ps(o + 16 * r)));
         }
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 16 * r + 8 * h, acc[r]);
     }
 }
 
@@ -133,8 +133,9 @@ leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *
     const float center = type == GQ_Q4_016 ? -8.f : type == GQ_Q5_016 ? -16.f : type == GQ_Q8_016 ? -128.f : 0.f;
     const __m256i m4 = _mm256_set1_epi8(0x0F), b16 = _mm256_set1_epi8(16);
     for (int h = 0; h < 2; h++) {
-        __m256 acc[4], fs[4];
-        for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); fs[r] = _mm256_setzero_ps(); }
+        __m256 fs[4];
+        float *o = out + 8 * h;           /* the row sums live in `out` (registers are short) */
+        for (int r = 0; r < R; r++) { _mm256_storeu_ps(o + 16 * r, _mm256_setzero_ps()); fs[r] = _mm256_setzero_ps(); }
         for (int b = 0; b < KB; b++) {
             const uint8_t *blk = grp + (size_t)b * BB;
             const __m256 dv = cvtph8(blk + 16 * h);
@@ -158,28 +159,33 @@ leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *
             }
             for (int r = 0; r < R; r++) {
                 const int8_t *xr = xq + (size_t)r * K + 32 * b;
-                __m256i ia = _mm256_setzero_si256(), ib = _mm256_setzero_si256();
-                for (int G = 0; G < 8; G += 2) {
-                    if (type == GQ_Q8_016) {
+                __m256i ia = _mm256_setzero_si256();
+                if (type == GQ_Q8_016) {
+                    __m256i ib = _mm256_setzero_si256();
+                    for (int G = 0; G < 8; G += 2) {
                         ia = dp4_any(ia, u[G], bcast4_8(xr + 4 * G));
                         ib = dp4_any(ib, u[G + 1], bcast4_8(xr + 4 * G + 4));
-                    } else {
-                        ia = dp4_small(ia, u[G], bcast4_8(xr + 4 * G));
-                        ib = dp4_small(ib, u[G + 1], bcast4_8(xr + 4 * G + 4));
                     }
+                    ia = _mm256_add_epi32(ia, ib);
+                } else {                      /* 4-bit: all 8 pairs fit in 16 bits; 5-bit: 4 */
+                    __m256i pa = pairs(u[0], xr), pb = pairs(u[1], xr + 4);
+                    for (int G = 2; G < 8; G += 2) {
+                        pa = _mm256_add_epi16(pa, pairs(u[G], xr + 4 * G));
+                        pb = _mm256_add_epi16(pb, pairs(u[G + 1], xr + 4 * G + 4));
+                    }
+                    ia = five ? _mm256_add_epi32(widen(pa), widen(pb)) : widen(_mm256_add_epi16(pa, pb));
                 }
-                ia = _mm256_add_epi32(ia, ib);
                 const float *sr = sums + (size_t)r * KH + 2 * b;
                 fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), dv, fs[r]);
                 fs[r] = _mm256_fmadd_ps(ov, _mm256_set1_ps(sr[0] + sr[1]), fs[r]);
             }
             if ((b & 7) == 7 || b == KB - 1) {
                 for (int r = 0; r < R; r++) {
-                    acc[r] = _mm256_fmadd_ps(fs[r], _mm256_set1_ps(dq[(size_t)r * NC + (b >> 3)]), acc[r]);
+                    _mm256_storeu_ps(o + 16 * r, _mm256_fmadd_ps(fs[r], _mm256_set1_ps(dq[(size_t)r * NC + (b >> 3)]),
+                                                                 _mm256_loadu_ps(o + 16 * r)));
                     fs[r] = _mm256_setzero_ps();
                 }
             }
         }
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 16 * r + 8 * h, acc[r]);
     }
 }
