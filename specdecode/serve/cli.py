@@ -28,7 +28,10 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--num-blocks", type=positive_int("--num-blocks", 2), default=0,
                    help="KV blocks per model (default: a full batch at --max-model-len)")
     g.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk", 1), default=256,
-                   help="prompt tokens prefilled between two decode steps (default 256)")
+                   help="most prompt tokens prefilled between two decode steps (default 256)")
+    g.add_argument("--prefill-stall-ms", type=number("--prefill-stall-ms"), default=100.0,
+                   help="while requests decode, prefill chunks are sized from their measured cost to stall "
+                        "them about this long (default 100; 0: always --prefill-chunk tokens)")
     g.add_argument("--spec-max-batch-size", type=positive_int("--spec-max-batch-size", 1), default=None,
                    help="switch speculation off while more requests run (default: only the measured policy)")
     g.add_argument("--health-timeout", type=number("--health-timeout"), default=10.0,
@@ -80,7 +83,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return serve_on_ray(args)
     config = ServeConfig(max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                          max_model_len=args.max_model_len, block_size=args.block_size, num_blocks=args.num_blocks,
-                         prefill_chunk=args.prefill_chunk, num_speculative_tokens=args.k,
+                         prefill_chunk=args.prefill_chunk, prefill_stall_ms=args.prefill_stall_ms,
+                         num_speculative_tokens=args.k,
                          spec_max_batch_size=args.spec_max_batch_size, health_timeout=args.health_timeout,
                          served_model_name=args.served_model_name)
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,

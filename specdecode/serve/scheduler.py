@@ -4,7 +4,8 @@ Each iteration of the engine thread:
 1. aborts   -- requests whose client went away leave the queue or the batch; blocks are freed;
 2. admit    -- waiting requests (FIFO) take a free row once the KV blocks their prompt +
                max_tokens can need are reserved in the target (and draft) cache;
-3. prefill  -- up to `prefill_chunk` prompt tokens of admitted requests, in one ragged pass;
+3. prefill  -- up to `prefill_chunk` prompt tokens of admitted requests, in one ragged pass
+               (fewer while requests decode: a pass stalls them about `prefill_stall_ms`, prefill.py);
 4. step     -- one speculative step over all decoding rows (`BatchEngine.step`: every row's
                drafts verified in one batched target pass, ragged acceptance), with each row's
                draft length chosen by the speculation policy; tokens stream out as events;
@@ -31,6 +32,7 @@ from ..tree import MAX_TREE_NODES
 from .batch import BatchEngine, ServeSequence
 from .metrics import ServeMetrics
 from .policy import AUTO, OFF, ON, RowPolicy, SpeculationPolicy
+from .prefill import PrefillBudget
 
 log = logging.getLogger("specdecode.serve")
 _ids = itertools.count(1)
@@ -44,6 +46,7 @@ class ServeConfig:
     block_size: int = 16
     num_blocks: int = 0                  # 0: enough for max_batch_size rows of max_model_len tokens
     prefill_chunk: int = 256
+    prefill_stall_ms: float = 100.0      # 0: always prefill_chunk tokens per pass
     num_speculative_tokens: int = 5      # default k of a request
     spec_max_batch_size: int | None = None   # speculation off for the batch above this many rows
     health_timeout: float = 10.0
@@ -60,6 +63,9 @@ class ServeConfig:
             raise ParamError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.spec_max_batch_size is not None and self.spec_max_batch_size < 1:
             raise ParamError(f"spec_max_batch_size must be >= 1, got {self.spec_max_batch_size}")
+        if isinstance(self.prefill_stall_ms, bool) or not isinstance(self.prefill_stall_ms, (int, float)) \
+                or not 0 <= self.prefill_stall_ms <= 60_000:
+            raise ParamError(f"prefill_stall_ms must be a number of milliseconds in [0, 60000], got {self.prefill_stall_ms!r}")
         if not self.health_timeout > 0:
             raise ParamError(f"health_timeout must be > 0 seconds, got {self.health_timeout}")
 
@@ -119,6 +125,7 @@ class Scheduler:
         self.max_k = MAX_TREE_NODES if drafter is not None and drafter.capabilities.drafts_trees else MAX_CHAIN
         self.engine = BatchEngine(target, drafter, self.max_k, self.context, rows + 1, num_blocks, config.block_size)
         self.inner_drafter = drafter
+        self.prefill_budget = PrefillBudget(config.prefill_chunk, config.prefill_stall_ms / 1000)
         caps = drafter.capabilities if drafter is not None else None
         # a drafter without per-request state (a lookup) can draft for switched-off rows for free
         self.policy = SpeculationPolicy(shadow=caps is not None and not caps.has_state,
@@ -265,7 +272,7 @@ class Scheduler:
         return seq
 
     def _prefill_some(self) -> None:
-        budget, chunks = self.config.prefill_chunk, []
+        budget, chunks = self.prefill_budget.tokens(decoding=bool(self.running)), []
         for s in self.prefilling:
             n = min(s.prefill_target - s.prefilled, budget)
             chunks.append((s, n))
@@ -274,7 +281,9 @@ class Scheduler:
                 break
         if not chunks:
             return
+        started = time.perf_counter()
         self.engine.prefill(chunks)
+        self.prefill_budget.observe(sum(n for _, n in chunks), time.perf_counter() - started)
         done = [s for s in self.prefilling if s.prefilled == s.prefill_target]
         self.prefilling = [s for s in self.prefilling if s.prefilled < s.prefill_target]
         self.running += done
