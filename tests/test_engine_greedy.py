@@ -48,3 +48,32 @@ def test_self_draft_mean_accepted_length_is_k_plus_1(tiny_models):
     assert out.stats["acceptance_rate"] == 1.0
     assert out.stats["mean_accepted_length"] == k + 1
     assert out.stats["steps"] == 5
+
+
+def test_draft_context_window_keeps_greedy_outputs(tiny_models):
+    """draft_context: the draft model reads only the last N tokens (its cache restarts from the
+    window when a catch-up would be longer); the output is still the target's own."""
+    from specdecode.drafters.base import DrafterError
+    target = str(tiny_models["llama"])
+    plain = run(LLM(model=target, dtype="fp32", progress=False, method="ngram"), 0)
+    for adaptive in (False, True):
+        llm = LLM(model=target, draft=target, dtype="fp32", progress=False, adaptive=adaptive, method="model",
+                  draft_context=8)
+        drafter, filled = llm.drafter, []
+        inner = drafter.propose
+
+        def propose(seqs, max_tokens):             # the draft cache's rows after each proposal
+            out = inner(seqs, max_tokens)
+            filled.extend(drafter.cache.lengths[s.row] - (len(s.token_ids) - drafter.offset[s.row]) for s in seqs)
+            return out
+        drafter.propose = propose
+        spec = run(llm, 4)
+        assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+        assert drafter.draft_context == 8 and max(drafter.offset.values()) > 0       # the prompts were cut
+        assert filled and max(filled) <= 4          # the cache holds the window's text (+ the drafts) only
+    # the self-draft no longer sees the whole text: fewer of its drafts are the target's
+    whole = run(LLM(model=target, draft=target, dtype="fp32", progress=False, adaptive=False, method="model"), 4)
+    assert spec[0].stats["acceptance_rate"] <= whole[0].stats["acceptance_rate"] == 1.0
+    for bad in (-1, 1.5, True, 1 << 21):
+        with pytest.raises(DrafterError, match=r"draft_context must be 0 \(the whole context\) or a number of tokens"):
+            LLM(model=target, draft=target, dtype="fp32", progress=False, method="model", draft_context=bad)

@@ -7,6 +7,13 @@ returns the distributions it sampled from so the verifier can do rejection sampl
 Cache rule: after verification its cache keeps the entries of the tokens the target
 accepted; tokens it has not yet seen (the recovered/bonus token, or the last draft when
 all were accepted) are fed at the start of the next proposal (catch-up).
+
+With `draft_context` N the draft reads only the last N tokens of a long prompt (and restarts
+from the last N when it would otherwise catch up more than N): its cache row starts at the
+sequence's token `offset` (slot 0 holds token `offset`; RoPE is relative, so the
+draft sees the window as the start of a text). Its prompt prefill then costs N tokens, not the
+prompt's length; drafts may be a little worse, the output is the target's all the same. The
+server prefills draft caches itself and ignores it.
 """
 from __future__ import annotations
 
@@ -39,13 +46,20 @@ def check_same_tokenizer(target, draft) -> None:
 @register("model")
 class ModelDrafter(Drafter):
     capabilities = DrafterCapabilities(has_state=True, relative_cost=1.0)   # refined per instance
+    draft_context = 0                         # 0: the draft reads the whole context (subclasses too)
 
-    def __init__(self, target, draft=None, draft_confidence: float = 0.4, **_: object) -> None:
+    def __init__(self, target, draft=None, draft_confidence: float = 0.4, draft_context: int = 0,
+                 **_: object) -> None:
         if not isinstance(draft_confidence, (int, float)) or not 0.0 <= draft_confidence < 1.0:
             raise DrafterError(f"draft_confidence must be a number in [0, 1), got {draft_confidence!r}")
         # stop drafting a row once the draft's probability of its own token falls below this (HF's
         # dynamic schedule; 0 = always draft k): saves draft passes the target would likely reject
         self.draft_confidence = float(draft_confidence)
+        if isinstance(draft_context, bool) or not isinstance(draft_context, int) or not 0 <= draft_context <= 1 << 20:
+            raise DrafterError(f"draft_context must be 0 (the whole context) or a number of tokens in [1, {1 << 20}], "
+                               f"got {draft_context!r}")
+        self.draft_context = draft_context
+        self.offset: dict[int, int] = {}      # cache row -> sequence index of the token in its slot 0
         if draft is None:
             raise DrafterError("method 'model' needs a draft model (--draft PATH / LLM(draft=...))")
         check_same_tokenizer(target, draft)
@@ -72,10 +86,12 @@ class ModelDrafter(Drafter):
             raise ModelError(f"draft {self.draft.name} has a context of {self.model.max_len} tokens, "
                              f"fewer than the {max_len} this batch needs")
         self.cache = self.model.new_cache(batch_size, max_len)
+        self.offset = {}
         return ContiguousState(self.cache)
 
     def use_draft_cache(self, cache) -> DrafterState:
         self.cache = cache            # e.g. the server's paged cache: the same interface as KVCache
+        self.offset, self.draft_context = {}, 0     # the server prefills the whole prompt into it
         return cache
 
     def close(self) -> None:
@@ -93,8 +109,17 @@ class ModelDrafter(Drafter):
         generators = [s.generator for s in seqs]
         rows = torch.tensor([s.row for s in seqs], device=device)
         # feed: tokens this row's draft cache has not seen yet (catch-up), then one draft at a time
-        feed = [s.token_ids[self.cache.lengths[s.row]:] for s in seqs]
-        base_len = [len(s.token_ids) for s in seqs]          # step state: the text before the drafts
+        offsets = [0] * batch
+        if self.draft_context:
+            for s in seqs:
+                length, n = self.cache.lengths[s.row], len(s.token_ids)
+                if length == 0 or n - self.offset.get(s.row, 0) - length > self.draft_context:
+                    self.cache.truncate(s.row, 0)    # a new sequence, or a catch-up longer than the window
+                    self.offset[s.row] = max(0, n - self.draft_context)
+            offsets = [self.offset[s.row] for s in seqs]
+        feed = [s.token_ids[off + self.cache.lengths[s.row]:] for s, off in zip(seqs, offsets)]
+        base_len = [len(s.token_ids) - off for s, off in zip(seqs, offsets)]   # step state: the text before
+                                                                                # the drafts, in cache slots
         limit = list(max_tokens)                             # per row: drafts kept (early stop lowers it)
         for step in range(k):
             if all(step >= n for n in limit):
