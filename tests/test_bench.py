@@ -193,3 +193,27 @@ def test_aggregate_arithmetic():
                                          "token": 5, "gap": 0.01, "top1_top2_gap": 0.01}
     assert rows[("plain", "all")]["identical_share"] == 1.0
     assert aggregate.first_difference([1, 2], [1, 2, 3]) == 2 and aggregate.first_difference([1], [1]) is None
+
+
+def test_drafter_options_reach_the_drafters_that_take_them(tiny_models, tmp_path, capsys, monkeypatch):
+    from specdecode.drafters import registry
+    built = []
+    real = registry.build_drafter
+
+    def spy(method, target, **options):
+        built.append((method, {k: v for k, v in options.items() if k == "draft_context"}))
+        return real(method, target, **options)
+    monkeypatch.setattr(registry, "build_drafter", spy)
+    out = tmp_path / "out"
+    assert bench(out, tiny_models, "--tasks", "qa", "--systems", "specdecode", "--methods", "plain,ngram,model",
+                 "--drafter-option", "draft_context=4") == 0
+    cells = [(m, o) for m, o in built if m in ("ngram", "model")]
+    assert ("model", {"draft_context": 4}) in cells and ("ngram", {}) in cells      # ngram has no such option
+    results = json.loads((out / "results.json").read_text())
+    assert "--drafter-option draft_context=4" in results["config"]["command"]     # reproduces the run
+    assert all(r["identical_share"] == 1.0 for r in results["rows"])
+    # an option no selected method takes: one line naming it and the options there are
+    assert main(["bench", "--methods", "plain,ngram", "--drafter-option", "draft_context=4", "--out",
+                 str(tmp_path / "x")]) != 0
+    assert "--drafter-option 'draft_context' is not an option of any of --methods plain,ngram (their options: " \
+           "ngram_max, ngram_min)" in capsys.readouterr().err

@@ -33,7 +33,7 @@ def _ks(text: str) -> list[int]:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from ..cli_common import DtypeAction, accepted, comma_list, number, positive_int
+    from ..cli_common import DtypeAction, accepted, comma_list, drafter_option, number, positive_int
     p = sub.add_parser("bench", help="benchmark specdecode against transformers and llama.cpp on Spec-Bench "
                                      "and HumanEval, interleaved per prompt",
                        description="Measure every system on the same prompts, weights, dtype and machine, in one "
@@ -75,6 +75,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "use --drafter or the one shipped for the target, model needs --draft); default all")
     s.add_argument("-k", "--num-speculative-tokens", dest="ks", type=_ks, default=[5],
                    help="draft tokens per step; a list (e.g. 1,3,5,8) measures each (default 5)")
+    s.add_argument("--drafter-option", dest="drafter_options", action="append", default=[], metavar="KEY=VALUE",
+                   type=drafter_option,
+                   help="an option of the drafters that take it (as for generate), e.g. draft_context=256; "
+                        "repeatable; methods whose drafter has no such option run without it")
     s.add_argument("--adaptive", default=None, action=argparse.BooleanOptionalAction,
                    help="specdecode chooses each step's draft size up to k from measured costs (default: on; "
                         "--no-adaptive drafts k every step)")
@@ -126,6 +130,20 @@ def _schema(path: str | None) -> dict | None:
     return schema
 
 
+def _drafter_options(args: argparse.Namespace) -> dict:
+    """--drafter-option pairs; each must be an option of at least one of the --methods' drafters."""
+    from ..cli_common import CliError
+    from ..drafters.registry import drafter_option_names
+    options = dict(args.drafter_options or [])
+    takers = {m: drafter_option_names(m) for m in args.methods if m != "plain"}
+    for key in options:
+        if not any(key in names for names in takers.values()):
+            known = sorted({n for names in takers.values() for n in names})
+            raise CliError(f"--drafter-option {key!r} is not an option of any of --methods "
+                           f"{','.join(args.methods)} (their options: {', '.join(known) or 'none'})")
+    return options
+
+
 def config_from(args: argparse.Namespace) -> dict:
     """The resolved settings of a run (stored in run.json / results.json), with the canonical
     command line that reproduces them."""
@@ -142,7 +160,8 @@ def config_from(args: argparse.Namespace) -> dict:
            "seed": args.seed, "systems": args.systems, "methods": args.methods, "ks": args.ks,
            "model": args.model, "draft": args.draft, "drafter": args.drafter, "dtype": args.dtype, "weights": args.weights,
            "draft_dtype": args.draft_dtype, "threads": args.threads, "adaptive": args.adaptive,
-           "eager": args.eager, "resume": args.resume, "json_schema": _schema(args.json_schema)}
+           "eager": args.eager, "resume": args.resume, "json_schema": _schema(args.json_schema),
+           "drafter_options": _drafter_options(args)}
     words = ["specdecode", "bench"] + (["--protocol", args.mode] if args.mode == "spec-bench" else [f"--{args.mode}"])
     if args.prompts_file:
         words += ["--prompts-file", args.prompts_file]
@@ -169,6 +188,8 @@ def config_from(args: argparse.Namespace) -> dict:
     words += (["--draft-dtype", args.draft_dtype] if args.draft_dtype else [])
     words += (["--eager"] if args.eager else [])
     words += ([] if args.adaptive is None else ["--adaptive" if args.adaptive else "--no-adaptive"])
+    for key, value in cfg["drafter_options"].items():
+        words += ["--drafter-option", f"{key}={value}"]
     words += ["--out", args.out]
     cfg["command"] = " ".join(shlex.quote(w) for w in words)
     return cfg

@@ -59,7 +59,8 @@ def build_systems(config: dict, llm, prompts: list[workload.BenchPrompt], notes:
     systems: list[System] = []
     wanted = config["systems"]
     if "specdecode" in wanted:
-        systems.append(SpecdecodeSystem(llm, config.get("drafter"), config.get("adaptive"), config.get("json_schema")))
+        systems.append(SpecdecodeSystem(llm, config.get("drafter"), config.get("adaptive"), config.get("json_schema"),
+                                        config.get("drafter_options") or {}))
     if config.get("json_schema") is not None:            # llama.cpp is not given the grammar here
         for peer in [w for w in wanted if w not in ("specdecode", "transformers")]:
             notes.append(f"{peer}: skipped — --json-schema constrains specdecode and transformers only")

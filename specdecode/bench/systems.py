@@ -62,7 +62,7 @@ class SpecdecodeSystem(System):
     name = "specdecode"
 
     def __init__(self, llm, drafter_path: str | None = None, adaptive: bool | None = None,
-                 json_schema: dict | None = None) -> None:
+                 json_schema: dict | None = None, drafter_options: dict | None = None) -> None:
         from ..drafters.base import DrafterError
         from ..drafters.registry import build_drafter, method_names
         from ..structured import Structured
@@ -71,6 +71,7 @@ class SpecdecodeSystem(System):
         self.adaptive = adaptive              # None: the engine's default (adaptive)
         self.cost_curves: dict[int, dict[int, float]] = {}   # k -> forward-cost curve (adaptive tree sizes)
         self.drafter_path = drafter_path
+        self.drafter_options = dict(drafter_options or {})    # given to the drafters that take them
         self.drafters: dict[tuple[str, int], object] = {}     # (method, k) -> its own drafter
         self.skipped: dict[str, str] = {}     # method -> why it cannot run here
         self.methods = set()
@@ -85,12 +86,14 @@ class SpecdecodeSystem(System):
         """One drafter object per cell: what a drafter learns across requests (the recycle table,
         the suffix drafter's index of finished outputs) comes from the cell's own earlier prompts,
         never from another cell's run of the same prompt."""
-        from ..drafters.registry import build_drafter
+        from ..drafters.registry import build_drafter, drafter_option_names
         if method == "plain":
             return None
         if (method, k) not in self.drafters:
+            names = drafter_option_names(method)
+            options = {key: v for key, v in self.drafter_options.items() if key in names}
             self.drafters[method, k] = build_drafter(method, self.llm.target, draft=self.llm.draft,
-                                                     drafter_path=self.drafter_path)
+                                                     drafter_path=self.drafter_path, **options)
         return self.drafters[method, k]
 
     def supports(self, method: str) -> bool:
