@@ -77,3 +77,33 @@ def test_draft_context_window_keeps_greedy_outputs(tiny_models):
     for bad in (-1, 1.5, True, 1 << 21):
         with pytest.raises(DrafterError, match=r"draft_context must be 0 \(the whole context\) or a number of tokens"):
             LLM(model=target, draft=target, dtype="fp32", progress=False, method="model", draft_context=bad)
+
+
+def test_the_draft_model_reads_the_prompt_during_prefill(tiny_models):
+    """The draft model's prompt pass runs in the engine's prefill (timed as prefill, so the
+    adaptive draft size sees only drafting costs): every proposal then feeds at most the
+    bonus token and the last draft."""
+    llm = LLM(model=str(tiny_models["llama"]), draft=str(tiny_models["llama_draft"]), dtype="fp32", progress=False,
+              adaptive=False, method="model")
+    model = llm.drafter.model
+    widths = {"run": [], "forward": []}
+    run_, forward_ = model.run, model.forward
+
+    def run(fb, cache, **kw):
+        widths["run"].append(fb.tokens.shape[1])
+        return run_(fb, cache, **kw)
+
+    def forward(tokens, *a, **kw):
+        widths["forward"].append(tokens.shape[1])
+        return forward_(tokens, *a, **kw)
+    model.run, model.forward = run, forward
+    try:
+        plain = llm.generate(PROMPTS, SamplingParams(max_tokens=20, ignore_eos=True), num_speculative_tokens=0)
+        widths["run"].clear(), widths["forward"].clear()
+        spec = llm.generate(PROMPTS, SamplingParams(max_tokens=20, ignore_eos=True), num_speculative_tokens=3)
+    finally:
+        model.run, model.forward = run_, forward_
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    longest = max(len(llm.tokenizer.encode(p)) for p in PROMPTS)
+    assert widths["run"][0] == longest - 1            # the prefill pass: every prompt but its last token
+    assert max(widths["forward"]) <= 2                 # proposals: the unseen bonus (+ last draft), then drafts

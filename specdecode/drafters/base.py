@@ -213,6 +213,11 @@ class Drafter(ABC):
         caller for that model, e.g. paged) as the draft KV cache; return it as the state."""
         raise NotImplementedError(f"drafter {type(self).__name__} declares no draft model")
 
+    def prefill(self, seqs: list["Sequence"]) -> None:
+        """Called once after the target's prefill of `seqs` (counted as prefill time, not
+        drafting): a drafter with a model of its own reads the prompts here, so that drafting
+        steps time only drafting. Each row's last prompt token is still to come."""
+
     @abstractmethod
     def propose(self, seqs: list["Sequence"], max_tokens: list[int]) -> DraftProposal:
         """Up to max_tokens[b] draft tokens for each sequence (0 allowed). State the matching

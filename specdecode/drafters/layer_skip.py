@@ -145,6 +145,9 @@ class LayerSkipDrafter(ModelDrafter):
         return {"skip_layers": sorted(self.skip) if self.skip is not None else None,
                 "num_layers": self.target.model.config.num_layers, "calibration_agreement": self.agreement}
 
+    def prefill(self, seqs) -> None:
+        """Nothing yet: the skipped layers are chosen from the first proposal's context."""
+
     def propose(self, seqs, max_tokens):
         if self.skip is None:           # first request: choose the layers from its context
             ids = seqs[0].token_ids[-self.calibration_tokens:]

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..footprint import weights_bytes
+from ..forward import ForwardBatch
 from ..models.config import ModelError
 from ..sampling import probs_from_logits, sample, transform_logits
 from .base import ContiguousState, DraftProposal, Drafter, DrafterCapabilities, DrafterError, DrafterState
@@ -97,6 +98,35 @@ class ModelDrafter(Drafter):
     def close(self) -> None:
         self.cache = None
 
+    def _offsets(self, seqs) -> list[int]:
+        """Per sequence, the index of the token in its draft cache row's slot 0 (draft_context)."""
+        if not self.draft_context:
+            return [0] * len(seqs)
+        for s in seqs:
+            length, n = self.cache.lengths[s.row], len(s.token_ids)
+            if length == 0 or n - self.offset.get(s.row, 0) - length > self.draft_context:
+                self.cache.truncate(s.row, 0)        # a new sequence, or a catch-up longer than the window
+                self.offset[s.row] = max(0, n - self.draft_context)
+        return [self.offset[s.row] for s in seqs]
+
+    @torch.inference_mode()
+    def prefill(self, seqs) -> None:
+        """The prompts (all but their last token) into the draft cache in one ragged pass, no logits."""
+        offsets = self._offsets(seqs)
+        feed = [s.token_ids[off + self.cache.lengths[s.row]:len(s.token_ids) - 1] for s, off in zip(seqs, offsets)]
+        width = max((len(f) for f in feed), default=0)
+        if width == 0:
+            return
+        device = self.model.device
+        starts = [self.cache.lengths[s.row] for s in seqs]
+        tokens = torch.tensor([f + [0] * (width - len(f)) for f in feed], dtype=torch.long, device=device)
+        if self.target_vocab > self.draft_vocab:
+            tokens = tokens.clamp(max=self.draft_vocab - 1)
+        rows = torch.tensor([s.row for s in seqs], device=device)
+        self.model.run(ForwardBatch.chain(tokens, torch.tensor(starts, device=device), rows), self.cache)
+        for b, s in enumerate(seqs):                 # padding is not text
+            self.cache.truncate(s.row, starts[b] + len(feed[b]))
+
     @torch.inference_mode()
     def propose(self, seqs, max_tokens):
         k = max(max_tokens)
@@ -109,14 +139,7 @@ class ModelDrafter(Drafter):
         generators = [s.generator for s in seqs]
         rows = torch.tensor([s.row for s in seqs], device=device)
         # feed: tokens this row's draft cache has not seen yet (catch-up), then one draft at a time
-        offsets = [0] * batch
-        if self.draft_context:
-            for s in seqs:
-                length, n = self.cache.lengths[s.row], len(s.token_ids)
-                if length == 0 or n - self.offset.get(s.row, 0) - length > self.draft_context:
-                    self.cache.truncate(s.row, 0)    # a new sequence, or a catch-up longer than the window
-                    self.offset[s.row] = max(0, n - self.draft_context)
-            offsets = [self.offset[s.row] for s in seqs]
+        offsets = self._offsets(seqs)
         feed = [s.token_ids[off + self.cache.lengths[s.row]:] for s, off in zip(seqs, offsets)]
         base_len = [len(s.token_ids) - off for s, off in zip(seqs, offsets)]   # step state: the text before
                                                                                 # the drafts, in cache slots

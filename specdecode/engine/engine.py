@@ -128,6 +128,8 @@ class SpecEngine:
         shadows = ShadowDrafts() if budget is not None and not self.drafter.capabilities.has_state else None
         started = time.perf_counter()
         self.runner.prefill(seqs)
+        if self.drafter is not None:
+            self.drafter.prefill(seqs)          # e.g. a draft model reads the prompts: prefill, not drafting
         prefill_done = time.perf_counter()
         for s in seqs:
             s.stats.prefill_seconds = prefill_done - started
