@@ -109,19 +109,23 @@ class ModelDrafter(Drafter):
                 self.offset[s.row] = max(0, n - self.draft_context)
         return [self.offset[s.row] for s in seqs]
 
+    def _padded(self, feed: list[list[int]]) -> torch.Tensor:     # -> [B, longest] int64
+        """Each row's tokens, zero-padded to the longest; an id the draft cannot embed (the target's
+        padding rows) becomes any valid one (drafts only: still lossless)."""
+        width = max(len(f) for f in feed)
+        tokens = torch.tensor([f + [0] * (width - len(f)) for f in feed], dtype=torch.long, device=self.model.device)
+        return tokens.clamp(max=self.draft_vocab - 1) if self.target_vocab > self.draft_vocab else tokens
+
     @torch.inference_mode()
     def prefill(self, seqs) -> None:
         """The prompts (all but their last token) into the draft cache in one ragged pass, no logits."""
         offsets = self._offsets(seqs)
         feed = [s.token_ids[off + self.cache.lengths[s.row]:len(s.token_ids) - 1] for s, off in zip(seqs, offsets)]
-        width = max((len(f) for f in feed), default=0)
-        if width == 0:
+        if not any(feed):
             return
         device = self.model.device
         starts = [self.cache.lengths[s.row] for s in seqs]
-        tokens = torch.tensor([f + [0] * (width - len(f)) for f in feed], dtype=torch.long, device=device)
-        if self.target_vocab > self.draft_vocab:
-            tokens = tokens.clamp(max=self.draft_vocab - 1)
+        tokens = self._padded(feed)
         rows = torch.tensor([s.row for s in seqs], device=device)
         self.model.run(ForwardBatch.chain(tokens, torch.tensor(starts, device=device), rows), self.cache)
         for b, s in enumerate(seqs):                 # padding is not text
@@ -148,11 +152,8 @@ class ModelDrafter(Drafter):
             if all(step >= n for n in limit):
                 break
             starts = [self.cache.lengths[s.row] for s in seqs]
-            width = max(len(f) for f in feed)
-            tokens = torch.tensor([f + [0] * (width - len(f)) for f in feed], dtype=torch.long, device=device)
+            tokens = self._padded(feed)
             last = torch.tensor([[len(f) - 1] for f in feed], device=device)
-            if self.target_vocab > self.draft_vocab:     # a (padding) token the draft cannot embed: feed any
-                tokens = tokens.clamp(max=self.draft_vocab - 1)   # valid id (drafts only; still lossless)
             logits = self.model.forward(tokens, self.cache, torch.tensor(starts, device=device), rows=rows,
                                         logit_index=last)                          # [B, 1, vocab]
             if self.draft_vocab != self.target_vocab:

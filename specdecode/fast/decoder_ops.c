@@ -17,19 +17,30 @@ static inline __m512 rnd(__m512 v, int bf) { return bf ? round_bf16(v) : v; }
 static inline __mmask16 lanes(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
 
 /* exp(x) for fp32 lanes: Cody-Waite range reduction + degree-6 polynomial + scalef (~2 ulp).
- * Elementwise, so results do not depend on lane position. */
+ * Elementwise, so results do not depend on lane position.  The constants, shared with exp256: */
+#define SD_EXP_HI 88.7f                      /* input clamp */
+#define SD_EXP_LO (-104.f)
+#define SD_EXP_LOG2E 1.44269504088896341f
+#define SD_EXP_LN2_HI 0.693359375f           /* ln 2 = HI + LO (Cody-Waite) */
+#define SD_EXP_LN2_LO (-2.12194440e-4f)
+#define SD_EXP_P0 1.9875691500E-4f           /* polynomial, highest degree first */
+#define SD_EXP_P1 1.3981999507E-3f
+#define SD_EXP_P2 8.3334519073E-3f
+#define SD_EXP_P3 4.1665795894E-2f
+#define SD_EXP_P4 1.6666665459E-1f
+#define SD_EXP_P5 5.0000001201E-1f
 static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-104.f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(SD_EXP_HI)), _mm512_set1_ps(SD_EXP_LO));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(SD_EXP_LOG2E)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(SD_EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(SD_EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(SD_EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(SD_EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(SD_EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(SD_EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(SD_EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(SD_EXP_P5));
     __m512 r2 = _mm512_mul_ps(r, r);
     p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
     return _mm512_scalef_ps(p, n);
@@ -180,17 +191,17 @@ static inline float hsum8(__m256 v) {
 }
 /* exp512's polynomial on 8 lanes; 2^n applied as two exact power-of-two factors (n in [-150, 128]) */
 static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.7f)), _mm256_set1_ps(-104.f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(SD_EXP_HI)), _mm256_set1_ps(SD_EXP_LO));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(SD_EXP_LOG2E)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(SD_EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(SD_EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(SD_EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(SD_EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(SD_EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(SD_EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(SD_EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(SD_EXP_P5));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
     __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1), rest = _mm256_sub_epi32(ni, half);
     const __m256i bias = _mm256_set1_epi32(127);

@@ -133,15 +133,8 @@ class GemmaTransformer(Transformer):
             hidden = hidden + fp32_rms_norm(mlp, layer["post_mlp_norm"], eps)
         return hidden
 
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor,                    # [B, T, D] from `run`
-               logit_index: torch.Tensor | None = None,       # [B, n] token indices 0..T-1; None = all
-               ) -> torch.Tensor:                             # [B, n, vocab] float32
-        """Final norm, LM head and the final soft-cap (in float32) on the rows asked for."""
-        if self.fused is not None:
-            return self.fused.head(hidden, logit_index)
-        if logit_index is not None:
-            hidden = torch.gather(hidden, 1, logit_index[:, :, None].expand(-1, -1, hidden.shape[-1]))
+    def _final(self, hidden: torch.Tensor) -> torch.Tensor:   # [B, n, D] -> [B, n, vocab] float32
+        """Final fp32 (1 + w) norm, LM head and the final soft-cap (in float32)."""
         logits = self.lm_head(fp32_rms_norm(hidden, self.final_norm_fp32, self.config.rms_norm_eps)).float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

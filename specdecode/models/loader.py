@@ -122,6 +122,16 @@ def weights_fingerprint(weights: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()[:16]
 
 
+def _native_eos(model_dir: Path, tokenizer: Tokenizer, config: ModelConfig) -> tuple[int, ...]:
+    """A native model's stop ids (`_eos_ids`); Gemma also sets up its tokenizer (<bos> on plain
+    prompts) and stops at <end_of_turn>."""
+    eos = _eos_ids(model_dir, tokenizer, config.eos_token_ids)
+    if config.is_gemma:
+        from .gemma import prepare_tokenizer
+        eos = tuple(dict.fromkeys(eos + prepare_tokenizer(tokenizer, config)))
+    return eos
+
+
 def _eos_ids(model_dir: Path, tokenizer: Tokenizer, config_eos: tuple[int, ...]) -> tuple[int, ...]:
     ids = list(config_eos)
     gen = model_dir / "generation_config.json"
@@ -248,10 +258,7 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
             raise ModelError(f"dtype int8: {native_reason()}")
         quantize_projections(weights, "int8")
     model = build_decoder(config, weights, make_linear)
-    eos = _eos_ids(model_dir, tokenizer, config.eos_token_ids)
-    if config.is_gemma:                  # <bos> on plain prompts, <end_of_turn> a stop id
-        from .gemma import prepare_tokenizer
-        eos = tuple(dict.fromkeys(eos + prepare_tokenizer(tokenizer, config)))
+    eos = _native_eos(model_dir, tokenizer, config)
     return LoadedModel(model, tokenizer, name, model_dir, True, eos, time.perf_counter() - started, fingerprint)
 
 
@@ -285,10 +292,7 @@ def _load_native(path: Path, name: str, dtype: torch.dtype, device: torch.device
         fingerprint = weights_fingerprint(names)
         fingerprint_file.write_text(json.dumps({"fingerprint": fingerprint}))
     model = build_decoder(config, weights, make_linear)
-    eos = _eos_ids(model_dir, tokenizer, config.eos_token_ids)
-    if config.is_gemma:                  # <bos> on plain prompts, <end_of_turn> a stop id
-        from .gemma import prepare_tokenizer
-        eos = tuple(dict.fromkeys(eos + prepare_tokenizer(tokenizer, config)))
+    eos = _native_eos(model_dir, tokenizer, config)
     return LoadedModel(model, tokenizer, name, model_dir, True, eos, time.perf_counter() - started, fingerprint,
                        gguf_file=path)
 

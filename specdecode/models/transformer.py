@@ -295,5 +295,9 @@ class Transformer:
             return self.fused.head(hidden, logit_index)
         if logit_index is not None:
             hidden = torch.gather(hidden, 1, logit_index[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        return self._final(hidden)
+
+    def _final(self, hidden: torch.Tensor) -> torch.Tensor:   # [B, n, D] -> [B, n, vocab] float32
+        """The eager final norm and LM head (a family's own in its subclass)."""
         hidden = F.rms_norm(hidden, (self.config.hidden_size,), self.final_norm, self.config.rms_norm_eps)
         return self.lm_head(hidden).float()
