@@ -77,6 +77,27 @@ def test_kernel_rows_are_batch_invariant(qtype):
 
 
 @needs_quant
+def test_q8_0_extreme_weights_are_exact():
+    """Q8_0 bytes at both ends (-128 and 127) against activations at both ends: the int8 x int8
+    products (the AVX2 kernel multiplies |q| by x carrying q's sign) stay exact, batch invariant."""
+    rng = np.random.default_rng(5)
+    n, k = 32, 256
+    raw = np.zeros((n, k // 32, 34), dtype=np.uint8)
+    raw[:, :, 0:2] = np.full((n, k // 32), 0.01, dtype=np.float16).view(np.uint8).reshape(n, -1, 2)
+    q = rng.choice(np.array([-128, -127, 127, 0, 1], dtype=np.int8), size=(n, k // 32, 32))
+    q[:, 0, :] = -128
+    raw[:, :, 2:] = q.view(np.uint8)
+    w = QuantWeight.from_blocks(8, raw.reshape(n, -1), (n, k))
+    dense = w.dequantize()
+    x = torch.from_numpy(rng.choice([-3.0, 3.0, 0.5], size=(5, k))).float().to(torch.bfloat16)
+    y = QuantLinear(w)(x)
+    ref = x.double() @ dense.double().t()
+    err = (y.double() - ref).abs()
+    assert bool((err <= error_bound(x, dense, ref)).all()), f"max err {err.max():.3g}"
+    assert torch.equal(QuantLinear(w)(x[2:3]), y[2:3])
+
+
+@needs_quant
 def test_segments_of_different_formats():
     """A fused q|k|v whose parts use different formats equals the parts computed apart."""
     parts = [random_weight(12, 32, 512, seed=2), random_weight(14, 16, 512, seed=3), random_weight(8, 16, 512, seed=4)]

@@ -5,9 +5,9 @@
  * column and no instruction mixes lanes, so each half runs the AVX512 kernel's instruction
  * sequence on 256-bit vectors (bytes 32h..32h+31 of every 64-byte vector, lanes 8h..8h+7 of every
  * scale vector). VPDPBUSD becomes VPMADDUBSW (+ VPADDW for as many as fit) + VPMADDWD, exact while a
- * weight byte is < 128 (the 4/5/6-bit formats; Q8_0's bytes up to 255 are split as (u & 127) + 128 (u >> 7)). The integer
- * sums are exact and the float operations per lane are those of the AVX512 kernels in the same
- * order, so each column's result is the same whatever the row count (batch invariant). */
+ * weight byte is < 128 (the 4/5/6-bit formats; Q8_0 multiplies the signed weights instead, see
+ * q8_16_group). The integer sums are exact and every row runs the same instruction sequence, so
+ * each column's result is the same whatever the row count (batch invariant). */
 
 typedef int32_t sd_i32u2 __attribute__((may_alias, aligned(1)));
 
@@ -20,15 +20,6 @@ static inline __m256i bcast4_8(const int8_t *p) { return _mm256_set1_epi32(*(con
 static inline __m256i pairs(__m256i u, const int8_t *x) { return _mm256_maddubs_epi16(u, bcast4_8(x)); }
 static inline __m256i widen(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
 
-/* the same for any u (split off its top bit) */
-static inline __m256i dp4_any(__m256i acc, __m256i u, __m256i x) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i low = _mm256_and_si256(u, _mm256_set1_epi8(0x7f));
-    const __m256i top = _mm256_and_si256(_mm256_srli_epi16(u, 7), _mm256_set1_epi8(1));
-    __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(low, x), ones);
-    sum = _mm256_add_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(top, x), ones), 7));
-    return _mm256_add_epi32(acc, sum);
-}
 
 static inline __m256 cvtph8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 static inline __m256 cvtu8x8(const uint8_t *p) {
@@ -46,6 +37,42 @@ static inline __m256i bits_to_bytes(uint32_t bits, __m256i value) {
                                                                   0x0202020202020202LL, 0x0303030303030303LL));
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), value);
+}
+
+/* Q8_0, 8 columns x 32 k per block: int8 weights times int8 activations as |q| * (x with q's sign)
+ * (VPSIGNB, then VPMADDUBSW: a pair is at most 2 * 128 * 127 < 2^15, exact), each pair sum widened.
+ * The weight vector is the outer loop and rows the inner one, so only one weight vector and a
+ * 32-bit sum per row are live.  No offset term: the integers are the weights themselves. */
+static inline __attribute__((always_inline)) void
+q8_16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, int R, float *out) {
+    const int NC = (K + 255) / 256, KB = K / 32;
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    for (int h = 0; h < 2; h++) {
+        __m256 fs[4];
+        float *o = out + 8 * h;
+        for (int r = 0; r < R; r++) { _mm256_storeu_ps(o + 16 * r, _mm256_setzero_ps()); fs[r] = _mm256_setzero_ps(); }
+        for (int b = 0; b < KB; b++) {
+            const uint8_t *blk = grp + (size_t)b * 544, *q = blk + 32;   /* d[16] fp16 | q[8][64] (q + 128) */
+            __m256i ia[4];
+            for (int r = 0; r < R; r++) ia[r] = _mm256_setzero_si256();
+            for (int G = 0; G < 8; G++) {
+                const __m256i u = _mm256_xor_si256(ld32(q + 64 * G + 32 * h), flip), au = _mm256_abs_epi8(u);
+                for (int r = 0; r < R; r++) {
+                    const __m256i xs = _mm256_sign_epi8(bcast4_8(xq + (size_t)r * K + 32 * b + 4 * G), u);
+                    ia[r] = _mm256_add_epi32(ia[r], widen(_mm256_maddubs_epi16(au, xs)));
+                }
+            }
+            const __m256 dv = cvtph8(blk + 16 * h);
+            for (int r = 0; r < R; r++) fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), dv, fs[r]);
+            if ((b & 7) == 7 || b == KB - 1) {
+                for (int r = 0; r < R; r++) {
+                    _mm256_storeu_ps(o + 16 * r, _mm256_fmadd_ps(fs[r], _mm256_set1_ps(dq[(size_t)r * NC + (b >> 3)]),
+                                                                 _mm256_loadu_ps(o + 16 * r)));
+                    fs[r] = _mm256_setzero_ps();
+                }
+            }
+        }
+    }
 }
 
 static inline __attribute__((always_inline)) void
@@ -130,8 +157,9 @@ leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *
             float *out) {
     const int NC = (K + 255) / 256, KH = K / 16, KB = K / 32, BB = leg16_bytes(type);
     const int has_m = type == GQ_Q4_116 || type == GQ_Q5_116, five = type == GQ_Q5_016 || type == GQ_Q5_116;
-    const float center = type == GQ_Q4_016 ? -8.f : type == GQ_Q5_016 ? -16.f : type == GQ_Q8_016 ? -128.f : 0.f;
+    const float center = type == GQ_Q4_016 ? -8.f : type == GQ_Q5_016 ? -16.f : 0.f;
     const __m256i m4 = _mm256_set1_epi8(0x0F), b16 = _mm256_set1_epi8(16);
+    if (type == GQ_Q8_016) { q8_16_group(grp, K, xq, dq, R, out); return; }
     for (int h = 0; h < 2; h++) {
         __m256 fs[4];
         float *o = out + 8 * h;           /* the row sums live in `out` (registers are short) */
@@ -142,9 +170,7 @@ leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *
             const __m256 ov = has_m ? cvtph8(blk + 32 + 16 * h) : _mm256_mul_ps(dv, _mm256_set1_ps(center));
             const uint8_t *q = blk + 32 + 32 * has_m;
             __m256i u[8];
-            if (type == GQ_Q8_016) {
-                for (int G = 0; G < 8; G++) u[G] = ld32(q + 64 * G + 32 * h);
-            } else {
+            {
                 for (int t = 0; t < 4; t++) {
                     const __m256i v = ld32(q + 64 * t + 32 * h);
                     u[2 * t] = _mm256_and_si256(v, m4);
@@ -160,14 +186,7 @@ leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *
             for (int r = 0; r < R; r++) {
                 const int8_t *xr = xq + (size_t)r * K + 32 * b;
                 __m256i ia = _mm256_setzero_si256();
-                if (type == GQ_Q8_016) {
-                    __m256i ib = _mm256_setzero_si256();
-                    for (int G = 0; G < 8; G += 2) {
-                        ia = dp4_any(ia, u[G], bcast4_8(xr + 4 * G));
-                        ib = dp4_any(ib, u[G + 1], bcast4_8(xr + 4 * G + 4));
-                    }
-                    ia = _mm256_add_epi32(ia, ib);
-                } else {                      /* 4-bit: all 8 pairs fit in 16 bits; 5-bit: 4 */
+                {                             /* 4-bit: all 8 pairs fit in 16 bits; 5-bit: 4 */
                     __m256i pa = pairs(u[0], xr), pb = pairs(u[1], xr + 4);
                     for (int G = 2; G < 8; G += 2) {
                         pa = _mm256_add_epi16(pa, pairs(u[G], xr + 4 * G));
