@@ -82,6 +82,26 @@ async def post_completions(url: str, jobs) -> list[dict]:
         return await asyncio.gather(*(one(*job) for job in jobs))
 
 
+def assert_tree_paths_match_chains(model, reference, low: int = 0) -> None:
+    """Two branches (depth 3 and 2) drafted as one tree after a 12-token prompt: every node's
+    logits equal those of its own root-to-node path run as a chain through `reference` (a
+    transformers model), so masks, positions and windows follow each path."""
+    from specdecode.forward import ForwardBatch
+
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(low, model.vocab_size, (1, 12), generator=gen)
+    nodes = torch.randint(low, model.vocab_size, (1, 5), generator=gen)
+    parents = torch.tensor([[-1, 0, 1, -1, 3]])
+    cache = model.new_cache(1, 64)
+    model.forward(prompt[:, :11], cache, 0)
+    fb = ForwardBatch.tree(torch.cat([prompt[:, 11:], nodes], 1), torch.tensor([11]), None, [1], parents)
+    got = model.logits(model.run(fb, cache))[0]                          # [6, vocab]
+    for branch, index in (([0, 1, 2], [1, 2, 3]), ([3, 4], [4, 5])):
+        with torch.no_grad():
+            expected = reference(torch.cat([prompt, nodes[:, branch]], 1)).logits[0, 11:]
+        torch.testing.assert_close(got[[0] + index], expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: one thread is as fast when the cores are idle and ~7x faster when other

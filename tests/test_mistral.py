@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import make_tokenizer
+from conftest import assert_tree_paths_match_chains, make_tokenizer
 from specdecode import LLM, SamplingParams
 from specdecode.fast import linear as fast_linear
 from specdecode.forward import ForwardBatch
@@ -106,19 +106,7 @@ def test_tree_pass_windows_each_path(mistral, fast):
     """A tree node attends to the last W keys along its own path: its logits equal those of the
     same path run as a chain (the window counted by position, i.e. depth)."""
     lm = load_model(str(mistral), dtype="fp32", progress=False, fast=fast)
-    model = lm.model
-    gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, model.vocab_size, (1, 12), generator=gen)
-    nodes = torch.randint(0, model.vocab_size, (1, 5), generator=gen)
-    parents = torch.tensor([[-1, 0, 1, -1, 3]])              # two branches of depth 3 and 2
-    cache = model.new_cache(1, 64)
-    model.forward(prompt[:, :11], cache, 0)
-    fb = ForwardBatch.tree(torch.cat([prompt[:, 11:], nodes], 1), torch.tensor([11]), None, [1], parents)
-    got = model.logits(model.run(fb, cache))[0]                          # [6, vocab]
-    for path, index in (([0, 1, 2], [1, 2, 3]), ([3, 4], [4, 5])):
-        chain = torch.cat([prompt, nodes[:, path]], 1)
-        expected = reference(lm.path)(chain).logits[0, 11:]
-        torch.testing.assert_close(got[[0] + index], expected, atol=1e-4, rtol=1e-4)
+    assert_tree_paths_match_chains(lm.model, reference(lm.path))
 
 
 def test_greedy_matches_transformers(mistral):
