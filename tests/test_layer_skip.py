@@ -1,6 +1,6 @@
 """Layer-skip self-speculation: the target's own layers with some skipped draft for it. Greedy
 output identical with and without it (batched, alone, fixed and calibrated layer sets, fp32 and
-bf16 eager); the calibration picks layers by measured agreement and reports them; the target's
+bf16, fused native and eager); the calibration picks layers by measured agreement and reports them; the target's
 cache is never written by the draft; bad options name themselves."""
 import pytest
 import torch
@@ -28,6 +28,27 @@ def test_greedy_equals_plain(tiny_models, arch, options):
         assert alone.token_ids == plain[0].token_ids
     summary = llm.drafter.summary()
     assert summary["skip_layers"] and summary["num_layers"] == llm.target.model.config.num_layers
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_skip_pass_matches_eager(tiny_models, arch):
+    """With layers skipped the pass runs in the fused native decoder over the kept layers (built
+    once per set) and equals the eager pass that leaves the same layers out."""
+    from specdecode.forward import ForwardBatch
+    from specdecode.models.loader import load_model
+    fast = load_model(str(tiny_models[arch]), dtype="fp32", progress=False, fast=True).model
+    eager = load_model(str(tiny_models[arch]), dtype="fp32", progress=False, fast=False).model
+    if fast.fused is None:
+        pytest.skip("no fused decoder on this machine")
+    tokens = torch.randint(0, fast.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    for skip in (frozenset({1}), frozenset({0, 2}), frozenset({-1})):
+        got = [m.logits(m.run(ForwardBatch.chain(tokens, 0), m.new_cache(1, 16), skip=skip)) for m in (fast, eager)]
+        torch.testing.assert_close(got[0], got[1], atol=1e-4, rtol=1e-4)
+        assert fast._skip_decoders[skip] is not None
+    full = fast.logits(fast.run(ForwardBatch.chain(tokens, 0), fast.new_cache(1, 16)))
+    assert torch.equal(got[0], full)                     # {-1} skips nothing: the full model, bitwise
+    assert not torch.allclose(fast.logits(fast.run(ForwardBatch.chain(tokens, 0), fast.new_cache(1, 16),
+                                                   skip=frozenset({1}))), full)
 
 
 def test_sampled_runs_seeded(tiny_models):

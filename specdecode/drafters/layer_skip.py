@@ -72,7 +72,7 @@ def choose_skip_layers(model, token_ids: list[int], skip_ratio: float,
     """(layers to skip, their measured top-1 agreement) on `token_ids` (module docstring)."""
     tokens = torch.tensor([token_ids], dtype=torch.long, device=model.device)
     cache = model.new_cache(1, tokens.shape[1])
-    no_layer = frozenset({-1})        # skips nothing, but runs the eager path as the skipping passes do
+    no_layer = frozenset({-1})        # skips nothing, through the same path as the skipping passes
     reference = model.logits(model.run(ForwardBatch.chain(tokens, 0), cache, skip=no_layer)).argmax(-1)
     layers = model.config.num_layers
     alone = {i: top1_agreement(model, tokens, reference, frozenset({i})) for i in range(layers)}

@@ -100,7 +100,12 @@ def _ptrs(tensors) -> ctypes.Array:
 
 
 class FusedDecoder:
-    def __init__(self, model):
+    """The whole stack in one native call per block of token rows. `layers`: the layer indices to
+    run, in order (default all); the others are left out, their residual passing through, as
+    layer-skip self-drafting asks (drafters/layer_skip.py). A decoder over a subset shares every
+    weight with the full one; a cache still holds all layers and only the kept ones are written."""
+
+    def __init__(self, model, layers: list[int] | None = None):
         reason = why_not(model)
         if reason is not None:
             raise RuntimeError(f"fused decoder unavailable: {reason}")
@@ -112,13 +117,18 @@ class FusedDecoder:
         self._fn = fn
         c, dt = model.config, model.dtype
         self.model, self.dtype, self.vocab = model, dt, c.vocab_size
-        L, D, H, KVH, HD, Im = c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+        self.kept = list(range(c.num_layers)) if layers is None else sorted(set(layers))
+        if not self.kept or not 0 <= self.kept[0] <= self.kept[-1] < c.num_layers:
+            raise ValueError(f"layers must be a non-empty subset of 0..{c.num_layers - 1}")
+        kept_layers = [model.layers[i] for i in self.kept]
+        D, H, KVH, HD, Im = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+        L = len(self.kept)
         ly0 = model.layers[0]
         Dp, Qp, Ip = ly0["qkv"].Kp, ly0["o"].Kp, ly0["down"].Kp
         assert ly0["gate_up"].Kp == Dp and model.lm_head.Kp == Dp
         keep = []  # everything the C side points to
-        norms_a = [ly["attn_norm"].contiguous() for ly in model.layers]
-        norms_m = [ly["mlp_norm"].contiguous() for ly in model.layers]
+        norms_a = [ly["attn_norm"].contiguous() for ly in kept_layers]
+        norms_m = [ly["mlp_norm"].contiguous() for ly in kept_layers]
         keep += norms_a + norms_m
 
         def arr(ts):
@@ -139,28 +149,28 @@ class FusedDecoder:
                    scale=c.attention_scale if c.query_pre_attn_scalar else 1.0 / math.sqrt(HD),
                    embed=self._embed.data_ptr(), rope_cos=self._cos.data_ptr(), rope_sin=self._sin.data_ptr(),
                    attn_norm=arr(norms_a), mlp_norm=arr(norms_m),
-                   qkv_w=arr([_packed(ly["qkv"]) for ly in model.layers]),
-                   qkv_b=arr([ly["qkv"].bias32 for ly in model.layers]),
-                   o_w=arr([_packed(ly["o"]) for ly in model.layers]),
-                   gu_w=arr([_packed(ly["gate_up"]) for ly in model.layers]),
-                   down_w=arr([_packed(ly["down"]) for ly in model.layers]),
+                   qkv_w=arr([_packed(ly["qkv"]) for ly in kept_layers]),
+                   qkv_b=arr([ly["qkv"].bias32 for ly in kept_layers]),
+                   o_w=arr([_packed(ly["o"]) for ly in kept_layers]),
+                   gu_w=arr([_packed(ly["gate_up"]) for ly in kept_layers]),
+                   down_w=arr([_packed(ly["down"]) for ly in kept_layers]),
                    window=c.sliding_window or 0,
                    final_norm=self._final.data_ptr(), head_w=_ptrs([_packed(model.lm_head)])[0], head_b=None,
                    **{k: v.data_ptr() for k, v in self._scratch.items()})
         if any(isinstance(lin, QuantLinear) for lin in model.projections()):
             def qarr(key):
                 return arr([ctypes.addressof(ly[key].qmat) if isinstance(ly[key], QuantLinear) else None
-                            for ly in model.layers])
+                            for ly in kept_layers])
             m.qkv_q, m.o_q, m.gu_q, m.down_q = qarr("qkv"), qarr("o"), qarr("gate_up"), qarr("down")
             if isinstance(model.lm_head, QuantLinear):
                 m.head_q = ctypes.addressof(model.lm_head.qmat)
         if c.qk_norm:
-            qn = [ly["q_norm"].contiguous() for ly in model.layers]
-            kn = [ly["k_norm"].contiguous() for ly in model.layers]
+            qn = [ly["q_norm"].contiguous() for ly in kept_layers]
+            kn = [ly["k_norm"].contiguous() for ly in kept_layers]
             keep += qn + kn
             m.q_norm, m.k_norm = arr(qn), arr(kn)
         if c.is_gemma:
-            self._gemma(model, m, keep, arr)
+            self._gemma(model, m, keep, arr, self.kept)
         self._m, self._keep = m, keep
         self._mref = ctypes.byref(m)
         rows_fn = self._lib.sd_decoder_rows
@@ -175,23 +185,23 @@ class FusedDecoder:
         self._scores = torch.empty(0)
 
     @staticmethod
-    def _gemma(model, m: _Model, keep: list, arr) -> None:
+    def _gemma(model, m: _Model, keep: list, arr, kept: list[int]) -> None:
         """Gemma 2 / 3 (models/gemma.py): embedding scale, fp32 (1 + w) norms (attn_norm / mlp_norm /
         q_norm / k_norm / final already are), the norms of the attention and MLP outputs, GeGLU,
         soft-caps, and each layer's window and RoPE tables."""
         c = model.config
         m.embed_scale, m.norm_f32, m.gelu = float(model.embed_scale), 1, 1
         m.attn_softcap, m.final_softcap = c.attn_logit_softcapping or 0.0, c.final_logit_softcapping or 0.0
-        post_a = [ly["post_attn_norm"].contiguous() for ly in model.layers]
-        post_m = [ly["post_mlp_norm"].contiguous() for ly in model.layers]
-        windows = torch.tensor([c.layer_window(i) or 0 for i in range(c.num_layers)], dtype=torch.int32)
+        post_a = [model.layers[i]["post_attn_norm"].contiguous() for i in kept]
+        post_m = [model.layers[i]["post_mlp_norm"].contiguous() for i in kept]
+        windows = torch.tensor([c.layer_window(i) or 0 for i in kept], dtype=torch.int32)
         local = model.local_rope or (model.rope_cos, model.rope_sin)
         sliding = c.sliding_layers or (True,) * c.num_layers
         tables = [t.contiguous() for t in local] + [model.rope_cos.contiguous(), model.rope_sin.contiguous()]
         keep += post_a + post_m + tables + [windows]
         m.post_attn_norm, m.post_mlp_norm, m.windows = arr(post_a), arr(post_m), windows.data_ptr()
-        m.rope_cos_l = arr([tables[0] if s else tables[2] for s in sliding])
-        m.rope_sin_l = arr([tables[1] if s else tables[3] for s in sliding])
+        m.rope_cos_l = arr([tables[0] if sliding[i] else tables[2] for i in kept])
+        m.rope_sin_l = arr([tables[1] if sliding[i] else tables[3] for i in kept])
         if tables[0].shape[0] != m.rope_len:
             raise RuntimeError("local and global RoPE tables differ in length")
 
@@ -203,7 +213,7 @@ class FusedDecoder:
                 if (t.dtype != self.dtype or t.device.type != "cpu" or not t.is_contiguous()
                         or tuple(t.shape[1:]) != (c.num_kv_heads, cache.max_len, c.head_dim)):
                     raise ValueError("cache does not match the model (dtype/layout)")
-            self._kc, self._vc = _ptrs(cache.keys), _ptrs(cache.values)
+            self._kc, self._vc = _ptrs([cache.keys[i] for i in self.kept]), _ptrs([cache.values[i] for i in self.kept])
             self._cache_ref = cache  # keep the tensors alive while their pointers are cached
             self._cache_key = key
         need = torch.get_num_threads() * (cache.max_len + 16)
@@ -279,7 +289,7 @@ class FusedDecoder:
             for t in lay.keys + lay.values:
                 if t.dtype != self.dtype or t.device.type != "cpu" or not t.is_contiguous():
                     raise ValueError("cache does not match the model (dtype/layout)")
-            arrays = (_ptrs(lay.keys), _ptrs(lay.values))
+            arrays = (_ptrs([lay.keys[i] for i in self.kept]), _ptrs([lay.values[i] for i in self.kept]))
             self._layout_bases = tuple(ctypes.cast(a, P) for a in arrays)
             self._layout_ref = (arrays, lay.keys, lay.values)   # alive while their pointers are cached
             self._layout_key = key

@@ -180,6 +180,7 @@ class Transformer:
         self.rope_sin = angles.sin().to(self.dtype).to(self.device)
         # Fused native stack for batch-1 blocks (specdecode.fast.decoder); None = eager only.
         self.fused = None
+        self._skip_decoders: dict = {}      # layer-skip drafts: skipped set -> fused decoder of the rest
         if getattr(make_linear, "fused_decoder", None) is not None and self.fused_in_init:
             self.fused = make_linear.fused_decoder(self)
 
@@ -229,14 +230,24 @@ class Transformer:
 
     def _run_fused(self, fb: ForwardBatch, cache: KVCache, skip: frozenset[int]) -> torch.Tensor | None:
         """The pass in the fused native decoder when it takes it (batch-1 chains by their own entry,
-        other passes of any size on caches with a layout, 64 token rows per native call; no skipped
-        layers), else None. Eager torch is not batch invariant: a pass never goes there for its size."""
-        fused, tokens = self.fused if not skip else None, fb.tokens
+        other passes of any size on caches with a layout, 64 token rows per native call; skipped
+        layers: a decoder over the kept ones, built once per set), else None. Eager torch is not
+        batch invariant: a pass never goes there for its size."""
+        fused, tokens = self._skip_decoder(skip) if skip else self.fused, fb.tokens
         if fused is not None and fb.uniform and tokens.shape[0] == 1 and tokens.shape[1] <= 64:
             return fused.forward(tokens, cache, fb.start)
         if fused is not None and hasattr(cache, "layout"):
             return fused.forward_rows(fb, cache)
         return None
+
+    def _skip_decoder(self, skip: frozenset[int]):
+        """The fused decoder over the layers not in `skip` (None without a fused decoder)."""
+        if self.fused is None:
+            return None
+        if skip not in self._skip_decoders:
+            kept = [i for i in range(self.config.num_layers) if i not in skip]
+            self._skip_decoders[skip] = type(self.fused)(self, kept) if kept else None
+        return self._skip_decoders[skip]
 
     @torch.inference_mode()
     def run(self, fb: ForwardBatch, cache: KVCache,
@@ -246,7 +257,7 @@ class Transformer:
         the final norm: [B, T, D] in the model dtype (the features EAGLE heads read; logits:
         `logits`). The fused native decoder runs it when it can (batch-1 chains by their own
         entry), else eager torch. `skip`: layer indices left out (their residual passes through;
-        layer-skip self-drafting, eager only)."""
+        layer-skip self-drafting)."""
         hidden = self._run_fused(fb, cache, skip)
         if hidden is not None:
             return hidden
