@@ -244,10 +244,13 @@ class Transformer:
         """The fused decoder over the layers not in `skip` (None without a fused decoder)."""
         if self.fused is None:
             return None
-        if skip not in self._skip_decoders:
+        decoders = self._skip_decoders
+        if skip not in decoders:
             kept = [i for i in range(self.config.num_layers) if i not in skip]
-            self._skip_decoders[skip] = type(self.fused)(self, kept) if kept else None
-        return self._skip_decoders[skip]
+            while len(decoders) >= 4:               # a calibration tries dozens of sets once each
+                decoders.pop(next(iter(decoders)))
+            decoders[skip] = type(self.fused)(self, kept) if kept else None
+        return decoders[skip]
 
     @torch.inference_mode()
     def run(self, fb: ForwardBatch, cache: KVCache,
