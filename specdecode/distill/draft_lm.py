@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from .features import FeatureSet
 from ..drafters.format import write_meta
 from ..drafters.head import target_layer_weights
-from .train import batches, split
+from .train import batches, bf16_autocast_pays, split
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -106,12 +106,13 @@ def train_draft_lm(args, target, data: FeatureSet, out: Path) -> Path:
     curve.append({"seconds": 0.0, "step": 0, "held_out_accuracy": round(held_out_accuracy(draft, data, held_ids,
                                                                                            budget), 4)})
     rng = random.Random(0)
+    use_bf16 = bf16_autocast_pays(torch.device("cpu"))     # AVX2-only CPUs: fp32 is far faster
     last_eval = 0.0
     while seconds < args.minutes * 60 and seen < args.epochs * total:
         for group in batches(data, train_ids, budget, rng):
             t0 = time.perf_counter()
             tokens, labels, mask = _batch(data, group)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
                 logits = draft(input_ids=tokens, attention_mask=mask).logits
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
             optimizer.zero_grad(set_to_none=True)

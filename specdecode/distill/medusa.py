@@ -72,7 +72,7 @@ class MedusaTrainer(Trainer):
     # ------------------------------------------------------------------ training
     def train_step(self, ids: list[int]) -> float:
         features, labels = self._positions(ids)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.autocast):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             hidden = self.head(features).float()                                            # [N, K, D]
         loss = torch.zeros((), device=self.device)
         for i in range(self.config.heads):
