@@ -236,3 +236,20 @@ def test_medusa_in_the_server_stays_lossless_with_mixed_and_switching_rows(tiny_
     assert sum(o["speculation"]["accepted_tokens"] for o in outs) > 0
     assert all(o["speculation"]["drafted_tokens"] == 0 for o, job in zip(outs, jobs) if job[1] == {"speculate": False})
     assert stats["memory"]["kv_bytes_capacity"]["draft"] > 0 and stats["memory"]["kv_bytes_used"]["draft"] == 0
+
+
+def test_shipped_medusa_heads_for_the_embedded_model(smollm2):
+    """The heads shipped in the package are found by the embedded target's fingerprint, their
+    tree drafts are accepted, and greedy output stays the target's."""
+    from specdecode.drafters.format import shipped_drafter
+    assert shipped_drafter(smollm2, "medusa") is not None
+    drafter = build_drafter("medusa", smollm2)
+    assert drafter.matches_target and drafter.config.num_heads == 4
+    tok = smollm2.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Explain how photosynthesis works."}]),
+                     add_special=False)
+    params = [SamplingParams(max_tokens=48)]
+    plain = SpecEngine(smollm2, None, 0).generate([ids], params)[0]
+    spec = SpecEngine(smollm2, drafter, 4, adaptive=False).generate([ids], params)[0]
+    assert spec.output_ids == plain.output_ids
+    assert spec.stats.accepted > 0
