@@ -120,7 +120,7 @@ class FusedDecoder:
         self.kept = list(range(c.num_layers)) if layers is None else sorted(set(layers))
         if not self.kept or not 0 <= self.kept[0] <= self.kept[-1] < c.num_layers:
             raise ValueError(f"layers must be a non-empty subset of 0..{c.num_layers - 1}")
-        kept_layers = [model.layers[i] for i in self.kept]
+        kept_layers = self._kept(model.layers)
         D, H, KVH, HD, Im = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
         L = len(self.kept)
         ly0 = model.layers[0]
@@ -184,6 +184,10 @@ class FusedDecoder:
         self._cache_key = None
         self._scores = torch.empty(0)
 
+    def _kept(self, per_layer: list) -> list:
+        """The entries of a per-layer list (weights, cache tensors) for the layers this decoder runs."""
+        return [per_layer[i] for i in self.kept]
+
     @staticmethod
     def _gemma(model, m: _Model, keep: list, arr, kept: list[int]) -> None:
         """Gemma 2 / 3 (models/gemma.py): embedding scale, fp32 (1 + w) norms (attn_norm / mlp_norm /
@@ -213,7 +217,7 @@ class FusedDecoder:
                 if (t.dtype != self.dtype or t.device.type != "cpu" or not t.is_contiguous()
                         or tuple(t.shape[1:]) != (c.num_kv_heads, cache.max_len, c.head_dim)):
                     raise ValueError("cache does not match the model (dtype/layout)")
-            self._kc, self._vc = _ptrs([cache.keys[i] for i in self.kept]), _ptrs([cache.values[i] for i in self.kept])
+            self._kc, self._vc = _ptrs(self._kept(cache.keys)), _ptrs(self._kept(cache.values))
             self._cache_ref = cache  # keep the tensors alive while their pointers are cached
             self._cache_key = key
         need = torch.get_num_threads() * (cache.max_len + 16)
@@ -289,7 +293,7 @@ class FusedDecoder:
             for t in lay.keys + lay.values:
                 if t.dtype != self.dtype or t.device.type != "cpu" or not t.is_contiguous():
                     raise ValueError("cache does not match the model (dtype/layout)")
-            arrays = (_ptrs([lay.keys[i] for i in self.kept]), _ptrs([lay.values[i] for i in self.kept]))
+            arrays = (_ptrs(self._kept(lay.keys)), _ptrs(self._kept(lay.values)))
             self._layout_bases = tuple(ctypes.cast(a, P) for a in arrays)
             self._layout_ref = (arrays, lay.keys, lay.values)   # alive while their pointers are cached
             self._layout_key = key

@@ -45,14 +45,14 @@ static inline __m256i bits_to_bytes(uint32_t bits, __m256i value) {
  * 32-bit sum per row are live.  No offset term: the integers are the weights themselves. */
 static inline __attribute__((always_inline)) void
 q8_16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, int R, float *out) {
-    const int NC = (K + 255) / 256, KB = K / 32;
+    const int NC = (K + 255) / 256, KB = K / 32, BB = leg16_bytes(GQ_Q8_016);
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     for (int h = 0; h < 2; h++) {
         __m256 fs[4];
         float *o = out + 8 * h;
         for (int r = 0; r < R; r++) { _mm256_storeu_ps(o + 16 * r, _mm256_setzero_ps()); fs[r] = _mm256_setzero_ps(); }
         for (int b = 0; b < KB; b++) {
-            const uint8_t *blk = grp + (size_t)b * 544, *q = blk + 32;   /* d[16] fp16 | q[8][64] (q + 128) */
+            const uint8_t *blk = grp + (size_t)b * BB, *q = blk + 32;    /* d[16] fp16 | q[8][64] (q + 128) */
             __m256i ia[4];
             for (int r = 0; r < R; r++) ia[r] = _mm256_setzero_si256();
             for (int G = 0; G < 8; G++) {
@@ -155,11 +155,11 @@ q6k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
 static inline __attribute__((always_inline)) void
 leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R,
             float *out) {
+    if (type == GQ_Q8_016) { q8_16_group(grp, K, xq, dq, R, out); return; }   /* signed weights */
     const int NC = (K + 255) / 256, KH = K / 16, KB = K / 32, BB = leg16_bytes(type);
     const int has_m = type == GQ_Q4_116 || type == GQ_Q5_116, five = type == GQ_Q5_016 || type == GQ_Q5_116;
     const float center = type == GQ_Q4_016 ? -8.f : type == GQ_Q5_016 ? -16.f : 0.f;
     const __m256i m4 = _mm256_set1_epi8(0x0F), b16 = _mm256_set1_epi8(16);
-    if (type == GQ_Q8_016) { q8_16_group(grp, K, xq, dq, R, out); return; }
     for (int h = 0; h < 2; h++) {
         __m256 fs[4];
         float *o = out + 8 * h;           /* the row sums live in `out` (registers are short) */
@@ -170,30 +170,26 @@ leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *
             const __m256 ov = has_m ? cvtph8(blk + 32 + 16 * h) : _mm256_mul_ps(dv, _mm256_set1_ps(center));
             const uint8_t *q = blk + 32 + 32 * has_m;
             __m256i u[8];
-            {
-                for (int t = 0; t < 4; t++) {
-                    const __m256i v = ld32(q + 64 * t + 32 * h);
-                    u[2 * t] = _mm256_and_si256(v, m4);
-                    u[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                }
-                if (five)
-                    for (int G = 0; G < 8; G++) {
-                        uint32_t hb;
-                        memcpy(&hb, q + 256 + 8 * G + 4 * h, 4);
-                        u[G] = _mm256_or_si256(u[G], bits_to_bytes(hb, b16));
-                    }
+            for (int t = 0; t < 4; t++) {
+                const __m256i v = ld32(q + 64 * t + 32 * h);
+                u[2 * t] = _mm256_and_si256(v, m4);
+                u[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
             }
+            if (five)
+                for (int G = 0; G < 8; G++) {
+                    uint32_t hb;
+                    memcpy(&hb, q + 256 + 8 * G + 4 * h, 4);
+                    u[G] = _mm256_or_si256(u[G], bits_to_bytes(hb, b16));
+                }
             for (int r = 0; r < R; r++) {
                 const int8_t *xr = xq + (size_t)r * K + 32 * b;
-                __m256i ia = _mm256_setzero_si256();
-                {                             /* 4-bit: all 8 pairs fit in 16 bits; 5-bit: 4 */
-                    __m256i pa = pairs(u[0], xr), pb = pairs(u[1], xr + 4);
-                    for (int G = 2; G < 8; G += 2) {
-                        pa = _mm256_add_epi16(pa, pairs(u[G], xr + 4 * G));
-                        pb = _mm256_add_epi16(pb, pairs(u[G + 1], xr + 4 * G + 4));
-                    }
-                    ia = five ? _mm256_add_epi32(widen(pa), widen(pb)) : widen(_mm256_add_epi16(pa, pb));
+                /* 4-bit: all 8 pairs fit in 16 bits; 5-bit: 4 */
+                __m256i pa = pairs(u[0], xr), pb = pairs(u[1], xr + 4);
+                for (int G = 2; G < 8; G += 2) {
+                    pa = _mm256_add_epi16(pa, pairs(u[G], xr + 4 * G));
+                    pb = _mm256_add_epi16(pb, pairs(u[G + 1], xr + 4 * G + 4));
                 }
+                const __m256i ia = five ? _mm256_add_epi32(widen(pa), widen(pb)) : widen(_mm256_add_epi16(pa, pb));
                 const float *sr = sums + (size_t)r * KH + 2 * b;
                 fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), dv, fs[r]);
                 fs[r] = _mm256_fmadd_ps(ov, _mm256_set1_ps(sr[0] + sr[1]), fs[r]);
