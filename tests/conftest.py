@@ -82,6 +82,21 @@ async def post_completions(url: str, jobs) -> list[dict]:
         return await asyncio.gather(*(one(*job) for job in jobs))
 
 
+def assert_drafts_accepted_and_exact(target, drafter, question: str, max_tokens: int) -> None:
+    """Greedy generation of a chat `question` with `drafter` (k=4, fixed size) equals plain decoding,
+    and some of its drafts are accepted (a shipped, trained drafter)."""
+    from specdecode import SamplingParams
+    from specdecode.engine.engine import SpecEngine
+
+    tok = target.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]), add_special=False)
+    params = [SamplingParams(max_tokens=max_tokens)]
+    plain = SpecEngine(target, None, 0).generate([ids], params)[0]
+    spec = SpecEngine(target, drafter, 4, adaptive=False).generate([ids], params)[0]
+    assert spec.output_ids == plain.output_ids
+    assert spec.stats.accepted > 0
+
+
 def assert_tree_paths_match_chains(model, reference, low: int = 0) -> None:
     """Two branches (depth 3 and 2) drafted as one tree after a 12-token prompt: every node's
     logits equal those of its own root-to-node path run as a chain through `reference` (a

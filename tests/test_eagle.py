@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 
+from conftest import assert_drafts_accepted_and_exact
 from specdecode import LLM, SamplingParams
 from specdecode.drafters.format import DrafterMismatchWarning, save_eagle
 from specdecode.drafters.head import EagleHead
@@ -179,19 +180,11 @@ def test_shipped_drafter_for_the_embedded_model(smollm2):
     from specdecode.api import default_method
     from specdecode.drafters.format import shipped_drafter
     from specdecode.drafters.registry import build_drafter
-    from specdecode.engine.engine import SpecEngine
     assert shipped_drafter(smollm2, "eagle") is not None
     assert default_method(None, smollm2) == "ngram"
     drafter = build_drafter("eagle", smollm2)
     assert drafter.matches_target
-    tok = smollm2.tokenizer
-    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
-                     add_special=False)
-    params = [SamplingParams(max_tokens=40)]
-    plain = SpecEngine(smollm2, None, 0).generate([ids], params)[0]
-    spec = SpecEngine(smollm2, drafter, 4, adaptive=False).generate([ids], params)[0]
-    assert spec.output_ids == plain.output_ids
-    assert spec.stats.accepted > 0
+    assert_drafts_accepted_and_exact(smollm2, drafter, "What is the capital of France?", 40)
 
 
 def test_eagle2_reads_the_features_of_the_accepted_path(tiny_models, heads):

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from conftest import assert_drafts_accepted_and_exact
 from specdecode import LLM, SamplingParams
 from specdecode.cli import main
 from specdecode.drafters.base import DrafterError
@@ -245,11 +246,4 @@ def test_shipped_medusa_heads_for_the_embedded_model(smollm2):
     assert shipped_drafter(smollm2, "medusa") is not None
     drafter = build_drafter("medusa", smollm2)
     assert drafter.matches_target and drafter.config.num_heads == 4
-    tok = smollm2.tokenizer
-    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Explain how photosynthesis works."}]),
-                     add_special=False)
-    params = [SamplingParams(max_tokens=48)]
-    plain = SpecEngine(smollm2, None, 0).generate([ids], params)[0]
-    spec = SpecEngine(smollm2, drafter, 4, adaptive=False).generate([ids], params)[0]
-    assert spec.output_ids == plain.output_ids
-    assert spec.stats.accepted > 0
+    assert_drafts_accepted_and_exact(smollm2, drafter, "Explain how photosynthesis works.", 48)
