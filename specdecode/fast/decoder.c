@@ -91,7 +91,7 @@ static inline size_t kv_off(const sd_kv *kv, const int32_t *tab, int j, int h) {
 static inline void mm_part(const sd_model *md, const void *x, int lda, const void *Wp, const sd_qmat *Wq,
                            const float *bias, void *y, int ldy, int M, int N, int Kp, int mode, int t, int nt,
                            int *cfg) {
-    if (Wq) { qmm_part(Wq, (const bf16 *)x, lda, bias, y, ldy, M, mode, t, nt); return; }
+    if (Wq) { qmm_part(Wq, (const bf16 *)x, lda, bias, y, ldy, M, mode, t, nt, cfg); return; }
     int g0, g1;
     split((N + 31) / 32, t, nt, &g0, &g1);
     if (!md->is_bf16) fp32_part((const float *)x, lda, (const float *)Wp, bias, (float *)y, ldy, M, N, Kp, mode, g0, g1);

@@ -35,11 +35,11 @@ from torch import Tensor
 __all__ = ["PackedLinear", "available", "reason", "self_check"]
 
 _SRC = Path(__file__).with_name("kernels.c")
-_SOURCES = (_SRC, *(_SRC.with_name(n) for n in ("decoder.c", "decoder_ops.c", "quant.c", "quant16.c",
+_SOURCES = (_SRC, *(_SRC.with_name(n) for n in ("decoder.c", "decoder_ops.c", "quant.c", "quant16.c", "quant16_amx.c",
                                                   "quant_dequant.c",
                                                   "avx512_compat.h", "quant16_avx2.c")))  # #included
 # -mamx-*: the AMX kernels compile on any x86 CPU; they only run where the CPU has AMX (checked at load)
-_CFLAGS = ["-O3", "-march=native", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared", "-fPIC", "-std=gnu11",
+_CFLAGS = ["-O3", "-march=native", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-fopenmp", "-shared", "-fPIC", "-std=gnu11",
            "-ffp-contract=off", "-Wno-psabi"]
 # CPUs without (all of) AVX512 compile the same kernels through SIMDe (avx512_compat.h): its headers
 # come from Debian's libsimde-dev (/usr/include/simde) or SPECDECODE_SIMDE_INCLUDE=DIR
@@ -126,6 +126,12 @@ def _load() -> dict:
     _state["emulated"] = emulated
     # AMX needs the CPU flags *and* the kernel's permission (arch_prctl XCOMP_PERM).
     _state["amx"] = "avx512_bf16" in flags and {"amx_tile", "amx_bf16"} <= flags and lib.sd_amx_init() == 0
+    # Quantized weights on AMX int8 tiles for passes of several rows (bitwise equal to the VNNI kernels;
+    # SPECDECODE_QAMX=0 keeps VNNI, e.g. to compare the two)
+    lib.sd_q_amx.argtypes = [I]
+    lib.sd_q_amx.restype = I
+    want = _state["amx"] and "amx_int8" in flags and os.environ.get("SPECDECODE_QAMX", "1") != "0"
+    _state["qamx"] = bool(lib.sd_q_amx(int(want)))
     return _state
 
 

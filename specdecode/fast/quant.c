@@ -37,6 +37,11 @@ enum { GQ_Q4_0 = 2, GQ_Q4_1 = 3, GQ_Q5_0 = 6, GQ_Q5_1 = 7, GQ_Q8_0 = 8, GQ_Q4_K 
 
 #define SD_QSEG 4          /* segments (differently quantized row ranges) per matrix: q|k|v */
 #define SD_QROWS 8         /* activation rows sharing one decode of a weight block */
+#ifndef QAMX_MIN_ROWS
+#define QAMX_MIN_ROWS 12   /* rows from which a block of the interleaved layouts runs on AMX tiles: with a
+                              scale per 32 (Q6_K: 16) k every tile product is stored and scaled at once, which
+                              costs as much as VNNI below ~8-12 rows (Sapphire Rapids, 2 threads) */
+#endif
 
 typedef struct {
     int N, K, nseg;
@@ -300,7 +305,7 @@ static q_col_fn q_col_for(int type) {
 /* One thread's share (t of nt) of y[M, N] (op) x[M, K] @ W^T: columns split in groups of 16.
  * Each thread quantizes all M activation rows itself (no barrier needed; the same result). */
 static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias, void *y, int ldy, int M,
-                     int mode, int t, int nt) {
+                     int mode, int t, int nt, int *cfg) {
     const int K = W->K, NC = (K + 255) / 256, KH = K / 16, esz = out_esz(mode);
     const size_t need = (size_t)M * K + ((size_t)M * (NC + KH) + 32) * 4 + 128;
     if (q_scratch_cap < need) {
@@ -314,19 +319,27 @@ static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias
     q_quantize_rows(x, lda, M, K, xq, dq, sums);
     int g0, g1;
     split((W->N + 15) / 16, t, nt, &g0, &g1);
-    float acc[SD_QROWS * 16] __attribute__((aligned(64)));
+    float acc[16 * 16] __attribute__((aligned(64)));
     float res[SD_QROWS];
+    /* AMX tiles for blocks of QAMX_MIN_ROWS..16 rows of the interleaved layouts (the same results as the
+     * VNNI kernels: quant16_amx.c) */
+    const int amx = SD_QAMX && q_amx_on && M >= QAMX_MIN_ROWS;
     for (int g = g0; g < g1; g++) {
         int s = 0;                           /* the segment of the group's first column */
         while (g * 16 >= W->n_end[s]) s++;
         const size_t gb = q16_group_bytes(W->type[s], K);    /* an interleaved segment: 16-aligned */
         const uint8_t *grp = gb ? W->data[s] + (size_t)(g * 16 - (s ? W->n_end[s - 1] : 0)) / 16 * gb : NULL;
-        for (int m0 = 0; m0 < M; m0 += SD_QROWS) {
-            const int R = M - m0 < SD_QROWS ? M - m0 : SD_QROWS;
+        const int chunk = amx && grp ? 16 : SD_QROWS;
+        for (int m0 = 0; m0 < M; m0 += chunk) {
+            const int R = M - m0 < chunk ? M - m0 : chunk;
             const int8_t *xm = xq + (size_t)m0 * K;
             const float *dm = dq + (size_t)m0 * NC, *sm = sums + (size_t)m0 * KH;
             memset(acc, 0, sizeof acc);
-            if (grp) {
+            if (grp && amx && R >= QAMX_MIN_ROWS) {
+#if SD_QAMX
+                q16_rows_amx(W->type[s], grp, K, xm, dm, sm, R, acc, cfg);
+#endif
+            } else if (grp) {
                 q16_rows(W->type[s], grp, K, xm, dm, sm, R, acc);
             } else {
                 for (int c = 0; c < 16 && g * 16 + c < W->N; c++) {
@@ -352,7 +365,12 @@ int sd_qlinear(const sd_qmat *W, const bf16 *x, int lda, const float *bias, void
     for (int s = 0; s < W->nseg; s++)
         if (!q_block_ok(W->type[s])) return -1;
 #pragma omp parallel num_threads(nthreads)
-    qmm_part(W, x, lda, bias, y, ldy, M, out_bf16 ? OUT_BF16 : OUT_F32, omp_get_thread_num(), omp_get_num_threads());
+    {
+        int cfg = -1;
+        qmm_part(W, x, lda, bias, y, ldy, M, out_bf16 ? OUT_BF16 : OUT_F32, omp_get_thread_num(),
+                 omp_get_num_threads(), &cfg);
+        if (cfg >= 0) _tile_release();
+    }
     return 0;
 }
 

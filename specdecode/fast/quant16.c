@@ -186,6 +186,8 @@ leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *
 #include "quant16_avx2.c"   /* the three kernels above on 8-column halves */
 #endif
 
+#include "quant16_amx.c"    /* the same kernels on AMX int8 tiles, for verify passes */
+
 static void leg16_rows(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums,
                        int R, float *out) {
 #define LEG16(T)                                                                                      \

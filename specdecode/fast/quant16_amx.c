@@ -1,0 +1,206 @@
+/* specdecode/fast/quant16_amx.c -- the 16-column kernels of quant16.c on AMX int8 tiles (included by quant16.c)
+ *
+ * Past one row the VNNI kernels are compute-bound: one VPDPBUSD per row per 64 products.  Here one
+ * TDPBSUD computes the exact int32 dot products of up to 16 activation rows with 16 weight columns over
+ * one scale block (32 k; Q6_K: 16 k):
+ *   A = the activation rows (int8, q_quantize_rows' layout, row stride K), R x 32 (or 16) bytes;
+ *   B = the weights of the block as unsigned bytes: the interleaved layouts already are AMX's B layout
+ *       (vector G holds columns 0..15 x k 4G..4G+3), 4-bit ones after splitting their nibbles.
+ * The int32 tiles are stored and scaled with exactly the fp32 operations of the VNNI kernel, in the same
+ * order; an integer dot product is exact whichever instruction sums it, so every output equals the VNNI
+ * kernel's bit for bit, for any row count: batch invariance holds across the two paths.
+ *
+ * Tiles: 0..3 C (R x 16 int32); 4, 5 A (R x KB int8); 6, 7 B (KB / 4 x 64 u8), KB = 32 (Q6_K: 16).  Two
+ * A / B pairs alternate so that consecutive tile products do not wait for each other's operands.
+ */
+
+#if defined(__AVX512F__) && defined(__AMX_INT8__)
+#define SD_QAMX 1
+#define QAMX_CFG(KB, R) (1000 * (KB) + (R))   /* value of the per-thread tile-config cache */
+
+static int q_amx_on;           /* set by sd_q_amx() once the process may use AMX tiles */
+
+/* Turn the AMX int8 path on (1) or off (0); returns whether it is on (needs AMX-INT8 at build time). */
+int sd_q_amx(int on) { q_amx_on = on != 0; return q_amx_on; }
+
+static void qamx_config(int KB, int R, int *cfg) {
+    if (*cfg == QAMX_CFG(KB, R)) return;
+    tilecfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 4; i++) { c.rows[i] = (uint8_t)R; c.colsb[i] = 64; }
+    for (int i = 4; i < 6; i++) { c.rows[i] = (uint8_t)R; c.colsb[i] = (uint16_t)KB; }
+    for (int i = 6; i < 8; i++) { c.rows[i] = (uint8_t)(KB / 4); c.colsb[i] = 64; }
+    _tile_loadconfig(&c);
+    *cfg = QAMX_CFG(KB, R);
+}
+
+/* CI = A(X + KB j) . B, exact int32 [R][16]: C tile T, operands in tiles TA, TB (literals) */
+#define QAMX_DOT(KB, j, T, TA, TB, X, B, LDX, CI)                                                     \
+    do {                                                                                              \
+        _tile_loadd(TA, (X) + (KB) * (j), (LDX));                                                     \
+        _tile_loadd(TB, (B), 64);                                                                     \
+        _tile_zero(T);                                                                                \
+        _tile_dpbsud(T, TA, TB);                                                                      \
+        _tile_stored(T, (CI), 64);                                                                    \
+    } while (0)
+
+/* Split 4 vectors of packed nibbles (low: k group 2t, high: 2t + 1) into 8 B rows at dst */
+static inline void qamx_nibbles(const uint8_t *q, uint8_t *dst) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int t = 0; t < 4; t++) {
+        const __m512i v = _mm512_loadu_si512(q + 64 * t);
+        _mm512_store_si512(dst + 128 * t, _mm512_and_si512(v, m4));
+        _mm512_store_si512(dst + 128 * t + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+    }
+}
+
+static void q4k16_amx(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R,
+                      float *out, int *cfg) {
+    const int NC = K / 256, KH = K / 16;
+    uint8_t bb[8][512] __attribute__((aligned(64)));
+    int32_t ci[8][16 * 16] __attribute__((aligned(64)));
+    __m512 acc[16];
+    qamx_config(32, R, cfg);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int c = 0; c < NC; c++) {
+        const uint8_t *sb = grp + (size_t)c * Q4K16_BYTES;
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32)));
+        __m512 scj[8], mnj[8];
+        for (int j = 0; j < 8; j++) {
+            scj[j] = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb + 64 + 16 * j)))));
+            mnj[j] = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb + 192 + 16 * j)))));
+            qamx_nibbles(sb + 320 + 256 * j, bb[j]);
+        }
+        const int8_t *x = xq + 256 * c;
+        for (int j = 0; j < 8; j += 4) {
+            QAMX_DOT(32, j, 0, 4, 6, x, bb[j], K, ci[j]);
+            QAMX_DOT(32, j + 1, 1, 5, 7, x, bb[j + 1], K, ci[j + 1]);
+            QAMX_DOT(32, j + 2, 2, 4, 6, x, bb[j + 2], K, ci[j + 2]);
+            QAMX_DOT(32, j + 3, 3, 5, 7, x, bb[j + 3], K, ci[j + 3]);
+        }
+        for (int r = 0; r < R; r++) {       /* q4k16_group's fp32 operations, in its order */
+            __m512 fs = _mm512_setzero_ps();
+            const float *sr = sums + (size_t)r * KH + 16 * c;
+            for (int j = 0; j < 8; j++) {
+                fs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ci[j] + 16 * r)), scj[j], fs);
+                fs = _mm512_fnmadd_ps(mnj[j], _mm512_set1_ps(sr[2 * j] + sr[2 * j + 1]), fs);
+            }
+            acc[r] = _mm512_fmadd_ps(fs, _mm512_set1_ps(dq[(size_t)r * NC + c]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+static void q6k16_amx(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R,
+                      float *out, int *cfg) {
+    const int NC = K / 256, KH = K / 16;
+    uint8_t bb[16][256] __attribute__((aligned(64)));
+    int32_t ci[16][16 * 16] __attribute__((aligned(64)));
+    float scs[16][16] __attribute__((aligned(64))), off[16][16] __attribute__((aligned(64)));
+    __m512 acc[16];
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
+    qamx_config(16, R, cfg);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int c = 0; c < NC; c++) {
+        const uint8_t *sb = grp + (size_t)c * Q6K16_BYTES;
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
+        for (int s = 0; s < 16; s++) {
+            const __m512 sc = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sb + 32 + 16 * s)))));
+            _mm512_store_ps(scs[s], sc);
+            _mm512_store_ps(off[s], _mm512_mul_ps(sc, _mm512_set1_ps(32.f)));
+            const uint8_t *q = sb + 288 + 192 * s;
+            const __m512i a = _mm512_loadu_si512(q), b = _mm512_loadu_si512(q + 64), h = _mm512_loadu_si512(q + 128);
+            _mm512_store_si512(bb[s], _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m2)));
+            _mm512_store_si512(bb[s] + 64, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4), _mm512_and_si512(_mm512_slli_epi16(h, 2), m2)));
+            _mm512_store_si512(bb[s] + 128, _mm512_or_si512(_mm512_and_si512(b, m4), _mm512_and_si512(h, m2)));
+            _mm512_store_si512(bb[s] + 192, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), m4), _mm512_and_si512(_mm512_srli_epi16(h, 2), m2)));
+        }
+        const int8_t *x = xq + 256 * c;
+        for (int s = 0; s < 16; s += 4) {
+            QAMX_DOT(16, s, 0, 4, 6, x, bb[s], K, ci[s]);
+            QAMX_DOT(16, s + 1, 1, 5, 7, x, bb[s + 1], K, ci[s + 1]);
+            QAMX_DOT(16, s + 2, 2, 4, 6, x, bb[s + 2], K, ci[s + 2]);
+            QAMX_DOT(16, s + 3, 3, 5, 7, x, bb[s + 3], K, ci[s + 3]);
+        }
+        for (int r = 0; r < R; r++) {       /* q6k16_group's fp32 operations, in its order */
+            __m512 fs = _mm512_setzero_ps();
+            const float *sr = sums + (size_t)r * KH + 16 * c;
+            for (int s = 0; s < 16; s++) {
+                fs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ci[s] + 16 * r)), _mm512_load_ps(scs[s]), fs);
+                fs = _mm512_fnmadd_ps(_mm512_load_ps(off[s]), _mm512_set1_ps(sr[s]), fs);
+            }
+            acc[r] = _mm512_fmadd_ps(fs, _mm512_set1_ps(dq[(size_t)r * NC + c]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+/* The 32-block formats (leg16_group's layouts), 8 blocks (one activation chunk) at a time */
+static void leg16_amx(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums,
+                      int R, float *out, int *cfg) {
+    const int NC = (K + 255) / 256, KH = K / 16, KB = K / 32, BB = leg16_bytes(type);
+    const int has_m = type == GQ_Q4_116 || type == GQ_Q5_116, five = type == GQ_Q5_016 || type == GQ_Q5_116;
+    const float center = type == GQ_Q4_016 ? -8.f : type == GQ_Q5_016 ? -16.f : type == GQ_Q8_016 ? -128.f : 0.f;
+    uint8_t bb[8][512] __attribute__((aligned(64)));
+    int32_t ci[8][16 * 16] __attribute__((aligned(64)));
+    float dvs[8][16] __attribute__((aligned(64))), ovs[8][16] __attribute__((aligned(64)));
+    __m512 acc[16];
+    const __m512i b16 = _mm512_set1_epi8(16);
+    qamx_config(32, R, cfg);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int c = 0; c < NC; c++) {
+        const int nb = KB - 8 * c < 8 ? KB - 8 * c : 8;
+        const uint8_t *bw[8];
+        for (int i = 0; i < nb; i++) {
+            const uint8_t *blk = grp + (size_t)(8 * c + i) * BB, *q = blk + 32 + 32 * has_m;
+            const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+            _mm512_store_ps(dvs[i], dv);
+            _mm512_store_ps(ovs[i], has_m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
+                                          : _mm512_mul_ps(dv, _mm512_set1_ps(center)));
+            if (type == GQ_Q8_016) { bw[i] = q; continue; }    /* already B rows: int8 + 128 */
+            qamx_nibbles(q, bb[i]);
+            if (five)
+                for (int G = 0; G < 8; G++) {
+                    uint64_t hb;
+                    memcpy(&hb, q + 256 + 8 * G, 8);
+                    const __m512i u = _mm512_load_si512(bb[i] + 64 * G);
+                    _mm512_store_si512(bb[i] + 64 * G, _mm512_or_si512(u, _mm512_maskz_mov_epi8(_cvtu64_mask64(hb), b16)));
+                }
+            bw[i] = bb[i];
+        }
+        const int8_t *x = xq + 256 * c;
+        int i = 0;
+        for (; i + 4 <= nb; i += 4) {
+            QAMX_DOT(32, i, 0, 4, 6, x, bw[i], K, ci[i]);
+            QAMX_DOT(32, i + 1, 1, 5, 7, x, bw[i + 1], K, ci[i + 1]);
+            QAMX_DOT(32, i + 2, 2, 4, 6, x, bw[i + 2], K, ci[i + 2]);
+            QAMX_DOT(32, i + 3, 3, 5, 7, x, bw[i + 3], K, ci[i + 3]);
+        }
+        for (; i < nb; i++) QAMX_DOT(32, i, 0, 4, 6, x, bw[i], K, ci[i]);
+        for (int r = 0; r < R; r++) {       /* leg16_group's fp32 operations, in its order */
+            __m512 fs = _mm512_setzero_ps();
+            const float *sr = sums + (size_t)r * KH + 16 * c;
+            for (int b = 0; b < nb; b++) {
+                fs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ci[b] + 16 * r)), _mm512_load_ps(dvs[b]), fs);
+                fs = _mm512_fmadd_ps(_mm512_load_ps(ovs[b]), _mm512_set1_ps(sr[2 * b] + sr[2 * b + 1]), fs);
+            }
+            acc[r] = _mm512_fmadd_ps(fs, _mm512_set1_ps(dq[(size_t)r * NC + c]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+/* R <= 16 rows against one 16-column group on tiles (any interleaved type) */
+static void q16_rows_amx(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums,
+                         int R, float *out, int *cfg) {
+    if (type == GQ_Q4_K16) q4k16_amx(grp, K, xq, dq, sums, R, out, cfg);
+    else if (type == GQ_Q6_K16) q6k16_amx(grp, K, xq, dq, sums, R, out, cfg);
+    else leg16_amx(type, grp, K, xq, dq, sums, R, out, cfg);
+}
+
+#else
+#define SD_QAMX 0
+int sd_q_amx(int on) { (void)on; return 0; }
+#endif
