@@ -268,3 +268,18 @@ def test_fused_logit_rows_may_repeat_past_the_row_limit(tiny_models):
     assert torch.equal(logits, full.gather(1, index[:, :, None].expand(-1, -1, full.shape[-1])))
     one = model.forward(tokens[:1, :1], model.new_cache(1, 40), 0, logit_index=torch.zeros(1, 80, dtype=torch.long))
     assert one.shape == (1, 80, c.vocab_size) and torch.equal(one[0, 5], full[0, 0])
+
+
+def test_weight_buffers_are_huge_page_aligned(monkeypatch):
+    """Packed weights get their own 2 MB-aligned range (madvise'd for transparent huge pages);
+    small ones and SPECDECODE_HUGEPAGES=0 get a plain torch.empty."""
+    from specdecode.fast.linear import weight_empty
+    big = weight_empty(5 << 20, torch.bfloat16)
+    assert big.shape == (5 << 20,) and big.dtype == torch.bfloat16 and big.is_contiguous()
+    assert big.data_ptr() % (2 << 20) == 0
+    big.fill_(1.5)
+    assert float(big.float().sum()) == 1.5 * (5 << 20)
+    small = weight_empty(1000, torch.uint8)
+    assert small.shape == (1000,) and small.dtype == torch.uint8
+    monkeypatch.setenv("SPECDECODE_HUGEPAGES", "0")
+    assert weight_empty(5 << 20, torch.uint8).untyped_storage().nbytes() == 5 << 20

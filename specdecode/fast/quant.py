@@ -215,7 +215,8 @@ class QuantLinear:
                 or os.environ.get("SPECDECODE_Q16", "1") == "0"):
             return qtype, data
         n = data.shape[0]
-        packed = torch.empty(n // 16, K * INTERLEAVED[qtype][1] // 256, dtype=torch.uint8)
+        row_bytes = K * INTERLEAVED[qtype][1] // 256
+        packed = _lin.weight_empty(n // 16 * row_bytes, torch.uint8).view(n // 16, row_bytes)
         self._lib.sd_repack16(qtype, data.data_ptr(), data.shape[1], K, n, packed.data_ptr())
         self._packed.append(packed)
         return INTERLEAVED[qtype][0], packed
