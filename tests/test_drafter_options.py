@@ -46,3 +46,19 @@ def test_options_reach_the_drafter(tiny_models):
     from specdecode import LLM
     llm = LLM(model=str(tiny_models["llama"]), method="ngram", dtype="fp32", progress=False, ngram_max=2)
     assert llm.drafter.ngram_max == 2
+
+
+def test_draft_head_over_frequent_ids_is_lossless(tiny_models):
+    """head_vocab: the draft model's LM head over the first token ids only; greedy output stays the
+    target's, and a value that is not a multiple of 32 within the vocabulary is refused by name."""
+    from specdecode import LLM, SamplingParams
+    target, draft = str(tiny_models["llama"]), str(tiny_models["llama_draft"])
+    llm = LLM(model=target, draft=draft, method="model", dtype="fp32", progress=False, head_vocab=64)
+    assert llm.drafter.head_vocab == 64
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = ["hello world", "the quick brown fox"]
+    plain = llm.generate(prompts, params, num_speculative_tokens=0)
+    spec = llm.generate(prompts, params, num_speculative_tokens=4)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    with pytest.raises(DrafterError, match="head_vocab must be 0"):
+        LLM(model=target, draft=draft, method="model", dtype="fp32", progress=False, head_vocab=100)

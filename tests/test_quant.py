@@ -115,8 +115,9 @@ def test_unsupported_shapes_are_refused_clearly():
         QuantWeight.from_blocks(1, np.zeros((2, 64), np.uint8), (2, 32))
 
 
-def _quantized_tiny(folder, qtypes=(8, 2)):
-    """A tiny Llama whose projections are quantized (alternating formats) with the gguf package."""
+def _quantized_tiny(folder, qtypes=(8, 2), head=False):
+    """A tiny Llama whose projections (and LM head if `head`) are quantized (alternating formats)
+    with the gguf package."""
     from gguf.quants import quantize
 
     from specdecode.fast import make_linear
@@ -128,7 +129,7 @@ def _quantized_tiny(folder, qtypes=(8, 2)):
     weights = read_weights(folder, torch.float32, torch.device("cpu"), progress=False)
     quantized = {}
     for i, (name, w) in enumerate(sorted(weights.items())):
-        if name.endswith("proj.weight"):
+        if name.endswith("proj.weight") or (head and name == "lm_head.weight"):
             qtype = qtypes[i % len(qtypes)]
             quantized[name] = QuantWeight.from_blocks(qtype, quantize(w.numpy(), qtype), tuple(w.shape))
         else:
@@ -274,3 +275,22 @@ def test_amx_tiles_equal_vnni_kernels_bitwise(qtype):
             assert torch.equal(y, lin(x[:n])), f"{NATIVE_TYPES[qtype]} n={n}"
     finally:
         st["lib"].sd_q_amx(1)
+
+
+@needs_quant
+@pytest.mark.parametrize("quantized_head", [False, True])
+def test_head_over_the_first_token_ids_is_a_prefix_of_the_whole_head(tmp_path, one_thread, quantized_head):
+    """logits(..., vocab=V) (a draft's frequent-vocabulary head) equals the whole head's first V
+    logits bitwise, dense or quantized head; a vocab that is not a multiple of 32 is refused."""
+    folder = make_model(tmp_path / "m", "llama", seed=7, layers=1, hidden=128, heads=4, kv_heads=2, tie=False)
+    config, _, model = _quantized_tiny(folder, head=quantized_head)
+    assert model.fused is not None and isinstance(model.lm_head, QuantLinear) == quantized_head
+    tokens = torch.randint(0, config.vocab_size, (1, 9))
+    hidden = model.run(__import__("specdecode.forward", fromlist=["ForwardBatch"]).ForwardBatch.chain(tokens, 0),
+                       model.new_cache(1, 32))
+    index = torch.tensor([[0, 4, 8]])
+    whole = model.logits(hidden, index)
+    for vocab in (32, 128, 256):
+        assert torch.equal(model.logits(hidden, index, vocab=vocab), whole[..., :vocab])
+    with pytest.raises(ValueError, match="vocab must be a positive multiple of 32"):
+        model.logits(hidden, index, vocab=100)

@@ -49,11 +49,12 @@ class SkipView:
     def run(self, fb: ForwardBatch, cache) -> torch.Tensor:
         return self.base.run(fb, cache, skip=self.skip)
 
-    def logits(self, hidden: torch.Tensor, logit_index: torch.Tensor | None = None) -> torch.Tensor:
-        return self.base.logits(hidden, logit_index)
+    def logits(self, hidden: torch.Tensor, logit_index: torch.Tensor | None = None,
+               vocab: int | None = None) -> torch.Tensor:
+        return self.base.logits(hidden, logit_index, vocab)
 
-    def forward(self, tokens, cache, start, rows=None, logit_index=None) -> torch.Tensor:
-        return self.logits(self.run(ForwardBatch.chain(tokens, start, rows, logit_index), cache), logit_index)
+    def forward(self, tokens, cache, start, rows=None, logit_index=None, vocab=None) -> torch.Tensor:
+        return self.logits(self.run(ForwardBatch.chain(tokens, start, rows, logit_index), cache), logit_index, vocab)
 
 
 @torch.inference_mode()

@@ -183,6 +183,7 @@ class FusedDecoder:
         self._head_fn = head_fn
         self._cache_key = None
         self._scores = torch.empty(0)
+        self._vocab_refs: dict = {}          # vocab -> (sd_model reference, what it points to)
 
     def _kept(self, per_layer: list) -> list:
         """The entries of a per-layer list (weights, cache tensors) for the layers this decoder runs."""
@@ -247,11 +248,39 @@ class FusedDecoder:
             hidden[0, c0:c0 + Tc] = self._scratch["hid"][:Tc]    # the stack leaves them in its scratch
         return hidden
 
+    def _vocab_model(self, vocab: int):
+        """A reference to this decoder's sd_model with an LM head over token ids 0..vocab-1 only (the
+        first rows of the head matrix: a prefix of its packed 32- / 16-column groups), built once."""
+        if vocab not in self._vocab_refs:
+            m = _Model.from_buffer_copy(self._m)
+            m.V = vocab
+            keep = [m]
+            if self._m.head_q:
+                full = self.model.lm_head.qmat
+                q = type(full).from_buffer_copy(full)
+                q.N = vocab
+                for i in range(full.nseg):
+                    if full.n_end[i] >= vocab:
+                        q.n_end[i], q.nseg = vocab, i + 1
+                        break
+                m.head_q = ctypes.addressof(q)
+                keep.append(q)
+            self._vocab_refs[vocab] = (ctypes.byref(m), keep)
+        return self._vocab_refs[vocab][0]
+
     def head(self, hidden: Tensor,                       # [B, T, D] model dtype, before the final norm
              logit_index: Tensor | None = None,          # [B, n] rows 0..T-1 that need logits; None = all
+             vocab: int | None = None,                   # logits of token ids 0..vocab-1 only (a multiple of 32)
              ) -> Tensor:                                # [B, n, vocab] float32
         """Final norm and LM head on the rows asked for; each distinct row once (the engine repeats
-        a row's last position for missing drafts), at most MAX_T rows per native call."""
+        a row's last position for missing drafts), at most MAX_T rows per native call. `vocab`: a
+        head over the first token ids only (a draft's frequent-vocabulary head: it reads that share of
+        the head matrix)."""
+        width, mref = self.vocab, self._mref
+        if vocab is not None and vocab < self.vocab:
+            if vocab < 32 or vocab % 32:
+                raise ValueError(f"vocab must be a positive multiple of 32, got {vocab}")
+            width, mref = vocab, self._vocab_model(vocab)
         B, T, D = hidden.shape
         if hidden.dtype != self.dtype:
             raise ValueError(f"hidden states are {hidden.dtype}, the model computes in {self.dtype}")
@@ -274,17 +303,17 @@ class FusedDecoder:
             where = {r: i for i, r in enumerate(uniq)}
             inverse = torch.tensor([where[w] for w in wanted])
         rows = rows.contiguous()
-        logits = torch.empty(rows.shape[0], self.vocab, dtype=torch.float32)
+        logits = torch.empty(rows.shape[0], width, dtype=torch.float32)
         nt = torch.get_num_threads()
         for c0 in range(0, rows.shape[0], MAX_T):
             m = min(MAX_T, rows.shape[0] - c0)
-            rc = self._head_fn(self._mref, rows.data_ptr() + c0 * D * rows.element_size(), m,
-                               logits.data_ptr() + c0 * self.vocab * 4, nt)
+            rc = self._head_fn(mref, rows.data_ptr() + c0 * D * rows.element_size(), m,
+                               logits.data_ptr() + c0 * width * 4, nt)
             if rc != 0:
                 raise ValueError("sd_decoder_head rejected its arguments")
         if inverse is not None:                  # repeated or unordered rows: copies
             logits = logits[inverse]
-        return logits.view(B, n, self.vocab)
+        return logits.view(B, n, width)
 
     def _bind_layout(self, lay):
         """Layer base pointers of a layout's cache tensors, checked and built once per cache."""

@@ -69,16 +69,18 @@ class HFAdapter:
 
     def logits(self, states: torch.Tensor,              # [B, T, vocab] from `run`
                logit_index: torch.Tensor | None = None,  # [B, n]
+               vocab: int | None = None,                # token ids 0..vocab-1 only (a slice here)
                ) -> torch.Tensor:                       # [B, n, vocab] float32
-        if logit_index is None:
-            return states
-        return torch.gather(states, 1, logit_index.to(states.device)[:, :, None].expand(-1, -1, states.shape[-1]))
+        if logit_index is not None:
+            states = torch.gather(states, 1, logit_index.to(states.device)[:, :, None].expand(-1, -1, states.shape[-1]))
+        return states if vocab is None else states[..., :vocab]
 
     def forward(self, tokens: torch.Tensor,            # [B, T]
                 cache: AdapterCache, start, rows: torch.Tensor | None = None,
                 logit_index: torch.Tensor | None = None,  # [B, n]
+                vocab: int | None = None,
                 ) -> torch.Tensor:                     # [B, n, vocab] float32
-        return self.logits(self._pass(tokens, cache, start, rows), logit_index)
+        return self.logits(self._pass(tokens, cache, start, rows), logit_index, vocab)
 
     @torch.inference_mode()
     def _pass(self, tokens: torch.Tensor, cache: AdapterCache, start, rows: torch.Tensor | None) -> torch.Tensor:

@@ -39,7 +39,8 @@ class CausalLM(Protocol):
 
     def logits(self, hidden: torch.Tensor,                               # [B, T, D] from run
                logit_index: torch.Tensor | None = None,                  # [B, n]; None = all
+               vocab: int | None = None,                                 # ids 0..vocab-1 only
                ) -> torch.Tensor: ...                                    # [B, n, vocab] float32
 
     def forward(self, tokens: torch.Tensor, cache, start, rows: torch.Tensor | None = None,
-                logit_index: torch.Tensor | None = None) -> torch.Tensor: ...
+                logit_index: torch.Tensor | None = None, vocab: int | None = None) -> torch.Tensor: ...

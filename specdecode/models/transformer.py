@@ -224,9 +224,11 @@ class Transformer:
                 start: int | torch.Tensor,            # slot of tokens[:, 0]: int (all rows) or [B]
                 rows: torch.Tensor | None = None,     # [B] cache rows; None = rows 0..B-1 of the cache
                 logit_index: torch.Tensor | None = None,  # [B, n] positions in 0..T-1 that need logits; None = all
+                vocab: int | None = None,             # logits of token ids 0..vocab-1 only (see `logits`)
                 ) -> torch.Tensor:                    # [B, n, vocab] float32
         """A chain pass and its logits: `logits(run(ForwardBatch.chain(...)), logit_index)`."""
-        return self.logits(self.run(ForwardBatch.chain(tokens, start, rows, logit_index), cache), logit_index)
+        return self.logits(self.run(ForwardBatch.chain(tokens, start, rows, logit_index), cache), logit_index,
+                           vocab)
 
     def _run_fused(self, fb: ForwardBatch, cache: KVCache, skip: frozenset[int]) -> torch.Tensor | None:
         """The pass in the fused native decoder when it takes it (batch-1 chains by their own entry,
@@ -303,13 +305,19 @@ class Transformer:
     def logits(self,
                hidden: torch.Tensor,                    # [B, T, D] from `run`
                logit_index: torch.Tensor | None = None,  # [B, n] token indices 0..T-1; None = all
+               vocab: int | None = None,                # token ids 0..vocab-1 only (a multiple of 32)
                ) -> torch.Tensor:                       # [B, n, vocab] float32
-        """Final norm and LM head on the rows asked for (each row as in a pass of any size)."""
+        """Final norm and LM head on the rows asked for (each row as in a pass of any size).
+        `vocab`: only the first token ids' logits (a draft's frequent-vocabulary head; the fused
+        decoder then reads only that share of the head matrix)."""
+        if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 32 or vocab % 32):
+            raise ValueError(f"vocab must be a positive multiple of 32, got {vocab!r}")
         if self.fused is not None:
-            return self.fused.head(hidden, logit_index)
+            return self.fused.head(hidden, logit_index, vocab)
         if logit_index is not None:
             hidden = torch.gather(hidden, 1, logit_index[:, :, None].expand(-1, -1, hidden.shape[-1]))
-        return self._final(hidden)
+        logits = self._final(hidden)
+        return logits if vocab is None else logits[..., :vocab].contiguous()
 
     def _final(self, hidden: torch.Tensor) -> torch.Tensor:   # [B, n, D] -> [B, n, vocab] float32
         """The eager final norm and LM head (a family's own in its subclass)."""
