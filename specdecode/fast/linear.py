@@ -66,12 +66,22 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def _qprefetch_bytes() -> int:
+    """How far ahead the quantized kernels prefetch weights (0 = not at all): SPECDECODE_QPREFETCH.
+    Off by default: on AMD Zen 4 the hardware prefetcher alone is faster (1.5B step 43 -> 31 ms
+    without); on a 2-core Sapphire Rapids 4096 left the 1-row step unchanged (53 ms) and made
+    4-row passes ~5-8% cheaper."""
+    value = os.environ.get("SPECDECODE_QPREFETCH", "0")
+    return int(value) if value.isdigit() else 0
+
+
 def _compile() -> Path:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not cc:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(_CFLAGS + [cc, version]).encode()).hexdigest()[:16]
+    flags = _CFLAGS + [f"-DSD_QPREFETCH={_qprefetch_bytes()}"]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(flags + [cc, version]).encode()).hexdigest()[:16]
     so = _CACHE / f"kernels-{key}.so"
     if so.exists():
         return so
@@ -79,7 +89,7 @@ def _compile() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=_CACHE)  # build then rename: safe vs. races
     os.close(fd)
     include = os.environ.get("SPECDECODE_SIMDE_INCLUDE")
-    r = subprocess.run([cc, *_CFLAGS, *([f"-I{include}"] if include else []), str(_SRC), "-o", tmp],
+    r = subprocess.run([cc, *flags, *([f"-I{include}"] if include else []), str(_SRC), "-o", tmp],
                        capture_output=True, text=True)
     if r.returncode != 0:
         os.unlink(tmp)

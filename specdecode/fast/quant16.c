@@ -22,12 +22,13 @@
 #define Q4K16_BYTES 2368
 #define Q6K16_BYTES 3360
 
-/* Software prefetch in the quantized kernels (the dense kernels' prefetch() is tuned for bf16) */
+/* Software prefetch in the quantized kernels, SD_QPREFETCH bytes ahead of each block (0 = none; the
+ * dense kernels' prefetch() is tuned for bf16).  Set at build time from SPECDECODE_QPREFETCH (linear.py). */
 #ifndef SD_QPREFETCH
 #define SD_QPREFETCH 0
 #endif
 #if SD_QPREFETCH
-#define qprefetch(p) prefetch(p)
+#define qprefetch(p) __asm__ volatile("prefetcht0 %0" : : "m"(*((const char *)(p) + SD_QPREFETCH)))
 #else
 #define qprefetch(p) ((void)(p))
 #endif
