@@ -99,7 +99,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", default=None, help="draft model (.gguf or HF directory) sharing the target's tokenizer")
     g.add_argument("--method", default=None, choices=method_choices(),
                    help="drafter (default: model with --draft, cascade with --drafter, else ngram; eagle and "
-                        "cascade use the drafter shipped for the embedded model when no --drafter is given; "
+                        "cascade use the drafter shipped for the embedded model when no --drafter is given (cascade "
+                        "with --draft: prompt lookup, else the draft model); "
                         "drafters registered by other packages are listed too)")
     g.add_argument("--drafter", default=None, metavar="DIR",
                    help="trained drafter directory from `specdecode distill` (methods eagle, cascade)")

@@ -137,6 +137,25 @@ def test_speculative_sampling_matches_plain_distribution(setup):
     assert tv < TV_MAX, (p_value, tv)
 
 
+def test_cascade_with_draft_model_sampling_matches_plain_distribution(setup, models):
+    """The cascade over the draft model: lookup rows (one-hot) and draft-model rows (its sampled
+    distribution) in the same runs keep the target's distribution."""
+    from specdecode.drafters.registry import build_drafter
+    llm, prompt, exact = setup
+    spec = LLM.__new__(LLM)
+    spec.__dict__.update(llm.__dict__)
+    spec.drafter = build_drafter("cascade", llm.target, draft=llm.draft, ngram_min=1, ngram_max=2)
+    spec.method = "cascade"
+    n = 20_000
+    counts, acceptance = draw(spec, prompt, n, K, seed0=4_000_000)
+    p_value, tv, outside = compare(counts, exact)
+    assert acceptance > 0.01, acceptance
+    assert spec.drafter.lookup_steps > 0 and spec.drafter.head_steps > 0
+    assert outside == 0
+    assert p_value > P_MIN, (p_value, tv)
+    assert tv < tv_bound(n), (p_value, tv)
+
+
 def test_detects_draft_distribution(setup, models):
     """Negative control 1: plain sampling from the draft model is rejected."""
     _, prompt, exact = setup

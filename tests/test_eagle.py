@@ -208,3 +208,17 @@ def test_eagle2_reads_the_features_of_the_accepted_path(tiny_models, heads):
     drafter.propose = spy
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=30, ignore_eos=True), num_speculative_tokens=12)[0]
     assert len(checked) > 3 and out.stats["steps"] < 30
+
+
+def test_cascade_with_a_draft_model_greedy_equals_plain(tiny_models):
+    """With --draft the cascade's second drafter is that model (lookup rows and model rows in one
+    batch; a row the model skipped catches up on its next draft); greedy output stays the target's."""
+    llm = LLM(model=str(tiny_models["llama"]), draft=str(tiny_models["llama_draft"]), method="cascade",
+              dtype="fp32", progress=False, ngram_min=2, ngram_max=4, adaptive=False, head_vocab=64)
+    assert llm.drafter.draft_model() is not None and llm.drafter.capabilities.relative_cost > 0.05
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    plain = llm.generate(PROMPTS, params, num_speculative_tokens=0)
+    for k in (1, 4):
+        spec = llm.generate(PROMPTS, params, num_speculative_tokens=k)
+        assert [s.token_ids for s in spec] == [p.token_ids for p in plain], k
+    assert llm.drafter.lookup_steps > 0 and llm.drafter.head_steps > 0

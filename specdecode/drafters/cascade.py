@@ -1,10 +1,12 @@
-"""Cascade drafting: prompt lookup where the text repeats itself, the trained EAGLE head elsewhere.
+"""Cascade drafting: prompt lookup where the text repeats itself, a model drafter elsewhere: the
+trained EAGLE head, or with a draft model (`--draft`) that model.
 
 Per row and step: if the row's last `ngram_min`..`ngram_max` tokens occur earlier in its text,
 the lookup continuation is the draft (free, and long when the answer copies the prompt, as in
-summarization or RAG); otherwise the EAGLE head drafts (about one target layer per token). A row
-the head skipped catches up on the next step it drafts: the head's cache is position-addressed
-and its catch-up pass recomputes every slot the target has seen since (see eagle.py).
+summarization or RAG); otherwise the second drafter drafts (the EAGLE head: about one target layer
+per token; a draft model: its own step per token). A row it skipped catches up on the next step it
+drafts: its cache is position-addressed and the catch-up pass covers every token the target has
+committed since (eagle.py, model.py).
 
 Lookup drafts are point masses. When the head samples (probs given) in the same step, a lookup
 row gets one-hot distributions, which is the exact distribution its draft came from, so
@@ -18,23 +20,40 @@ import torch
 from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterState
 from .registry import register
 from .eagle import EagleDrafter
+from .model import ModelDrafter
 from .ngram import NgramDrafter, lookup
 
 
 @register("cascade")
 class CascadeDrafter(Drafter):
-    capabilities = DrafterCapabilities(needs_target_hidden=True, has_state=True)   # the head's
+    capabilities = DrafterCapabilities(needs_target_hidden=True, has_state=True)   # the EAGLE head's
 
-    def __init__(self, target, drafter_path=None, fast: bool = True, ngram_min: int = 3, ngram_max: int = 5,
-                 min_confidence: float | None = None, **_: object) -> None:
+    def __init__(self, target, draft=None, drafter_path=None, fast: bool = True, ngram_min: int = 3,
+                 ngram_max: int = 5, min_confidence: float | None = None, draft_confidence: float = 0.4,
+                 draft_context: int = 0, head_vocab: int = 0, **_: object) -> None:
         self.ngram = NgramDrafter(target, ngram_min, ngram_max)      # validates the sizes
-        self.head = EagleDrafter(target, drafter_path, fast,
-                                 **({} if min_confidence is None else {"min_confidence": min_confidence}))
-        self.matches_target = self.head.matches_target
+        if draft is not None:                                        # a draft model behind the lookup
+            self.head = ModelDrafter(target, draft, draft_confidence=draft_confidence,
+                                     draft_context=draft_context, head_vocab=head_vocab)
+            self.matches_target = True
+        else:
+            self.head = EagleDrafter(target, drafter_path, fast,
+                                     **({} if min_confidence is None else {"min_confidence": min_confidence}))
+            self.matches_target = self.head.matches_target
+        self.capabilities = self.head.capabilities        # its cost, its needs (a lookup row costs ~nothing)
         self.lookup_steps = self.head_steps = 0          # row-steps drafted by each (for reports)
 
+    def draft_model(self):
+        return self.head.draft_model()
+
     def prepare(self, batch_size: int, max_len: int) -> DrafterState:
-        return self.head.prepare(batch_size, max_len)     # all per-row state lives in the head
+        return self.head.prepare(batch_size, max_len)     # all per-row state lives in the second drafter
+
+    def use_draft_cache(self, cache) -> DrafterState:
+        return self.head.use_draft_cache(cache)
+
+    def prefill(self, seqs) -> None:
+        self.head.prefill(seqs)
 
     def close(self) -> None:
         self.head.close()
