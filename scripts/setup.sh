@@ -18,12 +18,10 @@ if ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1 \
         >/dev/null 2>&1 || echo "setup: could not install chromium; the dashboard test will be skipped" >&2
 fi
 # SIMDe headers (Debian's libsimde-dev): the native kernels are written for AVX512; on a CPU
-# without (all of) it they compile through SIMDe (specdecode/fast/avx512_compat.h). Installed only
-# when the CPU lacks an AVX512 feature the kernels use and the headers are missing; without them
-# specdecode runs its eager torch path there (slower) and says why.
-if ! grep -qw avx512_vnni /proc/cpuinfo 2>/dev/null || ! grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null; then
-    if [ ! -f /usr/include/simde/x86/avx512.h ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsimde-dev; } \
-            >/dev/null 2>&1 || echo "setup: could not install libsimde-dev; the native kernels will be unavailable" >&2
-    fi
+# without (all of) it they compile through SIMDe (specdecode/fast/avx512_compat.h); without them
+# specdecode runs its eager torch path there (slower) and says why. Installed on AVX512 hosts too
+# (headers only), so the test suite also compiles the AVX2 build there (tests/test_fast.py).
+if [ ! -f /usr/include/simde/x86/avx512.h ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsimde-dev; } \
+        >/dev/null 2>&1 || echo "setup: could not install libsimde-dev; the native kernels need it on CPUs without AVX512" >&2
 fi

@@ -283,3 +283,17 @@ def test_weight_buffers_are_huge_page_aligned(monkeypatch):
     assert small.shape == (1000,) and small.dtype == torch.uint8
     monkeypatch.setenv("SPECDECODE_HUGEPAGES", "0")
     assert weight_empty(5 << 20, torch.uint8).untyped_storage().nbytes() == 5 << 20
+
+
+def test_kernels_compile_for_avx2_cpus(tmp_path):
+    """The AVX2 build (AVX512 intrinsics through SIMDe, no AMX) compiles wherever the tests run, so
+    a change that only builds on AVX512 / AMX hosts is caught here too (e.g. an AMX-only symbol)."""
+    import shutil
+    import subprocess
+    from specdecode.fast import linear
+    if not linear._simde_available() or not shutil.which("gcc"):
+        pytest.skip("needs gcc and the SIMDe headers (libsimde-dev)")
+    flags = [f for f in linear._CFLAGS if f not in ("-march=native", "-O3")] + ["-march=haswell", "-O1"]
+    r = subprocess.run(["gcc", *flags, str(linear._SRC), "-o", str(tmp_path / "k.so")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -202,5 +202,6 @@ static void q16_rows_amx(int type, const uint8_t *grp, int K, const int8_t *xq, 
 
 #else
 #define SD_QAMX 0
+static const int q_amx_on = 0;
 int sd_q_amx(int on) { (void)on; return 0; }
 #endif
