@@ -168,7 +168,7 @@ class ModelDrafter(Drafter):
             tokens = self._padded(feed)
             last = torch.tensor([[len(f) - 1] for f in feed], device=device)
             logits = self.model.forward(tokens, self.cache, torch.tensor(starts, device=device), rows=rows,
-                                        logit_index=last, **({"vocab": self.head_vocab} if self.head_vocab else {}))
+                                        logit_index=last, vocab=self.head_vocab or None)
             if logits.shape[-1] != self.target_vocab:                              # [B, 1, draft vocab]
                 logits = torch.nn.functional.pad(logits[..., :self.target_vocab],
                                                  (0, max(0, self.target_vocab - logits.shape[-1])),

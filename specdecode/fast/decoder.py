@@ -277,9 +277,7 @@ class FusedDecoder:
         head over the first token ids only (a draft's frequent-vocabulary head: it reads that share of
         the head matrix)."""
         width, mref = self.vocab, self._mref
-        if vocab is not None and vocab < self.vocab:
-            if vocab < 32 or vocab % 32:
-                raise ValueError(f"vocab must be a positive multiple of 32, got {vocab}")
+        if vocab is not None and vocab < self.vocab:            # checked by Transformer.logits
             width, mref = vocab, self._vocab_model(vocab)
         B, T, D = hidden.shape
         if hidden.dtype != self.dtype:

@@ -10,8 +10,7 @@
  * order; an integer dot product is exact whichever instruction sums it, so every output equals the VNNI
  * kernel's bit for bit, for any row count: batch invariance holds across the two paths.
  *
- * Tiles: 0..3 C (R x 16 int32); 4, 5 A (R x KB int8); 6, 7 B (KB / 4 x 64 u8), KB = 32 (Q6_K: 16).  Two
- * A / B pairs alternate so that consecutive tile products do not wait for each other's operands.
+ * Tiles: 0..3 C (R x 16 int32); 4 A (R x KB int8); 6 B (KB / 4 x 64 u8), KB = 32 (Q6_K: 16).
  */
 
 #if defined(__AVX512F__) && defined(__AMX_INT8__)
@@ -29,20 +28,28 @@ static void qamx_config(int KB, int R, int *cfg) {
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int i = 0; i < 4; i++) { c.rows[i] = (uint8_t)R; c.colsb[i] = 64; }
-    for (int i = 4; i < 6; i++) { c.rows[i] = (uint8_t)R; c.colsb[i] = (uint16_t)KB; }
-    for (int i = 6; i < 8; i++) { c.rows[i] = (uint8_t)(KB / 4); c.colsb[i] = 64; }
+    c.rows[4] = (uint8_t)R;        c.colsb[4] = (uint16_t)KB;
+    c.rows[6] = (uint8_t)(KB / 4); c.colsb[6] = 64;
     _tile_loadconfig(&c);
     *cfg = QAMX_CFG(KB, R);
 }
 
-/* CI = A(X + KB j) . B, exact int32 [R][16]: C tile T, operands in tiles TA, TB (literals) */
-#define QAMX_DOT(KB, j, T, TA, TB, X, B, LDX, CI)                                                     \
+/* CI = A(X + KB j) . B, exact int32 [R][16], in C tile T (a literal) */
+#define QAMX_DOT(KB, j, T, X, B, LDX, CI)                                                             \
     do {                                                                                              \
-        _tile_loadd(TA, (X) + (KB) * (j), (LDX));                                                     \
-        _tile_loadd(TB, (B), 64);                                                                     \
+        _tile_loadd(4, (X) + (KB) * (j), (LDX));                                                      \
+        _tile_loadd(6, (B), 64);                                                                      \
         _tile_zero(T);                                                                                \
-        _tile_dpbsud(T, TA, TB);                                                                      \
+        _tile_dpbsud(T, 4, 6);                                                                        \
         _tile_stored(T, (CI), 64);                                                                    \
+    } while (0)
+/* blocks j .. j+3: CI[j + i] = A(X + KB (j + i)) . BS[j + i] */
+#define QAMX_DOT4(KB, j, X, BS, LDX, CI)                                                              \
+    do {                                                                                              \
+        QAMX_DOT(KB, (j), 0, X, (BS)[(j)], LDX, (CI)[(j)]);                                           \
+        QAMX_DOT(KB, (j) + 1, 1, X, (BS)[(j) + 1], LDX, (CI)[(j) + 1]);                               \
+        QAMX_DOT(KB, (j) + 2, 2, X, (BS)[(j) + 2], LDX, (CI)[(j) + 2]);                               \
+        QAMX_DOT(KB, (j) + 3, 3, X, (BS)[(j) + 3], LDX, (CI)[(j) + 3]);                               \
     } while (0)
 
 /* Split 4 vectors of packed nibbles (low: k group 2t, high: 2t + 1) into 8 B rows at dst */
@@ -74,12 +81,7 @@ static void q4k16_amx(const uint8_t *grp, int K, const int8_t *xq, const float *
             qamx_nibbles(sb + 320 + 256 * j, bb[j]);
         }
         const int8_t *x = xq + 256 * c;
-        for (int j = 0; j < 8; j += 4) {
-            QAMX_DOT(32, j, 0, 4, 6, x, bb[j], K, ci[j]);
-            QAMX_DOT(32, j + 1, 1, 5, 7, x, bb[j + 1], K, ci[j + 1]);
-            QAMX_DOT(32, j + 2, 2, 4, 6, x, bb[j + 2], K, ci[j + 2]);
-            QAMX_DOT(32, j + 3, 3, 5, 7, x, bb[j + 3], K, ci[j + 3]);
-        }
+        for (int j = 0; j < 8; j += 4) QAMX_DOT4(32, j, x, bb, K, ci);
         for (int r = 0; r < R; r++) {       /* q4k16_group's fp32 operations, in its order */
             __m512 fs = _mm512_setzero_ps();
             const float *sr = sums + (size_t)r * KH + 16 * c;
@@ -118,12 +120,7 @@ static void q6k16_amx(const uint8_t *grp, int K, const int8_t *xq, const float *
             _mm512_store_si512(bb[s] + 192, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), m4), _mm512_and_si512(_mm512_srli_epi16(h, 2), m2)));
         }
         const int8_t *x = xq + 256 * c;
-        for (int s = 0; s < 16; s += 4) {
-            QAMX_DOT(16, s, 0, 4, 6, x, bb[s], K, ci[s]);
-            QAMX_DOT(16, s + 1, 1, 5, 7, x, bb[s + 1], K, ci[s + 1]);
-            QAMX_DOT(16, s + 2, 2, 4, 6, x, bb[s + 2], K, ci[s + 2]);
-            QAMX_DOT(16, s + 3, 3, 5, 7, x, bb[s + 3], K, ci[s + 3]);
-        }
+        for (int s = 0; s < 16; s += 4) QAMX_DOT4(16, s, x, bb, K, ci);
         for (int r = 0; r < R; r++) {       /* q6k16_group's fp32 operations, in its order */
             __m512 fs = _mm512_setzero_ps();
             const float *sr = sums + (size_t)r * KH + 16 * c;
@@ -172,13 +169,8 @@ static void leg16_amx(int type, const uint8_t *grp, int K, const int8_t *xq, con
         }
         const int8_t *x = xq + 256 * c;
         int i = 0;
-        for (; i + 4 <= nb; i += 4) {
-            QAMX_DOT(32, i, 0, 4, 6, x, bw[i], K, ci[i]);
-            QAMX_DOT(32, i + 1, 1, 5, 7, x, bw[i + 1], K, ci[i + 1]);
-            QAMX_DOT(32, i + 2, 2, 4, 6, x, bw[i + 2], K, ci[i + 2]);
-            QAMX_DOT(32, i + 3, 3, 5, 7, x, bw[i + 3], K, ci[i + 3]);
-        }
-        for (; i < nb; i++) QAMX_DOT(32, i, 0, 4, 6, x, bw[i], K, ci[i]);
+        for (; i + 4 <= nb; i += 4) QAMX_DOT4(32, i, x, bw, K, ci);
+        for (; i < nb; i++) QAMX_DOT(32, i, 0, x, bw[i], K, ci[i]);
         for (int r = 0; r < R; r++) {       /* leg16_group's fp32 operations, in its order */
             __m512 fs = _mm512_setzero_ps();
             const float *sr = sums + (size_t)r * KH + 16 * c;
