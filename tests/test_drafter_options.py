@@ -3,6 +3,7 @@ drafter (an unknown key names the accepted ones), passed through to the drafter.
 import argparse
 
 import pytest
+import torch
 
 from specdecode.cli_common import CliError, drafter_option, drafter_options
 from specdecode.drafters.base import DrafterError
@@ -48,13 +49,25 @@ def test_options_reach_the_drafter(tiny_models):
     assert llm.drafter.ngram_max == 2
 
 
-def test_draft_head_over_frequent_ids_is_lossless(tiny_models):
-    """head_vocab: the draft model's LM head over the first token ids only; greedy output stays the
-    target's, and a value that is not a multiple of 32 within the vocabulary is refused by name."""
+@pytest.mark.parametrize("rank", ["id", "corpus"])
+def test_draft_head_over_frequent_ids_is_lossless(tiny_models, tmp_path, monkeypatch, rank):
+    """head_vocab: the draft model's LM head over the most frequent token ids only (head_rank: id
+    order, or counts over a text the user names); the end-of-generation id is always kept, draft
+    probabilities live on the kept ids only, greedy output stays the target's; a size that is not a
+    multiple of 32 within the vocabulary, or a corpus that does not exist, is refused by name."""
     from specdecode import LLM, SamplingParams
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 50)
     target, draft = str(tiny_models["llama"]), str(tiny_models["llama_draft"])
-    llm = LLM(model=target, draft=draft, method="model", dtype="fp32", progress=False, head_vocab=64)
-    assert llm.drafter.head_vocab == 64
+    head_rank = "id" if rank == "id" else str(tmp_path / "corpus.txt")
+    llm = LLM(model=target, draft=draft, method="model", dtype="fp32", progress=False, head_vocab=64,
+              head_rank=head_rank)
+    kept = set(llm.drafter.head_rows.ids.tolist())
+    assert len(kept) == 64 and set(llm.drafter.draft.eos_token_ids) <= kept
+    if rank == "id":
+        assert kept - set(llm.drafter.draft.eos_token_ids) <= set(range(64))
+    else:
+        assert set(llm.tokenizer.encode("the quick brown fox jumps over the lazy dog.")) <= kept
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     prompts = ["hello world", "the quick brown fox"]
     plain = llm.generate(prompts, params, num_speculative_tokens=0)
@@ -62,3 +75,33 @@ def test_draft_head_over_frequent_ids_is_lossless(tiny_models):
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     with pytest.raises(DrafterError, match="head_vocab must be 0"):
         LLM(model=target, draft=draft, method="model", dtype="fp32", progress=False, head_vocab=100)
+    with pytest.raises(DrafterError, match="head_rank"):
+        LLM(model=target, draft=draft, method="model", dtype="fp32", progress=False, head_vocab=64,
+            head_rank=str(tmp_path / "missing.txt"))
+
+
+def test_frequent_ids_ranks_by_counts_and_keeps_the_end(tmp_path, monkeypatch):
+    """frequent_ids: the ids the corpus uses most, then unseen ids in id order; the ids to keep are
+    always in; ascending; the counts are cached per vocabulary and corpus (a second call reads no
+    text); the default corpus is the standard library with pydoc's English topics first."""
+    from specdecode.drafters import vocab_rank
+    from specdecode.tokenizer import Tokenizer
+    from conftest import make_tokenizer
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    make_tokenizer(tmp_path)
+    tok = Tokenizer(tmp_path)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("zebra " * 200 + "hello world " * 100)
+    common = set(tok.encode("zebra hello world zebra"))
+    ids = vocab_rank.frequent_ids(tok, tok.vocab_size, 32, str(corpus), keep=(2,))
+    assert ids.tolist() == sorted(ids.tolist()) and len(ids) == 32
+    assert common | {2} <= set(ids.tolist())
+    counts = vocab_rank.token_counts(tok, tok.vocab_size, str(corpus))
+    unseen = [i for i in range(tok.vocab_size) if counts[i] == 0 and i != 2]
+    assert set(ids.tolist()) - common - {2} == set(unseen[:32 - len(common | {2})])
+    reads = []
+    monkeypatch.setattr(type(corpus), "read_bytes", lambda self: reads.append(self) or b"")
+    assert torch.equal(vocab_rank.token_counts(tok, tok.vocab_size, str(corpus)), counts) and not reads
+    assert vocab_rank.frequent_ids(tok, tok.vocab_size, 64, "id").tolist() == list(range(64))
+    files = vocab_rank.default_corpus()
+    assert files and all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)

@@ -156,6 +156,23 @@ def test_cascade_with_draft_model_sampling_matches_plain_distribution(setup, mod
     assert tv < tv_bound(n), (p_value, tv)
 
 
+def test_reduced_draft_head_sampling_matches_plain_distribution(setup, models):
+    """A draft model whose LM head keeps 160 token ids (head_vocab): every other token has draft
+    probability 0, and the target's distribution is kept (residual sampling recovers them)."""
+    from specdecode.drafters.registry import build_drafter
+    llm, prompt, exact = setup
+    spec = LLM.__new__(LLM)
+    spec.__dict__.update(llm.__dict__)
+    spec.drafter = build_drafter("model", llm.target, draft=llm.draft, head_vocab=160, head_rank="id")
+    n = 20_000
+    counts, acceptance = draw(spec, prompt, n, K, seed0=5_000_000)
+    p_value, tv, outside = compare(counts, exact)
+    assert acceptance > 0.01, acceptance
+    assert outside == 0
+    assert p_value > P_MIN, (p_value, tv)
+    assert tv < tv_bound(n), (p_value, tv)
+
+
 def test_detects_draft_distribution(setup, models):
     """Negative control 1: plain sampling from the draft model is rejected."""
     _, prompt, exact = setup

@@ -279,18 +279,34 @@ def test_amx_tiles_equal_vnni_kernels_bitwise(qtype):
 
 @needs_quant
 @pytest.mark.parametrize("quantized_head", [False, True])
-def test_head_over_the_first_token_ids_is_a_prefix_of_the_whole_head(tmp_path, one_thread, quantized_head):
-    """logits(..., vocab=V) (a draft's frequent-vocabulary head) equals the whole head's first V
-    logits bitwise, dense or quantized head; a vocab that is not a multiple of 32 is refused."""
+def test_head_over_some_token_ids_equals_the_whole_heads_columns(tmp_path, one_thread, quantized_head):
+    """logits(..., head_rows=model.head_rows(ids)) (a draft's reduced head) equals the whole head's
+    columns `ids` bitwise, dense or quantized head, fused and eager, 3 rows and 20 (AMX tiles from
+    12); ids that are not a multiple of 32, not ascending or outside the vocabulary are refused.
+    (This tiny vocabulary, 300, is no multiple of 16, so its whole quantized head runs the per-column
+    kernel, not the interleaved one: there the reference is a head over the first 288 ids.)"""
+    from specdecode.forward import ForwardBatch
     folder = make_model(tmp_path / "m", "llama", seed=7, layers=1, hidden=128, heads=4, kv_heads=2, tie=False)
     config, _, model = _quantized_tiny(folder, head=quantized_head)
     assert model.fused is not None and isinstance(model.lm_head, QuantLinear) == quantized_head
-    tokens = torch.randint(0, config.vocab_size, (1, 9))
-    hidden = model.run(__import__("specdecode.forward", fromlist=["ForwardBatch"]).ForwardBatch.chain(tokens, 0),
-                       model.new_cache(1, 32))
-    index = torch.tensor([[0, 4, 8]])
-    whole = model.logits(hidden, index)
-    for vocab in (32, 128, 256):
-        assert torch.equal(model.logits(hidden, index, vocab=vocab), whole[..., :vocab])
-    with pytest.raises(ValueError, match="vocab must be a positive multiple of 32"):
-        model.logits(hidden, index, vocab=100)
+    tokens = torch.randint(0, config.vocab_size, (1, 20))
+    hidden = model.run(ForwardBatch.chain(tokens, 0), model.new_cache(1, 32))
+    gen = torch.Generator().manual_seed(3)
+    subsets = [torch.arange(32), torch.arange(128),
+               torch.sort(torch.randperm(288, generator=gen)[:96]).values]
+    for index in (torch.tensor([[0, 4, 8]]), torch.arange(20)[None]):
+        whole = model.logits(hidden, index)
+        reference = model.logits(hidden, index, head_rows=model.head_rows(torch.arange(288))) \
+            if quantized_head else whole
+        assert torch.allclose(reference[..., :288], whole[..., :288], atol=1e-2)
+        for ids in subsets:
+            rows = model.head_rows(ids)
+            assert torch.equal(model.logits(hidden, index, head_rows=rows), reference[..., ids])
+            fused, model.fused = model.fused, None             # the eager path: same rows, same values
+            try:
+                assert torch.allclose(model.logits(hidden, index, head_rows=rows), whole[..., ids], atol=1e-2)
+            finally:
+                model.fused = fused
+    for bad in (torch.arange(40), torch.arange(32).flip(0), torch.arange(32) + config.vocab_size - 16):
+        with pytest.raises(ValueError, match="reduced LM head"):
+            model.head_rows(bad)

@@ -30,11 +30,13 @@ class CascadeDrafter(Drafter):
 
     def __init__(self, target, draft=None, drafter_path=None, fast: bool = True, ngram_min: int = 3,
                  ngram_max: int = 5, min_confidence: float | None = None, draft_confidence: float = 0.4,
-                 draft_context: int = 0, head_vocab: int = 0, **_: object) -> None:
+                 draft_context: int = 0, head_vocab: int = 0, head_rank: str = "freq",
+                 **_: object) -> None:
         self.ngram = NgramDrafter(target, ngram_min, ngram_max)      # validates the sizes
         if draft is not None:                                        # a draft model behind the lookup
             self.head = ModelDrafter(target, draft, draft_confidence=draft_confidence,
-                                     draft_context=draft_context, head_vocab=head_vocab)
+                                     draft_context=draft_context, head_vocab=head_vocab,
+                                     head_rank=head_rank)
             self.matches_target = True
         else:
             self.head = EagleDrafter(target, drafter_path, fast,

@@ -50,11 +50,15 @@ class SkipView:
         return self.base.run(fb, cache, skip=self.skip)
 
     def logits(self, hidden: torch.Tensor, logit_index: torch.Tensor | None = None,
-               vocab: int | None = None) -> torch.Tensor:
-        return self.base.logits(hidden, logit_index, vocab)
+               head_rows=None) -> torch.Tensor:
+        return self.base.logits(hidden, logit_index, head_rows)
 
-    def forward(self, tokens, cache, start, rows=None, logit_index=None, vocab=None) -> torch.Tensor:
-        return self.logits(self.run(ForwardBatch.chain(tokens, start, rows, logit_index), cache), logit_index, vocab)
+    def head_rows(self, ids):
+        return self.base.head_rows(ids)
+
+    def forward(self, tokens, cache, start, rows=None, logit_index=None, head_rows=None) -> torch.Tensor:
+        return self.logits(self.run(ForwardBatch.chain(tokens, start, rows, logit_index), cache), logit_index,
+                           head_rows)
 
 
 @torch.inference_mode()

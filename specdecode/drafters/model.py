@@ -28,6 +28,7 @@ from ..models.config import ModelError
 from ..sampling import probs_from_logits, sample, transform_logits
 from .base import ContiguousState, DraftProposal, Drafter, DrafterCapabilities, DrafterError, DrafterState
 from .registry import register
+from .vocab_rank import frequent_ids
 
 
 def check_same_tokenizer(target, draft) -> None:
@@ -48,10 +49,10 @@ def check_same_tokenizer(target, draft) -> None:
 class ModelDrafter(Drafter):
     capabilities = DrafterCapabilities(has_state=True, relative_cost=1.0)   # refined per instance
     draft_context = 0                         # 0: the draft reads the whole context (subclasses too)
-    head_vocab = 0                            # 0: the draft's whole LM head (subclasses too)
+    head_rows = None                          # None: the draft's whole LM head (subclasses too)
 
     def __init__(self, target, draft=None, draft_confidence: float = 0.4, draft_context: int = 0,
-                 head_vocab: int = 0, **_: object) -> None:
+                 head_vocab: int = 0, head_rank: str = "freq", **_: object) -> None:
         if not isinstance(draft_confidence, (int, float)) or not 0.0 <= draft_confidence < 1.0:
             raise DrafterError(f"draft_confidence must be a number in [0, 1), got {draft_confidence!r}")
         # stop drafting a row once the draft's probability of its own token falls below this (HF's
@@ -76,16 +77,22 @@ class ModelDrafter(Drafter):
         # -inf to the target's size so draft and target distributions share one vocabulary.
         self.draft_vocab = draft.model.vocab_size
         self.target_vocab = target.model.vocab_size
-        # head_vocab: the draft's LM head over token ids 0..head_vocab-1 only (0 = all). BPE ids come
-        # roughly in merge order, so the first ids are the frequent ones (FR-Spec's idea with the
-        # tokenizer's own order); a small draft spends a large share of its bytes on its head
-        # (Qwen2.5-0.5B: 136 of 392 MB). Lossless whatever it keeps: the other tokens get draft
-        # probability 0, which rejection sampling handles like any other draft distribution.
+        # head_vocab: the draft's LM head over that many token ids only (0 = all), the ones its
+        # tokenizer uses most (head_rank, drafters/vocab_rank.py; FR-Spec): a small draft spends a
+        # large share of its bytes on its head (Qwen2.5-0.5B: 136 of 392 MB). Lossless whatever it
+        # keeps: the other tokens get draft probability 0, handled by rejection sampling like any
+        # other draft distribution.
         if (isinstance(head_vocab, bool) or not isinstance(head_vocab, int)
                 or not (head_vocab == 0 or (32 <= head_vocab <= self.draft_vocab and head_vocab % 32 == 0))):
             raise DrafterError(f"head_vocab must be 0 (the whole vocabulary) or a multiple of 32 in "
                                f"[32, {self.draft_vocab}], got {head_vocab!r}")
-        self.head_vocab = head_vocab if 0 < head_vocab < self.draft_vocab else 0
+        if not isinstance(head_rank, str) or not head_rank:
+            raise DrafterError(f"head_rank must be 'freq', 'id' or a text file / folder, got {head_rank!r}")
+        self.head_vocab, self.head_rank = (head_vocab if 0 < head_vocab < self.draft_vocab else 0), head_rank
+        if self.head_vocab:
+            ids = frequent_ids(draft.tokenizer, min(self.draft_vocab, self.target_vocab), self.head_vocab,
+                               head_rank, keep=tuple(draft.eos_token_ids) + tuple(target.eos_token_ids))
+            self.head_rows = draft.model.head_rows(ids)
         if draft.native and target.native:     # relative cost: one draft pass reads all its weights
             head = draft.model.lm_head
             head_bytes = getattr(head, "nbytes", 0) * (1 - self.head_vocab / self.draft_vocab) if self.head_vocab else 0
@@ -168,8 +175,11 @@ class ModelDrafter(Drafter):
             tokens = self._padded(feed)
             last = torch.tensor([[len(f) - 1] for f in feed], device=device)
             logits = self.model.forward(tokens, self.cache, torch.tensor(starts, device=device), rows=rows,
-                                        logit_index=last, vocab=self.head_vocab or None)
-            if logits.shape[-1] != self.target_vocab:                              # [B, 1, draft vocab]
+                                        logit_index=last, head_rows=self.head_rows)
+            if self.head_rows is not None:                     # [B, 1, head rows] -> the whole vocabulary
+                full = torch.full((batch, 1, self.target_vocab), float("-inf"), device=device)
+                logits = full.index_copy_(2, self.head_rows.ids.to(device), logits)
+            elif logits.shape[-1] != self.target_vocab:                            # [B, 1, draft vocab]
                 logits = torch.nn.functional.pad(logits[..., :self.target_vocab],
                                                  (0, max(0, self.target_vocab - logits.shape[-1])),
                                                  value=float("-inf"))

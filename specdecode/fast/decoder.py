@@ -183,7 +183,7 @@ class FusedDecoder:
         self._head_fn = head_fn
         self._cache_key = None
         self._scores = torch.empty(0)
-        self._vocab_refs: dict = {}          # vocab -> (sd_model reference, what it points to)
+        self._head_refs: dict = {}           # id(HeadRows) -> (sd_model reference, what it points to)
 
     def _kept(self, per_layer: list) -> list:
         """The entries of a per-layer list (weights, cache tensors) for the layers this decoder runs."""
@@ -248,37 +248,28 @@ class FusedDecoder:
             hidden[0, c0:c0 + Tc] = self._scratch["hid"][:Tc]    # the stack leaves them in its scratch
         return hidden
 
-    def _vocab_model(self, vocab: int):
-        """A reference to this decoder's sd_model with an LM head over token ids 0..vocab-1 only (the
-        first rows of the head matrix: a prefix of its packed 32- / 16-column groups), built once."""
-        if vocab not in self._vocab_refs:
+    def _rows_model(self, head_rows):
+        """A reference to this decoder's sd_model whose LM head is `head_rows`' gathered rows, built once."""
+        key = id(head_rows)
+        if key not in self._head_refs:
             m = _Model.from_buffer_copy(self._m)
-            m.V = vocab
-            keep = [m]
-            if self._m.head_q:
-                full = self.model.lm_head.qmat
-                q = type(full).from_buffer_copy(full)
-                q.N = vocab
-                for i in range(full.nseg):
-                    if full.n_end[i] >= vocab:
-                        q.n_end[i], q.nseg = vocab, i + 1
-                        break
-                m.head_q = ctypes.addressof(q)
-                keep.append(q)
-            self._vocab_refs[vocab] = (ctypes.byref(m), keep)
-        return self._vocab_refs[vocab][0]
+            lin = head_rows.linear
+            m.V = len(head_rows)
+            m.head_q = ctypes.addressof(lin.qmat) if isinstance(lin, QuantLinear) else None
+            m.head_w = None if isinstance(lin, QuantLinear) else _packed(lin).data_ptr()
+            self._head_refs[key] = (ctypes.byref(m), (m, head_rows))    # alive while referenced
+        return self._head_refs[key][0]
 
     def head(self, hidden: Tensor,                       # [B, T, D] model dtype, before the final norm
              logit_index: Tensor | None = None,          # [B, n] rows 0..T-1 that need logits; None = all
-             vocab: int | None = None,                   # logits of token ids 0..vocab-1 only (a multiple of 32)
+             head_rows=None,                             # HeadRows: logits of those token ids only
              ) -> Tensor:                                # [B, n, vocab] float32
         """Final norm and LM head on the rows asked for; each distinct row once (the engine repeats
-        a row's last position for missing drafts), at most MAX_T rows per native call. `vocab`: a
-        head over the first token ids only (a draft's frequent-vocabulary head: it reads that share of
-        the head matrix)."""
+        a row's last position for missing drafts), at most MAX_T rows per native call. `head_rows`
+        (Transformer.head_rows): a head over those token ids only, reading only their rows."""
         width, mref = self.vocab, self._mref
-        if vocab is not None and vocab < self.vocab:            # checked by Transformer.logits
-            width, mref = vocab, self._vocab_model(vocab)
+        if head_rows is not None:
+            width, mref = len(head_rows), self._rows_model(head_rows)
         B, T, D = hidden.shape
         if hidden.dtype != self.dtype:
             raise ValueError(f"hidden states are {hidden.dtype}, the model computes in {self.dtype}")

@@ -102,6 +102,16 @@ class QuantWeight:
         qtype, data = self.segments[0]
         return QuantWeight([(qtype, data[order].contiguous())], self.in_features)
 
+    def select_rows(self, ids: Tensor) -> "QuantWeight":     # ids [n] int64, ascending
+        """The rows `ids` (ascending) as stored, each segment's kept in order (a reduced LM head)."""
+        segs, first = [], 0
+        for qtype, data in self.segments:
+            mine = ids[(ids >= first) & (ids < first + data.shape[0])] - first
+            if mine.numel():
+                segs.append((qtype, data[mine].contiguous()))
+            first += data.shape[0]
+        return QuantWeight(segs, self.in_features)
+
     def flat_sample(self, stride: int, count: int) -> Tensor:
         """Elements 0, stride, 2*stride, ... (at most count) of the flattened exact weights, fp32,
         dequantizing only the rows they lie in."""

@@ -133,9 +133,10 @@ class GemmaTransformer(Transformer):
             hidden = hidden + fp32_rms_norm(mlp, layer["post_mlp_norm"], eps)
         return hidden
 
-    def _final(self, hidden: torch.Tensor) -> torch.Tensor:   # [B, n, D] -> [B, n, vocab] float32
-        """Final fp32 (1 + w) norm, LM head and the final soft-cap (in float32)."""
-        logits = self.lm_head(fp32_rms_norm(hidden, self.final_norm_fp32, self.config.rms_norm_eps)).float()
+    def _final(self, hidden: torch.Tensor, head=None) -> torch.Tensor:   # [B, n, D] -> [B, n, vocab] float32
+        """Final fp32 (1 + w) norm, LM head (self.lm_head unless given) and the final soft-cap (in float32)."""
+        hidden = fp32_rms_norm(hidden, self.final_norm_fp32, self.config.rms_norm_eps)
+        logits = (self.lm_head if head is None else head)(hidden).float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelError
+from .interface import HeadRows
 
 
 class AdapterCache:
@@ -69,18 +70,22 @@ class HFAdapter:
 
     def logits(self, states: torch.Tensor,              # [B, T, vocab] from `run`
                logit_index: torch.Tensor | None = None,  # [B, n]
-               vocab: int | None = None,                # token ids 0..vocab-1 only (a slice here)
+               head_rows: HeadRows | None = None,       # those token ids only (selected here)
                ) -> torch.Tensor:                       # [B, n, vocab] float32
         if logit_index is not None:
             states = torch.gather(states, 1, logit_index.to(states.device)[:, :, None].expand(-1, -1, states.shape[-1]))
-        return states if vocab is None else states[..., :vocab]
+        return states if head_rows is None else states[..., head_rows.ids.to(states.device)]
+
+    def head_rows(self, ids) -> HeadRows:
+        """Logits of token ids `ids` only: selected from transformers' whole output here."""
+        return HeadRows(self, HeadRows.checked_ids(ids, self.vocab_size))
 
     def forward(self, tokens: torch.Tensor,            # [B, T]
                 cache: AdapterCache, start, rows: torch.Tensor | None = None,
                 logit_index: torch.Tensor | None = None,  # [B, n]
-                vocab: int | None = None,
+                head_rows: HeadRows | None = None,
                 ) -> torch.Tensor:                     # [B, n, vocab] float32
-        return self.logits(self._pass(tokens, cache, start, rows), logit_index, vocab)
+        return self.logits(self._pass(tokens, cache, start, rows), logit_index, head_rows)
 
     @torch.inference_mode()
     def _pass(self, tokens: torch.Tensor, cache: AdapterCache, start, rows: torch.Tensor | None) -> torch.Tensor:

@@ -29,6 +29,7 @@ from ..fast.quant import QuantWeight
 from ..forward import ForwardBatch
 from ..kv_cache import KVCache
 from .config import ModelConfig
+from .interface import HeadRows
 
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
@@ -171,7 +172,8 @@ class Transformer:
         if head is None or (config.tie_word_embeddings and not isinstance(head, QuantWeight)):
             head = self.embed
         self.lm_head = make_linear(head, None)
-        self._head_weight = head
+        self._make_linear = make_linear
+        self._head_weight = self._head_source = head       # source: as loaded, for `head_rows`
         self.quantized = any(isinstance(w, QuantWeight) for w in weights.values())
         positions = torch.arange(config.max_position_embeddings + 64, dtype=torch.float32)
         angles = torch.outer(positions, rope_inv_freq(config))
@@ -224,11 +226,11 @@ class Transformer:
                 start: int | torch.Tensor,            # slot of tokens[:, 0]: int (all rows) or [B]
                 rows: torch.Tensor | None = None,     # [B] cache rows; None = rows 0..B-1 of the cache
                 logit_index: torch.Tensor | None = None,  # [B, n] positions in 0..T-1 that need logits; None = all
-                vocab: int | None = None,             # logits of token ids 0..vocab-1 only (see `logits`)
+                head_rows: HeadRows | None = None,    # logits of those token ids only (see `logits`)
                 ) -> torch.Tensor:                    # [B, n, vocab] float32
         """A chain pass and its logits: `logits(run(ForwardBatch.chain(...)), logit_index)`."""
         return self.logits(self.run(ForwardBatch.chain(tokens, start, rows, logit_index), cache), logit_index,
-                           vocab)
+                           head_rows)
 
     def _run_fused(self, fb: ForwardBatch, cache: KVCache, skip: frozenset[int]) -> torch.Tensor | None:
         """The pass in the fused native decoder when it takes it (batch-1 chains by their own entry,
@@ -305,21 +307,31 @@ class Transformer:
     def logits(self,
                hidden: torch.Tensor,                    # [B, T, D] from `run`
                logit_index: torch.Tensor | None = None,  # [B, n] token indices 0..T-1; None = all
-               vocab: int | None = None,                # token ids 0..vocab-1 only (a multiple of 32)
-               ) -> torch.Tensor:                       # [B, n, vocab] float32
+               head_rows: HeadRows | None = None,       # logits of those token ids only
+               ) -> torch.Tensor:                       # [B, n, vocab] float32 (vocab = len(head_rows))
         """Final norm and LM head on the rows asked for (each row as in a pass of any size).
-        `vocab`: only the first token ids' logits (a draft's frequent-vocabulary head; the fused
-        decoder then reads only that share of the head matrix)."""
-        if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 32 or vocab % 32):
-            raise ValueError(f"vocab must be a positive multiple of 32, got {vocab!r}")
+        `head_rows` (from `head_rows(ids)`): only those token ids' logits, from their rows of the
+        head matrix alone (a draft's reduced head)."""
+        if head_rows is not None and head_rows.owner is not self:
+            raise ValueError("head_rows was made by another model")
         if self.fused is not None:
-            return self.fused.head(hidden, logit_index, vocab)
+            return self.fused.head(hidden, logit_index, head_rows)
         if logit_index is not None:
             hidden = torch.gather(hidden, 1, logit_index[:, :, None].expand(-1, -1, hidden.shape[-1]))
-        logits = self._final(hidden)
-        return logits if vocab is None else logits[..., :vocab].contiguous()
+        return self._final(hidden, self.lm_head if head_rows is None else head_rows.linear)
 
-    def _final(self, hidden: torch.Tensor) -> torch.Tensor:   # [B, n, D] -> [B, n, vocab] float32
+    def head_rows(self, ids) -> HeadRows:
+        """An LM head over token ids `ids` only ([n] ascending, n a multiple of 32): their rows of
+        the head matrix gathered into a projection of the same kind (quantized rows stay as stored),
+        so each logit is bitwise the whole head's."""
+        ids = HeadRows.checked_ids(ids, self.vocab_size)
+        source = self._head_source
+        rows = source.select_rows(ids) if isinstance(source, QuantWeight) else source[ids].contiguous()
+        return HeadRows(self, ids, self._make_linear(rows, None))
+
+    def _final(self, hidden: torch.Tensor,              # [B, n, D]
+               head=None,                               # the projection: self.lm_head unless given
+               ) -> torch.Tensor:                       # [B, n, vocab] float32
         """The eager final norm and LM head (a family's own in its subclass)."""
         hidden = F.rms_norm(hidden, (self.config.hidden_size,), self.final_norm, self.config.rms_norm_eps)
-        return self.lm_head(hidden).float()
+        return (self.lm_head if head is None else head)(hidden).float()
