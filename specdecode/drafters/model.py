@@ -82,15 +82,16 @@ class ModelDrafter(Drafter):
         # large share of its bytes on its head (Qwen2.5-0.5B: 136 of 392 MB). Lossless whatever it
         # keeps: the other tokens get draft probability 0, handled by rejection sampling like any
         # other draft distribution.
+        shared_vocab = min(self.draft_vocab, self.target_vocab)       # ids both models have
         if (isinstance(head_vocab, bool) or not isinstance(head_vocab, int)
-                or not (head_vocab == 0 or (32 <= head_vocab <= self.draft_vocab and head_vocab % 32 == 0))):
+                or not (head_vocab == 0 or (32 <= head_vocab <= shared_vocab and head_vocab % 32 == 0))):
             raise DrafterError(f"head_vocab must be 0 (the whole vocabulary) or a multiple of 32 in "
-                               f"[32, {self.draft_vocab}], got {head_vocab!r}")
+                               f"[32, {shared_vocab}], got {head_vocab!r}")
         if not isinstance(head_rank, str) or not head_rank:
             raise DrafterError(f"head_rank must be 'freq', 'id' or a text file / folder, got {head_rank!r}")
         self.head_vocab, self.head_rank = (head_vocab if 0 < head_vocab < self.draft_vocab else 0), head_rank
         if self.head_vocab:
-            ids = frequent_ids(draft.tokenizer, min(self.draft_vocab, self.target_vocab), self.head_vocab,
+            ids = frequent_ids(draft.tokenizer, shared_vocab, self.head_vocab,
                                head_rank, keep=tuple(draft.eos_token_ids) + tuple(target.eos_token_ids))
             self.head_rows = draft.model.head_rows(ids)
         if draft.native and target.native:     # relative cost: one draft pass reads all its weights
