@@ -55,7 +55,8 @@ class LLM:
     (the checkpoint's own: a GGUF file's quantized weights, an HF directory's torch_dtype), or dense
     "bfloat16"/"bf16", "float32"/"fp32"/"float", "float16"/"fp16"/"half" (any case, or a torch dtype;
     a GGUF file is dequantized; models/dtypes.py); weights: "auto", "native" or "dense" (see load_model);
-    draft_dtype: the draft's dtype if not the target's, or "int8" (weights quantized per channel).
+    draft_dtype: the draft's dtype if not the target's, or "int8" (weights quantized per channel)
+    or "q4_0" (re-quantized to 4-bit blocks of 32: a cheaper draft, still lossless).
     adaptive: choose each step's draft size up to num_speculative_tokens from measured costs and
     acceptance (engine/budget.py), plain decoding when drafts do not pay; None = on; False: every
     step drafts num_speculative_tokens. A batch with a seeded sampled request drafts

@@ -123,7 +123,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="native: a GGUF file's quantized weights as stored (bf16 activations); dense: dequantized "
                         "to --dtype; auto (default): native for a GGUF file unless --dtype is given")
     g.add_argument("--draft-dtype", default=None, action=DtypeAction, allow_int8=True,
-                   help="the draft model's dtype if not the target's; int8 quantizes its weights per channel")
+                   help="the draft model's dtype if not the target's; int8 quantizes its weights per channel, "
+                        "q4_0 re-quantizes them to 4-bit blocks (a cheaper draft; still lossless)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
     g.add_argument("--threads", type=positive_int("--threads", 1, 1024), default=None,
                    help="CPU threads (default: torch's choice)")

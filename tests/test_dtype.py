@@ -35,7 +35,7 @@ def test_names_and_aliases():
         parse_dtype("f8")
     with pytest.raises(ModelError, match=r"^--dtype: unknown dtype 'int8'"):
         canonical_dtype("int8", "--dtype")
-    with pytest.raises(ModelError, match=r"^--draft-dtype: unknown dtype 'q4'.*half\), int8$"):
+    with pytest.raises(ModelError, match=r"^--draft-dtype: unknown dtype 'q4'.*half\), int8, q4_0$"):
         canonical_dtype("q4", "--draft-dtype", allow_int8=True)
     with pytest.raises(ModelError, match=r"unknown dtype torch.float64"):
         canonical_dtype(torch.float64)
@@ -63,7 +63,7 @@ def test_cli_refuses_a_bad_dtype_in_one_line(command, option, value):
                            option, value], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines() == [f"specdecode: error: {option}: unknown dtype {value!r}; accepted (any "
-                                        f"case): {ACCEPTED}{', int8' if option == '--draft-dtype' else ''}"]
+                                        f"case): {ACCEPTED}{', int8, q4_0' if option == '--draft-dtype' else ''}"]
 
 
 def test_cli_parses_every_spelling():

@@ -204,17 +204,35 @@ def test_cli_weights_options():
 
 
 @needs_quant
-def test_cli_int8_draft_and_native_errors(tiny_models):
+@pytest.mark.parametrize("draft_dtype", ["int8", "q4_0"])
+def test_cli_quantized_draft_and_native_errors(tiny_models, draft_dtype):
     import json
     model, draft = str(tiny_models["llama"]), str(tiny_models["llama_draft"])
     run = _cli("the quick brown fox", "--no-chat", "--json", "--compare", "--model", model, "--draft", draft,
-               "--draft-dtype", "int8", "-k", "3", "--max-tokens", "16", "--threads", "1")
+               "--draft-dtype", draft_dtype, "-k", "3", "--max-tokens", "16", "--threads", "1")
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["identical"] is True
     bad = _cli("hi", "--model", model, "--weights", "native")
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.startswith("specdecode: error: --weights native") and ".gguf" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+@needs_quant
+def test_q4_0_draft_is_requantized_once_and_cached(tiny_models, tmp_path, monkeypatch):
+    """draft dtype q4_0: every projection and the head re-quantized to Q4_0 blocks (the gguf
+    package's), kept under $SPECDECODE_CACHE/requantized and read back bitwise by the next load,
+    which quantizes nothing."""
+    from gguf import quants
+    from specdecode.models.loader import load_model
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    first = load_model(str(tiny_models["llama_draft"]), "q4_0", progress=False)
+    assert first.weights_kind == "native Q4_0"
+    assert len(list((tmp_path / "requantized").glob("*-q4_0.safetensors"))) == 1
+    monkeypatch.setattr(quants, "quantize", lambda *a, **k: pytest.fail("quantized again"))
+    again = load_model(str(tiny_models["llama_draft"]), "q4_0", progress=False)
+    pairs = list(zip(first.model.projections(), again.model.projections()))
+    assert pairs and all(torch.equal(a.weight_q.segments[0][1], b.weight_q.segments[0][1]) for a, b in pairs)
 
 
 @needs_quant

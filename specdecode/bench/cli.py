@@ -93,7 +93,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--weights", default="auto", choices=["auto", "native", "dense"],
                    help="native / dense / auto (default) as for generate")
     m.add_argument("--draft-dtype", default=None, action=DtypeAction, allow_int8=True,
-                   help="the draft model's dtype if not the target's (int8: per-channel quantized)")
+                   help="the draft model's dtype if not the target's (int8: per-channel quantized; q4_0: 4-bit blocks)")
     m.add_argument("--threads", type=positive_int("--threads", 1, 1024), default=None,
                    help="CPU threads for every system (default: torch's choice)")
     m.add_argument("--eager", action="store_true", help="specdecode without its fast kernels")

@@ -3,7 +3,8 @@ server. Torch-free, so the CLI parses its arguments before importing torch.
 
 Accepted (any case): `auto` (the checkpoint's own float type; a GGUF file computes on its quantized
 weights), `bfloat16`/`bf16`, `float32`/`fp32`/`float`, `float16`/`fp16`/`half`; a draft model also
-takes `int8` (weights quantized per output channel). The result is the canonical name.
+takes `int8` (weights quantized per output channel) or `q4_0` (re-quantized to 4-bit blocks of 32).
+The result is the canonical name.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from .config import ModelError
 CANONICAL = {"auto": ("auto",), "bfloat16": ("bfloat16", "bf16"), "float32": ("float32", "fp32", "float"),
              "float16": ("float16", "fp16", "half")}
 INT8 = "int8"     # drafts only: see load_model
+QUANTIZED = (INT8, "q4_0")   # the draft-only kinds: weights re-quantized at load
 ALIASES = {alias: name for name, aliases in CANONICAL.items() for alias in aliases}
 DTYPE_NAMES = tuple(ALIASES)          # every accepted spelling, canonical first within each group
 
@@ -23,7 +25,7 @@ def accepted(allow_int8: bool = False) -> str:
     """The accepted values, for messages: 'auto, bfloat16 (bf16), float32 (fp32, float), ...'."""
     groups = [name + (f" ({', '.join(aliases[1:])})" if len(aliases) > 1 else "")
               for name, aliases in CANONICAL.items()]
-    return ", ".join(groups + ([INT8] if allow_int8 else []))
+    return ", ".join(groups + (list(QUANTIZED) if allow_int8 else []))
 
 
 def canonical_dtype(value, param: str = "dtype", allow_int8: bool = False) -> str | None:
@@ -35,8 +37,8 @@ def canonical_dtype(value, param: str = "dtype", allow_int8: bool = False) -> st
     key = text.lower().removeprefix("torch.") if text.startswith("torch.") or isinstance(value, str) else None
     if key in ALIASES:
         return ALIASES[key]
-    if allow_int8 and key == INT8:
-        return INT8
+    if allow_int8 and key in QUANTIZED:
+        return key
     raise ModelError(f"{param}: unknown dtype {value!r}; accepted (any case): {accepted(allow_int8)}")
 
 

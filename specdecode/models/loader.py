@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import torch
 
 from ..tokenizer import Tokenizer
 from .config import ModelConfig, ModelError
-from .dtypes import ALIASES, INT8, canonical_dtype
+from .dtypes import ALIASES, QUANTIZED, canonical_dtype
 from .interface import CausalLM
 
 DEFAULT_MODEL = "smollm2"
@@ -195,11 +196,11 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
     if weights not in WEIGHTS:
         raise ModelError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     dtype = canonical_dtype(dtype, dtype_param, allow_int8=True)
-    int8, auto = dtype == INT8, dtype == "auto"
-    if int8:            # dense bf16, then every projection quantized to int8 per output channel
+    requant, auto = (dtype if dtype in QUANTIZED else None), dtype == "auto"
+    if requant:         # dense bf16, then every projection re-quantized (int8 per channel, or Q4_0 blocks)
         dtype, weights = "bf16", "dense"
         if not fast:
-            raise ModelError("dtype int8 runs in the fast kernels (not with fast=False / --eager)")
+            raise ModelError(f"dtype {requant} runs in the fast kernels (not with fast=False / --eager)")
     torch_dtype = parse_dtype(dtype, dtype_param)
     if auto:
         dtype = None
@@ -212,8 +213,8 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
         from .gguf import NATIVE_ARCHS, inspect_file
         arch = inspect_file(path)          # not GGUF, truncated, or no architecture: one clear error
         if arch not in NATIVE_ARCHS:       # transformers reads it, or it is refused naming the file
-            if int8 or weights == "native":
-                raise ModelError(f"{'dtype int8' if int8 else '--weights native'}: {path} is a {arch} GGUF file, "
+            if requant or weights == "native":
+                raise ModelError(f"{'dtype ' + requant if requant else '--weights native'}: {path} is a {arch} GGUF file, "
                                  f"which has no native decoder here (native: {', '.join(NATIVE_ARCHS)})")
             return _load_gguf_adapter(path, name, arch, torch_dtype or torch.bfloat16, torch_device, started)
     why_not = native_weights_reason(path, torch_dtype, torch_device, fast) if weights != "dense" else "dense"
@@ -252,11 +253,11 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
         from ..fast import make_linear as fast_linear
         make_linear = fast_linear
     fingerprint = weights_fingerprint(weights)
-    if int8:
+    if requant:
         from ..fast.quant import native_reason
         if native_reason() is not None:
-            raise ModelError(f"dtype int8: {native_reason()}")
-        quantize_projections(weights, "int8")
+            raise ModelError(f"dtype {requant}: {native_reason()}")
+        quantize_projections(weights, requant, cache_key=fingerprint)
     model = build_decoder(config, weights, make_linear)
     eos = _native_eos(model_dir, tokenizer, config)
     return LoadedModel(model, tokenizer, name, model_dir, True, eos, time.perf_counter() - started, fingerprint)
@@ -297,21 +298,33 @@ def _load_native(path: Path, name: str, dtype: torch.dtype, device: torch.device
                        gguf_file=path)
 
 
-def quantize_projections(weights: dict, kind: str) -> None:
+def quantize_projections(weights: dict, kind: str, cache_key: str = "") -> None:
     """Every projection and the output matrix (the embedding when tied) quantized in place:
     "int8" per output channel, or "q4_0" blocks. Matrices whose rows the kernels cannot take
-    (not a multiple of 64 weights) stay dense."""
+    (not a multiple of 64 weights) stay dense. With a `cache_key` (the dense weights'
+    fingerprint) Q4_0 blocks are kept under $SPECDECODE_CACHE/requantized, so later loads skip the
+    quantization (~100 M weights/s)."""
     from ..fast.quant import QuantWeight, quantize_int8
     weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
-    for key in [k for k in weights if k.endswith("proj.weight") or k == "lm_head.weight"]:
-        w = weights[key]
-        if w.shape[1] % 64:
-            continue
-        if kind == "int8":
-            weights[key] = quantize_int8(w)
-        else:
-            from gguf.quants import quantize
-            weights[key] = QuantWeight.from_blocks(2, quantize(w.float().numpy(), 2), tuple(w.shape))   # Q4_0
+    keys = [k for k in weights if (k.endswith("proj.weight") or k == "lm_head.weight") and not weights[k].shape[1] % 64]
+    if kind == "int8":
+        for key in keys:
+            weights[key] = quantize_int8(weights[key])
+        return
+    from safetensors.torch import load_file, save_file
+    from .gguf import cache_root
+    cached = cache_root() / "requantized" / f"{cache_key}-{kind}.safetensors" if cache_key else None
+    blocks = load_file(str(cached)) if cached is not None and cached.is_file() else {}
+    if set(blocks) != set(keys):
+        from gguf.quants import quantize
+        blocks = {key: torch.from_numpy(quantize(weights[key].float().numpy(), 2)).contiguous() for key in keys}
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+            save_file(blocks, str(tmp))
+            tmp.replace(cached)
+    for key in keys:
+        weights[key] = QuantWeight.from_blocks(2, blocks[key].numpy(), tuple(weights[key].shape))   # Q4_0
 
 
 def quantized_copy(target: LoadedModel, kind: str = "int8") -> LoadedModel:
