@@ -236,6 +236,42 @@ def test_q4_0_draft_is_requantized_once_and_cached(tiny_models, tmp_path, monkey
 
 
 @needs_quant
+def test_q4_0_draft_from_a_gguf_file_requantizes_its_blocks(tmp_path, monkeypatch):
+    """A GGUF draft (the embedded model) with dtype q4_0 is re-quantized from its own blocks,
+    exactly dequantized (no dense copy of the file): each Q4_0 matrix is the gguf package's
+    quantization of the file's dequantized matrix; as the draft of the same file it stays lossless."""
+    from gguf.quants import quantize
+    from specdecode import LLM, SamplingParams
+    from specdecode.fast.quant import QuantWeight
+    from specdecode.models.gguf import native_weights
+    from specdecode.models.loader import default_model_path, load_model
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    draft = load_model(None, "q4_0", progress=False)
+    assert draft.weights_kind == "native Q4_0" and draft.gguf_file is not None
+    assert not any(p.name.endswith("model.safetensors") for p in (tmp_path / "converted").rglob("*"))  # no dense copy
+    _, source = native_weights(default_model_path(), torch.bfloat16, torch.device("cpu"))
+    down = source["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(down, QuantWeight)
+    expected = quantize(down.dequantize().numpy(), 2)
+    got = draft.model.layers[0]["down"].weight_q.segments[0][1].numpy()
+    assert np.array_equal(got.reshape(expected.shape), expected)
+    target = LLM(progress=False, threads=1)
+    from specdecode.drafters.registry import build_drafter
+    target.drafter, target.method = build_drafter("model", target.target, draft=draft), "model"
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = target.generate(["The capital of France is"], params, num_speculative_tokens=0)
+    target.adaptive = False                      # draft every step
+    spec = target.generate(["The capital of France is"], params, num_speculative_tokens=4)
+    assert spec[0].token_ids == plain[0].token_ids and spec[0].stats["acceptance_rate"] > 0.2
+    from specdecode.forward import ForwardBatch   # a close copy: its next-token choices mostly agree
+    ids = torch.tensor([draft.tokenizer.encode("The capital of France is Paris. It is known for the Eiffel "
+                                               "Tower, the Louvre and its cafes. " * 3)])
+    top1 = [m.logits(m.run(ForwardBatch.chain(ids, 0), m.new_cache(1, ids.shape[1]))).argmax(-1)
+            for m in (target.target.model, draft.model)]
+    assert (top1[0] == top1[1]).float().mean() > 0.7
+
+
+@needs_quant
 @pytest.mark.parametrize("qtype", sorted(NATIVE_TYPES))
 def test_native_dequantize_is_bitwise_the_gguf_packages(qtype):
     """QuantWeight.dequantize (C) gives exactly the gguf package's numpy values (fingerprints of

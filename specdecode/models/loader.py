@@ -217,6 +217,9 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
                 raise ModelError(f"{'dtype ' + requant if requant else '--weights native'}: {path} is a {arch} GGUF file, "
                                  f"which has no native decoder here (native: {', '.join(NATIVE_ARCHS)})")
             return _load_gguf_adapter(path, name, arch, torch_dtype or torch.bfloat16, torch_device, started)
+    if requant == "q4_0" and path.is_file() and native_weights_reason(path, torch_dtype, torch_device, fast) is None:
+        # a GGUF draft re-quantized straight from its own blocks (no dense copy of the file)
+        return _load_native(path, name, torch_dtype, torch_device, started, requant)
     why_not = native_weights_reason(path, torch_dtype, torch_device, fast) if weights != "dense" else "dense"
     if weights == "native" and why_not is not None:
         raise ModelError(f"--weights native: {why_not}")
@@ -278,8 +281,10 @@ def _load_gguf_adapter(path: Path, name: str, arch: str, dtype: torch.dtype, dev
     return LoadedModel(model, tokenizer, name, model_dir, False, eos, time.perf_counter() - started)
 
 
-def _load_native(path: Path, name: str, dtype: torch.dtype, device: torch.device, started: float) -> LoadedModel:
-    """A GGUF file on its own quantized weights (fast.quant): see load_model."""
+def _load_native(path: Path, name: str, dtype: torch.dtype, device: torch.device, started: float,
+                 requant: str | None = None) -> LoadedModel:
+    """A GGUF file on its own quantized weights (fast.quant), or re-quantized (`requant`, from its
+    blocks dequantized exactly): see load_model."""
     from ..fast import make_linear
     from .gguf import native_weights, tokenizer_dir
     model_dir = tokenizer_dir(path)
@@ -292,6 +297,8 @@ def _load_native(path: Path, name: str, dtype: torch.dtype, device: torch.device
         names = {k: v for k, v in weights.items() if not (k == "lm_head.weight" and config.tie_word_embeddings)}
         fingerprint = weights_fingerprint(names)
         fingerprint_file.write_text(json.dumps({"fingerprint": fingerprint}))
+    if requant:
+        quantize_projections(weights, requant, cache_key=f"{fingerprint}-gguf")
     model = build_decoder(config, weights, make_linear)
     eos = _native_eos(model_dir, tokenizer, config)
     return LoadedModel(model, tokenizer, name, model_dir, True, eos, time.perf_counter() - started, fingerprint,
@@ -301,15 +308,20 @@ def _load_native(path: Path, name: str, dtype: torch.dtype, device: torch.device
 def quantize_projections(weights: dict, kind: str, cache_key: str = "") -> None:
     """Every projection and the output matrix (the embedding when tied) quantized in place:
     "int8" per output channel, or "q4_0" blocks. Matrices whose rows the kernels cannot take
-    (not a multiple of 64 weights) stay dense. With a `cache_key` (the dense weights'
-    fingerprint) Q4_0 blocks are kept under $SPECDECODE_CACHE/requantized, so later loads skip the
+    (not a multiple of 64 weights) stay dense; quantized ones (a GGUF file's blocks) are dequantized
+    exactly first. With a `cache_key` (the weights' fingerprint) Q4_0 blocks are kept under $SPECDECODE_CACHE/requantized, so later loads skip the
     quantization (~100 M weights/s)."""
     from ..fast.quant import QuantWeight, quantize_int8
     weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
     keys = [k for k in weights if (k.endswith("proj.weight") or k == "lm_head.weight") and not weights[k].shape[1] % 64]
+
+    def dense(key: str) -> torch.Tensor:       # a GGUF's blocks exactly dequantized, else the dense weight
+        w = weights[key]
+        return w.dequantize() if isinstance(w, QuantWeight) else w
+
     if kind == "int8":
         for key in keys:
-            weights[key] = quantize_int8(weights[key])
+            weights[key] = quantize_int8(dense(key).to(torch.bfloat16))
         return
     from safetensors.torch import load_file, save_file
     from .gguf import cache_root
@@ -317,7 +329,7 @@ def quantize_projections(weights: dict, kind: str, cache_key: str = "") -> None:
     blocks = load_file(str(cached)) if cached is not None and cached.is_file() else {}
     if set(blocks) != set(keys):
         from gguf.quants import quantize
-        blocks = {key: torch.from_numpy(quantize(weights[key].float().numpy(), 2)).contiguous() for key in keys}
+        blocks = {key: torch.from_numpy(quantize(dense(key).float().numpy(), 2)).contiguous() for key in keys}
         if cached is not None:
             cached.parent.mkdir(parents=True, exist_ok=True)
             tmp = cached.with_suffix(f".{os.getpid()}.tmp")
