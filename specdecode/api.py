@@ -10,7 +10,7 @@ from .drafters.base import Drafter, DrafterError
 from .drafters.registry import build_drafter, method_names
 from .engine.engine import SpecEngine, StreamCallback, check_num_speculative_tokens
 from .models.dtypes import canonical_dtype
-from .models.loader import LoadedModel, load_model
+from .models.loader import LoadedModel, default_draft_dtype, load_model
 from .params import ParamError, SamplingParams
 
 
@@ -79,6 +79,8 @@ class LLM:
         self.target: LoadedModel = load_model(model, dtype, device, progress=progress, fast=fast, weights=weights)
         self.draft: LoadedModel | None = None
         if draft is not None:
+            if draft_dtype is None and dtype is None and weights == "auto":   # a cheaper copy where it pays
+                draft_dtype = default_draft_dtype(draft, device, fast)
             self.draft = load_model(draft, draft_dtype or dtype, device, progress=progress, fast=fast,
                                     weights=weights, dtype_param="draft_dtype" if draft_dtype else "dtype")
         self.method = method or default_method(draft, self.target, drafter_options.get("drafter_path"))

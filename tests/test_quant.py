@@ -236,16 +236,21 @@ def test_q4_0_draft_is_requantized_once_and_cached(tiny_models, tmp_path, monkey
 
 
 @needs_quant
-def test_q4_0_draft_from_a_gguf_file_requantizes_its_blocks(tmp_path, monkeypatch):
+def test_q4_0_draft_from_a_gguf_file_requantizes_its_blocks(tmp_path, monkeypatch, tiny_models):
     """A GGUF draft (the embedded model) with dtype q4_0 is re-quantized from its own blocks,
     exactly dequantized (no dense copy of the file): each Q4_0 matrix is the gguf package's
-    quantization of the file's dequantized matrix; as the draft of the same file it stays lossless."""
+    quantization of the file's dequantized matrix; as the draft of the same file it stays lossless.
+    It is the default for a GGUF draft whose Q4_0 copy streams >= 20% fewer bytes (the embedded
+    Q4_1 file with its Q8_0 head: 22%), not for a dense model directory."""
     from gguf.quants import quantize
     from specdecode import LLM, SamplingParams
     from specdecode.fast.quant import QuantWeight
     from specdecode.models.gguf import native_weights
-    from specdecode.models.loader import default_model_path, load_model
+    from specdecode.models.loader import default_draft_dtype, default_model_path, load_model
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    assert default_draft_dtype(default_model_path(), "cpu") == "q4_0"
+    assert default_draft_dtype(default_model_path(), "cpu", fast=False) is None
+    assert default_draft_dtype(tiny_models["llama_draft"], "cpu") is None
     draft = load_model(None, "q4_0", progress=False)
     assert draft.weights_kind == "native Q4_0" and draft.gguf_file is not None
     assert not any(p.name.endswith("model.safetensors") for p in (tmp_path / "converted").rglob("*"))  # no dense copy

@@ -167,6 +167,24 @@ def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device, prog
 WEIGHTS = ("auto", "native", "dense")
 
 
+def default_draft_dtype(spec, device, fast: bool = True) -> str | None:
+    """The dtype of a draft given without one: "q4_0" for a GGUF file that runs natively here and
+    whose projections and head would stream at least 20% fewer bytes per token as Q4_0 blocks (e.g.
+    a Q4_K_M file with Q6_K / Q8_0 tensors: a cheaper draft, and any draft is lossless); None (the
+    file's own weights) otherwise. `--draft-dtype auto` keeps the file's own."""
+    path = Path(str(spec)).expanduser() if spec is not None else None
+    if path is None or native_weights_reason(path, None, resolve_device(device), fast) is not None:
+        return None
+    from .gguf import tokenizer_dir
+    tensors = json.loads((tokenizer_dir(path) / "tensors.json").read_text())["tensors"]
+    names = {t["name"] for t in tensors}
+    streamed = [t for t in tensors if len(t["shape"]) == 2 and t["shape"][1] % 64 == 0
+                and (t["name"] != "token_embd.weight" or "output.weight" not in names)]   # tied: the head
+    stored = sum(t["bytes"] for t in streamed)
+    as_q4_0 = sum(t["shape"][0] * t["shape"][1] for t in streamed) * 18 // 32
+    return "q4_0" if as_q4_0 and stored >= 1.25 * as_q4_0 else None
+
+
 def native_weights_reason(path: Path, dtype, device: torch.device, fast: bool) -> str | None:
     """None if `path` can run on its own quantized weights here, else why not."""
     if not (path.is_file() and path.suffix.lower() == ".gguf"):
@@ -329,6 +347,9 @@ def quantize_projections(weights: dict, kind: str, cache_key: str = "") -> None:
     blocks = load_file(str(cached)) if cached is not None and cached.is_file() else {}
     if set(blocks) != set(keys):
         from gguf.quants import quantize
+        if cached is not None:
+            print(f"specdecode: re-quantizing the draft to {kind.upper()} once (kept in {cached.parent})",
+                  file=sys.stderr)
         blocks = {key: torch.from_numpy(quantize(dense(key).float().numpy(), 2)).contiguous() for key in keys}
         if cached is not None:
             cached.parent.mkdir(parents=True, exist_ok=True)
