@@ -79,3 +79,27 @@ def test_shadow_drafts_bring_speculation_back():
         shadows.score([seq], budget)
         seq.token_ids = seq.token_ids[:start]
     assert budget.best() >= 4
+
+
+def test_a_costly_drafter_starts_small_and_its_draft_time_has_no_zero_prior():
+    """A drafter with state starts at the size its prior cost predicts best (a draft token at 0.45
+    of a step: size 1; nearly free: larger); without a prior, the first measured drafting time is
+    taken as it is (not averaged with zero)."""
+    costly = DraftBudget(8, CURVE, draft_cost=0.45)
+    cheap = DraftBudget(8, CURVE, draft_cost=0.01)
+    assert costly.next_size() == 1 and cheap.next_size() >= 3
+    budget = DraftBudget(8, CURVE, decay=0.7)
+    budget.observe(4, [4], [[0]], verify_seconds=1.3, draft_seconds=2.0, pending=1)
+    assert abs(budget.draft_per_node - 0.5) < 1e-9
+    budget.observe(4, [4], [[0]], verify_seconds=1.3, draft_seconds=0.0, pending=1)
+    assert abs(budget.draft_per_node - 0.35) < 1e-9
+
+
+def test_a_step_that_accepts_every_draft_tries_the_next_larger_size():
+    budget = DraftBudget(8, CURVE, decay=0.5, explore_every=100, draft_cost=0.45)
+    size = budget.next_size()
+    assert size == 1
+    budget.observe(size, [size], [list(range(size))], verify_seconds=1.05, draft_seconds=0.45, pending=1)
+    assert budget.next_size() == 2                      # all accepted: climb now, not in 100 steps
+    budget.observe(2, [2], [[0]], verify_seconds=1.175, draft_seconds=0.9, pending=1)
+    assert budget.next_size() <= 2                      # a rejection: no climb

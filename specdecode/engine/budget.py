@@ -11,11 +11,16 @@ Gain at size b: tokens emitted per step. Drafters order nodes best-first, so the
 smaller budget is a prefix of the one proposed (a chain's first tokens; a tree's first nodes,
 which form a tree). Every verified step therefore tells what every smaller size would have
 emitted: the accepted path cut at the first node >= b. Sizes above the largest run so far are
-explored one level at a time (every `explore_every` steps, the next size above the best), and
+explored one level at a time (every `explore_every` steps, or right after a step that accepted
+every drafted node, the next size above the best), and
 while plain decoding wins a small size is probed every `probe_every` steps. A drafter without
 per-request state (lookup, suffix, recycle) keeps drafting while plain decoding runs ("shadow"
 drafts, one per sequence at a time, never verified): each is scored against the tokens the
 sequence then emits, so a size that starts to pay is found without paying for a probe. Per size, gains are exponential moving averages.
+A drafter with state (a draft model) pays for every size it tries, so its first size is the one
+its prior cost (`draft_cost`: seconds per drafted token, from the weights it reads) predicts best
+at an acceptance of PRIOR_ACCEPTANCE per position, rather than a fixed one; the drafting time per
+node starts from that prior (else from the first measured step) instead of zero.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch
 
 LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PRIOR = 1.2             # a size not yet measured is assumed to decode this much faster than plain
+PRIOR_ACCEPTANCE = 0.7  # per position: the starting size of a drafter that pays for what it tries
 
 
 def measure_cost_curve(model, cache, max_rows: int, repeats: int = 3) -> dict[int, float]:
@@ -66,11 +72,14 @@ class DraftBudget:
     decay: float = 0.7                      # weight of the past in the moving averages
     explore_every: int = 8                  # steps between explorations of the next larger size
     probe_every: int = 16                   # steps between probes while plain decoding wins
+    draft_cost: float | None = None         # prior seconds per drafted node (None: measured only)
     levels: list[int] = field(init=False)
     gain: dict[int, float] = field(init=False)       # size -> mean tokens emitted per sequence-step
     nodes: dict[int, float] = field(init=False)      # size -> mean nodes a sequence proposes at that size
     scale: float = field(init=False, default=1.0)    # measured / predicted verify time
     draft_per_node: float = field(init=False, default=0.0)
+    measured_drafts: bool = field(init=False, default=False)
+    all_accepted: bool = field(init=False, default=False)   # the last step accepted every drafted node
     size: int = field(init=False)
     steps: int = field(init=False, default=0)
     chosen: list[int] = field(init=False, default_factory=list)
@@ -80,6 +89,11 @@ class DraftBudget:
         self.gain = {0: 1.0}
         self.nodes = {0: 0.0}
         self.size = min(self.levels, key=lambda x: abs(x - 4))   # start at a modest size
+        if self.draft_cost is not None:   # ... or where the prior cost says, for a drafter that pays to try
+            self.draft_per_node = self.draft_cost
+            sizes = [s for s in self.levels if 0 < s <= 4] or [self.size]
+            self.size = max(sizes, key=lambda s: (sum(PRIOR_ACCEPTANCE ** i for i in range(s + 1))
+                                                  / self.step_seconds(s), -s))
 
     # ------------------------------------------------------------------ the model
     def step_seconds(self, size: int, pending: float = 1.0) -> float:
@@ -105,8 +119,9 @@ class DraftBudget:
         elif best == 0:               # plain decoding wins: now and then probe a small size
             probe = self.steps % self.probe_every == 0 and larger
             self.size = larger[min(1, len(larger) - 1)] if probe else 0
-        elif self.steps % self.explore_every == 0 and larger:
-            self.size = larger[0]   # hill climbing: the next larger size (its gain is then known)
+        elif (self.all_accepted or self.steps % self.explore_every == 0) and larger:
+            self.size = larger[0]   # hill climbing: the next larger size (its gain is then known), at
+                                    # once after a step whose drafts were all accepted
         else:
             self.size = best
         self.chosen.append(self.size)
@@ -126,12 +141,16 @@ class DraftBudget:
         batch = len(num_nodes)
         if batch == 0:
             return
+        self.all_accepted = size > 0 and sum(num_nodes) > 0 and all(
+            len(path) == n for path, n in zip(accepted_nodes, num_nodes))
         predicted = batch * interpolate(self.curve, pending + max(num_nodes + [0]))
         self.scale = self.decay * self.scale + (1 - self.decay) * (verify_seconds / predicted)
         nodes = sum(num_nodes)
         if nodes:
             per_node = draft_seconds / nodes
-            self.draft_per_node = self.decay * self.draft_per_node + (1 - self.decay) * per_node
+            past = self.decay if self.measured_drafts or self.draft_cost is not None else 0.0   # no zero prior
+            self.draft_per_node = past * self.draft_per_node + (1 - past) * per_node
+            self.measured_drafts = True
         if size == 0:
             return
         for s in self.levels:

@@ -124,7 +124,9 @@ class SpecEngine:
         # sampled request drafts k every step so that its seed reproduces its output
         if self.adaptive and all(p.greedy or p.seed is None for p in params):
             self.prepare_cost_curve(max_len, allocate=False)     # before the clock starts
-            budget = self.budget = DraftBudget(self.k, self.cost_curve)
+            caps = self.drafter.capabilities if self.drafter is not None else None
+            draft_cost = caps.relative_cost * self.cost_curve[1] if caps is not None and caps.has_state else None
+            budget = self.budget = DraftBudget(self.k, self.cost_curve, draft_cost=draft_cost)
         shadows = ShadowDrafts() if budget is not None and not self.drafter.capabilities.has_state else None
         started = time.perf_counter()
         self.runner.prefill(seqs)
