@@ -116,6 +116,26 @@ def compare(counts: Counter, exact: dict) -> tuple[float, float, int]:
     return p_value, tv, outside
 
 
+def drafter_sampling(setup, method: str, seed0: int, min_acceptance: float, **options) -> LLM:
+    """The set-up's LLM with drafter `method` (built with `options`) draws 2x10^4 samples of the
+    first tokens: drafts are accepted (above `min_acceptance`), nothing falls outside the exact
+    joint, and chi-square / TV keep the target's distribution. Returns that LLM."""
+    from specdecode.drafters.registry import build_drafter
+    llm, prompt, exact = setup
+    spec = LLM.__new__(LLM)
+    spec.__dict__.update(llm.__dict__)
+    spec.drafter = build_drafter(method, llm.target, **options)
+    spec.method = method
+    n = 20_000
+    counts, acceptance = draw(spec, prompt, n, K, seed0=seed0)
+    p_value, tv, outside = compare(counts, exact)
+    assert acceptance > min_acceptance, acceptance
+    assert outside == 0
+    assert p_value > P_MIN, (p_value, tv)
+    assert tv < tv_bound(n), (p_value, tv)
+    return spec
+
+
 @pytest.fixture(scope="module")
 def setup(models):
     llm = models["spec"]
@@ -140,37 +160,14 @@ def test_speculative_sampling_matches_plain_distribution(setup):
 def test_cascade_with_draft_model_sampling_matches_plain_distribution(setup, models):
     """The cascade over the draft model: lookup rows (one-hot) and draft-model rows (its sampled
     distribution) in the same runs keep the target's distribution."""
-    from specdecode.drafters.registry import build_drafter
-    llm, prompt, exact = setup
-    spec = LLM.__new__(LLM)
-    spec.__dict__.update(llm.__dict__)
-    spec.drafter = build_drafter("cascade", llm.target, draft=llm.draft, ngram_min=1, ngram_max=2)
-    spec.method = "cascade"
-    n = 20_000
-    counts, acceptance = draw(spec, prompt, n, K, seed0=4_000_000)
-    p_value, tv, outside = compare(counts, exact)
-    assert acceptance > 0.01, acceptance
+    spec = drafter_sampling(setup, "cascade", 4_000_000, 0.01, draft=setup[0].draft, ngram_min=1, ngram_max=2)
     assert spec.drafter.lookup_steps > 0 and spec.drafter.head_steps > 0
-    assert outside == 0
-    assert p_value > P_MIN, (p_value, tv)
-    assert tv < tv_bound(n), (p_value, tv)
 
 
 def test_reduced_draft_head_sampling_matches_plain_distribution(setup, models):
     """A draft model whose LM head keeps 160 token ids (head_vocab): every other token has draft
     probability 0, and the target's distribution is kept (residual sampling recovers them)."""
-    from specdecode.drafters.registry import build_drafter
-    llm, prompt, exact = setup
-    spec = LLM.__new__(LLM)
-    spec.__dict__.update(llm.__dict__)
-    spec.drafter = build_drafter("model", llm.target, draft=llm.draft, head_vocab=160, head_rank="id")
-    n = 20_000
-    counts, acceptance = draw(spec, prompt, n, K, seed0=5_000_000)
-    p_value, tv, outside = compare(counts, exact)
-    assert acceptance > 0.01, acceptance
-    assert outside == 0
-    assert p_value > P_MIN, (p_value, tv)
-    assert tv < tv_bound(n), (p_value, tv)
+    drafter_sampling(setup, "model", 5_000_000, 0.01, draft=setup[0].draft, head_vocab=160, head_rank="id")
 
 
 def test_detects_draft_distribution(setup, models):
@@ -206,8 +203,7 @@ def test_eagle_sampling_matches_plain_distribution(setup, models, tmp_path_facto
     from specdecode.drafters.format import save_eagle, save_medusa
     from specdecode.drafters.head import EagleHead
     from specdecode.drafters.medusa import MedusaConfig, MedusaHeads
-    from specdecode.drafters.registry import build_drafter
-    llm, prompt, exact = setup
+    llm = setup[0]
     torch.manual_seed(5)
     vocab = torch.arange(0, llm.target.model.vocab_size, 2)           # every other token
     c = llm.target.model.config
@@ -221,56 +217,23 @@ def test_eagle_sampling_matches_plain_distribution(setup, models, tmp_path_facto
             head.fc.weight.zero_()
             head.fc.weight[:, d:].copy_(torch.eye(d))
         path = save_eagle(head, tmp_path_factory.mktemp("eagle_e2e"), llm.target, {})
-    spec = LLM.__new__(LLM)
-    spec.__dict__.update(llm.__dict__)
-    spec.drafter = build_drafter(method, llm.target, drafter_path=str(path), **options)
-    spec.method = method
-    n = 20_000
-    counts, acceptance = draw(spec, prompt, n, K, seed0=3_000_000)
-    p_value, tv, outside = compare(counts, exact)
-    assert acceptance > 0.01, acceptance                 # drafts are accepted (a few %) and rejected
+    # drafts are accepted (a few %) and rejected
+    spec = drafter_sampling(setup, method, 3_000_000, 0.01, drafter_path=str(path), **options)
     if method == "cascade":                              # both kinds of rows occurred
         assert spec.drafter.lookup_steps > 0 and spec.drafter.head_steps > 0
-    assert outside == 0
-    assert p_value > P_MIN, (p_value, tv)
-    assert tv < tv_bound(n), (p_value, tv)
 
 
 def test_lookahead_sampling_matches_plain_distribution(setup):
     """Lookahead's drafts (pool n-grams and Jacobi window cells, point masses in one tree) pass
     the same test at 2x10^4 samples; with 2-grams every window column is one node, so the 2-node
     budget of this set-up holds a window."""
-    from specdecode.drafters.registry import build_drafter
-    llm, prompt, exact = setup
-    spec = LLM.__new__(LLM)
-    spec.__dict__.update(llm.__dict__)
-    spec.drafter = build_drafter("lookahead", llm.target, lookahead_window=2, lookahead_ngram=2)
-    spec.method = "lookahead"
-    n = 20_000
-    counts, acceptance = draw(spec, prompt, n, K, seed0=4_000_000)
-    p_value, tv, outside = compare(counts, exact)
-    assert acceptance > 0.005, acceptance
-    assert outside == 0
-    assert p_value > P_MIN, (p_value, tv)
-    assert tv < tv_bound(n), (p_value, tv)
+    drafter_sampling(setup, "lookahead", 4_000_000, 0.005, lookahead_window=2, lookahead_ngram=2)
 
 
 def test_layer_skip_sampling_matches_plain_distribution(setup):
     """Layer-skip drafts (the target with a layer left out, sampled with the shared transform)
     pass the same test at 2x10^4 samples."""
-    from specdecode.drafters.registry import build_drafter
-    llm, prompt, exact = setup
-    spec = LLM.__new__(LLM)
-    spec.__dict__.update(llm.__dict__)
-    spec.drafter = build_drafter("layer-skip", llm.target, skip_layers=[0], draft_confidence=0.0)
-    spec.method = "layer-skip"
-    n = 20_000
-    counts, acceptance = draw(spec, prompt, n, K, seed0=5_000_000)
-    p_value, tv, outside = compare(counts, exact)
-    assert acceptance > 0.05, acceptance
-    assert outside == 0
-    assert p_value > P_MIN, (p_value, tv)
-    assert tv < tv_bound(n), (p_value, tv)
+    drafter_sampling(setup, "layer-skip", 5_000_000, 0.05, skip_layers=[0], draft_confidence=0.0)
 
 
 def test_constrained_sampling_matches_plain_constrained_distribution(setup, models):

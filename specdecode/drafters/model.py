@@ -89,7 +89,7 @@ class ModelDrafter(Drafter):
                                f"[32, {shared_vocab}], got {head_vocab!r}")
         if not isinstance(head_rank, str) or not head_rank:
             raise DrafterError(f"head_rank must be 'freq', 'id' or a text file / folder, got {head_rank!r}")
-        self.head_vocab, self.head_rank = (head_vocab if 0 < head_vocab < self.draft_vocab else 0), head_rank
+        self.head_vocab = head_vocab if 0 < head_vocab < self.draft_vocab else 0
         if self.head_vocab:
             ids = frequent_ids(draft.tokenizer, shared_vocab, self.head_vocab,
                                head_rank, keep=tuple(draft.eos_token_ids) + tuple(target.eos_token_ids))

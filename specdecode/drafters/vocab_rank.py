@@ -26,15 +26,12 @@ from pathlib import Path
 
 import torch
 
+from ..models.gguf import cache_root
 from .base import DrafterError
 
 CORPUS_BYTES = 8 << 20           # text read for the counts (the stdlib's ~160 MB is sampled down to this)
 CORPUS_VERSION = 1               # bump when the default corpus or its sampling changes
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "turtledemo", "lib2to3", "encodings"}
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("SPECDECODE_CACHE", Path.home() / ".cache" / "specdecode")) / "vocab_rank"
 
 
 def default_corpus() -> list[Path]:
@@ -73,7 +70,7 @@ def token_counts(tokenizer, vocab_size: int, source: str | Path | None = None) -
     for p in files:
         st = p.stat()
         key.update(f"{p} {st.st_size} {int(st.st_mtime)}".encode())
-    cached = _cache_dir() / f"{key.hexdigest()[:24]}.pt"
+    cached = cache_root() / "vocab_rank" / f"{key.hexdigest()[:24]}.pt"
     if cached.is_file():
         try:
             counts = torch.load(cached)

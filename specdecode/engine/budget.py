@@ -78,7 +78,7 @@ class DraftBudget:
     nodes: dict[int, float] = field(init=False)      # size -> mean nodes a sequence proposes at that size
     scale: float = field(init=False, default=1.0)    # measured / predicted verify time
     draft_per_node: float = field(init=False, default=0.0)
-    measured_drafts: bool = field(init=False, default=False)
+    draft_time_known: bool = field(init=False, default=False)   # draft_per_node holds a prior or a measurement
     all_accepted: bool = field(init=False, default=False)   # the last step accepted every drafted node
     size: int = field(init=False)
     steps: int = field(init=False, default=0)
@@ -90,7 +90,7 @@ class DraftBudget:
         self.nodes = {0: 0.0}
         self.size = min(self.levels, key=lambda x: abs(x - 4))   # start at a modest size
         if self.draft_cost is not None:   # ... or where the prior cost says, for a drafter that pays to try
-            self.draft_per_node = self.draft_cost
+            self.draft_per_node, self.draft_time_known = self.draft_cost, True
             sizes = [s for s in self.levels if 0 < s <= 4] or [self.size]
             self.size = max(sizes, key=lambda s: (sum(PRIOR_ACCEPTANCE ** i for i in range(s + 1))
                                                   / self.step_seconds(s), -s))
@@ -148,9 +148,9 @@ class DraftBudget:
         nodes = sum(num_nodes)
         if nodes:
             per_node = draft_seconds / nodes
-            past = self.decay if self.measured_drafts or self.draft_cost is not None else 0.0   # no zero prior
+            past = self.decay if self.draft_time_known else 0.0          # no zero prior
             self.draft_per_node = past * self.draft_per_node + (1 - past) * per_node
-            self.measured_drafts = True
+            self.draft_time_known = True
         if size == 0:
             return
         for s in self.levels:
