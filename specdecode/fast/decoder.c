@@ -15,6 +15,7 @@
  *   - attention for row t: scores over keys 0..start+t in order, one 16-lane fp32 accumulator per
  *     dot product over head_dim chunks, max, exp, sum in 16-lane blocks of keys starting at key 0,
  *     weighted value sum in key order; no split of the key range across threads;
+ *     several (row, head) pairs of one kv head share each chunk's reads (decoder_attn.c), never its sums;
  *   - rmsnorm / rope / silu: per row, fixed vector order.
  * Work is split between threads by output columns (matmuls) and by (row, head) units (attention),
  * which changes who computes a value, never how.
@@ -86,6 +87,7 @@ static inline size_t kv_off(const sd_kv *kv, const int32_t *tab, int j, int h) {
 }
 
 #include "decoder_ops.c"
+#include "decoder_attn.c"
 
 /* One thread's share of y[M, N] (op) x[M, Kp] @ W^T: dispatch on quantized / dtype / AMX. */
 static inline void mm_part(const sd_model *md, const void *x, int lda, const void *Wp, const sd_qmat *Wq,
@@ -135,7 +137,7 @@ static void sublayer_out(const sd_model *md, const void *x, int K, const void *W
  * tbase NULL: a chain, row r sees slots 0..pos[r].  With md->window > 0 only the last window of
  * those logical keys are attended to.  (The per-pass description is built in
  * specdecode/forward.py.)  The hidden states of the T rows are left in md->hid.  scores:
- * nthreads * score_len floats, score_len >= max(pos) + 17.  Returns 0, or -1 on bad arguments. */
+ * nthreads * SD_ATT_PAIRS * score_len floats, score_len >= max(pos) + 17.  Returns 0, or -1 on bad arguments. */
 int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *pos, const int32_t *slot,
                     const int32_t *tbase, const uint64_t *tmask, int T, const sd_kv *kv,
                     int score_len, float *scores, int nthreads) {
@@ -161,7 +163,7 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
 #pragma omp parallel num_threads(nthreads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        float *sc = scores + (size_t)t * score_len;
+        float *sc = scores + (size_t)t * SD_ATT_PAIRS * score_len;
         int cfg = -1, a, b;
         /* embedding */
         range(T, t, nt, &a, &b);
@@ -208,14 +210,24 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
                     memcpy(vl + kv_off(kv, tab, row_slot[r], h - H - KVH) * esz, src, (size_t)HD * esz);
             }
 #pragma omp barrier
+            /* (row, q head) pairs in kv-head-major order, split evenly between threads; each thread
+             * runs its share in batches that read one kv head through one cache table (decoder_attn.c) */
             range(T * H, t, nt, &a, &b);
-            for (int u = a; u < b; u++) {
-                int r = u / H, h = u % H;
-                int lo = win > 0 && pos[r] + 1 > win ? pos[r] + 1 - win : 0;
-                attend(qb + ((size_t)r * QS + (size_t)h * HD) * esz, kl, vl, kv,
-                       kv->tables + (size_t)r * kv->table_width, row_base[r], path[r], h / grp, lo, pos[r] + 1,
-                       HD, md->scale, md->attn_softcap, bf, sc,
-                       att + ((size_t)r * md->Qp + (size_t)h * HD) * esz);
+            for (int u = a; u < b;) {
+                att_pair pr[SD_ATT_PAIRS];
+                const int kvh = u / (T * grp), r0 = u % (T * grp) / grp;
+                const int32_t *tab0 = kv->tables + (size_t)r0 * kv->table_width;
+                const int lo0 = win > 0 && pos[r0] + 1 > win ? pos[r0] + 1 - win : 0;
+                int n = 0;
+                for (; u < b && n < SD_ATT_PAIRS && u / (T * grp) == kvh; u++) {
+                    const int r = u % (T * grp) / grp, h = kvh * grp + u % grp;
+                    const int lo = win > 0 && pos[r] + 1 > win ? pos[r] + 1 - win : 0;
+                    const int32_t *tab = kv->tables + (size_t)r * kv->table_width;
+                    if (lo != lo0 || (tab != tab0 && memcmp(tab, tab0, sizeof(int32_t) * kv->table_width))) break;
+                    pr[n++] = (att_pair){qb + ((size_t)r * QS + (size_t)h * HD) * esz,
+                                         att + ((size_t)r * md->Qp + (size_t)h * HD) * esz, pos[r] + 1, row_base[r], path[r]};
+                }
+                attend_pairs(pr, n, kl, vl, kv, tab0, kvh, lo0, HD, md->scale, md->attn_softcap, bf, sc, score_len);
             }
 #pragma omp barrier
             sublayer_out(md, att, md->Qp, md->o_w[l], md->o_q ? md->o_q[l] : NULL,

@@ -26,6 +26,7 @@ from .quant import QuantLinear
 __all__ = ["FusedDecoder", "fused_decoder", "why_not", "MAX_T"]
 
 MAX_T = 64  # rows per native call (SD_MAX_T in decoder.c); longer blocks run in chunks
+ATT_PAIRS = 8  # attention scratch per thread, in rows of scores (SD_ATT_PAIRS in decoder_attn.c)
 
 P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -221,7 +222,7 @@ class FusedDecoder:
             self._kc, self._vc = _ptrs(self._kept(cache.keys)), _ptrs(self._kept(cache.values))
             self._cache_ref = cache  # keep the tensors alive while their pointers are cached
             self._cache_key = key
-        need = torch.get_num_threads() * (cache.max_len + 16)
+        need = torch.get_num_threads() * ATT_PAIRS * (cache.max_len + 16)
         if self._scores.numel() < need:
             self._scores = torch.empty(need, dtype=torch.float32)
 
@@ -346,8 +347,8 @@ class FusedDecoder:
         hidden = torch.empty(R, self.model.config.hidden_size, dtype=self.dtype)
         nt = torch.get_num_threads()
         score_len = int(pos.max()) + 17
-        if self._scores.numel() < nt * score_len:
-            self._scores = torch.empty(nt * score_len, dtype=torch.float32)
+        if self._scores.numel() < nt * ATT_PAIRS * score_len:
+            self._scores = torch.empty(nt * ATT_PAIRS * score_len, dtype=torch.float32)
         for c0 in range(0, R, MAX_T):
             Rc = min(MAX_T, R - c0)
             kv = _KV(kbase, vbase, tables.data_ptr() + 4 * c0 * tables.shape[1],
