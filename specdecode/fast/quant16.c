@@ -135,7 +135,7 @@ leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *
     const int NC = (K + 255) / 256, KH = K / 16, KB = K / 32, BB = leg16_bytes(type);
     const int has_m = type == GQ_Q4_116 || type == GQ_Q5_116, five = type == GQ_Q5_016 || type == GQ_Q5_116;
     const float center = type == GQ_Q4_016 ? -8.f : type == GQ_Q5_016 ? -16.f : type == GQ_Q8_016 ? -128.f : 0.f;
-    __m512 acc[4], fs[4];
+    __m512 acc[SD_QROWS], fs[SD_QROWS];
     for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); fs[r] = _mm512_setzero_ps(); }
     const __m512i m4 = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16);
     for (int b = 0; b < KB; b++) {
@@ -189,14 +189,29 @@ leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *
 
 #include "quant16_amx.c"    /* the same kernels on AMX int8 tiles, for verify passes */
 
+/* Rows sharing one decode of a weight block: 8 with AVX512's 32 vector registers (per row an fp32
+ * partial sum and accumulator, plus the decoded block: no spills), 4 with AVX2's 16. */
+#if defined(__AVX512F__)
+#define Q16_SHARE 8
+#define Q16_CASES(CALL) case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break;
+#else
+#define Q16_SHARE 4
+#define Q16_CASES(CALL) default: CALL(4); break;
+#endif
+
 static void leg16_rows(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums,
                        int R, float *out) {
+#define LEG16_CALL(n) leg16_group(T_, grp, K, xq, dq, sums, n, out)
 #define LEG16(T)                                                                                      \
+    {                                                                                                 \
+    enum { T_ = T };                                                                                  \
     switch (R) {                                                                                      \
-    case 1: leg16_group(T, grp, K, xq, dq, sums, 1, out); break;                                      \
-    case 2: leg16_group(T, grp, K, xq, dq, sums, 2, out); break;                                      \
-    case 3: leg16_group(T, grp, K, xq, dq, sums, 3, out); break;                                      \
-    default: leg16_group(T, grp, K, xq, dq, sums, 4, out); break;                                     \
+    case 1: LEG16_CALL(1); break;                                                                     \
+    case 2: LEG16_CALL(2); break;                                                                     \
+    case 3: LEG16_CALL(3); break;                                                                     \
+    case 4: LEG16_CALL(4); break;                                                                     \
+    Q16_CASES(LEG16_CALL)                                                                             \
+    }                                                                                                 \
     }
     switch (type) {
     case GQ_Q4_016: LEG16(GQ_Q4_016) break;
@@ -206,6 +221,7 @@ static void leg16_rows(int type, const uint8_t *grp, int K, const int8_t *xq, co
     default: LEG16(GQ_Q8_016) break;
     }
 #undef LEG16
+#undef LEG16_CALL
 }
 
 static void sd_repack16_legacy(int type, const uint8_t *src, long row_bytes, int K, long n, uint8_t *dst) {
@@ -237,18 +253,21 @@ static void sd_repack16_legacy(int type, const uint8_t *src, long row_bytes, int
         }
 }
 
-#define Q16_FOR(FN)                                                                                   \
+#define Q4K_CALL(n) q4k16_group(grp, K, xq, dq, sums, n, out)
+#define Q6K_CALL(n) q6k16_group(grp, K, xq, dq, sums, n, out)
+#define Q16_FOR(CALL)                                                                                 \
     switch (R) {                                                                                      \
-    case 1: FN(grp, K, xq, dq, sums, 1, out); break;                                                  \
-    case 2: FN(grp, K, xq, dq, sums, 2, out); break;                                                  \
-    case 3: FN(grp, K, xq, dq, sums, 3, out); break;                                                  \
-    default: FN(grp, K, xq, dq, sums, 4, out); break;                                                 \
+    case 1: CALL(1); break;                                                                           \
+    case 2: CALL(2); break;                                                                           \
+    case 3: CALL(3); break;                                                                           \
+    case 4: CALL(4); break;                                                                           \
+    Q16_CASES(CALL)                                                                                   \
     }
 
 static void q16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums,
                       int R, float *out) {
-    if (type == GQ_Q4_K16) { Q16_FOR(q4k16_group) }
-    else { Q16_FOR(q6k16_group) }
+    if (type == GQ_Q4_K16) { Q16_FOR(Q4K_CALL) }
+    else { Q16_FOR(Q6K_CALL) }
 }
 
 /* Bytes of one 16-column group of an interleaved segment over K; 0 for the file layouts. */
@@ -262,13 +281,13 @@ static size_t q16_group_bytes(int type, int K) {
     }
 }
 
-/* R activation rows (any count) against one 16-column group -> out[R][16]; 4 rows share a decode
- * (more would spill registers). */
+/* R activation rows (any count) against one 16-column group -> out[R][16]; Q16_SHARE rows share a
+ * decode (more would spill registers). */
 static void q16_rows(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums,
                      int R, float *out) {
     const int NC = (K + 255) / 256, KH = K / 16;
-    for (int r0 = 0; r0 < R; r0 += 4) {
-        const int rr = R - r0 < 4 ? R - r0 : 4;
+    for (int r0 = 0; r0 < R; r0 += Q16_SHARE) {
+        const int rr = R - r0 < Q16_SHARE ? R - r0 : Q16_SHARE;
         const int8_t *x = xq + (size_t)r0 * K;
         const float *d = dq + (size_t)r0 * NC, *sm = sums + (size_t)r0 * KH;
         if (type == GQ_Q4_K16 || type == GQ_Q6_K16) q16_group(type, grp, K, x, d, sm, rr, out + 16 * r0);
