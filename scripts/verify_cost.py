@@ -1,10 +1,11 @@
 """Cost of one target pass against its number of rows (what a verified draft node costs).
 
-    python scripts/verify_cost.py [--model PATH] [--context 256] [--threads 2]
+    python scripts/verify_cost.py [--model PATH] [--context 256] [--threads 2] [--rows 1,2,4,8] [--rounds 3]
 
-Prints, for 1..64 rows at the given context, the median time of a forward pass that returns
-logits for every row, and its ratio to a 1-row step (the curve engine/budget.py measures at
-start-up). Same weights as `specdecode generate` loads them (a GGUF file: its own quantization).
+Prints, for each row count (default 1..64) at the given context, the time of a forward pass that
+returns logits for every row (median of --repeats passes; with --rounds N the row counts are swept N
+times and the least median is kept, which steadies a noisy host), and its ratio to the first row
+count's (the curve engine/budget.py measures at start-up). Same weights as `specdecode generate` loads them (a GGUF file: its own quantization).
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--rows", default="1,2,4,6,8,12,16,24,32,48,64", help="comma-separated row counts (1..64)")
+    p.add_argument("--rounds", type=int, default=1, help="sweeps of the row counts; the least median is kept")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     lm = load_model(args.model, progress=False)
@@ -32,18 +35,23 @@ def main() -> None:
     prompt = torch.randint(0, min(model.vocab_size, 1000), (1, args.context), generator=gen)
     model.forward(prompt, cache, 0, logit_index=torch.zeros(1, 0, dtype=torch.long))
     print(f"{lm.name} ({lm.weights_kind}), context {args.context}, {args.threads} threads")
-    base = None
-    for rows in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64):
-        tokens = torch.randint(0, min(model.vocab_size, 1000), (1, rows), generator=gen)
-        index = torch.arange(rows)[None]
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            model.forward(tokens, cache, args.context, logit_index=index)
-            times.append(time.perf_counter() - t0)
-        ms = statistics.median(times) * 1e3
-        base = base or ms
-        print(f"{rows:3d} rows  {ms:7.1f} ms  {ms / base:5.2f} steps")
+    row_counts = [int(r) for r in args.rows.split(",")]
+    if not row_counts or not all(1 <= r <= 64 for r in row_counts) or args.rounds < 1:
+        raise SystemExit(f"--rows takes counts in 1..64 and --rounds >= 1, got {args.rows!r} / {args.rounds}")
+    best: dict[int, float] = {}
+    for _ in range(args.rounds):
+        for rows in row_counts:
+            tokens = torch.randint(0, min(model.vocab_size, 1000), (1, rows), generator=gen)
+            index = torch.arange(rows)[None]
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                model.forward(tokens, cache, args.context, logit_index=index)
+                times.append(time.perf_counter() - t0)
+            best[rows] = min(best.get(rows, float("inf")), statistics.median(times) * 1e3)
+    base = best[row_counts[0]]
+    for rows in row_counts:
+        print(f"{rows:3d} rows  {best[rows]:7.1f} ms  {best[rows] / base:5.2f} steps")
 
 
 if __name__ == "__main__":
