@@ -227,7 +227,8 @@ def test_lookahead_sampling_matches_plain_distribution(setup):
     """Lookahead's drafts (pool n-grams and Jacobi window cells, point masses in one tree) pass
     the same test at 2x10^4 samples; with 2-grams every window column is one node, so the 2-node
     budget of this set-up holds a window."""
-    drafter_sampling(setup, "lookahead", 4_000_000, 0.005, lookahead_window=2, lookahead_ngram=2)
+    drafter_sampling(setup, "lookahead", 4_000_000, 0.005, lookahead_window=2, lookahead_ngram=2,
+                     window_min_yield=0.0)                  # the window every step
 
 
 def test_layer_skip_sampling_matches_plain_distribution(setup):

@@ -23,6 +23,13 @@ Nodes come best-first (candidates, then window columns left to right), so a budg
 the whole tree (the adaptive draft size, `k`) keeps a prefix: the candidates, then as many whole
 window columns as fit; the columns that were not verified are not updated that step.
 
+The window is drafted only while it pays: every verified row costs a fraction of a target step on a
+CPU (~0.12-0.2 here), so each request counts the tokens accepted on window nodes (nodes the
+candidates did not already hold) per window node drafted, and leaves the window out while that
+yield is below `window_min_yield` (default 0.15 tokens per node; 0 = always draft it), except on
+every WINDOW_PROBE-th step, which keeps the Jacobi iteration moving. Without the window the
+drafter is a lookup over its pool.
+
 State: per request (keyed by the Sequence object in a WeakKeyDictionary, so it ends with the
 request), window and pool; propose only catches the pool up with the text (idempotent: the server
 may draft for a row it does not speculate on); observe_topk updates the window and the pool from
@@ -40,6 +47,8 @@ from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterError
 from .registry import register
 
 POOL_PER_KEY = 16          # n-grams kept per first token (least recently seen dropped)
+WINDOW_PROBE = 16          # a request whose window does not pay still drafts it every 16th step
+WINDOW_PRIOR = (1.0, 4.0)  # (accepted tokens, window nodes) a request starts with: yield 0.25
 
 
 class _Request:
@@ -53,7 +62,13 @@ class _Request:
         self.pool: dict[int, OrderedDict] = {}
         self.n = levels + 1
         self.seen = 0                                      # text tokens whose n-grams are in the pool
+        self.window_accepted, self.window_nodes = WINDOW_PRIOR   # the window's yield so far
+        self.steps = 0
         self.catch_up(token_ids)
+
+    def window_pays(self, min_yield: float) -> bool:
+        self.steps += 1
+        return self.steps % WINDOW_PROBE == 0 or self.window_accepted >= min_yield * self.window_nodes
 
     def catch_up(self, token_ids: list[int]) -> None:
         """The n-grams of the text that end after the last call (the prompt's, then the output's)."""
@@ -79,12 +94,17 @@ class LookaheadDrafter(Drafter):
     capabilities = DrafterCapabilities(drafts_trees=True, needs_target_topk=1, relative_cost=0.005)
 
     def __init__(self, target=None, lookahead_window: int = 5, lookahead_ngram: int = 4,
-                 lookahead_candidates: int = 5, **_: object) -> None:
+                 lookahead_candidates: int = 5, window_min_yield: float = 0.15, **_: object) -> None:
         for name, value, low, high in (("lookahead_window", lookahead_window, 1, 16),
                                        ("lookahead_ngram", lookahead_ngram, 2, 8),
                                        ("lookahead_candidates", lookahead_candidates, 0, 16)):
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise DrafterError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+        if isinstance(window_min_yield, bool) or not isinstance(window_min_yield, (int, float)) \
+                or not 0.0 <= window_min_yield <= 1.0:
+            raise DrafterError(f"window_min_yield must be a number in [0, 1] (accepted tokens per window node), "
+                               f"got {window_min_yield!r}")
+        self.window_min_yield = float(window_min_yield)
         self.columns, self.levels, self.num_candidates = lookahead_window, lookahead_ngram - 1, lookahead_candidates
         if (self.columns + self.num_candidates) * self.levels > MAX_TREE_NODES:
             raise DrafterError(f"(lookahead_window + lookahead_candidates) * (lookahead_ngram - 1) must be <= "
@@ -101,17 +121,23 @@ class LookaheadDrafter(Drafter):
     def propose(self, seqs, max_tokens):
         trees, cells = [], {}
         for seq, budget in zip(seqs, max_tokens):
-            tree, where = self._tree(self._state(seq), seq.token_ids[-1], min(int(budget), MAX_TREE_NODES))
+            state = self._state(seq)
+            window = state.window_pays(self.window_min_yield)
+            tree, where, own = self._tree(state, seq.token_ids[-1], min(int(budget), MAX_TREE_NODES), window)
             trees.append(tree)
-            cells[id(seq)] = where
+            cells[id(seq)] = (where, own)
         proposal = DraftProposal.from_trees(trees)
-        proposal.step_state = cells      # per sequence (by id) {(level, column): node}, read by observe_topk
+        # per sequence (by id): {(level, column): node} for observe_topk, and the window's own nodes
+        proposal.step_state = cells
         return proposal
 
-    def _tree(self, state: _Request, root: int, budget: int) -> tuple[list[tuple[int, int]], dict]:
-        """(token, parent) nodes of one row: the candidates' trie, then whole window columns."""
+    def _tree(self, state: _Request, root: int, budget: int,
+              window_too: bool = True) -> tuple[list[tuple[int, int]], dict, set]:
+        """(token, parent) nodes of one row: the candidates' trie, then (window_too) whole window
+        columns; also where each window cell went and the nodes only the window added."""
         nodes: list[tuple[int, int]] = []
         index: dict[tuple[int, int], int] = {}             # (parent, token) -> node
+        own: set[int] = set()
 
         def insert(path: list[int]) -> int | None:         # the path's last node, None past the budget
             parent = -1
@@ -128,7 +154,10 @@ class LookaheadDrafter(Drafter):
         for gram in state.candidates(root, self.num_candidates):
             if insert(list(gram)) is None:
                 break
-        where = {}
+        where: dict = {}
+        first_window_node = len(nodes)
+        if not window_too:
+            return nodes, where, own
         window = state.window
         for column in range(self.columns):
             if len(nodes) + self.levels > budget:           # only whole columns (all levels) are drafted
@@ -137,9 +166,9 @@ class LookaheadDrafter(Drafter):
             for level in range(self.levels):
                 node = insert(base + [window[lv][column] for lv in range(1, level + 1)])
                 if node is None:
-                    return nodes, where
+                    return nodes, where, set(range(first_window_node, len(nodes)))
                 where[(level, column)] = node
-        return nodes, where
+        return nodes, where, set(range(first_window_node, len(nodes)))
 
     def observe_topk(self, seqs, proposal, topk_ids):
         """The Jacobi step: the target's top-1 after each verified column's last level."""
@@ -149,7 +178,7 @@ class LookaheadDrafter(Drafter):
         top1 = topk_ids[..., 0].cpu().tolist()                                     # [B, n+1]
         last = self.levels - 1
         for seq, row in zip(seqs, top1):
-            where, state = cells.get(id(seq)), self.requests.get(seq)
+            where, state = cells.get(id(seq), ({}, None))[0], self.requests.get(seq)
             if state is None or not where:
                 continue
             window = state.window
@@ -162,3 +191,27 @@ class LookaheadDrafter(Drafter):
                 for level in range(last):
                     window[level][column] = window[level + 1][column]
                 window[last][column] = new
+
+    def commit(self, seqs, proposal, num_accepted):
+        """The window's yield: tokens accepted on nodes only the window added, per such node."""
+        cells = proposal.step_state
+        if not cells:
+            return
+        parents = proposal.tree_parents().tolist()
+        tokens = proposal.tokens.tolist()
+        for b, seq in enumerate(seqs):
+            own = cells.get(id(seq), (None, set()))[1]
+            state = self.requests.get(seq)
+            if state is None or not own:
+                continue
+            accepted = num_accepted[b]
+            path = seq.token_ids[len(seq.token_ids) - accepted - 1:len(seq.token_ids) - 1] if accepted else []
+            node, hits = -1, 0
+            for token in path:                  # the accepted nodes: children matching the emitted tokens
+                node = next((i for i in range(int(proposal.num_tokens[b]))
+                             if parents[b][i] == node and tokens[b][i] == token), None)
+                if node is None:
+                    break
+                hits += node in own
+            state.window_accepted += hits
+            state.window_nodes += len(own)
