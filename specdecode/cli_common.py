@@ -98,9 +98,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="target: a .gguf file or an HF directory (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--draft", default=None, help="draft model (.gguf or HF directory) sharing the target's tokenizer")
     g.add_argument("--method", default=None, choices=method_choices(),
-                   help="drafter (default: model with --draft, cascade with --drafter, else ngram; eagle and "
+                   help="drafter (default: cascade with --draft or --drafter, else ngram; eagle and "
                         "cascade use the drafter shipped for the embedded model when no --drafter is given (cascade "
-                        "with --draft: prompt lookup, else the draft model); "
+                        "with --draft: suffix-index lookup where the text repeats at length, else the draft model); "
                         "drafters registered by other packages are listed too)")
     g.add_argument("--drafter", default=None, metavar="DIR",
                    help="trained drafter directory from `specdecode distill` (methods eagle, cascade)")

@@ -107,7 +107,7 @@ def test_json_with_compare(runs, reference):
     out = json.loads(run.stdout)
     assert JSON_KEYS | COMPARE_KEYS <= set(out)
     assert out["identical"] is True                           # greedy: speculation changes nothing
-    assert out["method"] == "model" and out["k"] == 3
+    assert out["method"] == "cascade" and out["k"] == 3                # the default with --draft
     assert out["tokens"] == reference["fox"].token_ids and out["text"] == reference["fox"].text
     assert out["tokens_per_s"] > 0 and out["baseline_tokens_per_s"] > 0 and out["speedup"] > 0
     assert 0.0 <= out["acceptance_rate"] <= 1.0 and 1.0 <= out["mean_accepted_length"] <= 4.0

@@ -49,7 +49,7 @@ def models(tmp_path_factory):
     target = conftest.make_model(root / "target", "llama", seed=11, layers=2)
     draft = conftest.make_model(root / "draft", "llama", seed=12, layers=1)
     opts = dict(dtype="fp32", progress=False, adaptive=False)
-    return {"spec": LLM(model=str(target), draft=str(draft), **opts), "draft": LLM(model=str(draft), **opts)}
+    return {"spec": LLM(model=str(target), draft=str(draft), method="model", **opts), "draft": LLM(model=str(draft), **opts)}
 
 
 def exact_joint(llm: LLM, prompt: list[int]) -> dict[tuple[int, ...], float]:
@@ -160,7 +160,15 @@ def test_speculative_sampling_matches_plain_distribution(setup):
 def test_cascade_with_draft_model_sampling_matches_plain_distribution(setup, models):
     """The cascade over the draft model: lookup rows (one-hot) and draft-model rows (its sampled
     distribution) in the same runs keep the target's distribution."""
-    spec = drafter_sampling(setup, "cascade", 4_000_000, 0.01, draft=setup[0].draft, ngram_min=1, ngram_max=2)
+    spec = drafter_sampling(setup, "cascade", 4_000_000, 0.01, draft=setup[0].draft, lookup="ngram",
+                            ngram_min=1, ngram_max=2)
+    assert spec.drafter.lookup_steps > 0 and spec.drafter.head_steps > 0
+
+
+def test_cascade_suffix_lookup_sampling_matches_plain_distribution(setup, models):
+    """The default over a draft model: suffix-index lookup rows (point masses) and draft-model rows."""
+    spec = drafter_sampling(setup, "cascade", 4_500_000, 0.01, draft=setup[0].draft, lookup_min_tokens=1)
+    assert spec.drafter.suffix is not None
     assert spec.drafter.lookup_steps > 0 and spec.drafter.head_steps > 0
 
 

@@ -36,8 +36,8 @@ def llms(tiny_models):
     opts = dict(dtype="fp32", progress=False, adaptive=False)
     return {
         "ngram": LLM(model=target, method="ngram", **opts),
-        "model": LLM(model=target, draft=str(tiny_models["llama_draft"]), **opts),
-        "self": LLM(model=target, draft=target, **opts),
+        "model": LLM(model=target, draft=str(tiny_models["llama_draft"]), method="model", **opts),
+        "self": LLM(model=target, draft=target, method="model", **opts),
     }
 
 

@@ -107,3 +107,21 @@ def test_the_draft_model_reads_the_prompt_during_prefill(tiny_models):
     longest = max(len(llm.tokenizer.encode(p)) for p in PROMPTS)
     assert widths["run"][0] == longest - 1            # the prefill pass: every prompt but its last token
     assert max(widths["forward"]) <= 2                 # proposals: the unseen bonus (+ last draft), then drafts
+
+
+def test_cascade_suffix_lookup_keeps_greedy_outputs(tiny_models):
+    """The cascade over a draft model with suffix-index lookup (long repeats) in front: outputs equal
+    plain decoding, and both kinds of steps occur on a text that repeats itself."""
+    target = str(tiny_models["llama"])
+    prompt = "one two three four five six seven eight nine ten one two three four five six seven eight"
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    llm = LLM(model=target, draft=target, dtype="fp32", progress=False, adaptive=False, method="cascade",
+              lookup="suffix", lookup_min_tokens=2)
+    plain = llm.generate([prompt], params, num_speculative_tokens=0)[0].token_ids
+    out = llm.generate([prompt], params, num_speculative_tokens=4)[0]
+    assert out.token_ids == plain
+    assert llm.drafter.lookup_steps > 0 and llm.drafter.head_steps > 0
+    with pytest.raises(Exception, match="lookup must be one of"):
+        LLM(model=target, draft=target, dtype="fp32", progress=False, method="cascade", lookup="trie")
+    with pytest.raises(Exception, match="lookup_min_tokens"):
+        LLM(model=target, draft=target, dtype="fp32", progress=False, method="cascade", lookup_min_tokens=-1)

@@ -8,6 +8,12 @@ per token; a draft model: its own step per token). A row it skipped catches up o
 drafts: its cache is position-addressed and the catch-up pass covers every token the target has
 committed since (eagle.py, model.py).
 
+`lookup="suffix"` (the default over a draft model; n-gram lookup is the default over an EAGLE head)
+looks the text up in a suffix index instead (suffix.py: the request's own text and the last
+finished outputs; its tree's main path is the draft), and only when that path is at least
+`lookup_min_tokens` long (default: the step's draft size), i.e. where the text has a long repeat;
+shorter matches are left to the second drafter.
+
 Lookup drafts are point masses. When the head samples (probs given) in the same step, a lookup
 row gets one-hot distributions, which is the exact distribution its draft came from, so
 verification stays lossless.
@@ -22,6 +28,9 @@ from .registry import register
 from .eagle import EagleDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter, lookup
+from .suffix import SuffixDrafter
+
+LOOKUPS = ("ngram", "suffix")
 
 
 @register("cascade")
@@ -31,8 +40,18 @@ class CascadeDrafter(Drafter):
     def __init__(self, target, draft=None, drafter_path=None, fast: bool = True, ngram_min: int = 3,
                  ngram_max: int = 5, min_confidence: float | None = None, draft_confidence: float = 0.4,
                  draft_context: int = 0, head_vocab: int = 0, head_rank: str = "freq",
-                 **_: object) -> None:
+                 lookup: str | None = None, lookup_min_tokens: int = 0, **_: object) -> None:
+        from .base import DrafterError
         self.ngram = NgramDrafter(target, ngram_min, ngram_max)      # validates the sizes
+        lookup = lookup if lookup is not None else ("suffix" if draft is not None else "ngram")
+        if lookup not in LOOKUPS:
+            raise DrafterError(f"lookup must be one of {', '.join(LOOKUPS)}, got {lookup!r}")
+        if isinstance(lookup_min_tokens, bool) or not isinstance(lookup_min_tokens, int) \
+                or not 0 <= lookup_min_tokens <= 64:
+            raise DrafterError(f"lookup_min_tokens must be an integer in [0, 64] (0: the step's draft size), "
+                               f"got {lookup_min_tokens!r}")
+        self.suffix = SuffixDrafter(target) if lookup == "suffix" else None
+        self.lookup_min_tokens = lookup_min_tokens
         if draft is not None:                                        # a draft model behind the lookup
             self.head = ModelDrafter(target, draft, draft_confidence=draft_confidence,
                                      draft_context=draft_context, head_vocab=head_vocab,
@@ -66,8 +85,13 @@ class CascadeDrafter(Drafter):
     def propose(self, seqs, max_tokens):
         drafts: list[list[int] | None] = []
         for s, k in zip(seqs, max_tokens):
-            ids = np.asarray(s.token_ids, dtype=np.int64)
-            found = lookup(ids, k, self.ngram.ngram_min, self.ngram.ngram_max) if k else []
+            if self.suffix is not None:
+                found = self.suffix.propose([s], [k]).main_path(0) if k else []
+                if len(found) < min(self.lookup_min_tokens or k, k):
+                    found = []                   # a short match: the second drafter does better
+            else:
+                ids = np.asarray(s.token_ids, dtype=np.int64)
+                found = lookup(ids, k, self.ngram.ngram_min, self.ngram.ngram_max) if k else []
             drafts.append(found or None)
         head_rows = [b for b, d in enumerate(drafts) if d is None and max_tokens[b] > 0]
         self.lookup_steps += sum(d is not None for d in drafts)
@@ -89,6 +113,8 @@ class CascadeDrafter(Drafter):
         return out
 
     def commit(self, seqs, proposal, num_accepted):
+        if self.suffix is not None:              # finished outputs join its global index
+            self.suffix.commit(seqs, proposal, num_accepted)
         if proposal.step_state is None:          # lookup rows only (or no propose): the head drafted nothing
             return
         rows, sub = proposal.step_state

@@ -255,7 +255,7 @@ class SuffixDrafter(Drafter):
                 trees.append([])
                 continue
             loc = self.local.get(s)
-            if loc is None:
+            if loc is None or loc.n > len(s.token_ids):      # new, or its text was cut back: rebuilt
                 loc = self.local[s] = LocalIndex()
             loc.extend(s.token_ids)
             trees.append(self.draft(loc, min(int(k), MAX_TREE_NODES)))
