@@ -84,10 +84,14 @@ def drafter_options(args: argparse.Namespace) -> dict:
     if options:
         from .drafters.base import DrafterError
         from .drafters.registry import check_drafter_options
-        if args.method in (None, "none"):
-            raise CliError("--drafter-option needs --method (the drafter whose option it is)")
         try:
-            check_drafter_options(args.method, options)
+            method = args.method
+            if method is None:                   # the default drafter for these arguments (api.default_method)
+                from .api import default_method
+                method = default_method(getattr(args, "draft", None), None, getattr(args, "drafter", None))
+            if method == "none":
+                raise CliError("--drafter-option needs a drafter (--method none drafts nothing)")
+            check_drafter_options(method, options)
         except DrafterError as exc:
             raise CliError(str(exc)) from None
     return options

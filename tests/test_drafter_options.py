@@ -38,8 +38,14 @@ def test_cli_checks_against_the_method():
     assert drafter_options(args) == {"ngram_max": 3}
     with pytest.raises(CliError, match="tree_topk"):
         drafter_options(argparse.Namespace(method="ngram", drafter_options=[("tree_topk", 3)]))
-    with pytest.raises(CliError, match="needs --method"):
-        drafter_options(argparse.Namespace(method=None, drafter_options=[("ngram_max", 3)]))
+    # no --method: checked against the default drafter (ngram; cascade with --draft)
+    assert drafter_options(argparse.Namespace(method=None, drafter_options=[("ngram_max", 3)])) == {"ngram_max": 3}
+    assert drafter_options(argparse.Namespace(method=None, draft="d.gguf", drafter=None,
+                                              drafter_options=[("head_vocab", 32768)])) == {"head_vocab": 32768}
+    with pytest.raises(CliError, match="'head_vocab' is not one of method 'ngram'"):
+        drafter_options(argparse.Namespace(method=None, drafter_options=[("head_vocab", 3)]))
+    with pytest.raises(CliError, match="needs a drafter"):
+        drafter_options(argparse.Namespace(method="none", drafter_options=[("ngram_max", 3)]))
     assert drafter_options(argparse.Namespace(method=None, drafter_options=[])) == {}
 
 
