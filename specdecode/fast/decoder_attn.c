@@ -8,12 +8,12 @@
  * that read the same kv head through the same cache table, and widens each whole chunk of 16 keys (and
  * of 16 values) into an fp32 buffer once for all of them.
  *
- * Batch invariance: for each pair, every floating-point operation and its order are attend()'s (the
- * same chunks of 16 keys from key lo, the same fma order over head_dim chunks, reduce16, max, exp512,
- * sum, the weighted value sum in key order with the accumulator kept in memory between chunks, which
- * stores and reloads fp32 exactly), so every output equals attend()'s bit for bit, whichever pairs
- * share a call.  Chunks that a pair sees only partly (its last one, one across cache blocks, or one
- * reaching into a tree's per-row path) are read for that pair alone, as attend() reads them. */
+ * Batch invariance: each pair runs the one-(row, head) contract of decoder_ops.c (chunks of 16 keys
+ * from key lo, the fma order over head_dim chunks, reduce16, max, exp512, sum, the weighted value sum
+ * in key order with the accumulator kept in memory between chunks, which stores and reloads fp32
+ * exactly) with the same operations whichever pairs share a call, so every output is bitwise that of
+ * the pair alone.  Chunks that a pair sees only partly (its last one, one across cache blocks, or one
+ * reaching into a tree's per-row path) are read for that pair alone. */
 
 #define SD_ATT_PAIRS 8
 
@@ -38,7 +38,15 @@ static inline void widen_chunk(const char *base, const sd_kv *kv, const int32_t 
             _mm512_store_ps(dst + (size_t)i * HD + c, ld16(src, (size_t)i * kv->key_stride + c, bf, 0xffff));
 }
 
-/* attend() for n pairs sharing kv head h, cache table tab and first key lo; scores: n * score_len floats */
+/* Keys of pair p in the chunk from j0 (0: past its end); *shared: the chunk is whole, in one cache
+ * block and below p's tree path, so the chunk widened once for all pairs serves it. */
+static inline int chunk_keys(const att_pair *p, int j0, int in_block, int *shared) {
+    const int nk = p->len - j0 < 16 ? p->len - j0 : 16;
+    *shared = nk == 16 && in_block && j0 + 16 <= p->tbase;
+    return nk > 0 ? nk : 0;
+}
+
+/* Attention for n pairs sharing kv head h, cache table tab and first key lo; scores: n * score_len floats */
 static void attend_pairs(const att_pair *pr, int n, const char *kbase, const char *vbase, const sd_kv *kv,
                          const int32_t *tab, int h, int lo, int HD, float scale, float cap, int bf,
                          float *scores, int score_len) {
@@ -61,15 +69,16 @@ static void attend_pairs(const att_pair *pr, int n, const char *kbase, const cha
         const int in_block = j0 % kv->block + 16 <= kv->block;
         int widened = 0;
         for (int p = 0; p < n; p++) {
-            const int len = pr[p].len, tbase = pr[p].tbase;
+            const int tbase = pr[p].tbase;
             const int32_t *tslots = pr[p].tslots;
-            if (j0 >= len) continue;
-            const int nk = len - j0 < 16 ? len - j0 : 16;
+            int shared;
+            const int nk = chunk_keys(&pr[p], j0, in_block, &shared);
+            if (!nk) continue;
             const float *kb = buf;
-            if (nk == 16 && in_block && j0 + 16 <= tbase) {
+            if (shared) {
                 if (!widened) widen_chunk(kbase, kv, tab, j0, h, HD, bf, buf);
                 widened = 1;
-            } else {                          /* attend()'s copy: this pair's keys, zero padded */
+            } else {                          /* this pair's keys alone, zero padded */
                 for (int i = 0; i < 16; i++)
                     for (int c = 0; c < HD; c += 16)
                         _mm512_store_ps(own + (size_t)i * HD + c, i < nk
@@ -112,14 +121,15 @@ static void attend_pairs(const att_pair *pr, int n, const char *kbase, const cha
         const int in_block = j0 % kv->block + 16 <= kv->block;
         int widened = 0;
         for (int p = 0; p < n; p++) {
-            const int len = pr[p].len, tbase = pr[p].tbase;
+            const int tbase = pr[p].tbase;
             const int32_t *tslots = pr[p].tslots;
-            if (j0 >= len) continue;
-            const int nk = len - j0 < 16 ? len - j0 : 16;
+            int shared;
+            const int nk = chunk_keys(&pr[p], j0, in_block, &shared);
+            if (!nk) continue;
             const float *sc = scores + (size_t)p * score_len + (j0 - lo);
             __m512 o[16];
             for (int c = 0; c < C; c++) o[c] = _mm512_load_ps(of[p] + 16 * c);
-            if (nk == 16 && in_block && j0 + 16 <= tbase) {
+            if (shared) {
                 if (!widened) widen_chunk(vbase, kv, tab, j0, h, HD, bf, buf);
                 widened = 1;
                 for (int i = 0; i < 16; i++) {
@@ -142,7 +152,7 @@ static void attend_pairs(const att_pair *pr, int n, const char *kbase, const cha
 }
 
 #else
-/* AVX2: attend() pair by pair (the same contract; no shared widening yet) */
+/* AVX2: decoder_ops.c's attend() pair by pair (the same contract; no shared widening yet) */
 static void attend_pairs(const att_pair *pr, int n, const char *kbase, const char *vbase, const sd_kv *kv,
                          const int32_t *tab, int h, int lo, int HD, float scale, float cap, int bf,
                          float *scores, int score_len) {

@@ -117,64 +117,9 @@ static void reduce16_init(void) {
  * Keys go in chunks of 16 starting at key lo (0, or the first key of a sliding window: a function of
  * the row's position only), so logical key j's dot product always takes slot (j - lo) % 16 of the
  * same tree, whatever the cache layout and wherever a tree put the key: a tree node's row is
- * computed exactly as the same path verified as a chain. */
-#if defined(__AVX512F__)
-static void attend(const void *q, const char *kbase, const char *vbase, const sd_kv *kv, const int32_t *tab,
-                   int tbase, const int32_t *tslots,
-                   int h, int lo, int len, int HD, float scale, float cap, int bf, float *scores, void *out) {
-    const int C = HD / 16;                 /* HD % 16 == 0, HD <= 256 */
-    __m512 qv[16];
-    for (int c = 0; c < C; c++) qv[c] = ld16(q, 16 * c, bf, 0xffff);
-    const __m512i inv = _mm512_loadu_si512(reduce16_inv);
-    const __m512 sv = _mm512_set1_ps(scale);
-    const int esz = bf ? 2 : 4;
-    __m512 mxv = _mm512_set1_ps(-__builtin_inff());
-    char tail[16 * 256 * 4] __attribute__((aligned(64)));
-    for (int j0 = lo; j0 < len; j0 += 16) {
-        const int nk = len - j0 < 16 ? len - j0 : 16;
-        const char *kb = kbase + kv_off(kv, tab, j0, h) * esz;
-        size_t ks = (size_t)kv->key_stride;
-        if (nk < 16 || j0 % kv->block + 16 > kv->block || j0 + 16 > tbase) {
-            /* last partial chunk, a chunk across cache blocks or reaching into a tree: a
-             * (zero-padded) copy, same arithmetic */
-            if (nk < 16) memset(tail, 0, (size_t)16 * HD * esz);
-            for (int i = 0; i < nk; i++)
-                memcpy(tail + (size_t)i * HD * esz, kbase + kv_off(kv, tab, KEY_SLOT(j0 + i), h) * esz, (size_t)HD * esz);
-            kb = tail;
-            ks = (size_t)HD;
-        }
-        __m512 acc[16];
-        for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-        for (int c = 0; c < C; c++)
-            for (int i = 0; i < 16; i++)
-                acc[i] = _mm512_fmadd_ps(qv[c], ld16(kb, (size_t)i * ks + 16 * c, bf, 0xffff), acc[i]);
-        __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(inv, reduce16(acc)), sv);
-        if (cap > 0.f)                     /* Gemma 2: cap * tanh(score / cap) */
-            s = _mm512_mul_ps(_mm512_set1_ps(cap), tanh512(_mm512_div_ps(s, _mm512_set1_ps(cap))));
-        __mmask16 m = lanes(nk);
-        _mm512_mask_storeu_ps(scores + (j0 - lo), m, s);
-        mxv = _mm512_mask_max_ps(mxv, m, mxv, s);
-    }
-    __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mxv)), sum = _mm512_setzero_ps();
-    for (int j = 0; j < len - lo; j += 16) {
-        __mmask16 m = lanes(len - lo - j);
-        __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), mv));
-        p = _mm512_maskz_mov_ps(m, p);
-        _mm512_mask_storeu_ps(scores + j, m, p);
-        sum = _mm512_add_ps(sum, p);
-    }
-    __m512 invs = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-    __m512 o[16];
-    for (int c = 0; c < C; c++) o[c] = _mm512_setzero_ps();
-    for (int j = lo; j < len; j++) {
-        __m512 p = _mm512_set1_ps(scores[j - lo]);
-        const char *vj = vbase + kv_off(kv, tab, KEY_SLOT(j), h) * esz;
-        for (int c = 0; c < C; c++) o[c] = _mm512_fmadd_ps(p, ld16(vj, 16 * c, bf, 0xffff), o[c]);
-    }
-    for (int c = 0; c < C; c++) st16(out, 16 * c, bf, 0xffff, _mm512_mul_ps(o[c], invs));
-}
-
-#else
+ * computed exactly as the same path verified as a chain.  With AVX512 this contract is kept by
+ * attend_pairs (decoder_attn.c), which runs several (row, head) pairs of one kv head at once. */
+#if !defined(__AVX512F__)
 /* AVX2 (no AVX512F): the same contract with 8-lane vectors (SIMDe's 512-bit emulation spills 32
  * accumulators here and was ~10x slower).  Logical key j's dot product is one 8-lane accumulation
  * over q's HD/8 chunks in order, then a fixed horizontal sum: a function of (q, key j) only, so the
