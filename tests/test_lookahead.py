@@ -88,7 +88,7 @@ def test_window_left_out_while_it_does_not_pay():
         with_window = []
         for _ in range(2 * WINDOW_PROBE):
             proposal = drafter.propose([s], [64])
-            where, own = proposal.step_state[id(s)]
+            where, own, _ = proposal.step_state[id(s)]
             with_window.append(bool(where))
             assert own == set(range(int(proposal.num_tokens[0]))) if where else not own
             s.token_ids.append(1)                    # nothing drafted is accepted: one target token
@@ -105,7 +105,7 @@ def test_window_yield_counts_accepted_window_nodes():
     drafter = build_drafter("lookahead", None, lookahead_window=2, lookahead_ngram=3, lookahead_candidates=0)
     s = seq(range(100, 140))
     proposal = drafter.propose([s], [64])
-    where, own = proposal.step_state[id(s)]
+    where, own, _ = proposal.step_state[id(s)]
     state = drafter.requests[s]
     nodes_before, accepted_before = state.window_nodes, state.window_accepted
     path = path_tokens(proposal, 0, where[(1, 0)])              # column 0's two cells, both accepted

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterState
+from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterError, DrafterState
 from .registry import register
 from .eagle import EagleDrafter
 from .model import ModelDrafter
@@ -41,7 +41,6 @@ class CascadeDrafter(Drafter):
                  ngram_max: int = 5, min_confidence: float | None = None, draft_confidence: float = 0.4,
                  draft_context: int = 0, head_vocab: int = 0, head_rank: str = "freq",
                  lookup: str | None = None, lookup_min_tokens: int = 0, **_: object) -> None:
-        from .base import DrafterError
         self.ngram = NgramDrafter(target, ngram_min, ngram_max)      # validates the sizes
         lookup = lookup if lookup is not None else ("suffix" if draft is not None else "ngram")
         if lookup not in LOOKUPS:

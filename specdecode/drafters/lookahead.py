@@ -42,7 +42,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..tree import MAX_TREE_NODES
+from ..tree import MAX_TREE_NODES, walk_path
 from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterError
 from .registry import register
 
@@ -125,9 +125,10 @@ class LookaheadDrafter(Drafter):
             window = state.window_pays(self.window_min_yield)
             tree, where, own = self._tree(state, seq.token_ids[-1], min(int(budget), MAX_TREE_NODES), window)
             trees.append(tree)
-            cells[id(seq)] = (where, own)
+            cells[id(seq)] = (where, own, len(seq.token_ids))
         proposal = DraftProposal.from_trees(trees)
-        # per sequence (by id): {(level, column): node} for observe_topk, and the window's own nodes
+        # per sequence (by id): {(level, column): node} for observe_topk, the window's own nodes and
+        # the text's length when drafted (where commit finds the accepted tokens)
         proposal.step_state = cells
         return proposal
 
@@ -178,7 +179,7 @@ class LookaheadDrafter(Drafter):
         top1 = topk_ids[..., 0].cpu().tolist()                                     # [B, n+1]
         last = self.levels - 1
         for seq, row in zip(seqs, top1):
-            where, state = cells.get(id(seq), ({}, None))[0], self.requests.get(seq)
+            where, state = cells.get(id(seq), ({},))[0], self.requests.get(seq)
             if state is None or not where:
                 continue
             window = state.window
@@ -200,18 +201,13 @@ class LookaheadDrafter(Drafter):
         parents = proposal.tree_parents().tolist()
         tokens = proposal.tokens.tolist()
         for b, seq in enumerate(seqs):
-            own = cells.get(id(seq), (None, set()))[1]
-            state = self.requests.get(seq)
-            if state is None or not own:
+            if id(seq) not in cells or self.requests.get(seq) is None:
                 continue
-            accepted = num_accepted[b]
-            path = seq.token_ids[len(seq.token_ids) - accepted - 1:len(seq.token_ids) - 1] if accepted else []
-            node, hits = -1, 0
-            for token in path:                  # the accepted nodes: children matching the emitted tokens
-                node = next((i for i in range(int(proposal.num_tokens[b]))
-                             if parents[b][i] == node and tokens[b][i] == token), None)
-                if node is None:
-                    break
-                hits += node in own
-            state.window_accepted += hits
+            _, own, start = cells[id(seq)]
+            if not own:
+                continue
+            path = seq.token_ids[start:start + num_accepted[b]]
+            nodes = walk_path(parents[b][:int(proposal.num_tokens[b])], tokens[b], path) or []
+            state = self.requests[seq]
+            state.window_accepted += sum(node in own for node in nodes)
             state.window_nodes += len(own)
