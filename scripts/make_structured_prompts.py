@@ -99,7 +99,7 @@ def main() -> None:
     for schema, (make, what, fields) in MAKERS.items():
         for i in range(PER_SCHEMA):
             text = f"Extract {what} in this text as JSON with the fields {fields}.\n\nText: {make(rng)}"
-            lines.append(json.dumps({"id": f"{schema}-{i:03d}", "task": "json_extract", "schema": schema,
+            lines.append(json.dumps({"id": f"{schema}-{i:03d}", "task": f"json_{schema}", "schema": schema,
                                      "text": text, "chat": True}))
     OUT.write_text("\n".join(lines) + "\n")
     print(f"wrote {len(lines)} prompts to {OUT}")

@@ -23,6 +23,7 @@ class Prompt:
     id: str
     text: str
     chat: bool      # wrap in the chat template (Spec-Bench) or feed raw (HumanEval code completion)
+    schema: str | None = None   # a JSON schema (canonical JSON text) the answer is constrained to
 
 
 def spec_bench(task: str | None = None) -> list[Prompt]:

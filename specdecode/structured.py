@@ -15,6 +15,12 @@ emitted token is drawn from exactly the masked target distribution plain constra
 uses. Drafts themselves may ignore the mask (any draft distribution is lossless; a forbidden draft
 is only a wasted node).
 
+Greedy rows need no whole masks: the masked argmax is the unmasked argmax whenever the grammar
+allows that token (the mask only sets others to -inf, first, and every later step of the transform
+is per token), so `mask_greedy` checks the argmax at each scored position (a parser step, a few
+microseconds) and computes the mask (~100-150 us on a 49k vocabulary) only where the grammar
+forbids it. Rows that report log-probabilities or sample get every mask.
+
 Forced tokens (jump-forward): where the grammar allows exactly one continuation, those tokens
 (`Constraint.forced`) have probability 1 under the masked target distribution whatever the logits
 (so verifying them as drafts would accept every one): a speculating engine commits them at the
@@ -135,9 +141,82 @@ class Constraint:
 
     def forced(self, limit: int) -> list[int]:
         """Tokens the grammar allows as the only continuation from here (at most `limit`)."""
-        if limit <= 0 or self.matcher.is_stopped() or self.matcher.is_error():
+        return self.forced_after([], limit)
+
+    def mask_allows(self, path: list[int], token: int) -> bool | None:
+        """Would the mask after the committed text and `path` allow `token` -- answered without
+        computing the mask where that is exact, else None. The mask llguidance computes is: only
+        the first forced token when the grammar forces tokens; tokens extending the forced bytes
+        when it forces bytes it cannot yet tokenize (None here); else every token the parser
+        accepts, and the end of sequence when the grammar may end. A path the grammar forbids
+        answers True (no token after it is ever compared: its node is rejected)."""
+        m = self.matcher
+        if m.is_stopped() or m.is_error():
+            return None
+        done = m.try_consume_tokens([int(t) for t in path]) if path else 0
+        try:
+            if done < len(path):
+                return True
+            if m.is_stopped():
+                return None
+            forced = m.compute_ff_tokens()
+            if forced:
+                return int(token) == forced[0]
+            if m.compute_ff_bytes():
+                return None
+            if token in self.eos_token_ids:
+                return bool(m.is_accepting())
+            if m.try_consume_tokens([int(token)]) == 1:
+                m.rollback(1)
+                return True
+            return False
+        finally:
+            if done:
+                m.rollback(done)
+
+    def valid_prefix(self, path: list[int]) -> int:
+        """How many leading tokens of `path` the grammar allows after the committed text."""
+        if not path or self.matcher.is_stopped() or self.matcher.is_error():
+            return 0
+        done = self.matcher.try_consume_tokens([int(t) for t in path])
+        if done:
+            self.matcher.rollback(done)
+        return done
+
+    def mask_after(self, path: list[int]) -> torch.Tensor:                     # [vocab] bool
+        """The mask after the committed text and then `path` (all allowed tokens)."""
+        done = self.matcher.try_consume_tokens([int(t) for t in path]) if path and not self.matcher.is_stopped() else 0
+        try:
+            return self.allowed()
+        finally:
+            if done:
+                self.matcher.rollback(done)
+
+    def forced_after(self, path: list[int], limit: int) -> list[int]:
+        """The forced tokens after the committed text and then `path` (a path the grammar
+        allows), at most `limit`, never an end of sequence. llguidance tokenizes forced bytes
+        only up to where the next token could merge them with what follows; once those tokens
+        are consumed it may force more (`, "` then `city":`), so it is asked again."""
+        m = self.matcher
+        if limit <= 0 or m.is_stopped() or m.is_error():
             return []
-        return [int(t) for t in self.matcher.compute_ff_tokens()[:limit]]
+        done = m.try_consume_tokens([int(t) for t in path]) if path else 0
+        forced: list[int] = []
+        try:
+            if done < len(path):
+                return []
+            while len(forced) < limit and not m.is_stopped():
+                more = [int(t) for t in m.compute_ff_tokens()[:limit - len(forced)]]
+                more = more[:next((i for i, t in enumerate(more) if t in self.eos_token_ids), len(more))]
+                took = m.try_consume_tokens(more) if more else 0
+                forced += more[:took]
+                done += took
+                if took < len(more) or not took:
+                    break
+            return forced
+        finally:
+            if done:
+                m.rollback(done)
 
     def path_masks(self, paths: list[list[int]]) -> torch.Tensor:             # [1 + nodes, vocab]
         """Masks at the position after the committed text and after each draft node, whose path
@@ -152,30 +231,98 @@ class Constraint:
         return torch.stack(masks)
 
 
-def allowed_masks(seqs, proposal, vocab: int) -> torch.Tensor | None:
+def node_paths(proposal, row: int) -> list[list[int]]:
+    """Per draft node of `row`, its path: its ancestors' tokens, then its own."""
+    count = int(proposal.num_tokens[row])
+    if not count:
+        return []
+    tokens = proposal.tokens[row, :count].tolist()
+    if proposal.parents is None:
+        return [tokens[:i + 1] for i in range(count)]
+    parents = proposal.parents[row, :count].tolist()
+    paths: list[list[int]] = []
+    for i in range(count):
+        paths.append((paths[parents[i]] if parents[i] >= 0 else []) + [tokens[i]])
+    return paths
+
+
+def trim_drafts(seqs, proposal):
+    """The proposal without the draft nodes a row's grammar forbids (and their subtrees): their
+    target probability is 0 under the masked distribution, so they would only cost rows of the
+    pass. Point-mass drafts only (a sampled draft's distribution covers its siblings too)."""
+    from .drafters.base import DraftProposal
+    rows, changed = [], False
+    for b, s in enumerate(seqs):
+        count = int(proposal.num_tokens[b])
+        tokens = proposal.tokens[b, :count].tolist()
+        parents = proposal.parents[b, :count].tolist() if proposal.parents is not None else list(range(-1, count - 1))
+        nodes = list(zip(tokens, parents))
+        if s.constraint is not None and count:
+            kept, where, paths = [], {}, {}
+            for i, (token, parent) in enumerate(nodes):
+                if parent >= 0 and parent not in where:
+                    continue
+                path = (paths[parent] if parent >= 0 else []) + [token]
+                if s.constraint.valid_prefix(path) == len(path):
+                    where[i], paths[i] = len(kept), path
+                    kept.append((token, where[parent] if parent >= 0 else -1))
+            changed = changed or len(kept) < count
+            nodes = kept
+        rows.append(nodes)
+    if not changed:
+        return proposal
+    trimmed = DraftProposal.from_trees(rows)
+    trimmed.step_state = proposal.step_state          # the drafter's own commit gets it back
+    return trimmed.simplified()
+
+
+def lazy_rows(seqs) -> list[bool]:
+    """Per row: is it constrained and greedy without log-probabilities, so that its masks can
+    wait for the argmax (`mask_greedy`)?"""
+    return [getattr(s, "constraint", None) is not None and s.params.greedy and s.params.logprobs is None
+            for s in seqs]
+
+
+def allowed_masks(seqs, proposal, vocab: int, skip: list[bool] | None = None) -> torch.Tensor | None:
     """[batch, n+1, vocab] bool allowed tokens at every scored position, or None when no row is
-    constrained (unconstrained rows allow everything)."""
-    if not any(getattr(s, "constraint", None) is not None for s in seqs):
+    constrained (unconstrained rows, and rows marked in `skip`, allow everything)."""
+    rows = [b for b, s in enumerate(seqs)
+            if getattr(s, "constraint", None) is not None and not (skip is not None and skip[b])]
+    if not rows:
         return None
     n = proposal.k
     out = torch.ones(len(seqs), n + 1, vocab, dtype=torch.bool)
-    parents = proposal.tree_parents().tolist() if n else [[] for _ in seqs]
-    tokens = proposal.tokens.tolist()
-    for b, s in enumerate(seqs):
-        if s.constraint is None:
-            continue
+    for b in rows:
+        s = seqs[b]
         count = int(proposal.num_tokens[b])
-        paths = []
-        for i in range(count):
-            path, node = [], i
-            while node >= 0:
-                path.append(tokens[b][node])
-                node = parents[b][node]
-            paths.append(path[::-1])
-        masks = s.constraint.path_masks(paths)                                 # [count+1, vocab]
+        masks = s.constraint.path_masks(node_paths(proposal, b))               # [count+1, vocab]
         out[b, :count + 1] = masks
         out[b, count + 1:] = masks[-1]               # padding positions repeat the last real one
     return out
+
+
+def mask_greedy(seqs, proposal, rows: list[bool],
+                transformed: torch.Tensor,                        # [batch, n+1, vocab] float32, in place
+                best: torch.Tensor | None = None,                 # [batch, n+1] its argmax, updated in place
+                ) -> None:
+    """Give the marked greedy rows of `transformed` (logits transformed without their grammar's
+    mask) the argmax the masked logits would have: at each scored position whose argmax the grammar
+    forbids, apply that position's mask. Positions past a row's drafts repeat its last one."""
+    for b, s in enumerate(seqs):
+        if not rows[b]:
+            continue
+        count = int(proposal.num_tokens[b])
+        paths = [[]] + node_paths(proposal, b)
+        row_best = (best[b] if best is not None else transformed[b].argmax(dim=-1)).tolist()
+        for i, path in enumerate(paths):
+            if not s.constraint.mask_allows(path, row_best[i]):
+                transformed[b, i].masked_fill_(~s.constraint.mask_after(path), float("-inf"))
+                if best is not None:
+                    best[b, i] = transformed[b, i].argmax()
+        if count + 1 < transformed.shape[1]:
+            transformed[b, count + 1:] = transformed[b, count]
+            if best is not None:
+                best[b, count + 1:] = best[b, count]
 
 
 GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",

@@ -40,7 +40,7 @@ from specdecode import tree
 from specdecode.sampling import Generators, sample, uniforms
 from specdecode.verify import PAD_TOKEN, _residual_probs, verify
 
-__all__ = ["TreeVerifyResult", "verify_tree"]
+__all__ = ["TreeVerifyResult", "verify_greedy", "verify_tree"]
 
 
 @dataclass
@@ -205,3 +205,47 @@ def verify_tree(
     tokens[rows, num_accepted] = next_tokens
     return TreeVerifyResult(tokens=tokens, num_accepted=num_accepted, num_emitted=num_accepted + 1,
                             accepted_nodes=accepted_nodes)
+
+
+def verify_greedy(
+    draft_tokens: torch.Tensor,          # [batch, n] int64, node i of row b valid for i < num_draft[b]
+    parents: torch.Tensor | None,        # [batch, n] int64 parent node (-1 = root), or None = chain
+    num_draft: torch.Tensor,             # [batch] int64 in [0, n]
+    target_tokens: torch.Tensor,         # [batch, n+1] int64 target argmax after the root / node i's path
+) -> TreeVerifyResult:
+    """`verify_tree` for a batch of greedy rows, from the target's argmax alone (what a greedy row
+    reads of its one-hot distributions): from the root, the first child whose token is the target's
+    argmax is accepted, until none is; then that argmax is emitted (recovered or bonus). The same
+    result as `verify_tree` with one-hot target_probs, without building them."""
+    batch, n = draft_tokens.shape
+    if tuple(target_tokens.shape) != (batch, n + 1):
+        raise ValueError(f"target_tokens must be [batch, n+1] = [{batch}, {n + 1}], got {tuple(target_tokens.shape)}")
+    drafts, counts, best = draft_tokens.tolist(), num_draft.reshape(batch).tolist(), target_tokens.tolist()
+    links = parents.tolist() if parents is not None else None
+    tokens = [[PAD_TOKEN] * (n + 1) for _ in range(batch)]
+    accepted = [[-1] * n for _ in range(batch)]
+    num_accepted = [0] * batch
+    for b in range(batch):
+        count, row, node, depth = counts[b], drafts[b], -1, 0
+        if links is None:                       # a chain: the longest prefix equal to the argmax
+            while depth < count and row[depth] == best[b][depth]:
+                depth += 1
+            path = list(range(depth))
+        else:
+            up, path = links[b], []
+            while True:
+                want = best[b][node + 1]
+                node = next((i for i in range(node + 1, count) if up[i] == node and row[i] == want), -1)
+                if node < 0:
+                    break
+                path.append(node)
+            depth = len(path)
+        last = path[-1] if path else -1
+        for d, i in enumerate(path):
+            tokens[b][d] = row[i]
+            accepted[b][d] = i
+        tokens[b][depth] = best[b][last + 1]
+        num_accepted[b] = depth
+    num = torch.tensor(num_accepted, dtype=torch.long)
+    return TreeVerifyResult(tokens=torch.tensor(tokens, dtype=torch.long), num_accepted=num, num_emitted=num + 1,
+                            accepted_nodes=torch.tensor(accepted, dtype=torch.long).reshape(batch, n))

@@ -218,4 +218,4 @@ def test_drafter_options_reach_the_drafters_that_take_them(tiny_models, tmp_path
     assert main(["bench", "--methods", "plain,ngram", "--drafter-option", "draft_context=4", "--out",
                  str(tmp_path / "x")]) != 0
     assert "--drafter-option 'draft_context' is not an option of any of --methods plain,ngram (their options: " \
-           "ngram_max, ngram_min)" in capsys.readouterr().err
+           "ngram_max, ngram_min, text_match)" in capsys.readouterr().err

@@ -163,3 +163,73 @@ def test_validation_workload_at_small_scale(llm):
     assert result["failures"] == [], result["failures"]
     assert all(r["identical"] == r["prompts"] == 1 for r in result["per_schema"].values())
     assert "| person | 1 |" in table(result)
+
+
+def test_greedy_masks_only_where_the_argmax_is_forbidden(llm):
+    """Greedy rows check the argmax against the grammar and compute a mask only where it is
+    forbidden: the outputs equal those with every mask computed (a row reporting log-probabilities
+    gets every mask), plain and speculating; and at each position of an answer, for every token of
+    the vocabulary, `mask_allows` agrees with the mask wherever it answers."""
+    from specdecode.structured import grammar_tokenizer
+    for schema in SCHEMAS:
+        lazy = SamplingParams(max_tokens=64, structured=Structured("json_schema", schema))
+        full = SamplingParams(max_tokens=64, structured=Structured("json_schema", schema), logprobs=0)
+        for k in (0, 8):
+            assert [o.token_ids for o in llm.generate(PROMPTS, lazy, num_speculative_tokens=k)] == \
+                [o.token_ids for o in llm.generate(PROMPTS, full, num_speculative_tokens=k)]
+    schema = SCHEMAS[1]
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=64, structured=Structured("json_schema", schema)))[0]
+    c = grammar_tokenizer(llm.target).constraint(Structured("json_schema", schema))
+    answered = 0
+    for i in range(len(out.token_ids) + 1):
+        mask = c.allowed()
+        for t in range(0, llm.target.model.vocab_size, 1 if i % 6 == 0 else 97):
+            said = c.mask_allows([], t)
+            if said is not None:
+                answered += 1
+                assert said == bool(mask[t]), (i, t)
+        if i < len(out.token_ids):
+            c.consume([out.token_ids[i]])
+    assert answered > 100_000
+
+
+def test_forbidden_drafts_are_trimmed_before_the_pass(llm):
+    """A draft node the grammar forbids, and its subtree, is dropped before the target pass
+    (chains and trees); allowed nodes keep their order and parents."""
+    from specdecode.drafters.base import DraftProposal
+    from specdecode.engine.sequence import Sequence
+    from specdecode.structured import grammar_tokenizer, trim_drafts
+    tok = llm.tokenizer
+    structured = Structured("json_schema", SCHEMAS[0])
+    seq = Sequence(0, tok.encode("x", False), SamplingParams(structured=structured), (0,), row=0)
+    seq.constraint = grammar_tokenizer(llm.target).constraint(structured)
+    ok = tok.encode('{"name": "Ann", "age": 3', False)
+    seq.constraint.consume(ok[:-2])                              # before ', "age"'-ish: any allowed path works
+    good = ok[-2:]
+    bad = tok.encode("]", False)
+    chain = DraftProposal.from_lists([good + bad + good])
+    trimmed = trim_drafts([seq], chain)
+    assert trimmed.num_tokens.tolist() == [2] and trimmed.tokens[0, :2].tolist() == good
+    tree = DraftProposal.from_trees([[(bad[0], -1), (good[0], -1), (good[1], 1), (good[1], 0)]])
+    trimmed = trim_drafts([seq], tree)
+    assert trimmed.num_tokens.tolist() == [2] and trimmed.tokens[0, :2].tolist() == good and trimmed.parents is None
+    free = Sequence(1, tok.encode("x", False), SamplingParams(), (0,), row=1)   # unconstrained rows keep theirs
+    both = DraftProposal.from_lists([bad + good, bad + good])
+    trimmed = trim_drafts([seq, free], both)
+    assert trimmed.num_tokens.tolist() == [0, 3]
+
+
+def test_text_match_drafts_across_a_tokenization_boundary(llm):
+    """A value copied from the prompt is not the prompt's tokens after a quote (`"Maria` vs
+    ` Maria`): token lookup finds nothing there, the text match drafts the rest of the value."""
+    from specdecode.drafters.ngram import NgramDrafter, longest_text_match
+    assert longest_text_match("abcXYZabc") == (3, 3)
+    assert longest_text_match("abcdab", min_chars=3) == (0, 0)
+    assert longest_text_match("xyzxyz") == (3, 3)
+    tok = llm.tokenizer
+    ids = tok.encode("Text: Maria Lopez is 34 years old.\n", False) + tok.encode('{"name": "Maria', False)
+    with_text = NgramDrafter(llm.target).draft_one(ids, 4)
+    assert tok.decode(with_text) == " Lopez is 3", tok.decode(with_text)        # digits are single tokens
+    tokens_only = NgramDrafter(llm.target, text_match=False).draft_one(ids, 4)
+    assert not tok.decode(tokens_only).startswith(" Lopez")
+    assert NgramDrafter(llm.target, ngram_min=16).draft_one(ids, 4) == []      # 48 characters at least

@@ -103,6 +103,42 @@ def test_greedy_ragged_batch_and_sampled_rows_with_one_hot_targets():
                                         mixed.accepted_nodes[::2]), GREEDY_CASES[::2])
 
 
+def test_verify_greedy_equals_verify_tree_on_argmaxes():
+    """The all-greedy fast path reads only the target's argmax: the hand-built cases, and random
+    trees and chains (ragged, with padding) give exactly verify_tree's result."""
+    from specdecode.verify_tree import verify_greedy
+    draft_tokens, parents, num_draft, target_probs = greedy_batch([(nodes, a) for nodes, a, _, _ in GREEDY_CASES])
+    check_greedy_cases(verify_greedy(draft_tokens, parents, num_draft, target_probs.argmax(-1)), GREEDY_CASES)
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(200):
+        batch, n, vocab = 3, int(torch.randint(0, 9, (1,), generator=gen)), 4
+        tokens = torch.randint(0, vocab, (batch, n), generator=gen)
+        parents = torch.stack([torch.tensor([int(torch.randint(-1, i, (1,), generator=gen)) for i in range(n)],
+                                            dtype=torch.long) for _ in range(batch)]) if n else chain_parents(batch, 0)
+        for b in range(batch):                    # siblings distinct: keep the first of equal tokens
+            for i in range(n):
+                if any(parents[b, j] == parents[b, i] and tokens[b, j] == tokens[b, i] for j in range(i)):
+                    tokens[b, i] = -1
+        keep = [[(int(t), int(p)) for t, p in zip(tokens[b], parents[b])] for b in range(batch)]
+        rows = []
+        for nodes in keep:                          # drop nodes marked -1 and their subtrees, renumber
+            where, kept = {}, []
+            for i, (t, p) in enumerate(nodes):
+                if t >= 0 and (p < 0 or p in where):
+                    where[i] = len(kept)
+                    kept.append((t, where[p] if p >= 0 else -1))
+            rows.append(kept)
+        argmaxes = [torch.randint(0, vocab, (len(r) + 1,), generator=gen).tolist() for r in rows]
+        d, par, num, probs = greedy_batch(list(zip(rows, argmaxes)), vocab)
+        expected = verify_tree(d, par, num, None, probs, torch.ones(batch, dtype=torch.bool))
+        for links in (par, None) if all(all(p == i - 1 for i, (_, p) in enumerate(r)) for r in rows) else (par,):
+            got = verify_greedy(d, links, num, probs.argmax(-1))
+            for field in ("tokens", "num_accepted", "num_emitted", "accepted_nodes"):
+                assert torch.equal(getattr(got, field), getattr(expected, field)), (trial, field)
+    with pytest.raises(ValueError, match="target_tokens must be"):
+        verify_greedy(d, par, num, probs.argmax(-1)[:, :1])
+
+
 # ----------------------------------------------------------------------------- chain equivalence
 
 

@@ -88,7 +88,8 @@ class LlamaCppSystem(System):
     def supports(self, method: str) -> bool:
         return method == "ngram"
 
-    def run(self, cell: Cell, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int) -> dict:
+    def run(self, cell: Cell, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int,
+            schema: str | None = None) -> dict:
         llm = self.models[cell.k if cell.method == "ngram" else 0]
         if temperature > 0 and hasattr(llm, "set_seed"):
             llm.set_seed(seed)

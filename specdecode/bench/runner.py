@@ -61,9 +61,9 @@ def build_systems(config: dict, llm, prompts: list[workload.BenchPrompt], notes:
     if "specdecode" in wanted:
         systems.append(SpecdecodeSystem(llm, config.get("drafter"), config.get("adaptive"), config.get("json_schema"),
                                         config.get("drafter_options") or {}))
-    if config.get("json_schema") is not None:            # llama.cpp is not given the grammar here
+    if config.get("json_schema") is not None or any(p.schema for p in prompts):   # llama.cpp gets no grammar here
         for peer in [w for w in wanted if w not in ("specdecode", "transformers")]:
-            notes.append(f"{peer}: skipped — --json-schema constrains specdecode and transformers only")
+            notes.append(f"{peer}: skipped — JSON schemas constrain specdecode and transformers only")
         wanted = [w for w in wanted if w in ("specdecode", "transformers")]
     if "transformers" in wanted:
         try:
@@ -177,7 +177,8 @@ def measure(config: dict, store: Store, progress: bool = True) -> dict:
     # warm-up: one short generation per cell on the shortest prompt (one-time costs, not measured)
     shortest = min(prompts, key=lambda p: len(p.ids))
     for c in cells if todo else []:
-        by_name[c.system].run(c, list(shortest.ids), min(8, config["max_tokens"]), config["temperature"], 0)
+        by_name[c.system].run(c, list(shortest.ids), min(8, config["max_tokens"]), config["temperature"], 0,
+                              schema=shortest.schema)
 
     greedy = config["temperature"] == 0
     bar = tqdm(total=len(prompts) * len(cells), initial=len(prompts) * len(cells) - len(todo), desc="bench",
@@ -192,7 +193,7 @@ def measure(config: dict, store: Store, progress: bool = True) -> dict:
                 measured = True
                 bar.set_postfix_str(f"{p.task}/{p.id} {c.label}", refresh=False)
                 m = by_name[c.system].run(c, list(p.ids), config["max_tokens"], config["temperature"],
-                                          prompt_seed(config["seed"], p))
+                                          prompt_seed(config["seed"], p), schema=p.schema)
                 rec = {"type": "measurement", "system": c.system, "method": c.method, "k": c.k, "task": p.task,
                        "prompt_id": p.id, "prompt_tokens": len(p.ids), **m}
                 store.append(rec)

@@ -52,8 +52,17 @@ class System:
     def supports(self, method: str) -> bool:
         return False
 
-    def run(self, cell: Cell, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int) -> dict:
+    def run(self, cell: Cell, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int,
+            schema: str | None = None) -> dict:
         raise NotImplementedError
+
+
+def structured_for(schema: str | None, default):
+    """A prompt's own JSON schema (canonical JSON text) as a Structured, else the run's default."""
+    if schema is None:
+        return default
+    from ..structured import Structured
+    return Structured("json_schema", schema)
 
 
 class SpecdecodeSystem(System):
@@ -99,11 +108,13 @@ class SpecdecodeSystem(System):
     def supports(self, method: str) -> bool:
         return method in self.methods
 
-    def run(self, cell: Cell, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int) -> dict:
+    def run(self, cell: Cell, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int,
+            schema: str | None = None) -> dict:
         from ..engine.engine import SpecEngine
         from ..params import SamplingParams
 
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, structured=self.structured)
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed,
+                                structured=structured_for(schema, self.structured))
         engine = SpecEngine(self.llm.target, self.drafter(cell.method, cell.k), cell.k, adaptive=self.adaptive,
                             cost_curve=self.cost_curves.get(cell.k))
         if engine.adaptive and engine.cost_curve is None:     # measured once per k, outside the timed run
@@ -186,7 +197,8 @@ class TransformersSystem(System):
     def supports(self, method: str) -> bool:
         return method == "ngram" or (method == "model" and self.draft is not None)
 
-    def run(self, cell: Cell, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int) -> dict:
+    def run(self, cell: Cell, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int,
+            schema: str | None = None) -> dict:
         x = torch.tensor([list(prompt_ids)])
         clock = _Clock()
         kwargs = dict(max_new_tokens=max_tokens, eos_token_id=self.eos, pad_token_id=self.eos[0],
@@ -194,11 +206,12 @@ class TransformersSystem(System):
         if temperature > 0:
             kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
             torch.manual_seed(seed)
-        if self.structured is not None:      # the same grammar, applied as a logits processor
+        structured = structured_for(schema, self.structured)
+        if structured is not None:           # the same grammar, applied as a logits processor
             from transformers import LogitsProcessorList
 
             from ..structured import grammar_tokenizer
-            constraint = grammar_tokenizer(self.target).constraint(self.structured)
+            constraint = grammar_tokenizer(self.target).constraint(structured)
             kwargs["logits_processor"] = LogitsProcessorList([GrammarLogitsProcessor(constraint, x.shape[1])])
         if cell.method == "ngram":
             kwargs["prompt_lookup_num_tokens"] = cell.k

@@ -2,7 +2,9 @@
 
 Prompts come from the shipped Spec-Bench and HumanEval sets (`specdecode.datasets`) or from
 a custom JSONL file (one object per line: `text` required; `task` (default "custom"), `id`
-(default the line number) and `chat` (default true) optional). Chat prompts are rendered
+(default the line number), `chat` (default true) and `schema` optional; `schema` constrains that
+prompt's answer: a JSON schema object, or a name resolved as `schemas/<name>.json` next to the
+file (structured output; it takes the place of the run's --json-schema for that prompt)). Chat prompts are rendered
 with the target's own chat template by specdecode's tokenizer, so specdecode, transformers
 and llama.cpp all see exactly the same token ids.
 
@@ -23,6 +25,7 @@ class BenchPrompt:
     task: str
     id: str
     ids: tuple[int, ...]   # prompt token ids (chat template applied when the prompt is a chat prompt)
+    schema: str | None = None   # this prompt's JSON schema (canonical JSON text), if it has its own
 
 
 def read_custom(path: str | Path) -> list[datasets.Prompt]:
@@ -40,10 +43,36 @@ def read_custom(path: str | Path) -> list[datasets.Prompt]:
         except (ValueError, KeyError, TypeError):
             raise ValueError(f"{path}:{number}: each line must be a JSON object with a 'text' field") from None
         prompts.append(datasets.Prompt(str(row.get("task", "custom")), str(row.get("id", number)), str(text),
-                                       chat=bool(row.get("chat", True))))
+                                       chat=bool(row.get("chat", True)),
+                                       schema=_schema(row.get("schema"), path, number)))
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
     return prompts
+
+
+def _schema(value, path: Path, number: int) -> str | None:
+    """A prompt line's `schema` as canonical JSON text: an object, or a name of
+    `schemas/<name>.json` (or a file path) relative to the prompts file; checked by llguidance."""
+    if value is None:
+        return None
+    from ..params import ParamError
+    from ..structured import Structured
+    where = f"{path}:{number}: schema"
+    if isinstance(value, str):
+        found = next((f for f in (path.parent / "schemas" / f"{value}.json", path.parent / value) if f.is_file()), None)
+        if found is None:
+            raise ValueError(f"{where} {value!r}: no schemas/{value}.json or {value} next to {path.name}")
+        try:
+            value = json.loads(found.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise ValueError(f"{where} {found}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a JSON schema object or a schema file's name, got {value!r:.60}")
+    try:
+        Structured("json_schema", value).grammar()
+    except ParamError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return json.dumps(value, sort_keys=True)
 
 
 def select(llm, tasks: list[str], per_task: int | None, max_tokens: int, room: int,
@@ -69,7 +98,7 @@ def select(llm, tasks: list[str], per_task: int | None, max_tokens: int, room: i
             if not ids or len(ids) + max_tokens + room > context:
                 too_long += 1
                 continue
-            chosen.append(BenchPrompt(task, p.id, tuple(ids)))
+            chosen.append(BenchPrompt(task, p.id, tuple(ids), p.schema))
             taken += 1
         if too_long:
             notes.append(f"{task}: skipped {too_long} prompt(s) longer than the context of {context} tokens "

@@ -91,7 +91,8 @@ class _Request:
 
 @register("lookahead")
 class LookaheadDrafter(Drafter):
-    capabilities = DrafterCapabilities(drafts_trees=True, needs_target_topk=1, relative_cost=0.005)
+    capabilities = DrafterCapabilities(drafts_trees=True, needs_target_topk=1, relative_cost=0.005,
+                                       commit_reads_nodes=True)
 
     def __init__(self, target=None, lookahead_window: int = 5, lookahead_ngram: int = 4,
                  lookahead_candidates: int = 5, window_min_yield: float = 0.15, **_: object) -> None:

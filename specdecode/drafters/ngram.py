@@ -2,13 +2,26 @@
 last n tokens (n from `ngram_max` down to `ngram_min`) in the prompt and the text
 generated so far, and propose the tokens that followed it (Saxena 2023, "prompt lookup
 decoding"; HF `prompt_lookup_num_tokens`). Drafts are point masses: no probabilities.
+
+Text matching (`text_match`, default on): the same lookup on characters. A word is not always
+the same tokens: after a quote or a bracket ("Maria in `{"name": "Maria`) it loses the leading
+space it has in the prompt (" Maria"), so token lookup finds nothing where the text plainly
+repeats -- most of every value of structured output copied from its prompt. When the longest
+earlier occurrence of the text's last characters is longer than the token match, the characters
+that followed it are tokenized and drafted instead.
 """
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 
 from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterError
 from .registry import register
+
+TEXT_MIN_CHARS = 3          # characters of a text match per token of ngram_min (shorter: no draft)
+TEXT_MAX_CHARS = 256        # longest suffix of the text looked for
+CHARS_PER_TOKEN = 8         # characters of continuation tokenized per draft token wanted
 
 
 def occurrences(token_ids: np.ndarray, n: int) -> np.ndarray:
@@ -34,19 +47,99 @@ def lookup(token_ids: np.ndarray, max_tokens: int, ngram_min: int, ngram_max: in
     return token_ids[start:start + max_tokens].tolist() if n else []
 
 
+def longest_text_match(text: str, min_chars: int = TEXT_MIN_CHARS, max_chars: int = TEXT_MAX_CHARS) -> tuple[int, int]:
+    """(where the continuation starts, length) of the latest earlier occurrence of the longest
+    suffix of `text` (min_chars..max_chars characters; an occurrence ends before the text's last
+    character); (0, 0) when there is none. If a suffix occurs earlier so does every shorter one,
+    so the length is found by bisection."""
+    end = len(text) - 1
+    lo, hi = 0, min(max_chars, end)
+    while lo < hi:                     # the longest length whose suffix occurs before `end`
+        mid = (lo + hi + 1) // 2
+        if text.rfind(text[-mid:], 0, end) >= 0:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo < min_chars:
+        return 0, 0
+    return text.rfind(text[-lo:], 0, end) + lo, lo
+
+
+class TokenTexts:
+    """Each vocabulary entry's text (as it reads inside a longer text), and the tokenizer to
+    tokenize a continuation; built once per tokenizer."""
+    _built: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def __init__(self, tokenizer) -> None:
+        backend = tokenizer.backend
+        size = backend.get_vocab_size(with_added_tokens=True)
+        texts = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+        for i, t in enumerate(texts):       # SentencePiece: a word-initial piece keeps its space
+            raw = backend.id_to_token(i) or ""
+            if raw.startswith("\u2581") and not t.startswith(" "):
+                texts[i] = " " + t
+        self.texts, self.tokenizer = texts, tokenizer
+
+    @classmethod
+    def of(cls, tokenizer) -> "TokenTexts":
+        found = cls._built.get(tokenizer)
+        if found is None:
+            found = cls._built[tokenizer] = cls(tokenizer)
+        return found
+
+    def text(self, token_ids) -> str:
+        texts, n = self.texts, len(self.texts)
+        return "".join(texts[t] if 0 <= t < n else "" for t in token_ids)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special=False)
+
+
+def text_lookup(texts: TokenTexts, token_ids: list[int], max_tokens: int, token_match_chars: int,
+                min_chars: int = TEXT_MIN_CHARS) -> list[int]:
+    """Draft from a text match of at least `min_chars` characters and longer than
+    `token_match_chars` (the token match's length in characters); [] when there is none. The
+    continuation is tokenized as a text of its own; a token cut by the end of the characters
+    taken is dropped."""
+    text = texts.text(token_ids)
+    start, length = longest_text_match(text, min_chars)
+    if length <= token_match_chars:
+        return []
+    want = CHARS_PER_TOKEN * max_tokens + 16
+    tail = text[start:start + want]
+    tokens = texts.encode(tail)
+    if start + want < len(text) and tokens:
+        tokens = tokens[:-1]
+    return tokens[:max_tokens]
+
+
 @register("ngram")
 class NgramDrafter(Drafter):
     capabilities = DrafterCapabilities()     # stateless and free: propose is a pure function of the text
 
-    def __init__(self, target=None, ngram_min: int = 1, ngram_max: int = 4, **_: object) -> None:
+    def __init__(self, target=None, ngram_min: int = 1, ngram_max: int = 4, text_match: bool = True,
+                 **_: object) -> None:
         if not 1 <= ngram_min <= ngram_max <= 16:
             raise DrafterError(f"ngram sizes must satisfy 1 <= ngram_min <= ngram_max <= 16, "
                                f"got ngram_min={ngram_min}, ngram_max={ngram_max}")
+        if not isinstance(text_match, bool):
+            raise DrafterError(f"text_match must be true or false, got {text_match!r}")
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        tokenizer = getattr(target, "tokenizer", None)
+        self.texts = TokenTexts.of(tokenizer) if text_match and tokenizer is not None else None
+
+    def draft_one(self, token_ids: list[int], k: int) -> list[int]:
+        """Draft up to k tokens for one sequence's text."""
+        if k <= 0:
+            return []
+        ids = np.asarray(token_ids, dtype=np.int64)
+        start, n = latest_match(ids, self.ngram_min, self.ngram_max)
+        if self.texts is not None:
+            matched = len(self.texts.text(token_ids[len(token_ids) - n:])) if n else 0
+            found = text_lookup(self.texts, token_ids, k, matched, TEXT_MIN_CHARS * self.ngram_min)
+            if found:
+                return found
+        return ids[start:start + k].tolist() if n else []
 
     def propose(self, seqs, max_tokens):
-        drafts = []
-        for s, k in zip(seqs, max_tokens):
-            ids = np.asarray(s.token_ids, dtype=np.int64)
-            drafts.append(lookup(ids, k, self.ngram_min, self.ngram_max) if k > 0 else [])
-        return DraftProposal.from_lists(drafts)
+        return DraftProposal.from_lists([self.draft_one(s.token_ids, k) for s, k in zip(seqs, max_tokens)])

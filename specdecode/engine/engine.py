@@ -17,12 +17,12 @@ import torch
 from ..drafters.base import DraftProposal, Drafter, DrafterError
 from ..params import ParamError, SamplingParams
 from ..tree import MAX_TREE_NODES, depths
-from ..verify_tree import verify_tree
+from ..verify_tree import verify_greedy, verify_tree
 from .runner import ModelRunner
 from .budget import DraftBudget, ShadowDrafts, measure_cost_curve
 from .scheduler import StaticBatch, draft_room
 from .sequence import Sequence
-from ..structured import FORCED_MAX, grammar_tokenizer
+from ..structured import FORCED_MAX, grammar_tokenizer, trim_drafts
 
 StreamCallback = Callable[[Sequence, list[int]], None]
 
@@ -190,6 +190,13 @@ class SpecEngine:
             room[b] = min(room[b], draft_room(s, room[b], self.model.max_len))
         return room
 
+    def _trims_drafts(self, seqs: list[Sequence]) -> bool:
+        """Does a grammar trim this step's drafts (structured.trim_drafts)? Only a stateless
+        drafter's whose commit does not read its own nodes."""
+        caps = self.drafter.capabilities
+        return (not caps.has_state and not caps.commit_reads_nodes
+                and any(s.constraint is not None for s in seqs))
+
     def step(self, seqs: list[Sequence], room: list[int], on_tokens: StreamCallback | None = None) -> "StepReport":
         """One step over `seqs` (rows of the runner's caches); room[b]: drafts row b may carry."""
         # 0. jump forward (speculating, structured output): tokens a row's grammar allows alone
@@ -198,19 +205,24 @@ class SpecEngine:
         t0 = time.perf_counter()
         if self.k > 0 and any(s.constraint is not None for s in seqs):
             room = self._jump_forward(seqs, room, on_tokens)
-        # 1. draft
+        # 1. draft (a grammar trims point-mass drafts it forbids: rows the target could never accept)
         if self.drafter is not None and max(room) > 0:
             proposal = self.drafter.propose(seqs, room).simplified()
+            if proposal.probs is None and self._trims_drafts(seqs):
+                proposal = trim_drafts(seqs, proposal)
         else:
             proposal = DraftProposal.empty(len(seqs))
         t1 = time.perf_counter()
         # 2. score all drafts in one target pass, then verify
-        target_probs, target_logprobs = self.runner.score(seqs, proposal)   # [B, n+1, vocab] each
-        device = target_probs.device            # drafts may come from the host (n-gram lookup)
-        greedy = torch.tensor([s.params.greedy for s in seqs], device=device)
-        generators = [s.generator for s in seqs]
-        result = verify_tree(proposal.tokens.to(device), proposal.parents, proposal.num_tokens.to(device),
-                             proposal.probs, target_probs, greedy, generators)
+        target_probs, target_tokens, target_logprobs = self.runner.score(seqs, proposal)
+        if target_probs is None:                # every row greedy: the target's argmax is all it reads
+            result = verify_greedy(proposal.tokens.cpu(), proposal.parents, proposal.num_tokens.cpu(),
+                                   target_tokens.cpu())
+        else:
+            device = target_probs.device        # drafts may come from the host (n-gram lookup)
+            greedy = torch.tensor([s.params.greedy for s in seqs], device=device)
+            result = verify_tree(proposal.tokens.to(device), proposal.parents, proposal.num_tokens.to(device),
+                                 proposal.probs, target_probs, greedy, [s.generator for s in seqs])
         t2 = time.perf_counter()
         # 3. commit: append tokens, move a tree's accepted path to consecutive slots, roll the
         #    target cache back to the accepted prefix

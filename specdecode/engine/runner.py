@@ -22,7 +22,7 @@ import torch
 from ..drafters.base import DraftProposal, Drafter, DrafterState
 from ..forward import ForwardBatch
 from ..sampling import probs_from_logits, transform_logits
-from ..structured import allowed_masks
+from ..structured import allowed_masks, lazy_rows, mask_greedy
 from ..tree import ancestors
 from .sequence import Sequence
 
@@ -103,10 +103,13 @@ class ModelRunner:
             cache.truncate(s.row, start + n)
 
     # ------------------------------------------------------------------ the step's target pass
-    def score(self, seqs: list[Sequence], proposal: DraftProposal) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One target forward over each row's pending tokens + drafts (a chain or a tree); returns
-        the transformed target probabilities at the n+1 positions verification needs: [B, n+1, vocab]
-        (position 0 after the last pending token, position i+1 after draft node i)."""
+    def score(self, seqs: list[Sequence], proposal: DraftProposal
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """One target forward over each row's pending tokens + drafts (a chain or a tree); returns,
+        at the n+1 positions verification needs (position 0 after the last pending token, position
+        i+1 after draft node i), either the transformed target probabilities [B, n+1, vocab] or, when
+        every row is greedy, only their argmax [B, n+1] (all greedy verification reads); and the
+        log-probabilities [B, n+1, vocab] when some row reports them."""
         k = proposal.k
         starts = [self.cache.lengths[s.row] for s in seqs]
         pending = [s.token_ids[start:] for s, start in zip(seqs, starts)]
@@ -135,21 +138,28 @@ class ModelRunner:
         if self.wants_hidden:
             self.drafter.observe(seqs, starts, hidden)
         needs_history = any(s.params.uses_penalties for s in seqs)
+        lazy = lazy_rows(seqs)           # greedy constrained rows: masks only where the argmax is forbidden
         transformed = transform_logits(
             logits, [s.params for s in seqs],
             [s.token_ids for s in seqs] if needs_history else None,
             [s.prompt_len for s in seqs] if needs_history else None,
             proposal.tokens.to(device) if k > 0 else None,
             ancestors(proposal.parents, proposal.num_tokens) if needs_history and proposal.is_tree else None,
-            allowed_masks(seqs, proposal, logits.shape[-1]))
+            allowed_masks(seqs, proposal, logits.shape[-1], skip=lazy))
+        all_greedy = all(s.params.greedy for s in seqs)
+        target_tokens = transformed.argmax(dim=-1) if all_greedy else None                # [B, k+1]
+        if any(lazy):
+            if transformed is logits:     # an inference tensor: not writable here
+                transformed = transformed.clone()
+            mask_greedy(seqs, proposal, lazy, transformed, target_tokens)
         if self.drafter is not None and self.drafter.capabilities.needs_target_topk:
             self.drafter.observe_topk(seqs, proposal,
                                       transformed.topk(self.drafter.capabilities.needs_target_topk, dim=-1).indices)
-        probs = probs_from_logits(transformed, [s.params for s in seqs])                # [B, k+1, vocab]
+        probs = None if all_greedy else probs_from_logits(transformed, [s.params for s in seqs])   # [B, k+1, vocab]
         # log-probabilities as reported to users: log-softmax of the transformed logits (greedy
         # rows at temperature 1), only when some row asked for them
         wants = any(s.params.logprobs is not None for s in seqs)
-        return probs, (transformed.float().log_softmax(dim=-1) if wants else None)
+        return probs, target_tokens, (transformed.float().log_softmax(dim=-1) if wants else None)
 
     def compact(self, row: int, first_node_slot: int, accepted_nodes: list[int]) -> None:
         """After a tree step: move the accepted path (node indices, by depth) of `row` from its
