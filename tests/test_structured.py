@@ -232,4 +232,4 @@ def test_text_match_drafts_across_a_tokenization_boundary(llm):
     assert tok.decode(with_text) == " Lopez is 3", tok.decode(with_text)        # digits are single tokens
     tokens_only = NgramDrafter(llm.target, text_match=False).draft_one(ids, 4)
     assert not tok.decode(tokens_only).startswith(" Lopez")
-    assert NgramDrafter(llm.target, ngram_min=16).draft_one(ids, 4) == []      # 48 characters at least
+    assert NgramDrafter(llm.target, ngram_min=16, ngram_max=16).draft_one(ids, 4) == []   # 48 characters at least
