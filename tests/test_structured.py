@@ -228,8 +228,8 @@ def test_text_match_drafts_across_a_tokenization_boundary(llm):
     assert longest_text_match("xyzxyz") == (3, 3)
     tok = llm.tokenizer
     ids = tok.encode("Text: Maria Lopez is 34 years old.\n", False) + tok.encode('{"name": "Maria', False)
-    with_text = NgramDrafter(llm.target).draft_one(ids, 4)
+    with_text = NgramDrafter(llm.target, text_match=True).draft_one(ids, 4)
     assert tok.decode(with_text) == " Lopez is 3", tok.decode(with_text)        # digits are single tokens
-    tokens_only = NgramDrafter(llm.target, text_match=False).draft_one(ids, 4)
+    tokens_only = NgramDrafter(llm.target).draft_one(ids, 4)
     assert not tok.decode(tokens_only).startswith(" Lopez")
-    assert NgramDrafter(llm.target, ngram_min=16, ngram_max=16).draft_one(ids, 4) == []   # 48 characters at least
+    assert NgramDrafter(llm.target, ngram_min=16, ngram_max=16, text_match=True).draft_one(ids, 4) == []   # >= 48 chars
