@@ -46,13 +46,26 @@ def test_cheap_accurate_drafts_grow_the_size():
     assert budget.best() == 16
 
 
-def test_a_drafter_that_proposes_nothing_keeps_drafting():
-    """No match (no nodes) costs what plain decoding costs: keep asking, so matches are used."""
+def test_a_drafter_that_proposes_nothing_gives_way_to_plain_decoding():
+    """No match (no nodes) gains nothing and looking costs time: plain decoding (drafting must be
+    predicted MARGIN faster); a stateless drafter's shadow drafts keep measuring it (next test)."""
     budget = DraftBudget(16, CURVE, decay=0.5)
     for _ in range(10):
         size = budget.next_size()
-        budget.observe(size, [0], [[]], verify_seconds=interpolate(CURVE, 1), draft_seconds=0.0, pending=1)
-    assert budget.next_size() > 0
+        budget.observe(size, [0], [[]], verify_seconds=interpolate(CURVE, 1), draft_seconds=0.02 if size else 0.0,
+                       pending=1)
+    assert budget.best() == 0 and budget.draft_per_step > 0.01
+
+
+def test_extra_rows_cost_what_the_steps_measure():
+    """The start-up curve (an empty cache) is corrected by what steps measure: a one-row pass sets
+    the base, passes with drafts what each further row adds."""
+    budget = DraftBudget(8, CURVE, decay=0.5)
+    for _ in range(12):
+        budget.observe(0, [0], [[]], verify_seconds=2.0, draft_seconds=0.0, pending=1)         # 2x the curve
+        budget.observe(4, [3], [[0]], verify_seconds=2.0 * (1 + 3 * (1.3 - 1.0)), draft_seconds=0.0, pending=1)
+    assert abs(budget.scale - 2.0) < 0.01 and abs(budget.row_scale - 3.0) < 0.05
+    assert abs(budget.pass_seconds(4) - 2.0 * 1.9) < 0.05
 
 
 def test_shadow_drafts_bring_speculation_back():

@@ -244,3 +244,25 @@ def test_recycle_keeps_rows_distinct_when_given_repeats():
     d.observe_topk([s], DraftProposal.empty(1), torch.tensor([[[7, 7, 8, 7]]]))
     assert d.table[2].tolist() == [7, 8, -1, -1]
     assert children(check(d.propose([s], [8]), [8])[0], -1) == [7, 8]
+
+
+def test_ngram_index_equals_the_scan():
+    """The n-gram drafter's per-sequence index (extended by the tokens appended since the last
+    step) finds exactly the match a scan of the whole text finds, also when the sequence it
+    sees is cut back or another one."""
+    import random
+
+    import numpy as np
+
+    from specdecode.drafters.ngram import NgramIndex, latest_match
+    rng = random.Random(1)
+    for trial in range(200):
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        seq = [rng.randint(0, 4) for _ in range(rng.randint(1, 5))]
+        index = NgramIndex(lo, hi)
+        for step in range(30):
+            assert index.match(seq) == latest_match(np.asarray(seq), lo, hi), (trial, step)
+            seq = seq + [rng.randint(0, 4) for _ in range(rng.randint(0, 3))]
+        for other in ([9] + seq[1:], seq[:5], seq):
+            assert index.match(other) == latest_match(np.asarray(other), lo, hi)

@@ -20,14 +20,13 @@ verification stays lossless.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterError, DrafterState
 from .registry import register
 from .eagle import EagleDrafter
 from .model import ModelDrafter
-from .ngram import NgramDrafter, lookup
+from .ngram import NgramDrafter
 from .suffix import SuffixDrafter
 
 LOOKUPS = ("ngram", "suffix")
@@ -89,8 +88,7 @@ class CascadeDrafter(Drafter):
                 if len(found) < min(self.lookup_min_tokens or k, k):
                     found = []                   # a short match: the second drafter does better
             else:
-                ids = np.asarray(s.token_ids, dtype=np.int64)
-                found = lookup(ids, k, self.ngram.ngram_min, self.ngram.ngram_max) if k else []
+                found = self.ngram.draft_one(s.token_ids, k, self.ngram.index(s)) if k else []
             drafts.append(found or None)
         head_rows = [b for b, d in enumerate(drafts) if d is None and max_tokens[b] > 0]
         self.lookup_steps += sum(d is not None for d in drafts)

@@ -50,6 +50,38 @@ def lookup(token_ids: np.ndarray, max_tokens: int, ngram_min: int, ngram_max: in
     return token_ids[start:start + max_tokens].tolist() if n else []
 
 
+class NgramIndex:
+    """One sequence's n-grams (n in ngram_min..ngram_max) -> the latest start of each among the
+    windows that end before the sequence's last token: `latest_match` in O(1) per step instead
+    of a scan of the whole text, extended by the tokens appended since the last call (a sequence
+    only grows; a shorter or different one is indexed anew)."""
+
+    def __init__(self, ngram_min: int, ngram_max: int) -> None:
+        self.sizes = range(ngram_min, ngram_max + 1)
+        self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.indexed = 0                 # windows inside token_ids[:indexed] are in the tables
+        self.head: tuple[int, ...] = ()  # the first tokens, to notice a different sequence
+
+    def match(self, token_ids: list[int]) -> tuple[int, int]:
+        """`latest_match(token_ids, ngram_min, ngram_max)`."""
+        length = len(token_ids)
+        if length - 1 < self.indexed or tuple(token_ids[:8]) != self.head:
+            self.__init__(self.sizes.start, self.sizes.stop - 1)
+            self.head = tuple(token_ids[:8])
+        for end in range(self.indexed + 1, length):      # windows ending at end-1 < length-1
+            for n in self.sizes:
+                if end >= n:
+                    self.tables[n][tuple(token_ids[end - n:end])] = end - n
+        self.indexed = max(self.indexed, length - 1)
+        for n in reversed(self.sizes):
+            if n > length - 1:
+                continue
+            start = self.tables[n].get(tuple(token_ids[length - n:]))
+            if start is not None:
+                return start + n, n
+        return 0, 0
+
+
 def longest_text_match(text: str, min_chars: int = TEXT_MIN_CHARS, max_chars: int = TEXT_MAX_CHARS) -> tuple[int, int]:
     """(where the continuation starts, length) of the latest earlier occurrence of the longest
     suffix of `text` (min_chars..max_chars characters; an occurrence ends before the text's last
@@ -128,21 +160,32 @@ class NgramDrafter(Drafter):
         if not isinstance(text_match, bool):
             raise DrafterError(f"text_match must be true or false, got {text_match!r}")
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # sequence -> NgramIndex
         tokenizer = getattr(target, "tokenizer", None)
         self.texts = TokenTexts.of(tokenizer) if text_match and tokenizer is not None else None
 
-    def draft_one(self, token_ids: list[int], k: int) -> list[int]:
-        """Draft up to k tokens for one sequence's text."""
+    def draft_one(self, token_ids: list[int], k: int, index: NgramIndex | None = None) -> list[int]:
+        """Draft up to k tokens for one sequence's text (`index`: that sequence's n-gram index)."""
         if k <= 0:
             return []
-        ids = np.asarray(token_ids, dtype=np.int64)
-        start, n = latest_match(ids, self.ngram_min, self.ngram_max)
+        if index is not None:
+            start, n = index.match(token_ids)
+        else:
+            start, n = latest_match(np.asarray(token_ids, dtype=np.int64), self.ngram_min, self.ngram_max)
         if self.texts is not None:
             matched = len(self.texts.text(token_ids[len(token_ids) - n:])) if n else 0
             found = text_lookup(self.texts, token_ids, k, matched, TEXT_MIN_CHARS * self.ngram_min)
             if found:
                 return found
-        return ids[start:start + k].tolist() if n else []
+        return list(token_ids[start:start + k]) if n else []
+
+    def index(self, seq) -> NgramIndex:
+        """The sequence's n-gram index (kept while the sequence lives)."""
+        found = self.indexes.get(seq)
+        if found is None:
+            found = self.indexes[seq] = NgramIndex(self.ngram_min, self.ngram_max)
+        return found
 
     def propose(self, seqs, max_tokens):
-        return DraftProposal.from_lists([self.draft_one(s.token_ids, k) for s, k in zip(seqs, max_tokens)])
+        return DraftProposal.from_lists([self.draft_one(s.token_ids, k, self.index(s) if k > 0 else None)
+                                         for s, k in zip(seqs, max_tokens)])

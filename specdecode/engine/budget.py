@@ -3,9 +3,12 @@ the acceptance observed so far, so that the expected tokens per second is maxima
 decoding (0 drafts) whenever nothing else pays.
 
 Cost of a step at size b: the target forward over (pending + b) rows per sequence, read off a
-curve measured once at start-up (`measure_cost_curve`: forward seconds against rows) and scaled
-by the ratio of measured to predicted verify time of the sizes actually run, plus the drafting
-time (per drafted node, measured).
+curve measured once at start-up (`measure_cost_curve`: forward seconds against rows), plus the
+drafting time (per drafted node, measured). The curve is measured on an empty cache; at a real
+context every row also reads the keys and values before it, so two corrections are learned from
+the steps actually run: `scale` for a one-row pass (from steps that verify no draft) and
+`row_scale` for what each further row adds (from steps that do). On the embedded model at a few
+hundred tokens of context one more row costs ~0.2 of a step, twice what the start-up curve says.
 
 Gain at size b: tokens emitted per step. Drafters order nodes best-first, so the draft of a
 smaller budget is a prefix of the one proposed (a chain's first tokens; a tree's first nodes,
@@ -32,6 +35,9 @@ import torch
 LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PRIOR = 1.2             # a size not yet measured is assumed to decode this much faster than plain
 PRIOR_ACCEPTANCE = 0.7  # per position: the starting size of a drafter that pays for what it tries
+MARGIN = 1.05           # drafting must be predicted this much faster than plain decoding to be chosen:
+                        # what the model leaves out (bookkeeping of a longer step) and its noise are
+                        # a few percent, and a lookup drafter's gains near break-even are mostly noise
 
 
 def measure_cost_curve(model, cache, max_rows: int, repeats: int = 3) -> dict[int, float]:
@@ -76,8 +82,10 @@ class DraftBudget:
     levels: list[int] = field(init=False)
     gain: dict[int, float] = field(init=False)       # size -> mean tokens emitted per sequence-step
     nodes: dict[int, float] = field(init=False)      # size -> mean nodes a sequence proposes at that size
-    scale: float = field(init=False, default=1.0)    # measured / predicted verify time
+    scale: float = field(init=False, default=1.0)    # measured / curve time of a one-row pass
+    row_scale: float = field(init=False, default=1.0)   # measured / curve time that each further row adds
     draft_per_node: float = field(init=False, default=0.0)
+    draft_per_step: float = field(init=False, default=0.0)   # drafting seconds of a step that drafts nothing
     draft_time_known: bool = field(init=False, default=False)   # draft_per_node holds a prior or a measurement
     all_accepted: bool = field(init=False, default=False)   # the last step accepted every drafted node
     size: int = field(init=False)
@@ -99,14 +107,21 @@ class DraftBudget:
     def step_seconds(self, size: int, pending: float = 1.0) -> float:
         """Predicted seconds per sequence of a step at `size` (drafting included)."""
         nodes = self.nodes.get(size, size)
-        return self.scale * interpolate(self.curve, pending + nodes) + self.draft_per_node * nodes
+        drafting = self.draft_per_step + self.draft_per_node * nodes if size > 0 else 0.0
+        return self.pass_seconds(pending + nodes) + drafting
+
+    def pass_seconds(self, rows: float) -> float:
+        """Predicted seconds of one sequence's target pass (and verification) over `rows` rows."""
+        one = interpolate(self.curve, 1.0)
+        return self.scale * (one + self.row_scale * (interpolate(self.curve, rows) - one))
 
     def best(self) -> int:
         """The size with the most tokens per second among those measured."""
-        # ties go to the larger size: a drafter that proposes nothing at a size costs nothing there
-        # (lookup drafters often have no match), and drafting keeps its gains measured
+        # ties go to the larger size: a drafter that proposes nothing at a size costs little there
+        # (lookup drafters often have no match), and drafting keeps its gains measured; plain
+        # decoding keeps a MARGIN
         return max((s for s in self.levels if s in self.gain),
-                   key=lambda s: (round(self.gain[s] / self.step_seconds(s), 9), s))
+                   key=lambda s: (round(self.gain[s] / self.step_seconds(s) / (MARGIN if s else 1.0), 9), s))
 
     # ------------------------------------------------------------------ each step
     def next_size(self) -> int:
@@ -143,11 +158,19 @@ class DraftBudget:
             return
         self.all_accepted = size > 0 and sum(num_nodes) > 0 and all(
             len(path) == n for path, n in zip(accepted_nodes, num_nodes))
-        predicted = batch * interpolate(self.curve, pending + max(num_nodes + [0]))
-        self.scale = self.decay * self.scale + (1 - self.decay) * (verify_seconds / predicted)
+        rows = pending + max(num_nodes + [0])
+        one = interpolate(self.curve, 1.0)
+        extra = interpolate(self.curve, rows) - one
+        if extra <= 0.02 * one:       # a one-row pass (or as good as): the base cost
+            self.scale = self.decay * self.scale + (1 - self.decay) * (verify_seconds / batch / max(one + extra, 1e-9))
+        else:                         # what the rows past the first cost here
+            added = (verify_seconds / batch / self.scale - one) / extra
+            self.row_scale = self.decay * self.row_scale + (1 - self.decay) * min(max(added, 0.25), 8.0)
         nodes = sum(num_nodes)
+        if size > 0 and not nodes:      # looked for drafts and found none: the cost of looking
+            self.draft_per_step = self.decay * self.draft_per_step + (1 - self.decay) * draft_seconds / batch
         if nodes:
-            per_node = draft_seconds / nodes
+            per_node = max(draft_seconds - self.draft_per_step * batch, 0.0) / nodes
             past = self.decay if self.draft_time_known else 0.0          # no zero prior
             self.draft_per_node = past * self.draft_per_node + (1 - past) * per_node
             self.draft_time_known = True
