@@ -4,8 +4,8 @@ generated so far, and propose the tokens that followed it (Saxena 2023, "prompt 
 decoding"; HF `prompt_lookup_num_tokens`). Drafts are point masses: no probabilities.
 
 Text matching (`text_match`, default off): the same lookup on characters. A word is not always
-the same tokens: after a quote or a bracket ("Maria in `{"name": "Maria`) it loses the leading
-space it has in the prompt (" Maria"), so token lookup finds nothing where the text plainly
+the same tokens: after a quote or a bracket (`Maria` in `{"name": "Maria`) it loses the leading
+space it has in the prompt (` Maria`), so token lookup finds nothing where the text plainly
 repeats -- most of every value of structured output copied from its prompt. When the longest
 earlier occurrence of the text's last characters is longer than the token match, the characters
 that followed it are tokenized and drafted instead. Measured on this project's 2-core CPUs
