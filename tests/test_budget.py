@@ -116,3 +116,14 @@ def test_a_step_that_accepts_every_draft_tries_the_next_larger_size():
     assert budget.next_size() == 2                      # all accepted: climb now, not in 100 steps
     budget.observe(2, [2], [[0]], verify_seconds=1.175, draft_seconds=0.9, pending=1)
     assert budget.next_size() <= 2                      # a rejection: no climb
+
+
+def test_a_costly_lookup_shadows_every_few_plain_steps():
+    """Shadow drafts cost their lookup on every plain step: at most SHADOW_SHARE of a step's time."""
+    from specdecode.engine.budget import SHADOW_SHARE
+    budget = DraftBudget(8, CURVE)
+    assert all(budget.shadow_due() for _ in range(5))            # nothing measured yet: every step
+    budget.observe_shadow_cost(0.5 * SHADOW_SHARE * interpolate(CURVE, 1))
+    assert all(budget.shadow_due() for _ in range(5))            # cheap: every step
+    budget.shadow_seconds = 4 * SHADOW_SHARE * interpolate(CURVE, 1)
+    assert sum(budget.shadow_due() for _ in range(40)) == 10     # 4x the share: one step in four

@@ -19,7 +19,8 @@ every drafted node, the next size above the best), and
 while plain decoding wins a small size is probed every `probe_every` steps. A drafter without
 per-request state (lookup, suffix, recycle) keeps drafting while plain decoding runs ("shadow"
 drafts, one per sequence at a time, never verified): each is scored against the tokens the
-sequence then emits, so a size that starts to pay is found without paying for a probe. Per size, gains are exponential moving averages.
+sequence then emits, so a size that starts to pay is found without paying for a probe; a lookup
+that costs more than SHADOW_SHARE of a plain step shadows only every few plain steps. Per size, gains are exponential moving averages.
 A drafter with state (a draft model) pays for every size it tries, so its first size is the one
 its prior cost (`draft_cost`: seconds per drafted token, from the weights it reads) predicts best
 at an acceptance of PRIOR_ACCEPTANCE per position, rather than a fixed one; the drafting time per
@@ -27,6 +28,7 @@ node starts from that prior (else from the first measured step) instead of zero.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +37,8 @@ import torch
 LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PRIOR = 1.2             # a size not yet measured is assumed to decode this much faster than plain
 PRIOR_ACCEPTANCE = 0.7  # per position: the starting size of a drafter that pays for what it tries
+SHADOW_SHARE = 0.02     # at most this share of plain decoding's time goes to shadow drafts (looking
+                        # up drafts that are only scored): a costly lookup shadows every few steps
 MARGIN = 1.05           # drafting must be predicted this much faster than plain decoding to be chosen:
                         # what the model leaves out (bookkeeping of a longer step) and its noise are
                         # a few percent, and a lookup drafter's gains near break-even are mostly noise
@@ -86,6 +90,8 @@ class DraftBudget:
     row_scale: float = field(init=False, default=1.0)   # measured / curve time that each further row adds
     draft_per_node: float = field(init=False, default=0.0)
     draft_per_step: float = field(init=False, default=0.0)   # drafting seconds of a step that drafts nothing
+    shadow_seconds: float = field(init=False, default=0.0)   # seconds of one shadow draft (measured)
+    plain_steps: int = field(init=False, default=0)
     draft_time_known: bool = field(init=False, default=False)   # draft_per_node holds a prior or a measurement
     all_accepted: bool = field(init=False, default=False)   # the last step accepted every drafted node
     size: int = field(init=False)
@@ -141,6 +147,16 @@ class DraftBudget:
             self.size = best
         self.chosen.append(self.size)
         return self.size
+
+    def shadow_due(self) -> bool:
+        """Should this plain step draft a shadow? Every plain step while shadows are cheap; every
+        n-th step when one costs more than SHADOW_SHARE of a plain step."""
+        self.plain_steps += 1
+        period = max(1, math.ceil(self.shadow_seconds / (SHADOW_SHARE * self.pass_seconds(1.0))))
+        return self.plain_steps % period == 0
+
+    def observe_shadow_cost(self, seconds: float) -> None:
+        self.shadow_seconds = seconds if not self.shadow_seconds else self.decay * self.shadow_seconds + (1 - self.decay) * seconds
 
     def observe_shadow(self, proposed: int, matched: int) -> None:
         """A shadow draft's main path of `proposed` tokens whose first `matched` came true."""
