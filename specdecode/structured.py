@@ -159,11 +159,9 @@ class Constraint:
                 return True
             if m.is_stopped():
                 return None
-            forced = m.compute_ff_tokens()
-            if forced:
-                return int(token) == forced[0]
-            if m.compute_ff_bytes():
-                return None
+            if m.compute_ff_bytes():     # (~1 us; forced tokens come from forced bytes, ~30 us)
+                forced = m.compute_ff_tokens()
+                return int(token) == forced[0] if forced else None
             if token in self.eos_token_ids:
                 return bool(m.is_accepting())
             if m.try_consume_tokens([int(token)]) == 1:
