@@ -203,7 +203,7 @@ class Constraint:
         try:
             if done < len(path):
                 return []
-            while len(forced) < limit and not m.is_stopped():
+            while len(forced) < limit and not m.is_stopped() and m.compute_ff_bytes():
                 more = [int(t) for t in m.compute_ff_tokens()[:limit - len(forced)]]
                 more = more[:next((i for i, t in enumerate(more) if t in self.eos_token_ids), len(more))]
                 took = m.try_consume_tokens(more) if more else 0
