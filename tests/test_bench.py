@@ -177,6 +177,40 @@ def test_custom_prompts_and_sampling(tiny_models, tmp_path):
     assert all(r["speedup_vs_transformers_plain"] is None for r in results["rows"])
 
 
+def test_prompts_with_their_own_json_schemas(tiny_models, tmp_path, capsys):
+    """A prompts file may constrain each prompt by its own schema (an object, or a name of
+    schemas/<name>.json beside the file): every answer follows it, speculation changes nothing;
+    a schema that is missing or invalid is one line naming the file, the line and the problem."""
+    (tmp_path / "schemas").mkdir()
+    (tmp_path / "schemas" / "count.json").write_text(json.dumps(
+        {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}))
+    inline = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"text": "count the sheep", "task": "a", "schema": "count"}) + "\n"
+                       + json.dumps({"text": "is it ok", "task": "b", "schema": inline}) + "\n")
+    out = tmp_path / "out"
+    assert main(["bench", "--model", str(tiny_models["llama"]), "--prompts-file", str(prompts), "--max-tokens", "16",
+                 "--systems", "specdecode", "--methods", "plain,ngram", "-k", "4", "--no-progress",
+                 "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert all(r["identical_share"] == 1.0 for r in results["rows"])
+    from specdecode.tokenizer import Tokenizer
+    tok = Tokenizer(tiny_models["llama"])
+    texts = {(r["task"], r["method"]): tok.decode(r["token_ids"]) for r in
+             (json.loads(line) for line in (out / "measurements.jsonl").read_text().splitlines())
+             if r.get("type") == "measurement"}
+    assert all(t.startswith('{"n": ') for (task, _), t in texts.items() if task == "a"), texts
+    assert all(t.startswith('{"ok": ') for (task, _), t in texts.items() if task == "b"), texts
+    for line, problem in ((json.dumps({"text": "x", "schema": "missing"}), "no schemas/missing.json"),
+                          (json.dumps({"text": "x", "schema": {"type": "objectx"}}), "invalid json_schema"),
+                          (json.dumps({"text": "x", "schema": 5}), "must be a JSON schema object")):
+        prompts.write_text(line + "\n")
+        assert main(["bench", "--model", str(tiny_models["llama"]), "--prompts-file", str(prompts),
+                     "--out", str(tmp_path / "bad")]) != 0
+        err = capsys.readouterr().err
+        assert f"{prompts}:1: schema" in err and problem in err, err
+
+
 def test_aggregate_arithmetic():
     def rec(system, method, k, pid, tps, ids):
         return {"type": "measurement", "system": system, "method": method, "k": k, "task": "qa", "prompt_id": pid,

@@ -68,10 +68,13 @@ def _schema(value, path: Path, number: int) -> str | None:
             raise ValueError(f"{where} {found}: {exc}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{where} must be a JSON schema object or a schema file's name, got {value!r:.60}")
+    from llguidance import LLMatcher
     try:
-        Structured("json_schema", value).grammar()
+        problem = LLMatcher.validate_grammar(Structured("json_schema", value).grammar())
     except ParamError as exc:
         raise ValueError(f"{where}: {exc}") from None
+    if problem and not problem.startswith("WARNING"):
+        raise ValueError(f"{where}: invalid json_schema: {problem}")
     return json.dumps(value, sort_keys=True)
 
 
