@@ -29,6 +29,7 @@ pending tokens, and the drafter drafts what follows them.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import weakref
@@ -140,8 +141,21 @@ class Constraint:
             self.matcher.try_consume_tokens([int(t) for t in tokens])
 
     def forced(self, limit: int) -> list[int]:
-        """Tokens the grammar allows as the only continuation from here (at most `limit`)."""
+        """Tokens the grammar allows as the only continuation from here (at most `limit`, never an
+        end of sequence)."""
         return self.forced_after([], limit)
+
+    @contextlib.contextmanager
+    def _after(self, path: list[int]):
+        """The matcher advanced by `path` (as far as the grammar allows it) for the block: yields how
+        many of its tokens were taken, then rolls them back."""
+        m = self.matcher
+        done = m.try_consume_tokens([int(t) for t in path]) if path and not m.is_stopped() else 0
+        try:
+            yield done
+        finally:
+            if done:
+                m.rollback(done)
 
     def mask_allows(self, path: list[int], token: int) -> bool | None:
         """Would the mask after the committed text and `path` allow `token` -- answered without
@@ -153,8 +167,7 @@ class Constraint:
         m = self.matcher
         if m.is_stopped() or m.is_error():
             return None
-        done = m.try_consume_tokens([int(t) for t in path]) if path else 0
-        try:
+        with self._after(path) as done:
             if done < len(path):
                 return True
             if m.is_stopped():
@@ -168,27 +181,16 @@ class Constraint:
                 m.rollback(1)
                 return True
             return False
-        finally:
-            if done:
-                m.rollback(done)
 
     def valid_prefix(self, path: list[int]) -> int:
         """How many leading tokens of `path` the grammar allows after the committed text."""
-        if not path or self.matcher.is_stopped() or self.matcher.is_error():
-            return 0
-        done = self.matcher.try_consume_tokens([int(t) for t in path])
-        if done:
-            self.matcher.rollback(done)
-        return done
+        with self._after(path) as done:
+            return done
 
     def mask_after(self, path: list[int]) -> torch.Tensor:                     # [vocab] bool
         """The mask after the committed text and then `path` (all allowed tokens)."""
-        done = self.matcher.try_consume_tokens([int(t) for t in path]) if path and not self.matcher.is_stopped() else 0
-        try:
+        with self._after(path):
             return self.allowed()
-        finally:
-            if done:
-                self.matcher.rollback(done)
 
     def forced_after(self, path: list[int], limit: int) -> list[int]:
         """The forced tokens after the committed text and then `path` (a path the grammar
@@ -198,23 +200,22 @@ class Constraint:
         m = self.matcher
         if limit <= 0 or m.is_stopped() or m.is_error():
             return []
-        done = m.try_consume_tokens([int(t) for t in path]) if path else 0
-        forced: list[int] = []
-        try:
+        with self._after(path) as done:
             if done < len(path):
                 return []
-            while len(forced) < limit and not m.is_stopped() and m.compute_ff_bytes():
-                more = [int(t) for t in m.compute_ff_tokens()[:limit - len(forced)]]
-                more = more[:next((i for i, t in enumerate(more) if t in self.eos_token_ids), len(more))]
-                took = m.try_consume_tokens(more) if more else 0
-                forced += more[:took]
-                done += took
-                if took < len(more) or not took:
-                    break
-            return forced
-        finally:
-            if done:
-                m.rollback(done)
+            forced: list[int] = []
+            try:
+                while len(forced) < limit and not m.is_stopped() and m.compute_ff_bytes():
+                    more = [int(t) for t in m.compute_ff_tokens()[:limit - len(forced)]]
+                    more = more[:next((i for i, t in enumerate(more) if t in self.eos_token_ids), len(more))]
+                    took = m.try_consume_tokens(more) if more else 0
+                    forced += more[:took]
+                    if took < len(more) or not took:
+                        break
+                return forced
+            finally:
+                if forced:
+                    m.rollback(len(forced))
 
     def path_masks(self, paths: list[list[int]]) -> torch.Tensor:             # [1 + nodes, vocab]
         """Masks at the position after the committed text and after each draft node, whose path
@@ -222,10 +223,8 @@ class Constraint:
         masks = [self.allowed()]
         for path in paths:
             # a draft the grammar forbids (and its subtree) is rejected anyway: any mask will do there
-            done = self.matcher.try_consume_tokens([int(t) for t in path]) if not self.matcher.is_stopped() else 0
-            masks.append(self.allowed() if done == len(path) else masks[0])
-            if done:
-                self.matcher.rollback(done)
+            with self._after(path) as done:
+                masks.append(self.allowed() if done == len(path) else masks[0])
         return torch.stack(masks)
 
 
@@ -256,13 +255,10 @@ def trim_drafts(seqs, proposal):
         parents = proposal.parents[b, :count].tolist() if proposal.parents is not None else list(range(-1, count - 1))
         nodes = list(zip(tokens, parents))
         if s.constraint is not None and count:
-            kept, where, paths = [], {}, {}
-            for i, (token, parent) in enumerate(nodes):
-                if parent >= 0 and parent not in where:
-                    continue
-                path = (paths[parent] if parent >= 0 else []) + [token]
-                if s.constraint.valid_prefix(path) == len(path):
-                    where[i], paths[i] = len(kept), path
+            kept, where = [], {}                      # node -> its index among the kept ones
+            for i, ((token, parent), path) in enumerate(zip(nodes, node_paths(proposal, b))):
+                if (parent < 0 or parent in where) and s.constraint.valid_prefix(path) == len(path):
+                    where[i] = len(kept)
                     kept.append((token, where[parent] if parent >= 0 else -1))
             changed = changed or len(kept) < count
             nodes = kept
@@ -355,11 +351,17 @@ def structured_from_body(body: dict) -> tuple[Structured | None, str | None]:
     if not asked:
         return None, None
     name, structured = asked[0]
-    from llguidance import LLMatcher
     try:
-        problem = LLMatcher.validate_grammar(structured.grammar())
+        check_grammar(structured)
     except ParamError as exc:
         raise ParamError(f"{name}: {exc}") from None
-    if problem and not problem.startswith("WARNING"):
-        raise ParamError(f"{name}: invalid {structured.kind}: {problem}")
     return structured, name
+
+
+def check_grammar(structured: Structured) -> None:
+    """ParamError (`invalid <kind>: <llguidance's problem>`) unless llguidance accepts the
+    grammar; its warnings pass."""
+    from llguidance import LLMatcher
+    problem = LLMatcher.validate_grammar(structured.grammar())
+    if problem and not problem.startswith("WARNING"):
+        raise ParamError(f"invalid {structured.kind}: {problem}")

@@ -56,7 +56,7 @@ def _schema(value, path: Path, number: int) -> str | None:
     if value is None:
         return None
     from ..params import ParamError
-    from ..structured import Structured
+    from ..structured import Structured, check_grammar
     where = f"{path}:{number}: schema"
     if isinstance(value, str):
         found = next((f for f in (path.parent / "schemas" / f"{value}.json", path.parent / value) if f.is_file()), None)
@@ -68,13 +68,10 @@ def _schema(value, path: Path, number: int) -> str | None:
             raise ValueError(f"{where} {found}: {exc}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{where} must be a JSON schema object or a schema file's name, got {value!r:.60}")
-    from llguidance import LLMatcher
     try:
-        problem = LLMatcher.validate_grammar(Structured("json_schema", value).grammar())
+        check_grammar(Structured("json_schema", value))
     except ParamError as exc:
         raise ValueError(f"{where}: {exc}") from None
-    if problem and not problem.startswith("WARNING"):
-        raise ValueError(f"{where}: invalid json_schema: {problem}")
     return json.dumps(value, sort_keys=True)
 
 

@@ -176,8 +176,7 @@ class SpecEngine:
         for b, s in enumerate(seqs):
             if s.constraint is None or s.params.stop:
                 continue
-            forced = s.constraint.forced(draft_room(s, FORCED_MAX, self.model.max_len))
-            forced = forced[:next((i for i, t in enumerate(forced) if t in s.eos_token_ids), len(forced))]
+            forced = s.constraint.forced(draft_room(s, FORCED_MAX, self.model.max_len))   # no end of sequence
             if not forced:
                 continue
             appended = s.append(forced)
