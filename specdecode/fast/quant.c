@@ -37,6 +37,14 @@ enum { GQ_Q4_0 = 2, GQ_Q4_1 = 3, GQ_Q5_0 = 6, GQ_Q5_1 = 7, GQ_Q8_0 = 8, GQ_Q4_K 
 
 #define SD_QSEG 4          /* segments (differently quantized row ranges) per matrix: q|k|v */
 #define SD_QROWS 8         /* activation rows sharing one decode of a weight block */
+/* The side data q_quantize_rows keeps per activation row (row stride QS_STRIDE(K) floats): the sums
+ * of its int8 values over each 16 k (float) at 0; over each 32 k (float) at QS_S32; and, over each
+ * 32 k as int32, those sums times the sign offsets -8, -16, -128 of Q4_0, Q5_0, Q8_0 at
+ * QS_C32(K, 0..2).  All exact integers. */
+#define QS_STRIDE(K) (3 * (K) / 16)
+#define QS_S32(K) ((K) / 16)
+#define QS_C32(K, slot) ((K) / 16 + (K) / 32 * (1 + (slot)))
+typedef int32_t sd_i32a __attribute__((may_alias));
 #ifndef QAMX_MIN_ROWS
 #define QAMX_MIN_ROWS 12   /* rows from which a block of the interleaved layouts runs on AMX tiles: with a
                               scale per 32 (Q6_K: 16) k every tile product is stored and scaled at once, which
@@ -199,11 +207,10 @@ static int q_block_ok(int type) {
 static __thread char *q_scratch;
 static __thread size_t q_scratch_cap;
 
-/* Quantize activation rows per chunk of 256: xq[r][k] int8, dq[r][c] = max|x| / 127,
- * sums[r][h] = sum(xq over the 16 weights of h) (exact, as float).  A row's result depends on that
- * row only. */
+/* Quantize activation rows per chunk of 256: xq[r][k] int8, dq[r][c] = max|x| / 127, and the
+ * sums of QS_STRIDE's layout (exact).  A row's result depends on that row only. */
 static void q_quantize_rows(const bf16 *x, int lda, int M, int K, int8_t *xq, float *dq, float *sums) {
-    const int NC = (K + 255) / 256, KH = K / 16;
+    const int NC = (K + 255) / 256;
     for (int r = 0; r < M; r++) {
         const bf16 *xr = x + (size_t)r * lda;
         int8_t *qr = xq + (size_t)r * K;
@@ -218,8 +225,18 @@ static void q_quantize_rows(const bf16 *x, int lda, int M, int K, int8_t *xq, fl
                 __m512 v = _mm512_mul_ps(bf16x16_to_ps(_mm256_loadu_si256((const __m256i *)(xr + k0 + 16 * h))), _mm512_set1_ps(inv));
                 __m512i qi = _mm512_cvtps_epi32(v);            /* round to nearest even; |qi| <= 127 */
                 _mm_storeu_si128((__m128i *)(qr + k0 + 16 * h), _mm512_cvtsepi32_epi8(qi));
-                sums[(size_t)r * KH + k0 / 16 + h] = (float)_mm512_reduce_add_epi32(qi);
+                sums[(size_t)r * QS_STRIDE(K) + k0 / 16 + h] = (float)_mm512_reduce_add_epi32(qi);
             }
+        }
+        float *sr = sums + (size_t)r * QS_STRIDE(K);
+        sd_i32a *c8 = (sd_i32a *)(sr + QS_C32(K, 0)), *c16 = (sd_i32a *)(sr + QS_C32(K, 1)),
+                *c128 = (sd_i32a *)(sr + QS_C32(K, 2));
+        for (int b = 0; b < K / 32; b++) {
+            sr[QS_S32(K) + b] = sr[2 * b] + sr[2 * b + 1];
+            const int32_t s = (int32_t)sr[2 * b] + (int32_t)sr[2 * b + 1];
+            c8[b] = -8 * s;
+            c16[b] = -16 * s;
+            c128[b] = -128 * s;
         }
     }
 }
@@ -229,7 +246,7 @@ static void q_quantize_rows(const bf16 *x, int lda, int M, int K, int8_t *xq, fl
 static inline __attribute__((always_inline)) void
 q_column(int type, const uint8_t *row, long row_bytes, int K, const int8_t *xq, const float *dq,
          const float *sums, int R, float *out) {
-    const int NC = (K + 255) / 256, KH = K / 16;
+    const int NC = (K + 255) / 256;
     __m512 acc[SD_QROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     __m512i w[4];
@@ -243,7 +260,7 @@ q_column(int type, const uint8_t *row, long row_bytes, int K, const int8_t *xq, 
         const __mmask16 mk = (__mmask16)((1u << (2 * nb)) - 1);
         const __m512 ov = _mm512_maskz_load_ps(mk, o16);
         __m512 ch[SD_QROWS];
-        for (int r = 0; r < R; r++) ch[r] = _mm512_mul_ps(ov, _mm512_maskz_loadu_ps(mk, sums + (size_t)r * KH + 16 * c));
+        for (int r = 0; r < R; r++) ch[r] = _mm512_mul_ps(ov, _mm512_maskz_loadu_ps(mk, sums + (size_t)r * QS_STRIDE(K) + 16 * c));
         for (int p = 0; p < nb / 2; p++) {
             /* lane l of a VPDPBUSD over weights 64p .. 64p+63 covers weights 64p+4l .. +3: scale s16[4p + l/4] */
             const __m512 sl = _mm512_permutexvar_ps(_mm512_add_epi32(lane4, _mm512_set1_epi32(4 * p)), sv);
@@ -306,8 +323,8 @@ static q_col_fn q_col_for(int type) {
  * Each thread quantizes all M activation rows itself (no barrier needed; the same result). */
 static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias, void *y, int ldy, int M,
                      int mode, int t, int nt, int *cfg) {
-    const int K = W->K, NC = (K + 255) / 256, KH = K / 16, esz = out_esz(mode);
-    const size_t need = (size_t)M * K + ((size_t)M * (NC + KH) + 32) * 4 + 128;
+    const int K = W->K, NC = (K + 255) / 256, QS = QS_STRIDE(K), esz = out_esz(mode);
+    const size_t need = (size_t)M * K + ((size_t)M * (NC + QS) + 32) * 4 + 128;
     if (q_scratch_cap < need) {
         free(q_scratch);
         q_scratch = (char *)aligned_alloc(64, (need + 63) / 64 * 64);
@@ -315,7 +332,7 @@ static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias
     }
     if (!q_scratch) return;
     float *dq = (float *)q_scratch, *sums = dq + (size_t)M * NC + 16;
-    int8_t *xq = (int8_t *)(sums + (size_t)M * KH + 16);
+    int8_t *xq = (int8_t *)(sums + (size_t)M * QS + 16);
     q_quantize_rows(x, lda, M, K, xq, dq, sums);
     int g0, g1;
     split((W->N + 15) / 16, t, nt, &g0, &g1);
@@ -333,7 +350,7 @@ static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias
         for (int m0 = 0; m0 < M; m0 += chunk) {
             const int R = M - m0 < chunk ? M - m0 : chunk;
             const int8_t *xm = xq + (size_t)m0 * K;
-            const float *dm = dq + (size_t)m0 * NC, *sm = sums + (size_t)m0 * KH;
+            const float *dm = dq + (size_t)m0 * NC, *sm = sums + (size_t)m0 * QS;
             memset(acc, 0, sizeof acc);
             if (grp && amx && R >= QAMX_MIN_ROWS) {
 #if SD_QAMX

@@ -42,7 +42,7 @@ static inline __m512i bcast4(const int8_t *p) {
 
 static inline __attribute__((always_inline)) void
 q4k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R, float *out) {
-    const int NC = K / 256, KH = K / 16;
+    const int NC = K / 256, QS = QS_STRIDE(K);
     __m512 acc[SD_QROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0x0F);
@@ -70,9 +70,8 @@ q4k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
                     ib = _mm512_dpbusd_epi32(ib, hi[t], bcast4(xr + 8 * t + 4));
                 }
                 ia = _mm512_add_epi32(ia, ib);
-                const float *sr = sums + (size_t)r * KH + 16 * c + 2 * j;
                 fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), scj, fs[r]);
-                fs[r] = _mm512_fnmadd_ps(mnj, _mm512_set1_ps(sr[0] + sr[1]), fs[r]);
+                fs[r] = _mm512_fnmadd_ps(mnj, _mm512_set1_ps(sums[(size_t)r * QS + QS_S32(K) + 8 * c + j]), fs[r]);
             }
         }
         for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(fs[r], _mm512_set1_ps(dq[(size_t)r * NC + c]), acc[r]);
@@ -82,7 +81,7 @@ q4k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
 
 static inline __attribute__((always_inline)) void
 q6k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R, float *out) {
-    const int NC = K / 256, KH = K / 16;
+    const int NC = K / 256, QS = QS_STRIDE(K);
     __m512 acc[SD_QROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
@@ -110,7 +109,7 @@ q6k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
                 ib = _mm512_dpbusd_epi32(ib, u[3], bcast4(xr + 12));
                 ia = _mm512_add_epi32(ia, ib);
                 fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), scs, fs[r]);
-                fs[r] = _mm512_fnmadd_ps(off, _mm512_set1_ps(sums[(size_t)r * KH + 16 * c + s]), fs[r]);
+                fs[r] = _mm512_fnmadd_ps(off, _mm512_set1_ps(sums[(size_t)r * QS + 16 * c + s]), fs[r]);
             }
         }
         for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(fs[r], _mm512_set1_ps(dq[(size_t)r * NC + c]), acc[r]);
@@ -132,9 +131,12 @@ static inline int leg16_bytes(int type) {
 static inline __attribute__((always_inline)) void
 leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R,
             float *out) {
-    const int NC = (K + 255) / 256, KH = K / 16, KB = K / 32, BB = leg16_bytes(type);
+    const int NC = (K + 255) / 256, QS = QS_STRIDE(K), KB = K / 32, BB = leg16_bytes(type);
     const int has_m = type == GQ_Q4_116 || type == GQ_Q5_116, five = type == GQ_Q5_016 || type == GQ_Q5_116;
-    const float center = type == GQ_Q4_016 ? -8.f : type == GQ_Q5_016 ? -16.f : type == GQ_Q8_016 ? -128.f : 0.f;
+    /* without a min: the sign offset enters the exact integer sum (sum(u x) + offset * sum(x)) */
+    const int slot = type == GQ_Q4_016 ? 0 : type == GQ_Q5_016 ? 1 : 2;
+    const float *s32 = sums + QS_S32(K);
+    const sd_i32a *c32 = (const sd_i32a *)(sums + QS_C32(K, slot));
     __m512 acc[SD_QROWS], fs[SD_QROWS];
     for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); fs[r] = _mm512_setzero_ps(); }
     const __m512i m4 = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16);
@@ -142,8 +144,7 @@ leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *
         const uint8_t *blk = grp + (size_t)b * BB;
         for (int p = 0; p < BB; p += 64) qprefetch(blk + p);
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-        const __m512 ov = has_m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
-                                : _mm512_mul_ps(dv, _mm512_set1_ps(center));
+        const __m512 mv = has_m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))) : dv;
         const uint8_t *q = blk + 32 + 32 * has_m;
         __m512i u[8];
         if (type == GQ_Q8_016) {
@@ -169,9 +170,13 @@ leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *
                 ib = _mm512_dpbusd_epi32(ib, u[G + 1], bcast4(xr + 4 * G + 4));
             }
             ia = _mm512_add_epi32(ia, ib);
-            const float *sr = sums + (size_t)r * KH + 2 * b;
-            fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), dv, fs[r]);
-            fs[r] = _mm512_fmadd_ps(ov, _mm512_set1_ps(sr[0] + sr[1]), fs[r]);
+            if (has_m) {
+                fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), dv, fs[r]);
+                fs[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(s32[(size_t)r * QS + b]), fs[r]);
+            } else {
+                ia = _mm512_add_epi32(ia, _mm512_set1_epi32(c32[(size_t)r * QS + b]));
+                fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), dv, fs[r]);
+            }
         }
         if ((b & 7) == 7 || b == KB - 1) {        /* end of a 256-chunk: its activation scale */
             for (int r = 0; r < R; r++) {
@@ -285,11 +290,11 @@ static size_t q16_group_bytes(int type, int K) {
  * decode (more would spill registers). */
 static void q16_rows(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums,
                      int R, float *out) {
-    const int NC = (K + 255) / 256, KH = K / 16;
+    const int NC = (K + 255) / 256, QS = QS_STRIDE(K);
     for (int r0 = 0; r0 < R; r0 += Q16_SHARE) {
         const int rr = R - r0 < Q16_SHARE ? R - r0 : Q16_SHARE;
         const int8_t *x = xq + (size_t)r0 * K;
-        const float *d = dq + (size_t)r0 * NC, *sm = sums + (size_t)r0 * KH;
+        const float *d = dq + (size_t)r0 * NC, *sm = sums + (size_t)r0 * QS;
         if (type == GQ_Q4_K16 || type == GQ_Q6_K16) q16_group(type, grp, K, x, d, sm, rr, out + 16 * r0);
         else leg16_rows(type, grp, K, x, d, sm, rr, out + 16 * r0);
     }

@@ -64,7 +64,7 @@ static inline void qamx_nibbles(const uint8_t *q, uint8_t *dst) {
 
 static void q4k16_amx(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R,
                       float *out, int *cfg) {
-    const int NC = K / 256, KH = K / 16;
+    const int NC = K / 256, QS = QS_STRIDE(K);
     uint8_t bb[8][512] __attribute__((aligned(64)));
     int32_t ci[8][16 * 16] __attribute__((aligned(64)));
     __m512 acc[16];
@@ -84,10 +84,10 @@ static void q4k16_amx(const uint8_t *grp, int K, const int8_t *xq, const float *
         for (int j = 0; j < 8; j += 4) QAMX_DOT4(32, j, x, bb, K, ci);
         for (int r = 0; r < R; r++) {       /* q4k16_group's fp32 operations, in its order */
             __m512 fs = _mm512_setzero_ps();
-            const float *sr = sums + (size_t)r * KH + 16 * c;
+            const float *sr = sums + (size_t)r * QS + QS_S32(K) + 8 * c;
             for (int j = 0; j < 8; j++) {
                 fs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ci[j] + 16 * r)), scj[j], fs);
-                fs = _mm512_fnmadd_ps(mnj[j], _mm512_set1_ps(sr[2 * j] + sr[2 * j + 1]), fs);
+                fs = _mm512_fnmadd_ps(mnj[j], _mm512_set1_ps(sr[j]), fs);
             }
             acc[r] = _mm512_fmadd_ps(fs, _mm512_set1_ps(dq[(size_t)r * NC + c]), acc[r]);
         }
@@ -97,7 +97,7 @@ static void q4k16_amx(const uint8_t *grp, int K, const int8_t *xq, const float *
 
 static void q6k16_amx(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R,
                       float *out, int *cfg) {
-    const int NC = K / 256, KH = K / 16;
+    const int NC = K / 256, QS = QS_STRIDE(K);
     uint8_t bb[16][256] __attribute__((aligned(64)));
     int32_t ci[16][16 * 16] __attribute__((aligned(64)));
     float scs[16][16] __attribute__((aligned(64))), off[16][16] __attribute__((aligned(64)));
@@ -123,7 +123,7 @@ static void q6k16_amx(const uint8_t *grp, int K, const int8_t *xq, const float *
         for (int s = 0; s < 16; s += 4) QAMX_DOT4(16, s, x, bb, K, ci);
         for (int r = 0; r < R; r++) {       /* q6k16_group's fp32 operations, in its order */
             __m512 fs = _mm512_setzero_ps();
-            const float *sr = sums + (size_t)r * KH + 16 * c;
+            const float *sr = sums + (size_t)r * QS + 16 * c;
             for (int s = 0; s < 16; s++) {
                 fs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ci[s] + 16 * r)), _mm512_load_ps(scs[s]), fs);
                 fs = _mm512_fnmadd_ps(_mm512_load_ps(off[s]), _mm512_set1_ps(sr[s]), fs);
@@ -137,9 +137,9 @@ static void q6k16_amx(const uint8_t *grp, int K, const int8_t *xq, const float *
 /* The 32-block formats (leg16_group's layouts), 8 blocks (one activation chunk) at a time */
 static void leg16_amx(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums,
                       int R, float *out, int *cfg) {
-    const int NC = (K + 255) / 256, KH = K / 16, KB = K / 32, BB = leg16_bytes(type);
+    const int NC = (K + 255) / 256, QS = QS_STRIDE(K), KB = K / 32, BB = leg16_bytes(type);
     const int has_m = type == GQ_Q4_116 || type == GQ_Q5_116, five = type == GQ_Q5_016 || type == GQ_Q5_116;
-    const float center = type == GQ_Q4_016 ? -8.f : type == GQ_Q5_016 ? -16.f : type == GQ_Q8_016 ? -128.f : 0.f;
+    const int slot = type == GQ_Q4_016 ? 0 : type == GQ_Q5_016 ? 1 : 2;     /* leg16_group's sign offsets */
     uint8_t bb[8][512] __attribute__((aligned(64)));
     int32_t ci[8][16 * 16] __attribute__((aligned(64)));
     float dvs[8][16] __attribute__((aligned(64))), ovs[8][16] __attribute__((aligned(64)));
@@ -154,8 +154,7 @@ static void leg16_amx(int type, const uint8_t *grp, int K, const int8_t *xq, con
             const uint8_t *blk = grp + (size_t)(8 * c + i) * BB, *q = blk + 32 + 32 * has_m;
             const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
             _mm512_store_ps(dvs[i], dv);
-            _mm512_store_ps(ovs[i], has_m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
-                                          : _mm512_mul_ps(dv, _mm512_set1_ps(center)));
+            if (has_m) _mm512_store_ps(ovs[i], _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))));
             if (type == GQ_Q8_016) { bw[i] = q; continue; }    /* already B rows: int8 + 128 */
             qamx_nibbles(q, bb[i]);
             if (five)
@@ -173,10 +172,18 @@ static void leg16_amx(int type, const uint8_t *grp, int K, const int8_t *xq, con
         for (; i < nb; i++) QAMX_DOT(32, i, 0, x, bw[i], K, ci[i]);
         for (int r = 0; r < R; r++) {       /* leg16_group's fp32 operations, in its order */
             __m512 fs = _mm512_setzero_ps();
-            const float *sr = sums + (size_t)r * KH + 16 * c;
-            for (int b = 0; b < nb; b++) {
-                fs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ci[b] + 16 * r)), _mm512_load_ps(dvs[b]), fs);
-                fs = _mm512_fmadd_ps(_mm512_load_ps(ovs[b]), _mm512_set1_ps(sr[2 * b] + sr[2 * b + 1]), fs);
+            if (has_m) {
+                const float *sr = sums + (size_t)r * QS + QS_S32(K) + 8 * c;
+                for (int b = 0; b < nb; b++) {
+                    fs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ci[b] + 16 * r)), _mm512_load_ps(dvs[b]), fs);
+                    fs = _mm512_fmadd_ps(_mm512_load_ps(ovs[b]), _mm512_set1_ps(sr[b]), fs);
+                }
+            } else {
+                const sd_i32a *cr = (const sd_i32a *)(sums + (size_t)r * QS + QS_C32(K, slot)) + 8 * c;
+                for (int b = 0; b < nb; b++) {
+                    const __m512i ib = _mm512_add_epi32(_mm512_load_si512(ci[b] + 16 * r), _mm512_set1_epi32(cr[b]));
+                    fs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_load_ps(dvs[b]), fs);
+                }
             }
             acc[r] = _mm512_fmadd_ps(fs, _mm512_set1_ps(dq[(size_t)r * NC + c]), acc[r]);
         }

@@ -77,7 +77,7 @@ q8_16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, int R,
 
 static inline __attribute__((always_inline)) void
 q4k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R, float *out) {
-    const int NC = K / 256, KH = K / 16;
+    const int NC = K / 256, QS = QS_STRIDE(K);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int h = 0; h < 2; h++) {
         float *o = out + 8 * h;           /* the row sums live in `out` (registers are short) */
@@ -102,7 +102,7 @@ q4k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
                     for (int t = 1; t < 4; t++)
                         p = _mm256_add_epi16(p, _mm256_add_epi16(pairs(lo[t], xr + 8 * t), pairs(hi[t], xr + 8 * t + 4)));
                     const __m256i ia = widen(p);
-                    const float *sr = sums + (size_t)r * KH + 16 * c + 2 * j;
+                    const float *sr = sums + (size_t)r * QS + 16 * c + 2 * j;
                     fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), scj, fs[r]);
                     fs[r] = _mm256_fnmadd_ps(mnj, _mm256_set1_ps(sr[0] + sr[1]), fs[r]);
                 }
@@ -116,7 +116,7 @@ q4k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
 
 static inline __attribute__((always_inline)) void
 q6k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R, float *out) {
-    const int NC = K / 256, KH = K / 16;
+    const int NC = K / 256, QS = QS_STRIDE(K);
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; h++) {
         float *o = out + 8 * h;           /* the row sums live in `out` (registers are short) */
@@ -142,7 +142,7 @@ q6k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
                     const __m256i ia = _mm256_add_epi32(widen(_mm256_add_epi16(pairs(u[0], xr), pairs(u[2], xr + 8))),
                                                         widen(_mm256_add_epi16(pairs(u[1], xr + 4), pairs(u[3], xr + 12))));
                     fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), scs, fs[r]);
-                    fs[r] = _mm256_fnmadd_ps(off, _mm256_set1_ps(sums[(size_t)r * KH + 16 * c + s]), fs[r]);
+                    fs[r] = _mm256_fnmadd_ps(off, _mm256_set1_ps(sums[(size_t)r * QS + 16 * c + s]), fs[r]);
                 }
             }
             for (int r = 0; r < R; r++)
@@ -156,7 +156,7 @@ static inline __attribute__((always_inline)) void
 leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R,
             float *out) {
     if (type == GQ_Q8_016) { q8_16_group(grp, K, xq, dq, R, out); return; }   /* signed weights */
-    const int NC = (K + 255) / 256, KH = K / 16, KB = K / 32, BB = leg16_bytes(type);
+    const int NC = (K + 255) / 256, QS = QS_STRIDE(K), KB = K / 32, BB = leg16_bytes(type);
     const int has_m = type == GQ_Q4_116 || type == GQ_Q5_116, five = type == GQ_Q5_016 || type == GQ_Q5_116;
     const float center = type == GQ_Q4_016 ? -8.f : type == GQ_Q5_016 ? -16.f : 0.f;
     const __m256i m4 = _mm256_set1_epi8(0x0F), b16 = _mm256_set1_epi8(16);
@@ -190,7 +190,7 @@ leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *
                     pb = _mm256_add_epi16(pb, pairs(u[G + 1], xr + 4 * G + 4));
                 }
                 const __m256i ia = five ? _mm256_add_epi32(widen(pa), widen(pb)) : widen(_mm256_add_epi16(pa, pb));
-                const float *sr = sums + (size_t)r * KH + 2 * b;
+                const float *sr = sums + (size_t)r * QS + 2 * b;
                 fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), dv, fs[r]);
                 fs[r] = _mm256_fmadd_ps(ov, _mm256_set1_ps(sr[0] + sr[1]), fs[r]);
             }
