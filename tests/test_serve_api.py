@@ -73,6 +73,19 @@ def test_sampling_parameters_and_speculation_fields(client):
     assert sum(k["kind"] == "accepted" for k in kinds) == spec["accepted_tokens"]
     stop = client.completions.create(model="tiny", prompt=REPEAT, max_tokens=30, temperature=0, stop=["lazy"])
     assert "lazy" not in stop.choices[0].text
+    free = client.completions.create(model="tiny", prompt=REPEAT, max_tokens=30, temperature=0).choices[0].text
+    middle = len(free) // 2
+    for stops in ([free[middle]], [free[middle:middle + 3]], ["\u2603", free[middle + 2:middle + 4]]):
+        # streamed: the text the non-streamed request gets, never a part of a stop string
+        want = client.completions.create(model="tiny", prompt=REPEAT, max_tokens=30, temperature=0, stop=stops)
+        got = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt=REPEAT, max_tokens=30, temperature=0, stop=stops, stream=True))
+        assert got == want.choices[0].text, (stops, got)
+
+
+def test_n_over_the_queue_is_a_400_naming_n(server):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "n": 3, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "--max-queue" in r.text
 
 
 def test_streamed_token_kinds_follow_the_steps(server):

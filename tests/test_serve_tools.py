@@ -86,3 +86,40 @@ def test_bad_tools(client, body, param):
     r = httpx.post(srv.url + "/v1/chat/completions",
                    json=dict(body, messages=[{"role": "user", "content": "hi"}], max_tokens=4), timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_bad_parameters_schema_is_a_400_whatever_tool_choice(client):
+    _, srv = client
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tools": bad,
+                             "tool_choice": choice})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+        assert "tools[0].function.parameters" in r.json()["error"]["message"]
+
+
+def test_forced_call_arguments_are_compact_and_closed():
+    """A schema that does not close its objects still gets arguments with only its properties,
+    on one line (a 135M model otherwise copies the schema into the arguments)."""
+    from specdecode.serve.tools import ToolSpec, closed
+    open_schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "where": {"type": "object", "properties": {"x": {}}}}}
+    shut = closed(open_schema)
+    assert shut["additionalProperties"] is False and shut["properties"]["where"]["additionalProperties"] is False
+    assert closed({"type": "object", "properties": {}, "additionalProperties": True})["additionalProperties"] is True
+    assert "additionalProperties" not in open_schema           # the caller's schema is not changed
+    spec = ToolSpec([{"type": "function", "function": {"name": "f", "parameters": open_schema}}], "f")
+    lark = spec.structured().value
+    assert '"x-guidance"' in lark and '"whitespace_flexible": false' in lark
+
+
+def test_open_schema_forced_call_closes(client):
+    c, _ = client
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "city": {"type": "string", "maxLength": 20}}}}}]
+    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                  tools=tools, tool_choice="required", max_tokens=48, temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+    assert set(json.loads(r.choices[0].message.tool_calls[0].function.arguments)) <= {"city"}

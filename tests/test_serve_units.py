@@ -159,3 +159,30 @@ def test_fixed_batch_size_limit():
     assert ks == [0, 0, 0] and decisions[0].reason == "batch_size"
     ks, decisions = policy.plan(rows(2))
     assert decisions[0].reason == "batch_size_dropped"
+
+
+class _CharTokenizer:
+    """Token i is the character chr(i)."""
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+
+@pytest.mark.parametrize("stop", [["7"], ["5, 6"], [" 7"], ["xyz", ", 6"]])
+def test_streamed_text_never_shows_a_stop_string(stop):
+    """Streaming sends the text the engine returns without streaming: nothing of a stop string,
+    even when the token that completes it arrives in the same step as text before it."""
+    from specdecode.params import SamplingParams
+    from specdecode.serve.app import TextStream
+    text = "1, 2, 3, 4, 5, 6, 7, 8"
+    end = min(text.find(s) for s in stop if s in text)
+    for step in (1, 2, 3, 5):
+        stream = TextStream(_CharTokenizer(), SamplingParams(stop=stop))
+        sent = ""
+        for i in range(0, len(text), step):
+            sent += stream.add([ord(c) for c in text[i:i + step]], False)[0]
+            assert all(s not in sent for s in stop) and text.startswith(sent)
+            if any(s in text[:i + step] for s in stop):
+                break
+        sent += stream.finish(end)
+        assert sent == text[:end], (step, sent)

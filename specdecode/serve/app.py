@@ -38,13 +38,17 @@ def error(status: int, message: str, param: str | None = None, code: str | None 
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
+DISCONNECT_CHECK = 0.5    # seconds between checks that a non-streamed request's client is still connected
+
+
 class TextStream:
     """Incremental detokenization: text deltas that never split a UTF-8 character and never
     show text that may still turn out to be part of a stop string."""
 
     def __init__(self, tokenizer, params: SamplingParams) -> None:
         self.tokenizer, self.ids, self.sent = tokenizer, [], 0
-        self.hold = max((len(s) - 1 for s in params.stop), default=0)
+        self.stops = tuple(s for s in params.stop if s)
+        self.hold = max((len(s) - 1 for s in self.stops), default=0)
         self.token_text_len = 0
 
     def add(self, ids: list[int], with_token_texts: bool) -> tuple[str, list[str]]:
@@ -56,7 +60,14 @@ class TextStream:
                 texts.append(text[self.token_text_len:])
                 self.token_text_len = max(self.token_text_len, len(text))
         text = self.tokenizer.decode(self.ids).rstrip("\ufffd")
-        text = text[:max(self.sent, len(text) - self.hold)]
+        # a stop string's prefix at the end is held back, so none can start before self.sent;
+        # a whole one (completed by these tokens) cuts the text where it starts
+        cut = len(text) - self.hold
+        for stop in self.stops:
+            found = text.find(stop, self.sent)
+            if found >= 0:
+                cut = min(cut, found)
+        text = text[:max(self.sent, cut)]
         delta, self.sent = text[self.sent:], max(self.sent, len(text))
         return delta, texts
 
@@ -218,13 +229,18 @@ async def collect_one(gen: Generation, http: HttpRequest):
     kinds: list[str] = []
     texts: list[str] = []
     lps: list = []
+    check_at = time.monotonic() + DISCONNECT_CHECK
     while True:
-        try:
-            event = await asyncio.wait_for(gen.queue.get(), timeout=0.5)
+        try:                             # whether the client is still there, every DISCONNECT_CHECK s
+            event = await asyncio.wait_for(gen.queue.get(), timeout=max(check_at - time.monotonic(), 0.001))
         except asyncio.TimeoutError:
+            event = None
+        if time.monotonic() >= check_at:
+            check_at = time.monotonic() + DISCONNECT_CHECK
             if await http.is_disconnected():
                 gen.state.scheduler.abort(gen.request.id)
                 return Response(status_code=499)
+        if event is None:
             continue
         if isinstance(event, Tokens):
             ids += event.ids
@@ -277,6 +293,9 @@ async def generate(http: HttpRequest, chat: bool) -> Response:
                                 f"needs {cache.blocks_for(needed)} KV blocks of {cache.block_size} tokens, more than "
                                 f"the {cache.usable_blocks} the server has (--num-blocks)", param="max_tokens",
                            code="context_length_exceeded")
+        if parsed.n > state.scheduler.config.max_queue:
+            raise ApiError(400, f"n ({parsed.n}) is more than this server queues at once "
+                                f"({state.scheduler.config.max_queue}, --max-queue)", param="n")
         gens = [Generation(state, parsed, i) for i in range(parsed.n)]
         for g in gens[1:]:
             g.id, g.created = gens[0].id, gens[0].created

@@ -268,6 +268,11 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
     if forced_call is not None:                      # tool_choice required / a named function
         if params.structured is not None:
             raise _bad("tool_choice", "cannot be combined with response_format / guided_* constraints")
+        from ..structured import check_grammar
+        try:
+            check_grammar(forced_call)
+        except ParamError as exc:
+            raise ApiError(400, f"the tools' schemas make no valid call grammar: {exc}", param="tools") from None
         params = dataclasses.replace(params, structured=forced_call)
     if len(ids) + params.max_tokens > ctx.max_model_len:
         raise ApiError(400, f"prompt ({len(ids)} tokens) + {name} ({params.max_tokens}) = "

@@ -247,10 +247,13 @@ class Scheduler:
             try:
                 seq = self._new_sequence(request, row, tokens)
             except Exception as exc:  # noqa: BLE001 -- this request fails, the row goes back
-                log.exception("admitting %s failed", request.id)
                 self.engine.release(row)
                 self.free_rows.append(row)
-                request.sink(Failed(500, f"internal error while admitting the request ({type(exc).__name__})"))
+                if isinstance(exc, ParamError):        # a bad request the parser could not see
+                    request.sink(Failed(400, str(exc)))
+                else:
+                    log.exception("admitting %s failed", request.id)
+                    request.sink(Failed(500, f"internal error while admitting the request ({type(exc).__name__})"))
                 continue
             (self.prefilling if seq.prefill_target > 0 else self.running).append(seq)
             if not request.internal:

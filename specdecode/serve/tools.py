@@ -10,6 +10,10 @@ transformers renders it), else as a system instruction in that format. With `too
 "required" or a named function, the output is constrained (structured output, llguidance) to one
 such block whose arguments follow the function's JSON schema; with "auto" the model decides and
 the answer is parsed. Parsed calls become OpenAI `tool_calls` with finish_reason "tool_calls".
+The forced call is compact JSON (no line breaks or indentation), and an object of the arguments'
+schema that does not say `additionalProperties` admits only its listed properties (as xgrammar's
+strict mode and OpenAI's strict function calling): a small model otherwise copies the schema itself
+into the arguments and never closes the call.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..params import ParamError
-from ..structured import Structured
+from ..structured import JSON_STYLE, Structured, check_grammar
 
 CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
@@ -48,12 +52,29 @@ class ToolSpec:
             return None
         chosen = [f for f in self.functions() if self.choice == "required" or f["name"] == self.choice]
         schemas = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                     "arguments": f.get("parameters") or {"type": "object"}},
+                                                     "arguments": closed(f.get("parameters") or {"type": "object"})},
                     "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        schema["x-guidance"] = dict(JSON_STYLE)          # llguidance's options: compact, one separator style
         lark = ('start: "<tool_call>\\n" call "\\n</tool_call>"\n'
                 f"call: %json {json.dumps(schema)}\n")
         return Structured("grammar", lark)
+
+
+def closed(schema):
+    """A copy of `schema` whose object schemas with `properties` and no `additionalProperties` /
+    `patternProperties` get `additionalProperties: false`."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed(value) if key != "properties" and key != "enum" and key != "const" else value
+           for key, value in schema.items()}
+    if isinstance(schema.get("properties"), dict):
+        out["properties"] = {name: closed(sub) for name, sub in schema["properties"].items()}
+        if "additionalProperties" not in schema and "patternProperties" not in schema:
+            out["additionalProperties"] = False
+    return out
 
 
 def parse_tools(body: dict) -> ToolSpec | None:
@@ -72,6 +93,12 @@ def parse_tools(body: dict) -> ToolSpec | None:
             raise ParamError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}")
         if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
             raise ParamError(f"tools[{i}].function.parameters must be a JSON schema object")
+        if f.get("parameters"):
+            try:
+                check_grammar(Structured("json_schema", f["parameters"]))
+            except ParamError as exc:
+                raise ParamError(f"tools[{i}].function.parameters is not a valid JSON schema: "
+                                 f"{str(exc).removeprefix('invalid json_schema: ')}") from None
         names.append(f["name"])
     if choice is None:
         choice = "auto"
