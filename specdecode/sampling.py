@@ -33,7 +33,8 @@ import torch
 
 from specdecode.params import SamplingParams
 
-__all__ = ["transform_logits", "probs_from_logits", "sample", "uniforms", "Generators"]
+__all__ = ["transform_logits", "probs_from_logits", "sample", "sample_at", "uniforms", "position_uniforms",
+           "Generators"]
 
 # None (torch default RNG) | one torch.Generator for the whole batch (vectorized draws) |
 # a list of len batch with one torch.Generator (or None) per row (per-row draws).
@@ -326,8 +327,15 @@ def sample(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
     """
     if probs.dim() != 2:
         raise ValueError(f"probs must be [batch, vocab], got shape {tuple(probs.shape)}")
-    batch, vocab = probs.shape
-    u = uniforms(batch, 1, generators, probs.device)                              # [batch, 1]
+    return sample_at(probs, uniforms(probs.shape[0], 1, generators, probs.device))
+
+
+def sample_at(probs: torch.Tensor,       # [batch, vocab] non-negative weights
+              u: torch.Tensor,           # [batch, 1] float64 uniforms in [0, 1)
+              ) -> torch.Tensor:         # [batch] int64
+    """Inverse CDF: the first token whose cumulative mass exceeds u * total (rows independent:
+    a row's token depends on that row's weights and uniform only)."""
+    vocab = probs.shape[-1]
     cdf = probs.to(torch.float64).cumsum(dim=-1)                                  # [batch, vocab]
     total = cdf[:, -1:]                                                           # [batch, 1]
     # Target strictly below the total (u * total can round up to it), so the first index whose
@@ -336,3 +344,24 @@ def sample(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
     threshold = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     tokens = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
     return tokens.clamp_(max=vocab - 1)                                            # all-zero rows -> vocab-1
+
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finalizer (Steele, Lea, Flood 2014)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def position_uniforms(seed: int, start: int, count: int) -> list[float]:
+    """The uniforms in [0, 1) of sequence positions start .. start+count-1 for a request seeded
+    `seed`: a counter-based stream (SplitMix64 started from a hash of the seed, output t for
+    position t), so the number for a position does not depend on how many were drawn before it.
+    The sampler draws the token at position t with uniform t whether it decodes plainly or
+    verifies point-mass drafts (verify_tree.verify_point_mass): same seed, same output."""
+    state = _mix64((seed + _GOLDEN) & _MASK64)
+    return [(_mix64((state + (t + 1) * _GOLDEN) & _MASK64) >> 11) * 2.0 ** -53 for t in range(start, start + count)]

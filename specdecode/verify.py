@@ -46,7 +46,9 @@ sampled row for the recovered / bonus token; greedy rows need no randomness. ``g
 follows `specdecode.sampling`: None (torch default RNG), one torch.Generator (vectorized draws
 for the batch), or a list with one torch.Generator per row -- then a sampled row b draws exactly
 ``num_draft[b] + 1`` numbers from its own generator (a greedy row draws none), so its result
-depends only on its own generator and inputs, never on the rest of the batch.
+depends only on its own generator and inputs, never on the rest of the batch. (The engine verifies
+point-mass drafts with `verify_tree.verify_point_mass` instead: one uniform per sequence position,
+so each emitted token is the one plain decoding samples there.)
 """
 from __future__ import annotations
 

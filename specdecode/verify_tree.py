@@ -24,6 +24,18 @@ Algorithm per row, walking from the root (SpecInfer, Miao et al. 2024; EAGLE; Ya
   its position. A chain (one child per node) is exactly `verify`'s rule. A numerically zero
   residual falls back as in `verify` (to the distribution it was taken from, RESIDUAL_EPS).
 
+Point-mass drafts (`verify_point_mass`; no draft distributions: lookup, suffix, lookahead, forced
+tokens): a sampled row's token at depth d of its path is the target's own sample at that position,
+the inverse CDF of the current node's distribution at the position's uniform (`sampling.
+position_uniforms`: one per sequence position, not per draw); the child carrying it is accepted and
+the walk goes on, else that sample is emitted (recovered, or bonus at a leaf). Greedy rows take the
+argmax as above. This is the rule above for point masses in distribution (a child c is accepted
+with probability target(c); on rejection the token is distributed as the target without the
+children tried), and more: the emitted token at each position is exactly the one plain decoding
+samples there with the same uniform, so a seeded request's output does not depend on speculation,
+the drafter, the draft sizes or the batch. The position's uniform is used only along the path
+actually emitted; the path up to depth d never depends on the uniform of depth d.
+
 Random draws (same convention and count as `verify`, so a chain reproduces `verify` bit for bit):
 one acceptance uniform per node, drawn up front (a node's uniform is used only if the node is
 tried), then one uniform per sampled row for the recovered / bonus token. With a list of
@@ -37,10 +49,10 @@ from dataclasses import dataclass
 import torch
 
 from specdecode import tree
-from specdecode.sampling import Generators, sample, uniforms
+from specdecode.sampling import Generators, sample, sample_at, uniforms
 from specdecode.verify import PAD_TOKEN, _residual_probs, verify
 
-__all__ = ["TreeVerifyResult", "verify_greedy", "verify_tree"]
+__all__ = ["TreeVerifyResult", "verify_greedy", "verify_point_mass", "verify_tree"]
 
 
 @dataclass
@@ -246,6 +258,52 @@ def verify_greedy(
             accepted[b][d] = i
         tokens[b][depth] = best[b][last + 1]
         num_accepted[b] = depth
+    num = torch.tensor(num_accepted, dtype=torch.long)
+    return TreeVerifyResult(tokens=torch.tensor(tokens, dtype=torch.long), num_accepted=num, num_emitted=num + 1,
+                            accepted_nodes=torch.tensor(accepted, dtype=torch.long).reshape(batch, n))
+
+
+def verify_point_mass(
+    draft_tokens: torch.Tensor,          # [batch, n] int64, node i of row b valid for i < num_draft[b]
+    parents: torch.Tensor | None,        # [batch, n] int64 parent node (-1 = root), or None = chain
+    num_draft: torch.Tensor,             # [batch] int64 in [0, n]
+    target_probs: torch.Tensor,          # [batch, n+1, vocab] after the root / node i's path
+    greedy: torch.Tensor,                # [batch] bool
+    depth_uniforms: torch.Tensor,        # [batch, n+1] float64: uniform of the token at depth d of row b's path
+) -> TreeVerifyResult:
+    """Point-mass drafts, any mix of greedy and sampled rows (module docstring): walking from the
+    root, the target's token at the current node (argmax, or the inverse CDF at the depth's uniform)
+    is accepted as the child carrying it, until no child does; then it is emitted. Only the
+    distributions along the path are read."""
+    batch, n = draft_tokens.shape
+    if tuple(target_probs.shape[:2]) != (batch, n + 1) or tuple(depth_uniforms.shape) != (batch, n + 1):
+        raise ValueError(f"target_probs must be [batch, n+1, vocab] and depth_uniforms [batch, n+1] = "
+                         f"[{batch}, {n + 1}], got {tuple(target_probs.shape)} / {tuple(depth_uniforms.shape)}")
+    drafts, counts = draft_tokens.tolist(), num_draft.reshape(batch).tolist()
+    links = parents.tolist() if parents is not None else [[i - 1 for i in range(n)] for _ in range(batch)]
+    is_greedy = greedy.reshape(batch).tolist()
+    u = depth_uniforms.to(device=target_probs.device, dtype=torch.float64)
+    tokens = [[PAD_TOKEN] * (n + 1) for _ in range(batch)]
+    accepted = [[-1] * n for _ in range(batch)]
+    num_accepted = [0] * batch
+    for b in range(batch):
+        count, row, up, node, path = counts[b], drafts[b], links[b], -1, []
+        while True:
+            probs = target_probs[b, node + 1]                                      # [vocab]
+            if is_greedy[b]:
+                token = int(probs.max(dim=-1).indices)
+            else:
+                token = int(sample_at(probs.unsqueeze(0), u[b, len(path)].reshape(1, 1))[0])
+            child = next((i for i in range(node + 1, count) if up[i] == node and row[i] == token), -1)
+            if child < 0:
+                break
+            path.append(child)
+            node = child
+        for d, i in enumerate(path):
+            tokens[b][d] = row[i]
+            accepted[b][d] = i
+        tokens[b][len(path)] = token
+        num_accepted[b] = len(path)
     num = torch.tensor(num_accepted, dtype=torch.long)
     return TreeVerifyResult(tokens=torch.tensor(tokens, dtype=torch.long), num_accepted=num, num_emitted=num + 1,
                             accepted_nodes=torch.tensor(accepted, dtype=torch.long).reshape(batch, n))

@@ -17,7 +17,8 @@ import torch
 from ..drafters.base import DraftProposal, Drafter, DrafterError
 from ..params import ParamError, SamplingParams
 from ..tree import MAX_TREE_NODES, depths
-from ..verify_tree import verify_greedy, verify_tree
+from ..sampling import position_uniforms
+from ..verify_tree import verify_greedy, verify_point_mass, verify_tree
 from .runner import ModelRunner
 from .budget import DraftBudget, ShadowDrafts, measure_cost_curve
 from .scheduler import StaticBatch, draft_room
@@ -222,8 +223,15 @@ class SpecEngine:
         else:
             device = target_probs.device        # drafts may come from the host (n-gram lookup)
             greedy = torch.tensor([s.params.greedy for s in seqs], device=device)
-            result = verify_tree(proposal.tokens.to(device), proposal.parents, proposal.num_tokens.to(device),
-                                 proposal.probs, target_probs, greedy, [s.generator for s in seqs])
+            if proposal.probs is None:          # point masses: each token sampled as plain decoding samples it
+                width = proposal.tokens.shape[1] + 1
+                depth_uniforms = torch.tensor([position_uniforms(s.seed, len(s.token_ids), width) for s in seqs],
+                                              dtype=torch.float64).reshape(len(seqs), width)
+                result = verify_point_mass(proposal.tokens.cpu(), proposal.parents, proposal.num_tokens.cpu(),
+                                           target_probs, greedy, depth_uniforms)
+            else:
+                result = verify_tree(proposal.tokens.to(device), proposal.parents, proposal.num_tokens.to(device),
+                                     proposal.probs, target_probs, greedy, [s.generator for s in seqs])
         t2 = time.perf_counter()
         # 3. commit: append tokens, move a tree's accepted path to consecutive slots, roll the
         #    target cache back to the accepted prefix

@@ -102,7 +102,8 @@ class Sequence:
         self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []   # per output token, if asked:
                                                    # (token, its logprob, the top N (token, logprob))
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.seed = seed                           # position-keyed uniforms (sampling.position_uniforms)
+        self.generator = torch.Generator(device=device).manual_seed(seed)   # draft-distribution draws
         self.finish_reason: str | None = None     # "stop" (eos or stop string) or "length"
         self.stop_text_index: int | None = None   # where a stop string starts in the decoded output
         self.stats = SpecStats()
