@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from .drafters.base import Drafter, DrafterError
-from .drafters.registry import build_drafter, method_names
+from .drafters.registry import build_drafter, check_drafter_options, method_names
 from .engine.engine import SpecEngine, StreamCallback, check_num_speculative_tokens
 from .models.dtypes import canonical_dtype
 from .models.loader import LoadedModel, default_draft_dtype, load_model
@@ -43,6 +43,26 @@ def default_method(draft: object | None, target: LoadedModel | None = None, draf
         kind = read_meta(Path(drafter_path)).get("kind")
         return "medusa" if kind == "medusa" else "cascade"
     return "ngram"
+
+
+def check_prompt(prompt) -> None:
+    """ParamError unless `prompt` is text (valid Unicode) or a list of chat messages
+    ({"role": str, "content": str})."""
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:       # lone surrogates: bytes that were not UTF-8
+            raise ParamError(f"prompt is not valid UTF-8 text (at character {exc.start}: "
+                             f"{prompt[exc.start:exc.start + 1]!r})") from None
+        return
+    if not isinstance(prompt, list):
+        raise ParamError(f"a prompt must be a string, a list of chat messages or a list of token ids, "
+                         f"got {type(prompt).__name__}")
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise ParamError(f"chat message {i} must be {{'role': str, 'content': str}}, got {message!r:.80}")
+        check_prompt(message["content"])
 
 
 class LLM:
@@ -86,6 +106,11 @@ class LLM:
             self.draft = load_model(draft, draft_dtype or dtype, device, progress=progress, fast=fast,
                                     weights=weights, dtype_param="draft_dtype" if draft_dtype else "dtype")
         self.method = method or default_method(draft, self.target, drafter_options.get("drafter_path"))
+        options = [name for name in drafter_options if name != "drafter_path"]
+        if options and self.method == "none":
+            raise DrafterError(f"drafter option {options[0]!r} needs a drafter (method 'none' drafts nothing)")
+        if options and self.method in method_names():
+            check_drafter_options(self.method, {name: drafter_options[name] for name in options})
         self.num_speculative_tokens = num_speculative_tokens
         self.drafter: Drafter | None = None
         if self.method != "none" and num_speculative_tokens > 0:
@@ -103,6 +128,7 @@ class LLM:
         return SpecEngine(self.target, self.drafter, k, adaptive=self.adaptive, cost_curve=self.cost_curve)
 
     def encode(self, prompt: str | list[dict[str, str]], chat: bool) -> list[int]:
+        check_prompt(prompt)
         if isinstance(prompt, list):
             return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt), add_special=False)
         if chat:
@@ -115,6 +141,9 @@ class LLM:
                  on_tokens: StreamCallback | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list (run as one batch). A prompt is a string, a
         list of chat messages, or a list of token ids."""
+        if not isinstance(prompts, (str, list, tuple)):
+            raise ParamError(f"prompts must be a string, a list of chat messages, a list of token ids or a list of "
+                             f"those, got {type(prompts).__name__}")
         single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) > 0
                                               and isinstance(prompts[0], (dict, int)))   # chat or token ids
         prompt_list = [prompts] if single else list(prompts)
@@ -123,6 +152,10 @@ class LLM:
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompt_list)
+        if not all(isinstance(p, SamplingParams) for p in params):
+            bad = next(p for p in params if not isinstance(p, SamplingParams))
+            raise ParamError(f"sampling_params must be a SamplingParams or a list of them, got {type(bad).__name__} "
+                             f"(e.g. SamplingParams(max_tokens=64))")
         if len(params) != len(prompt_list):
             raise ParamError(f"got {len(params)} sampling_params for {len(prompt_list)} prompts")
         ids = [list(p) if isinstance(p, (list, tuple)) and (not p or isinstance(p[0], int)) else self.encode(p, chat)

@@ -59,6 +59,8 @@ def structured_option(args: argparse.Namespace):
     if not given:
         return None
     flag, value = given[0]
+    if value == "-" and getattr(args, "prompt", None) == "-":
+        raise CliError(f"{flag} - and the prompt - cannot both be read from stdin: give one of them as a file")
     try:
         if flag in ("--json-schema", "--grammar"):
             text = sys.stdin.read() if value == "-" else Path(value).expanduser().read_text()
@@ -74,6 +76,9 @@ def structured_option(args: argparse.Namespace):
         raise CliError(f"{flag}: cannot read {value}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise CliError(f"{flag}: {value} is not JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise CliError(f"{flag}: {value} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                       f"{exc.start})") from None
     except ParamError as exc:
         raise CliError(f"{flag}: {exc}") from None
     return structured
@@ -145,8 +150,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
               progress=not args.json, drafter_path=args.drafter, weights=args.weights, draft_dtype=args.draft_dtype,
               adaptive=args.adaptive, **drafter_options(args))
     ids = llm.encode(prompt, chat=args.chat)
-    # warm-up so that the first measured run does not pay one-time costs (allocations, kernels)
-    llm.generate([ids], type(params)(max_tokens=4, ignore_eos=True), num_speculative_tokens=min(args.k, 2))
+    context = llm.target.model.max_len
+    if len(ids) + params.max_tokens > context:          # before any generation
+        raise CliError(f"prompt ({len(ids)} tokens) + --max-tokens ({params.max_tokens}) exceeds the model's "
+                       f"context of {context} tokens")
+    # warm-up on the prompt's first tokens, so that the first measured run does not pay one-time costs
+    # (allocations, kernels); the drafter then forgets it (and, with --compare, each timed run)
+    memory = llm.drafter.memory() if llm.drafter is not None else None
+    llm.generate([ids[:32]], type(params)(max_tokens=4, ignore_eos=True), num_speculative_tokens=min(args.k, 2))
+
+    def fresh_drafter() -> None:
+        if memory is not None:
+            llm.drafter.restore(memory)
+    fresh_drafter()
     stream = not (args.json or args.no_stream)
     if args.compare and stream:
         print(f"--- speculative ({llm.method}, k={args.k}) ---", file=sys.stderr)
@@ -169,6 +185,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # a generation this short is timed mostly by noise: alternate a few more runs of each, medians
         repeats = min(6, int(1.0 / max(out.stats["total_s"] + base.stats["total_s"], 1e-3)))
         for _ in range(repeats if params.greedy else 0):
+            fresh_drafter()                              # not drafting from the runs before
             spec_speeds.append(llm.generate([ids], params)[0].stats["tokens_per_s"])
             base_speeds.append(llm.generate([ids], params, num_speculative_tokens=0)[0].stats["tokens_per_s"])
         spec_tps, base_tps = statistics.median(spec_speeds), statistics.median(base_speeds)
@@ -189,7 +206,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"acceptance rate {result['acceptance_rate']:.2f}, mean accepted length "
           f"{result['mean_accepted_length']:.2f}", file=sys.stderr)
     if args.compare:
-        note = "" if params.greedy else " (sampling: outputs differ by design; the distribution is the same)"
+        note = "" if params.greedy or result["identical"] else (
+            " (sampling without --seed: the runs draw different samples of the same distribution)"
+            if params.seed is None else " (seeded sampling with a drafter that samples its drafts: same distribution)")
         runs = f" (median of {result['timed_runs']} alternating runs each)" if result["timed_runs"] > 1 else ""
         print(f"[plain] {result['baseline_tokens_per_s']:.1f} tok/s -> speed-up {result['speedup']:.2f}x{runs}, "
               f"identical output: {'yes' if result['identical'] else 'no'}{note}", file=sys.stderr)

@@ -146,12 +146,14 @@ def roofline(run: dict, rows: list[dict], records: list[dict]) -> dict:
                     read_bandwidth_probes=len(samples))
         floor = roof["floor_ms_per_token"] = roof["weight_mb"] / roof["read_bandwidth_gbs"]   # MB / (GB/s) = ms
     systems = {}
+    own_mb = {"transformers": roof.get("transformers_mb"), "llama.cpp": roof.get("gguf_mb")}   # what each reads
     for row in rows:
         if row["task"] == "all" and row["method"] == PLAIN and row.get("decode_ms_per_token"):
-            ms = row["decode_ms_per_token"]
-            systems[row["system"]] = {"decode_ms_per_token": ms, "fraction_of_floor": floor / ms if floor else None,
-                                      "fraction_of_floor_paired": None}
-    for system, fractions in _paired_fractions(records, roof.get("weight_mb")).items():
+            ms, name = row["decode_ms_per_token"], row["system"]
+            own = floor * own_mb[name] / roof["weight_mb"] if floor and own_mb.get(name) else floor
+            systems[name] = {"decode_ms_per_token": ms, "fraction_of_floor": own / ms if own else None,
+                             "fraction_of_floor_paired": None}
+    for system, fractions in _paired_fractions(records, roof.get("weight_mb"), own_mb).items():
         if system in systems:
             systems[system]["fraction_of_floor_paired"] = median(fractions)
     roof["systems"] = systems
@@ -166,7 +168,8 @@ def start_probes(roof: dict) -> list[float]:
     return [roof["read_bandwidth_gbs"]] if roof.get("read_bandwidth_gbs") else []
 
 
-def _paired_fractions(records: list[dict], weight_mb: float | None) -> dict[str, list[float]]:
+def _paired_fractions(records: list[dict], weight_mb: float | None,
+                      own_mb: dict | None = None) -> dict[str, list[float]]:
     """Per prompt, the floor from the bandwidth probe taken right after it over that prompt's
     plain decode ms/token: each generation against the bandwidth of its own minute."""
     out: dict[str, list[float]] = {}
@@ -180,7 +183,8 @@ def _paired_fractions(records: list[dict], weight_mb: float | None) -> dict[str,
                 pending.append(r)
         elif r.get("type") == "bandwidth" and weight_mb:
             for m in pending:
-                out.setdefault(m["system"], []).append(weight_mb / r["read_bandwidth_gbs"] / m["decode_ms_per_token"])
+                mb = (own_mb or {}).get(m["system"]) or weight_mb
+                out.setdefault(m["system"], []).append(mb / r["read_bandwidth_gbs"] / m["decode_ms_per_token"])
             pending = []
     return out
 

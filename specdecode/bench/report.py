@@ -58,8 +58,10 @@ def _roofline_lines(roof: dict) -> list[str]:
     where = ("measured at the start of the run" if probes == 1 else
              f"the highest of {probes} probes during the run (lowest {roof['read_bandwidth_lowest_gbs']:.1f} GB/s)")
     line = (f"Read bandwidth {roof['read_bandwidth_gbs']:.1f} GB/s, {where}; "
-            f"{roof['weight_mb']:.3g} MB of target weights per token -> floor {roof['floor_ms_per_token']:.2f} ms/token.")
-    parts = [f"{name} plain {s['decode_ms_per_token']:.2f} ms/token = {_pct(s['fraction_of_floor'])} of the floor"
+            f"{roof['weight_mb']:.3g} MB of target weights per token -> floor {roof['floor_ms_per_token']:.2f} ms/token"
+            + (f" (transformers reads {roof['transformers_mb']:.3g} MB: its own floor)" if roof.get("transformers_mb")
+               else "") + ".")
+    parts = [f"{name} plain {s['decode_ms_per_token']:.2f} ms/token = {_pct(s['fraction_of_floor'])} of its floor"
              + (f" ({_pct(s['fraction_of_floor_paired'])} against the probe after each prompt, median)"
                 if s.get("fraction_of_floor_paired") else "")
              for name, s in roof.get("systems", {}).items()]

@@ -69,6 +69,9 @@ def build_systems(config: dict, llm, prompts: list[workload.BenchPrompt], notes:
         try:
             systems.append(TransformersSystem(llm, parse_dtype(config["dtype"] or "bf16"), notes,
                                               config.get("json_schema")))
+            run.setdefault("roofline", {})["transformers_mb"] = systems[-1].weight_bytes() / 1e6
+            notes.append(f"weights: specdecode {llm.target.weights_kind}; transformers "
+                         f"{str(systems[-1].model.dtype).removeprefix('torch.')} (from {llm.target.dense_path().name})")
         except Exception as exc:  # noqa: BLE001
             notes.append(f"transformers: skipped — cannot load {llm.target.path} ({type(exc).__name__}: {exc})")
     if "llama.cpp" in wanted:

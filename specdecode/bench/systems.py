@@ -175,6 +175,15 @@ class TransformersSystem(System):
 
     name = "transformers"
 
+    def weight_bytes(self) -> int:
+        """Bytes of the target's weights a decode step reads (the input embedding only when tied to the head)."""
+        embed = self.model.get_input_embeddings().weight
+        head = self.model.get_output_embeddings()
+        total = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if head is None or head.weight.data_ptr() != embed.data_ptr():
+            total -= embed.numel() * embed.element_size()
+        return total
+
     def __init__(self, llm, dtype: torch.dtype, notes: list[str], json_schema: dict | None = None) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging

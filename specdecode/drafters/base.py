@@ -256,6 +256,15 @@ class Drafter(ABC):
         drafter skips); JSON-serializable, {} when nothing."""
         return {}
 
+    def memory(self) -> object:
+        """A copy of what the drafter carries from one request to the next (earlier outputs, a
+        shared table), for `restore`: timing one request several times (`generate --compare`)
+        must not let a run draft from the answers of the runs before it. None when nothing."""
+        return None
+
+    def restore(self, memory: object) -> None:
+        """Put back what `memory()` returned."""
+
 
 class DrafterError(ValueError):
     """A drafter cannot be built with these options; the message says why."""

@@ -65,6 +65,13 @@ class CascadeDrafter(Drafter):
     def draft_model(self):
         return self.head.draft_model()
 
+    def memory(self) -> object:
+        return None if self.suffix is None else self.suffix.memory()
+
+    def restore(self, memory: object) -> None:
+        if self.suffix is not None:
+            self.suffix.restore(memory)
+
     def prepare(self, batch_size: int, max_len: int) -> DrafterState:
         return self.head.prepare(batch_size, max_len)     # all per-row state lives in the second drafter
 

@@ -154,6 +154,9 @@ class NgramDrafter(Drafter):
 
     def __init__(self, target=None, ngram_min: int = 1, ngram_max: int = 4, text_match: bool = False,
                  **_: object) -> None:
+        for name, value in (("ngram_min", ngram_min), ("ngram_max", ngram_max)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise DrafterError(f"{name} must be an integer in [1, 16], got {value!r}")
         if not 1 <= ngram_min <= ngram_max <= 16:
             raise DrafterError(f"ngram sizes must satisfy 1 <= ngram_min <= ngram_max <= 16, "
                                f"got ngram_min={ngram_min}, ngram_max={ngram_max}")

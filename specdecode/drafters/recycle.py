@@ -102,6 +102,12 @@ class RecycleDrafter(Drafter):
         self.levels = [np.flatnonzero(self.depth == d) for d in range(1, int(self.depth.max()) + 1)]
         self.warmed: weakref.WeakSet = weakref.WeakSet()
 
+    def memory(self) -> object:
+        return self.table.copy()
+
+    def restore(self, memory: object) -> None:
+        self.table = memory.copy()
+
     def prepare(self, batch_size: int, max_len: int) -> TableState:
         return TableState(self)
 

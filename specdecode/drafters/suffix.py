@@ -31,6 +31,7 @@ same for sequences that finished (the engine commits finished ones too), once pe
 """
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
 import math
@@ -238,6 +239,12 @@ class SuffixDrafter(Drafter):
 
     def prepare(self, batch_size: int, max_len: int) -> SuffixState:
         return SuffixState(self)
+
+    def memory(self) -> object:
+        return copy.deepcopy(self.glob)
+
+    def restore(self, memory: object) -> None:
+        self.glob = copy.deepcopy(memory)
 
     def finish(self, seq) -> None:
         """A finished sequence: its output joins the global index (once), its own index goes."""
