@@ -131,14 +131,15 @@ static inline int leg16_bytes(int type) {
 static inline __attribute__((always_inline)) void
 leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R,
             float *out) {
-    const int NC = (K + 255) / 256, QS = QS_STRIDE(K), KB = K / 32, BB = leg16_bytes(type);
+    const int QS = QS_STRIDE(K), KB = K / 32, BB = leg16_bytes(type);
     const int has_m = type == GQ_Q4_116 || type == GQ_Q5_116, five = type == GQ_Q5_016 || type == GQ_Q5_116;
-    /* without a min: the sign offset enters the exact integer sum (sum(u x) + offset * sum(x)) */
+    /* activations: one scale per block (dq[r][b], Q_FINE).  Without a min the sign offset enters the
+     * exact integer sum (sum(u x) + offset * sum(x)); with one, its term is m * (sum(x) * scale) */
     const int slot = type == GQ_Q4_016 ? 0 : type == GQ_Q5_016 ? 1 : 2;
-    const float *s32 = sums + QS_S32(K);
+    const float *sx = sums + QS_SX(K);
     const sd_i32a *c32 = (const sd_i32a *)(sums + QS_C32(K, slot));
-    __m512 acc[SD_QROWS], fs[SD_QROWS];
-    for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); fs[r] = _mm512_setzero_ps(); }
+    __m512 acc[SD_QROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16);
     for (int b = 0; b < KB; b++) {
         const uint8_t *blk = grp + (size_t)b * BB;
@@ -170,18 +171,13 @@ leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *
                 ib = _mm512_dpbusd_epi32(ib, u[G + 1], bcast4(xr + 4 * G + 4));
             }
             ia = _mm512_add_epi32(ia, ib);
+            const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(dq[(size_t)r * KB + b]));
             if (has_m) {
-                fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), dv, fs[r]);
-                fs[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(s32[(size_t)r * QS + b]), fs[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), scale, acc[r]);
+                acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[(size_t)r * QS + b]), acc[r]);
             } else {
                 ia = _mm512_add_epi32(ia, _mm512_set1_epi32(c32[(size_t)r * QS + b]));
-                fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), dv, fs[r]);
-            }
-        }
-        if ((b & 7) == 7 || b == KB - 1) {        /* end of a 256-chunk: its activation scale */
-            for (int r = 0; r < R; r++) {
-                acc[r] = _mm512_fmadd_ps(fs[r], _mm512_set1_ps(dq[(size_t)r * NC + (b >> 3)]), acc[r]);
-                fs[r] = _mm512_setzero_ps();
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), scale, acc[r]);
             }
         }
     }
@@ -290,11 +286,11 @@ static size_t q16_group_bytes(int type, int K) {
  * decode (more would spill registers). */
 static void q16_rows(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums,
                      int R, float *out) {
-    const int NC = (K + 255) / 256, QS = QS_STRIDE(K);
+    const int ND = q_fine(type) ? K / 32 : (K + 255) / 256, QS = QS_STRIDE(K);     /* activation scales per row */
     for (int r0 = 0; r0 < R; r0 += Q16_SHARE) {
         const int rr = R - r0 < Q16_SHARE ? R - r0 : Q16_SHARE;
         const int8_t *x = xq + (size_t)r0 * K;
-        const float *d = dq + (size_t)r0 * NC, *sm = sums + (size_t)r0 * QS;
+        const float *d = dq + (size_t)r0 * ND, *sm = sums + (size_t)r0 * QS;
         if (type == GQ_Q4_K16 || type == GQ_Q6_K16) q16_group(type, grp, K, x, d, sm, rr, out + 16 * r0);
         else leg16_rows(type, grp, K, x, d, sm, rr, out + 16 * r0);
     }

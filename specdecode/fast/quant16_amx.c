@@ -137,7 +137,7 @@ static void q6k16_amx(const uint8_t *grp, int K, const int8_t *xq, const float *
 /* The 32-block formats (leg16_group's layouts), 8 blocks (one activation chunk) at a time */
 static void leg16_amx(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums,
                       int R, float *out, int *cfg) {
-    const int NC = (K + 255) / 256, QS = QS_STRIDE(K), KB = K / 32, BB = leg16_bytes(type);
+    const int NC = (K + 255) / 256, QS = QS_STRIDE(K), KB = K / 32, BB = leg16_bytes(type);   /* dq: per block */
     const int has_m = type == GQ_Q4_116 || type == GQ_Q5_116, five = type == GQ_Q5_016 || type == GQ_Q5_116;
     const int slot = type == GQ_Q4_016 ? 0 : type == GQ_Q5_016 ? 1 : 2;     /* leg16_group's sign offsets */
     uint8_t bb[8][512] __attribute__((aligned(64)));
@@ -171,21 +171,22 @@ static void leg16_amx(int type, const uint8_t *grp, int K, const int8_t *xq, con
         for (; i + 4 <= nb; i += 4) QAMX_DOT4(32, i, x, bw, K, ci);
         for (; i < nb; i++) QAMX_DOT(32, i, 0, x, bw[i], K, ci[i]);
         for (int r = 0; r < R; r++) {       /* leg16_group's fp32 operations, in its order */
-            __m512 fs = _mm512_setzero_ps();
+            const float *dr = dq + (size_t)r * KB + 8 * c;
             if (has_m) {
-                const float *sr = sums + (size_t)r * QS + QS_S32(K) + 8 * c;
+                const float *sr = sums + (size_t)r * QS + QS_SX(K) + 8 * c;
                 for (int b = 0; b < nb; b++) {
-                    fs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ci[b] + 16 * r)), _mm512_load_ps(dvs[b]), fs);
-                    fs = _mm512_fmadd_ps(_mm512_load_ps(ovs[b]), _mm512_set1_ps(sr[b]), fs);
+                    const __m512 scale = _mm512_mul_ps(_mm512_load_ps(dvs[b]), _mm512_set1_ps(dr[b]));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ci[b] + 16 * r)), scale, acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_load_ps(ovs[b]), _mm512_set1_ps(sr[b]), acc[r]);
                 }
             } else {
                 const sd_i32a *cr = (const sd_i32a *)(sums + (size_t)r * QS + QS_C32(K, slot)) + 8 * c;
                 for (int b = 0; b < nb; b++) {
+                    const __m512 scale = _mm512_mul_ps(_mm512_load_ps(dvs[b]), _mm512_set1_ps(dr[b]));
                     const __m512i ib = _mm512_add_epi32(_mm512_load_si512(ci[b] + 16 * r), _mm512_set1_epi32(cr[b]));
-                    fs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_load_ps(dvs[b]), fs);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), scale, acc[r]);
                 }
             }
-            acc[r] = _mm512_fmadd_ps(fs, _mm512_set1_ps(dq[(size_t)r * NC + c]), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);

@@ -45,7 +45,7 @@ static inline __m256i bits_to_bytes(uint32_t bits, __m256i value) {
  * 32-bit sum per row are live.  No offset term: the integers are the weights themselves. */
 static inline __attribute__((always_inline)) void
 q8_16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, int R, float *out) {
-    const int NC = (K + 255) / 256, KB = K / 32, BB = leg16_bytes(GQ_Q8_016);
+    const int KB = K / 32, BB = leg16_bytes(GQ_Q8_016);           /* dq: one activation scale per block */
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     for (int h = 0; h < 2; h++) {
         __m256 fs[4];
@@ -63,11 +63,12 @@ q8_16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, int R,
                 }
             }
             const __m256 dv = cvtph8(blk + 16 * h);
-            for (int r = 0; r < R; r++) fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), dv, fs[r]);
+            for (int r = 0; r < R; r++)
+                fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]), _mm256_mul_ps(dv, _mm256_set1_ps(dq[(size_t)r * KB + b])),
+                                        fs[r]);
             if ((b & 7) == 7 || b == KB - 1) {
                 for (int r = 0; r < R; r++) {
-                    _mm256_storeu_ps(o + 16 * r, _mm256_fmadd_ps(fs[r], _mm256_set1_ps(dq[(size_t)r * NC + (b >> 3)]),
-                                                                 _mm256_loadu_ps(o + 16 * r)));
+                    _mm256_storeu_ps(o + 16 * r, _mm256_add_ps(fs[r], _mm256_loadu_ps(o + 16 * r)));
                     fs[r] = _mm256_setzero_ps();
                 }
             }
@@ -156,7 +157,7 @@ static inline __attribute__((always_inline)) void
 leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R,
             float *out) {
     if (type == GQ_Q8_016) { q8_16_group(grp, K, xq, dq, R, out); return; }   /* signed weights */
-    const int NC = (K + 255) / 256, QS = QS_STRIDE(K), KB = K / 32, BB = leg16_bytes(type);
+    const int QS = QS_STRIDE(K), KB = K / 32, BB = leg16_bytes(type);          /* dq: one activation scale per block */
     const int has_m = type == GQ_Q4_116 || type == GQ_Q5_116, five = type == GQ_Q5_016 || type == GQ_Q5_116;
     const float center = type == GQ_Q4_016 ? -8.f : type == GQ_Q5_016 ? -16.f : 0.f;
     const __m256i m4 = _mm256_set1_epi8(0x0F), b16 = _mm256_set1_epi8(16);
@@ -190,14 +191,14 @@ leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *
                     pb = _mm256_add_epi16(pb, pairs(u[G + 1], xr + 4 * G + 4));
                 }
                 const __m256i ia = five ? _mm256_add_epi32(widen(pa), widen(pb)) : widen(_mm256_add_epi16(pa, pb));
-                const float *sr = sums + (size_t)r * QS + 2 * b;
-                fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), dv, fs[r]);
-                fs[r] = _mm256_fmadd_ps(ov, _mm256_set1_ps(sr[0] + sr[1]), fs[r]);
+                const float *sr = sums + (size_t)r * QS + QS_SX(K) + b;        /* sum(x) * scale */
+                fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(dv, _mm256_set1_ps(dq[(size_t)r * KB + b])),
+                                        fs[r]);
+                fs[r] = _mm256_fmadd_ps(ov, _mm256_set1_ps(sr[0]), fs[r]);
             }
             if ((b & 7) == 7 || b == KB - 1) {
                 for (int r = 0; r < R; r++) {
-                    _mm256_storeu_ps(o + 16 * r, _mm256_fmadd_ps(fs[r], _mm256_set1_ps(dq[(size_t)r * NC + (b >> 3)]),
-                                                                 _mm256_loadu_ps(o + 16 * r)));
+                    _mm256_storeu_ps(o + 16 * r, _mm256_add_ps(fs[r], _mm256_loadu_ps(o + 16 * r)));
                     fs[r] = _mm256_setzero_ps();
                 }
             }
