@@ -9,9 +9,9 @@
  *
  *   w[i] = s(i) * u[i] + o(i)        u[i] in 0..255, s and o per 16 weights
  *
- * and the activations are quantized per row and chunk to int8 (xq = round(x / d), d = max|x| / 127,
- * as llama.cpp's Q8_K), so one VPDPBUSD gives 64 exact integer products summed in 4-product lanes;
- * the lane sums are scaled by s in fp32, and the offset enters as o * d * sum(xq over 16 weights).
+ * and the activations are quantized per row and 32 k to int8 (xq = round(x / d), d = max|x| / 127,
+ * as llama.cpp's Q8_0), so one VPDPBUSD gives 64 exact integer products summed in 4-product lanes;
+ * the lane sums are scaled by s * d in fp32, and the offset enters as o * d * sum(xq over 16 weights).
  *
  *   type   block  bytes  u                        s                     o
  *   Q4_0     32     18   nibble                   d                     -8 d
@@ -37,21 +37,21 @@ enum { GQ_Q4_0 = 2, GQ_Q4_1 = 3, GQ_Q5_0 = 6, GQ_Q5_1 = 7, GQ_Q8_0 = 8, GQ_Q4_K 
 
 #define SD_QSEG 4          /* segments (differently quantized row ranges) per matrix: q|k|v */
 #define SD_QROWS 8         /* activation rows sharing one decode of a weight block */
-/* Activation rows are quantized to int8 with one scale per chunk: 32 k for the 32-block formats
- * (Q4_0 .. Q8_0: llama.cpp's Q8_0 / Q8_1 activations), 256 k for the K formats and int8 (its Q8_K).
- * Per 32 k an outlier spoils 31 values instead of 255: on SmolLM2-135M Q4_1 the KL divergence from
- * the fp32 model fell from 0.023 to 0.004 (top-1 agreement 91% -> 97%).  A matrix whose segments
- * have both kinds gets both quantizations.
+/* Activation rows are quantized to int8 with one scale per 32 k (llama.cpp's Q8_0 / Q8_1 blocks; its
+ * K formats use one per 256, Q8_K).  Per 32 k an activation outlier spoils 31 values instead of 255:
+ * against the same weights in fp32, SmolLM2-135M Q4_1's KL divergence fell from 0.023 to 0.005 and
+ * Qwen2.5-Coder-1.5B Q4_K_M's (whose activations have large outliers) from 0.20 to 0.007.
  * The side data q_quantize_rows keeps per activation row (row stride QS_STRIDE(K) floats): the sums
  * of its int8 values over each 16 k (float) at 0; over each 32 k (float) at QS_S32; over each 32 k
  * as int32, those sums times the sign offsets -8, -16, -128 of Q4_0, Q5_0, Q8_0 at QS_C32(K, 0..2)
- * (all exact integers); and at QS_SX the 32-k sums times their chunk's scale (float). */
-#define QS_STRIDE(K) (7 * ((K) / 32))
+ * (all exact integers); the 32-k sums times their block's scale (float) at QS_SX, and the 16-k
+ * ones at QS_SX16. */
+#define QS_STRIDE(K) (9 * ((K) / 32))
 #define QS_S32(K) ((K) / 16)
 #define QS_C32(K, slot) ((K) / 16 + (K) / 32 * (1 + (slot)))
 #define QS_SX(K) (6 * ((K) / 32))
-#define Q_FINE 32           /* the activation chunk of the 32-block formats */
-#define Q_COARSE 256        /* ... of the K formats and int8 */
+#define QS_SX16(K) (7 * ((K) / 32))
+#define Q_BLOCK 32          /* k per activation scale */
 typedef int32_t sd_i32a __attribute__((may_alias));
 #ifndef QAMX_MIN_ROWS
 #define QAMX_MIN_ROWS 12   /* rows from which a block of the interleaved layouts runs on AMX tiles: with a
@@ -202,15 +202,6 @@ qdecode_chunk(int type, const uint8_t *row, int c, int nb, __m512i *w, float *s1
     }
 }
 
-/* The 32-block formats (file layout or 16-column), whose activations are quantized per 32 k */
-static inline int q_fine(int type) {
-    switch (type) {
-    case GQ_Q4_0: case GQ_Q4_1: case GQ_Q5_0: case GQ_Q5_1: case GQ_Q8_0:
-    case GQ_Q4_016: case GQ_Q4_116: case GQ_Q5_016: case GQ_Q5_116: case GQ_Q8_016: return 1;
-    default: return 0;
-    }
-}
-
 static int q_block_ok(int type) {
     switch (type) {
     case GQ_Q4_0: case GQ_Q4_1: case GQ_Q5_0: case GQ_Q5_1: case GQ_Q8_0: case GQ_Q4_K: case GQ_Q5_K:
@@ -224,11 +215,10 @@ static int q_block_ok(int type) {
 static __thread char *q_scratch;
 static __thread size_t q_scratch_cap;
 
-/* Quantize activation rows per chunk of `chunk` k (Q_FINE or Q_COARSE): xq[r][k] int8, dq[r][c] =
- * max|x| / 127 over chunk c, and the sums of QS_STRIDE's layout.  A row's result depends on that row
- * only. */
-static void q_quantize_rows(const bf16 *x, int lda, int M, int K, int chunk, int8_t *xq, float *dq, float *sums) {
-    const int NC = (K + chunk - 1) / chunk;
+/* Quantize activation rows per block of Q_BLOCK k: xq[r][k] int8, dq[r][b] = max|x| / 127 over block
+ * b, and the sums of QS_STRIDE's layout.  A row's result depends on that row only. */
+static void q_quantize_rows(const bf16 *x, int lda, int M, int K, int8_t *xq, float *dq, float *sums) {
+    const int chunk = Q_BLOCK, NC = K / Q_BLOCK;
     for (int r = 0; r < M; r++) {
         const bf16 *xr = x + (size_t)r * lda;
         int8_t *qr = xq + (size_t)r * K;
@@ -251,7 +241,9 @@ static void q_quantize_rows(const bf16 *x, int lda, int M, int K, int chunk, int
                 *c128 = (sd_i32a *)(sr + QS_C32(K, 2));
         for (int b = 0; b < K / 32; b++) {
             sr[QS_S32(K) + b] = sr[2 * b] + sr[2 * b + 1];
-            sr[QS_SX(K) + b] = sr[QS_S32(K) + b] * dq[(size_t)r * NC + 32 * b / chunk];
+            sr[QS_SX(K) + b] = sr[QS_S32(K) + b] * dq[(size_t)r * NC + b];
+            sr[QS_SX16(K) + 2 * b] = sr[2 * b] * dq[(size_t)r * NC + b];
+            sr[QS_SX16(K) + 2 * b + 1] = sr[2 * b + 1] * dq[(size_t)r * NC + b];
             const int32_t s = (int32_t)sr[2 * b] + (int32_t)sr[2 * b + 1];
             c8[b] = -8 * s;
             c16[b] = -16 * s;
@@ -261,12 +253,12 @@ static void q_quantize_rows(const bf16 *x, int lda, int M, int K, int chunk, int
 }
 
 /* Dot products of one weight row (column n of y) with R activation rows (R compile-time after
- * inlining):  out[r] = sum_c dq[r][c] * (sum_lanes s16 . (u . xq) + sum_h o16[h] * sums[r][h]), the
- * 32-block formats' activation scales (one per 32 k) applied per lane instead. */
+ * inlining):  out[r] = sum over 256-chunks c of (sum_lanes s16 . dx . (u . xq) + sum_h o16[h] . dx .
+ * sums[r][h]), dx the activation scale of each lane's 32 k. */
 static inline __attribute__((always_inline)) void
 q_column(int type, const uint8_t *row, long row_bytes, int K, const int8_t *xq, const float *dq,
          const float *sums, int R, float *out) {
-    const int NC = (K + 255) / 256, fine = q_fine(type), KB = K / 32;
+    const int NC = (K + 255) / 256, KB = K / 32;
     const __m512i half = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);   /* lane h: block h/2 */
     const __m512i eighth = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     __m512 acc[SD_QROWS];
@@ -281,28 +273,25 @@ q_column(int type, const uint8_t *row, long row_bytes, int K, const int8_t *xq, 
         const __m512 sv = _mm512_load_ps(s16);
         const __mmask16 mk = (__mmask16)((1u << (2 * nb)) - 1);
         const __m512 ov = _mm512_maskz_load_ps(mk, o16);
-        __m512 ch[SD_QROWS], dx[SD_QROWS];     /* fine: the chunk's <= 8 block scales of row r, lanes 0..7 */
+        __m512 ch[SD_QROWS], dx[SD_QROWS];     /* the chunk's <= 8 activation scales of row r, lanes 0..7 */
         for (int r = 0; r < R; r++) {
             ch[r] = _mm512_mul_ps(ov, _mm512_maskz_loadu_ps(mk, sums + (size_t)r * QS_STRIDE(K) + 16 * c));
-            if (fine) {
-                dx[r] = _mm512_maskz_loadu_ps((__mmask16)((1u << nb) - 1), dq + (size_t)r * KB + 8 * c);
-                ch[r] = _mm512_mul_ps(ch[r], _mm512_permutexvar_ps(half, dx[r]));
-            }
+            dx[r] = _mm512_maskz_loadu_ps((__mmask16)((1u << nb) - 1), dq + (size_t)r * KB + 8 * c);
+            ch[r] = _mm512_mul_ps(ch[r], _mm512_permutexvar_ps(half, dx[r]));
         }
         for (int p = 0; p < nb / 2; p++) {
             /* lane l of a VPDPBUSD over weights 64p .. 64p+63 covers weights 64p+4l .. +3: scale s16[4p + l/4]
-             * (and, fine, activation block 2p + l/8) */
+             * and activation scale 2p + l/8 */
             const __m512 sl = _mm512_permutexvar_ps(_mm512_add_epi32(lane4, _mm512_set1_epi32(4 * p)), sv);
             const __m512i lanes_p = _mm512_add_epi32(eighth, _mm512_set1_epi32(2 * p));
             for (int r = 0; r < R; r++) {
                 const __m512i xv = _mm512_loadu_si512(xq + (size_t)r * K + 256 * c + 64 * p);
                 const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[p], xv);
-                const __m512 slr = fine ? _mm512_mul_ps(sl, _mm512_permutexvar_ps(lanes_p, dx[r])) : sl;
+                const __m512 slr = _mm512_mul_ps(sl, _mm512_permutexvar_ps(lanes_p, dx[r]));
                 ch[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), slr, ch[r]);
             }
         }
-        for (int r = 0; r < R; r++)
-            acc[r] = fine ? _mm512_add_ps(ch[r], acc[r]) : _mm512_fmadd_ps(ch[r], _mm512_set1_ps(dq[(size_t)r * NC + c]), acc[r]);
+        for (int r = 0; r < R; r++) acc[r] = _mm512_add_ps(ch[r], acc[r]);
     }
     for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
@@ -355,27 +344,17 @@ static q_col_fn q_col_for(int type) {
  * Each thread quantizes all M activation rows itself (no barrier needed; the same result). */
 static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias, void *y, int ldy, int M,
                      int mode, int t, int nt, int *cfg) {
-    const int K = W->K, NC = (K + 255) / 256, KB = K / 32, QS = QS_STRIDE(K), esz = out_esz(mode);
-    /* two quantizations of the rows (Q_FINE for the 32-block formats, Q_COARSE for the others), each
-     * made only when a segment needs it: v = 1 fine, 0 coarse */
-    int want[2] = {0, 0};
-    for (int s = 0; s < W->nseg; s++) want[q_fine(W->type[s])] = 1;
-    const size_t part = (size_t)M * K + ((size_t)M * (KB + QS) + 32) * 4 + 128, need = 2 * part;
+    const int K = W->K, KB = K / 32, QS = QS_STRIDE(K), esz = out_esz(mode);
+    const size_t need = (size_t)M * K + ((size_t)M * (KB + QS) + 32) * 4 + 128;
     if (q_scratch_cap < need) {
         free(q_scratch);
         q_scratch = (char *)aligned_alloc(64, (need + 63) / 64 * 64);
         q_scratch_cap = q_scratch ? need : 0;
     }
     if (!q_scratch) return;
-    float *dqv[2], *sumsv[2];
-    int8_t *xqv[2];
-    for (int v = 0; v < 2; v++) {
-        dqv[v] = (float *)(q_scratch + v * part);
-        sumsv[v] = dqv[v] + (size_t)M * KB + 16;
-        xqv[v] = (int8_t *)(sumsv[v] + (size_t)M * QS + 16);
-        if (want[v]) q_quantize_rows(x, lda, M, K, v ? Q_FINE : Q_COARSE, xqv[v], dqv[v], sumsv[v]);
-    }
-    const int ndq[2] = {NC, KB};                 /* activation scales per row */
+    float *dq = (float *)q_scratch, *sums = dq + (size_t)M * KB + 16;
+    int8_t *xq = (int8_t *)(sums + (size_t)M * QS + 16);
+    q_quantize_rows(x, lda, M, K, xq, dq, sums);
     int g0, g1;
     split((W->N + 15) / 16, t, nt, &g0, &g1);
     float acc[16 * 16] __attribute__((aligned(64)));
@@ -388,11 +367,11 @@ static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias
         while (g * 16 >= W->n_end[s]) s++;
         const size_t gb = q16_group_bytes(W->type[s], K);    /* an interleaved segment: 16-aligned */
         const uint8_t *grp = gb ? W->data[s] + (size_t)(g * 16 - (s ? W->n_end[s - 1] : 0)) / 16 * gb : NULL;
-        const int chunk = amx && grp ? 16 : SD_QROWS, v = q_fine(W->type[s]);
+        const int chunk = amx && grp ? 16 : SD_QROWS;
         for (int m0 = 0; m0 < M; m0 += chunk) {
             const int R = M - m0 < chunk ? M - m0 : chunk;
-            const int8_t *xm = xqv[v] + (size_t)m0 * K;
-            const float *dm = dqv[v] + (size_t)m0 * ndq[v], *sm = sumsv[v] + (size_t)m0 * QS;
+            const int8_t *xm = xq + (size_t)m0 * K;
+            const float *dm = dq + (size_t)m0 * KB, *sm = sums + (size_t)m0 * QS;
             memset(acc, 0, sizeof acc);
             if (grp && amx && R >= QAMX_MIN_ROWS) {
 #if SD_QAMX
@@ -407,9 +386,7 @@ static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias
                     while (n >= W->n_end[sc]) sc++;
                     const int nb = sc ? W->n_end[sc - 1] : 0;
                     const uint8_t *row = W->data[sc] + (size_t)(n - nb) * W->row_bytes[sc];
-                    const int vc = q_fine(W->type[sc]);       /* this column's segment's quantization */
-                    q_col_for(W->type[sc])(row, W->row_bytes[sc], K, xqv[vc] + (size_t)m0 * K,
-                                           dqv[vc] + (size_t)m0 * ndq[vc], sumsv[vc] + (size_t)m0 * QS, R, res);
+                    q_col_for(W->type[sc])(row, W->row_bytes[sc], K, xm, dm, sm, R, res);
                     for (int r = 0; r < R; r++) acc[16 * r + c] = res[r];
                 }
             }

@@ -42,7 +42,7 @@ static inline __m512i bcast4(const int8_t *p) {
 
 static inline __attribute__((always_inline)) void
 q4k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R, float *out) {
-    const int NC = K / 256, QS = QS_STRIDE(K);
+    const int NC = K / 256, KB = K / 32, QS = QS_STRIDE(K);
     __m512 acc[SD_QROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0x0F);
@@ -51,8 +51,6 @@ q4k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
         for (int p = 0; p < Q4K16_BYTES; p += 64) qprefetch(sb + p);
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
         const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32)));
-        __m512 fs[SD_QROWS];
-        for (int r = 0; r < R; r++) fs[r] = _mm512_setzero_ps();
         for (int j = 0; j < 8; j++) {
             const __m512 scj = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb + 64 + 16 * j)))));
             const __m512 mnj = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb + 192 + 16 * j)))));
@@ -70,18 +68,18 @@ q4k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
                     ib = _mm512_dpbusd_epi32(ib, hi[t], bcast4(xr + 8 * t + 4));
                 }
                 ia = _mm512_add_epi32(ia, ib);
-                fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), scj, fs[r]);
-                fs[r] = _mm512_fnmadd_ps(mnj, _mm512_set1_ps(sums[(size_t)r * QS + QS_S32(K) + 8 * c + j]), fs[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(scj, _mm512_set1_ps(dq[(size_t)r * KB + 8 * c + j])),
+                                         acc[r]);
+                acc[r] = _mm512_fnmadd_ps(mnj, _mm512_set1_ps(sums[(size_t)r * QS + QS_SX(K) + 8 * c + j]), acc[r]);
             }
         }
-        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(fs[r], _mm512_set1_ps(dq[(size_t)r * NC + c]), acc[r]);
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
 static inline __attribute__((always_inline)) void
 q6k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R, float *out) {
-    const int NC = K / 256, QS = QS_STRIDE(K);
+    const int NC = K / 256, KB = K / 32, QS = QS_STRIDE(K);
     __m512 acc[SD_QROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
@@ -89,8 +87,6 @@ q6k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
         const uint8_t *sb = grp + (size_t)c * Q6K16_BYTES;
         for (int p = 0; p < Q6K16_BYTES; p += 64) qprefetch(sb + p);
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
-        __m512 fs[SD_QROWS];
-        for (int r = 0; r < R; r++) fs[r] = _mm512_setzero_ps();
         for (int s = 0; s < 16; s++) {
             const __m512 scs = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sb + 32 + 16 * s)))));
             const __m512 off = _mm512_mul_ps(scs, _mm512_set1_ps(32.f));
@@ -108,11 +104,11 @@ q6k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
                 ia = _mm512_dpbusd_epi32(ia, u[2], bcast4(xr + 8));
                 ib = _mm512_dpbusd_epi32(ib, u[3], bcast4(xr + 12));
                 ia = _mm512_add_epi32(ia, ib);
-                fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), scs, fs[r]);
-                fs[r] = _mm512_fnmadd_ps(off, _mm512_set1_ps(sums[(size_t)r * QS + 16 * c + s]), fs[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(scs, _mm512_set1_ps(dq[(size_t)r * KB + 8 * c + s / 2])),
+                                         acc[r]);
+                acc[r] = _mm512_fnmadd_ps(off, _mm512_set1_ps(sums[(size_t)r * QS + QS_SX16(K) + 16 * c + s]), acc[r]);
             }
         }
-        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(fs[r], _mm512_set1_ps(dq[(size_t)r * NC + c]), acc[r]);
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
@@ -133,7 +129,7 @@ leg16_group(int type, const uint8_t *grp, int K, const int8_t *xq, const float *
             float *out) {
     const int QS = QS_STRIDE(K), KB = K / 32, BB = leg16_bytes(type);
     const int has_m = type == GQ_Q4_116 || type == GQ_Q5_116, five = type == GQ_Q5_016 || type == GQ_Q5_116;
-    /* activations: one scale per block (dq[r][b], Q_FINE).  Without a min the sign offset enters the
+    /* activations: one scale per block (dq[r][b], Q_BLOCK).  Without a min the sign offset enters the
      * exact integer sum (sum(u x) + offset * sum(x)); with one, its term is m * (sum(x) * scale) */
     const int slot = type == GQ_Q4_016 ? 0 : type == GQ_Q5_016 ? 1 : 2;
     const float *sx = sums + QS_SX(K);
@@ -286,11 +282,11 @@ static size_t q16_group_bytes(int type, int K) {
  * decode (more would spill registers). */
 static void q16_rows(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums,
                      int R, float *out) {
-    const int ND = q_fine(type) ? K / 32 : (K + 255) / 256, QS = QS_STRIDE(K);     /* activation scales per row */
+    const int KB = K / 32, QS = QS_STRIDE(K);
     for (int r0 = 0; r0 < R; r0 += Q16_SHARE) {
         const int rr = R - r0 < Q16_SHARE ? R - r0 : Q16_SHARE;
         const int8_t *x = xq + (size_t)r0 * K;
-        const float *d = dq + (size_t)r0 * ND, *sm = sums + (size_t)r0 * QS;
+        const float *d = dq + (size_t)r0 * KB, *sm = sums + (size_t)r0 * QS;
         if (type == GQ_Q4_K16 || type == GQ_Q6_K16) q16_group(type, grp, K, x, d, sm, rr, out + 16 * r0);
         else leg16_rows(type, grp, K, x, d, sm, rr, out + 16 * r0);
     }

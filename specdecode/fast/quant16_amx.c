@@ -64,7 +64,7 @@ static inline void qamx_nibbles(const uint8_t *q, uint8_t *dst) {
 
 static void q4k16_amx(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R,
                       float *out, int *cfg) {
-    const int NC = K / 256, QS = QS_STRIDE(K);
+    const int NC = K / 256, KB = K / 32, QS = QS_STRIDE(K);
     uint8_t bb[8][512] __attribute__((aligned(64)));
     int32_t ci[8][16 * 16] __attribute__((aligned(64)));
     __m512 acc[16];
@@ -83,13 +83,12 @@ static void q4k16_amx(const uint8_t *grp, int K, const int8_t *xq, const float *
         const int8_t *x = xq + 256 * c;
         for (int j = 0; j < 8; j += 4) QAMX_DOT4(32, j, x, bb, K, ci);
         for (int r = 0; r < R; r++) {       /* q4k16_group's fp32 operations, in its order */
-            __m512 fs = _mm512_setzero_ps();
-            const float *sr = sums + (size_t)r * QS + QS_S32(K) + 8 * c;
+            const float *sr = sums + (size_t)r * QS + QS_SX(K) + 8 * c, *dr = dq + (size_t)r * KB + 8 * c;
             for (int j = 0; j < 8; j++) {
-                fs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ci[j] + 16 * r)), scj[j], fs);
-                fs = _mm512_fnmadd_ps(mnj[j], _mm512_set1_ps(sr[j]), fs);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ci[j] + 16 * r)),
+                                         _mm512_mul_ps(scj[j], _mm512_set1_ps(dr[j])), acc[r]);
+                acc[r] = _mm512_fnmadd_ps(mnj[j], _mm512_set1_ps(sr[j]), acc[r]);
             }
-            acc[r] = _mm512_fmadd_ps(fs, _mm512_set1_ps(dq[(size_t)r * NC + c]), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
@@ -97,7 +96,7 @@ static void q4k16_amx(const uint8_t *grp, int K, const int8_t *xq, const float *
 
 static void q6k16_amx(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R,
                       float *out, int *cfg) {
-    const int NC = K / 256, QS = QS_STRIDE(K);
+    const int NC = K / 256, KB = K / 32, QS = QS_STRIDE(K);
     uint8_t bb[16][256] __attribute__((aligned(64)));
     int32_t ci[16][16 * 16] __attribute__((aligned(64)));
     float scs[16][16] __attribute__((aligned(64))), off[16][16] __attribute__((aligned(64)));
@@ -122,13 +121,12 @@ static void q6k16_amx(const uint8_t *grp, int K, const int8_t *xq, const float *
         const int8_t *x = xq + 256 * c;
         for (int s = 0; s < 16; s += 4) QAMX_DOT4(16, s, x, bb, K, ci);
         for (int r = 0; r < R; r++) {       /* q6k16_group's fp32 operations, in its order */
-            __m512 fs = _mm512_setzero_ps();
-            const float *sr = sums + (size_t)r * QS + 16 * c;
+            const float *sr = sums + (size_t)r * QS + QS_SX16(K) + 16 * c, *dr = dq + (size_t)r * KB + 8 * c;
             for (int s = 0; s < 16; s++) {
-                fs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ci[s] + 16 * r)), _mm512_load_ps(scs[s]), fs);
-                fs = _mm512_fnmadd_ps(_mm512_load_ps(off[s]), _mm512_set1_ps(sr[s]), fs);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ci[s] + 16 * r)),
+                                         _mm512_mul_ps(_mm512_load_ps(scs[s]), _mm512_set1_ps(dr[s / 2])), acc[r]);
+                acc[r] = _mm512_fnmadd_ps(_mm512_load_ps(off[s]), _mm512_set1_ps(sr[s]), acc[r]);
             }
-            acc[r] = _mm512_fmadd_ps(fs, _mm512_set1_ps(dq[(size_t)r * NC + c]), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);

@@ -78,7 +78,7 @@ q8_16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, int R,
 
 static inline __attribute__((always_inline)) void
 q4k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R, float *out) {
-    const int NC = K / 256, QS = QS_STRIDE(K);
+    const int NC = K / 256, KB = K / 32, QS = QS_STRIDE(K);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int h = 0; h < 2; h++) {
         float *o = out + 8 * h;           /* the row sums live in `out` (registers are short) */
@@ -103,21 +103,20 @@ q4k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
                     for (int t = 1; t < 4; t++)
                         p = _mm256_add_epi16(p, _mm256_add_epi16(pairs(lo[t], xr + 8 * t), pairs(hi[t], xr + 8 * t + 4)));
                     const __m256i ia = widen(p);
-                    const float *sr = sums + (size_t)r * QS + 16 * c + 2 * j;
-                    fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), scj, fs[r]);
-                    fs[r] = _mm256_fnmadd_ps(mnj, _mm256_set1_ps(sr[0] + sr[1]), fs[r]);
+                    fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia),
+                                            _mm256_mul_ps(scj, _mm256_set1_ps(dq[(size_t)r * KB + 8 * c + j])), fs[r]);
+                    fs[r] = _mm256_fnmadd_ps(mnj, _mm256_set1_ps(sums[(size_t)r * QS + QS_SX(K) + 8 * c + j]), fs[r]);
                 }
             }
             for (int r = 0; r < R; r++)
-                _mm256_storeu_ps(o + 16 * r, _mm256_fmadd_ps(fs[r], _mm256_set1_ps(dq[(size_t)r * NC + c]),
-                                                             _mm256_loadu_ps(o + 16 * r)));
+                _mm256_storeu_ps(o + 16 * r, _mm256_add_ps(fs[r], _mm256_loadu_ps(o + 16 * r)));
         }
     }
 }
 
 static inline __attribute__((always_inline)) void
 q6k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int R, float *out) {
-    const int NC = K / 256, QS = QS_STRIDE(K);
+    const int NC = K / 256, KB = K / 32, QS = QS_STRIDE(K);
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; h++) {
         float *o = out + 8 * h;           /* the row sums live in `out` (registers are short) */
@@ -142,13 +141,13 @@ q6k16_group(const uint8_t *grp, int K, const int8_t *xq, const float *dq, const 
                     /* 6-bit: 2 pairs fit in 16 bits */
                     const __m256i ia = _mm256_add_epi32(widen(_mm256_add_epi16(pairs(u[0], xr), pairs(u[2], xr + 8))),
                                                         widen(_mm256_add_epi16(pairs(u[1], xr + 4), pairs(u[3], xr + 12))));
-                    fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), scs, fs[r]);
-                    fs[r] = _mm256_fnmadd_ps(off, _mm256_set1_ps(sums[(size_t)r * QS + 16 * c + s]), fs[r]);
+                    fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia),
+                                            _mm256_mul_ps(scs, _mm256_set1_ps(dq[(size_t)r * KB + 8 * c + s / 2])), fs[r]);
+                    fs[r] = _mm256_fnmadd_ps(off, _mm256_set1_ps(sums[(size_t)r * QS + QS_SX16(K) + 16 * c + s]), fs[r]);
                 }
             }
             for (int r = 0; r < R; r++)
-                _mm256_storeu_ps(o + 16 * r, _mm256_fmadd_ps(fs[r], _mm256_set1_ps(dq[(size_t)r * NC + c]),
-                                                             _mm256_loadu_ps(o + 16 * r)));
+                _mm256_storeu_ps(o + 16 * r, _mm256_add_ps(fs[r], _mm256_loadu_ps(o + 16 * r)));
         }
     }
 }
