@@ -171,3 +171,32 @@ def test_bad_argument_usage_error(runs, name, option):
     lines = run.stderr.splitlines()
     assert lines[0].startswith("usage: specdecode generate")
     assert "error:" in lines[-1] and option in lines[-1], lines[-1]
+
+
+def test_api_refuses_bad_inputs_by_name():
+    """Unknown drafter options, prompts and sampling_params of the wrong type, chat messages without
+    content and text that is not valid UTF-8 are one ParamError / DrafterError naming them."""
+    from specdecode import LLM
+    from specdecode.drafters.base import DrafterError
+    from specdecode.params import ParamError
+    with pytest.raises(DrafterError, match="'ngram_max' is not one of method 'suffix'"):
+        LLM(method="suffix", ngram_max=3, progress=False)
+    with pytest.raises(DrafterError, match="needs a drafter"):
+        LLM(method="none", ngram_max=3, progress=False)
+    llm = LLM(progress=False)
+    for args, match in [((None,), "prompts must be"), ((123,), "prompts must be"),
+                        (("Hi", {"max_tokens": 4}), "sampling_params must be a SamplingParams"),
+                        (([{"role": "user"}],), "chat message 0"), (("Hi \udcff",), "not valid UTF-8")]:
+        with pytest.raises(ParamError, match=match):
+            llm.generate(*args)
+
+
+def test_cli_bad_inputs_are_one_line_errors(tmp_path):
+    binary = tmp_path / "bin.json"
+    binary.write_bytes(b"\xff\xfe")
+    for args, match in [(["--drafter-option", "ngram_max=abc", "hi"], "ngram_max must be an integer"),
+                        (["--json-schema", str(binary), "hi"], "is not UTF-8 text"),
+                        (["--json-schema", "-", "-"], "cannot both be read from stdin"),
+                        (["--max-tokens", "8000", "hi " * 400], "--max-tokens (8000) exceeds")]:
+        r = cli(["--threads", "1", *args], stdin="x")
+        assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
