@@ -96,3 +96,36 @@ def test_a_long_prompt_is_prefilled_in_small_passes_while_another_request_decode
     assert during and max(during) == 16 and sum(during) >= n_long - 16   # the long prompt, 16 at a time
     idle = [n for n, decoding in passes if not decoding]
     assert 64 in idle                                                   # alone: full chunks
+
+
+def test_a_short_prompt_is_not_queued_behind_a_long_prefill(tiny_models):
+    """Prefill passes take the shortest remaining prompt first: a short request that arrives while
+    a long prompt is being prefilled in small passes finishes its prefill in the next pass."""
+    from specdecode.serve.scheduler import Finished, Request
+    llm = LLM(model=str(tiny_models["llama"]), method="none", dtype="fp32", progress=False)
+    tok = llm.tokenizer
+    long_ids = tok.encode(" ".join(f"word{i}" for i in range(14)))
+    short_ids = tok.encode("the quick brown fox")
+    state = build_state(llm, ServeConfig(max_batch_size=2, block_size=4, prefill_chunk=16, max_model_len=200,
+                                         served_model_name="tiny"))
+    sched = state.scheduler
+    passes = []
+    inner = sched.engine.prefill
+
+    def recording(chunks):
+        passes.append([(len(s.prompt_ids), n) for s, n in chunks])
+        return inner(chunks)
+    sched.engine.prefill = recording
+    done = {name: threading.Event() for name in ("long", "short")}
+    sched.start()
+    try:
+        with sched.hold():
+            for name, ids in (("long", long_ids), ("short", short_ids)):
+                sink = (lambda name: lambda event: done[name].set() if isinstance(event, Finished) else None)(name)
+                sched.submit(Request(ids, SamplingParams(max_tokens=2, ignore_eos=True), sink))
+        assert done["long"].wait(60) and done["short"].wait(60)
+    finally:
+        sched.stop()
+    short_pass = next(i for i, p in enumerate(passes) if any(length == len(short_ids) for length, _ in p))
+    assert short_pass == 0, passes                      # with the long prompt's first chunk, not after its last
+    assert sum(n for p in passes for length, n in p if length == len(long_ids)) == len(long_ids) - 1   # the last: by a step
