@@ -219,6 +219,41 @@ def verify_tree(
                             accepted_nodes=accepted_nodes)
 
 
+def _walk(draft_tokens: torch.Tensor,   # [batch, n] int64
+          parents: torch.Tensor | None,  # [batch, n] int64, or None = chain
+          num_draft: torch.Tensor,       # [batch] int64
+          target_token,                  # (row, node, depth) -> the target's token after that node (-1: root)
+          ) -> TreeVerifyResult:
+    """From the root, the first child carrying the target's token is accepted, until none does;
+    then that token is emitted (recovered, or bonus at a leaf)."""
+    batch, n = draft_tokens.shape
+    drafts, counts = draft_tokens.tolist(), num_draft.reshape(batch).tolist()
+    links = parents.tolist() if parents is not None else None
+    tokens = [[PAD_TOKEN] * (n + 1) for _ in range(batch)]
+    accepted = [[-1] * n for _ in range(batch)]
+    num_accepted = [0] * batch
+    for b in range(batch):
+        count, row, node, path = counts[b], drafts[b], -1, []
+        while True:
+            token = target_token(b, node, len(path))
+            if links is None:                   # a chain: the next node, when it carries the token
+                child = node + 1 if node + 1 < count and row[node + 1] == token else -1
+            else:
+                child = next((i for i in range(node + 1, count) if links[b][i] == node and row[i] == token), -1)
+            if child < 0:
+                break
+            path.append(child)
+            node = child
+        for d, i in enumerate(path):
+            tokens[b][d] = row[i]
+            accepted[b][d] = i
+        tokens[b][len(path)] = token
+        num_accepted[b] = len(path)
+    num = torch.tensor(num_accepted, dtype=torch.long)
+    return TreeVerifyResult(tokens=torch.tensor(tokens, dtype=torch.long), num_accepted=num, num_emitted=num + 1,
+                            accepted_nodes=torch.tensor(accepted, dtype=torch.long).reshape(batch, n))
+
+
 def verify_greedy(
     draft_tokens: torch.Tensor,          # [batch, n] int64, node i of row b valid for i < num_draft[b]
     parents: torch.Tensor | None,        # [batch, n] int64 parent node (-1 = root), or None = chain
@@ -232,35 +267,8 @@ def verify_greedy(
     batch, n = draft_tokens.shape
     if tuple(target_tokens.shape) != (batch, n + 1):
         raise ValueError(f"target_tokens must be [batch, n+1] = [{batch}, {n + 1}], got {tuple(target_tokens.shape)}")
-    drafts, counts, best = draft_tokens.tolist(), num_draft.reshape(batch).tolist(), target_tokens.tolist()
-    links = parents.tolist() if parents is not None else None
-    tokens = [[PAD_TOKEN] * (n + 1) for _ in range(batch)]
-    accepted = [[-1] * n for _ in range(batch)]
-    num_accepted = [0] * batch
-    for b in range(batch):
-        count, row, node, depth = counts[b], drafts[b], -1, 0
-        if links is None:                       # a chain: the longest prefix equal to the argmax
-            while depth < count and row[depth] == best[b][depth]:
-                depth += 1
-            path = list(range(depth))
-        else:
-            up, path = links[b], []
-            while True:
-                want = best[b][node + 1]
-                node = next((i for i in range(node + 1, count) if up[i] == node and row[i] == want), -1)
-                if node < 0:
-                    break
-                path.append(node)
-            depth = len(path)
-        last = path[-1] if path else -1
-        for d, i in enumerate(path):
-            tokens[b][d] = row[i]
-            accepted[b][d] = i
-        tokens[b][depth] = best[b][last + 1]
-        num_accepted[b] = depth
-    num = torch.tensor(num_accepted, dtype=torch.long)
-    return TreeVerifyResult(tokens=torch.tensor(tokens, dtype=torch.long), num_accepted=num, num_emitted=num + 1,
-                            accepted_nodes=torch.tensor(accepted, dtype=torch.long).reshape(batch, n))
+    best = target_tokens.tolist()
+    return _walk(draft_tokens, parents, num_draft, lambda b, node, depth: best[b][node + 1])
 
 
 def verify_point_mass(
@@ -279,31 +287,12 @@ def verify_point_mass(
     if tuple(target_probs.shape[:2]) != (batch, n + 1) or tuple(depth_uniforms.shape) != (batch, n + 1):
         raise ValueError(f"target_probs must be [batch, n+1, vocab] and depth_uniforms [batch, n+1] = "
                          f"[{batch}, {n + 1}], got {tuple(target_probs.shape)} / {tuple(depth_uniforms.shape)}")
-    drafts, counts = draft_tokens.tolist(), num_draft.reshape(batch).tolist()
-    links = parents.tolist() if parents is not None else [[i - 1 for i in range(n)] for _ in range(batch)]
     is_greedy = greedy.reshape(batch).tolist()
     u = depth_uniforms.to(device=target_probs.device, dtype=torch.float64)
-    tokens = [[PAD_TOKEN] * (n + 1) for _ in range(batch)]
-    accepted = [[-1] * n for _ in range(batch)]
-    num_accepted = [0] * batch
-    for b in range(batch):
-        count, row, up, node, path = counts[b], drafts[b], links[b], -1, []
-        while True:
-            probs = target_probs[b, node + 1]                                      # [vocab]
-            if is_greedy[b]:
-                token = int(probs.max(dim=-1).indices)
-            else:
-                token = int(sample_at(probs.unsqueeze(0), u[b, len(path)].reshape(1, 1))[0])
-            child = next((i for i in range(node + 1, count) if up[i] == node and row[i] == token), -1)
-            if child < 0:
-                break
-            path.append(child)
-            node = child
-        for d, i in enumerate(path):
-            tokens[b][d] = row[i]
-            accepted[b][d] = i
-        tokens[b][len(path)] = token
-        num_accepted[b] = len(path)
-    num = torch.tensor(num_accepted, dtype=torch.long)
-    return TreeVerifyResult(tokens=torch.tensor(tokens, dtype=torch.long), num_accepted=num, num_emitted=num + 1,
-                            accepted_nodes=torch.tensor(accepted, dtype=torch.long).reshape(batch, n))
+
+    def target_token(b: int, node: int, depth: int) -> int:
+        probs = target_probs[b, node + 1]                                          # [vocab]
+        if is_greedy[b]:
+            return int(probs.max(dim=-1).indices)
+        return int(sample_at(probs.unsqueeze(0), u[b, depth].reshape(1, 1))[0])
+    return _walk(draft_tokens, parents, num_draft, target_token)

@@ -224,8 +224,9 @@ class SpecEngine:
             device = target_probs.device        # drafts may come from the host (n-gram lookup)
             greedy = torch.tensor([s.params.greedy for s in seqs], device=device)
             if proposal.probs is None:          # point masses: each token sampled as plain decoding samples it
-                width = proposal.tokens.shape[1] + 1
-                depth_uniforms = torch.tensor([position_uniforms(s.seed, len(s.token_ids), width) for s in seqs],
+                width = proposal.tokens.shape[1] + 1             # a greedy row reads no uniform
+                depth_uniforms = torch.tensor([[0.0] * width if s.params.greedy else
+                                               position_uniforms(s.seed, len(s.token_ids), width) for s in seqs],
                                               dtype=torch.float64).reshape(len(seqs), width)
                 result = verify_point_mass(proposal.tokens.cpu(), proposal.parents, proposal.num_tokens.cpu(),
                                            target_probs, greedy, depth_uniforms)
