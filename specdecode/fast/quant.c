@@ -39,18 +39,17 @@ enum { GQ_Q4_0 = 2, GQ_Q4_1 = 3, GQ_Q5_0 = 6, GQ_Q5_1 = 7, GQ_Q8_0 = 8, GQ_Q4_K 
 #define SD_QROWS 8         /* activation rows sharing one decode of a weight block */
 /* Activation rows are quantized to int8 with one scale per 32 k (llama.cpp's Q8_0 / Q8_1 blocks; its
  * K formats use one per 256, Q8_K).  Per 32 k an activation outlier spoils 31 values instead of 255:
- * against the same weights in fp32, SmolLM2-135M Q4_1's KL divergence fell from 0.023 to 0.005 and
- * Qwen2.5-Coder-1.5B Q4_K_M's (whose activations have large outliers) from 0.20 to 0.007.
+ * against the same weights in fp32 (scripts/native_quality.py, 16 Spec-Bench prompts), SmolLM2-135M
+ * Q4_1's mean KL divergence fell from 0.024 to 0.0054 and Qwen2.5-Coder-1.5B Q4_K_M's (whose
+ * activations have large outliers) from 0.064 to 0.0031.
  * The side data q_quantize_rows keeps per activation row (row stride QS_STRIDE(K) floats): the sums
- * of its int8 values over each 16 k (float) at 0; over each 32 k (float) at QS_S32; over each 32 k
- * as int32, those sums times the sign offsets -8, -16, -128 of Q4_0, Q5_0, Q8_0 at QS_C32(K, 0..2)
- * (all exact integers); the 32-k sums times their block's scale (float) at QS_SX, and the 16-k
- * ones at QS_SX16. */
-#define QS_STRIDE(K) (9 * ((K) / 32))
-#define QS_S32(K) ((K) / 16)
-#define QS_C32(K, slot) ((K) / 16 + (K) / 32 * (1 + (slot)))
-#define QS_SX(K) (6 * ((K) / 32))
-#define QS_SX16(K) (7 * ((K) / 32))
+ * of its int8 values over each 16 k (float) at 0; over each 32 k as int32, those sums times the sign
+ * offsets -8, -16, -128 of Q4_0, Q5_0, Q8_0 at QS_C32(K, 0..2) (exact integers); the 32-k sums times
+ * their block's scale (float) at QS_SX, and the 16-k ones at QS_SX16. */
+#define QS_STRIDE(K) (8 * ((K) / 32))
+#define QS_C32(K, slot) ((K) / 16 + (K) / 32 * (slot))
+#define QS_SX(K) (5 * ((K) / 32))
+#define QS_SX16(K) (6 * ((K) / 32))
 #define Q_BLOCK 32          /* k per activation scale */
 typedef int32_t sd_i32a __attribute__((may_alias));
 #ifndef QAMX_MIN_ROWS
@@ -218,12 +217,12 @@ static __thread size_t q_scratch_cap;
 /* Quantize activation rows per block of Q_BLOCK k: xq[r][k] int8, dq[r][b] = max|x| / 127 over block
  * b, and the sums of QS_STRIDE's layout.  A row's result depends on that row only. */
 static void q_quantize_rows(const bf16 *x, int lda, int M, int K, int8_t *xq, float *dq, float *sums) {
-    const int chunk = Q_BLOCK, NC = K / Q_BLOCK;
+    const int NC = K / Q_BLOCK, n16 = Q_BLOCK / 16;      /* K % 64 == 0: whole blocks */
     for (int r = 0; r < M; r++) {
         const bf16 *xr = x + (size_t)r * lda;
         int8_t *qr = xq + (size_t)r * K;
         for (int c = 0; c < NC; c++) {
-            const int k0 = chunk * c, n16 = (K - k0 < chunk ? K - k0 : chunk) / 16;
+            const int k0 = Q_BLOCK * c;
             __m512 amax = _mm512_setzero_ps();
             for (int h = 0; h < n16; h++)
                 amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16x16_to_ps(_mm256_loadu_si256((const __m256i *)(xr + k0 + 16 * h)))));
@@ -240,8 +239,7 @@ static void q_quantize_rows(const bf16 *x, int lda, int M, int K, int8_t *xq, fl
         sd_i32a *c8 = (sd_i32a *)(sr + QS_C32(K, 0)), *c16 = (sd_i32a *)(sr + QS_C32(K, 1)),
                 *c128 = (sd_i32a *)(sr + QS_C32(K, 2));
         for (int b = 0; b < K / 32; b++) {
-            sr[QS_S32(K) + b] = sr[2 * b] + sr[2 * b + 1];
-            sr[QS_SX(K) + b] = sr[QS_S32(K) + b] * dq[(size_t)r * NC + b];
+            sr[QS_SX(K) + b] = (sr[2 * b] + sr[2 * b + 1]) * dq[(size_t)r * NC + b];
             sr[QS_SX16(K) + 2 * b] = sr[2 * b] * dq[(size_t)r * NC + b];
             sr[QS_SX16(K) + 2 * b + 1] = sr[2 * b + 1] * dq[(size_t)r * NC + b];
             const int32_t s = (int32_t)sr[2 * b] + (int32_t)sr[2 * b + 1];
