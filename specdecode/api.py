@@ -106,11 +106,7 @@ class LLM:
             self.draft = load_model(draft, draft_dtype or dtype, device, progress=progress, fast=fast,
                                     weights=weights, dtype_param="draft_dtype" if draft_dtype else "dtype")
         self.method = method or default_method(draft, self.target, drafter_options.get("drafter_path"))
-        options = [name for name in drafter_options if name != "drafter_path"]
-        if options and self.method == "none":
-            raise DrafterError(f"drafter option {options[0]!r} needs a drafter (method 'none' drafts nothing)")
-        if options and self.method in method_names():
-            check_drafter_options(self.method, {name: drafter_options[name] for name in options})
+        check_drafter_options(self.method, {k: v for k, v in drafter_options.items() if k != "drafter_path"})
         self.num_speculative_tokens = num_speculative_tokens
         self.drafter: Drafter | None = None
         if self.method != "none" and num_speculative_tokens > 0:

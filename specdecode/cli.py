@@ -138,6 +138,7 @@ class Streamer:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .api import LLM
+    from .engine.engine import check_room
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
@@ -150,10 +151,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
               progress=not args.json, drafter_path=args.drafter, weights=args.weights, draft_dtype=args.draft_dtype,
               adaptive=args.adaptive, **drafter_options(args))
     ids = llm.encode(prompt, chat=args.chat)
-    context = llm.target.model.max_len
-    if len(ids) + params.max_tokens > context:          # before any generation
-        raise CliError(f"prompt ({len(ids)} tokens) + --max-tokens ({params.max_tokens}) exceeds the model's "
-                       f"context of {context} tokens")
+    check_room(len(ids), params.max_tokens, llm.target.model.max_len, "--max-tokens")   # before any generation
     # warm-up on the prompt's first tokens, so that the first measured run does not pay one-time costs
     # (allocations, kernels); the drafter then forgets it (and, with --compare, each timed run)
     memory = llm.drafter.memory() if llm.drafter is not None else None

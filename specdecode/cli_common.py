@@ -89,8 +89,6 @@ def drafter_options(args: argparse.Namespace) -> dict:
             if method is None:                   # the default drafter for these arguments (api.default_method)
                 from .api import default_method
                 method = default_method(getattr(args, "draft", None), None, getattr(args, "drafter", None))
-            if method == "none":
-                raise CliError("--drafter-option needs a drafter (--method none drafts nothing)")
             check_drafter_options(method, options)
         except DrafterError as exc:
             raise CliError(str(exc)) from None

@@ -116,7 +116,12 @@ def drafter_option_names(method: str) -> list[str]:
 
 
 def check_drafter_options(method: str, options: dict) -> None:
-    """DrafterError naming any option that `method`'s drafter does not take."""
+    """DrafterError naming any option that `method`'s drafter does not take (method "none" takes none)."""
+    if not options:
+        return
+    if method == "none":
+        raise _drafter_errors()(f"drafter option {next(iter(options))!r} needs a drafter "
+                                f"(method 'none' drafts nothing)")
     known = drafter_option_names(method)
     unknown = [name for name in options if name not in known]
     if unknown:

@@ -72,6 +72,13 @@ def record_logprobs(s: Sequence, tokens: list[int],
         s.logprobs.append((t, chosen[j], alternatives))
 
 
+def check_room(prompt_tokens: int, max_tokens: int, context: int, name: str = "max_tokens") -> None:
+    """ParamError unless the prompt and `name` (the max-tokens parameter as the caller spells it) fit the context."""
+    if prompt_tokens + max_tokens > context:
+        raise ParamError(f"prompt ({prompt_tokens} tokens) + {name} ({max_tokens}) exceeds the model's context of "
+                         f"{context} tokens")
+
+
 class SpecEngine:
     def __init__(self, target, drafter: Drafter | None = None, num_speculative_tokens: int = 5,
                  runner: ModelRunner | None = None, adaptive: bool | None = None,
@@ -104,9 +111,7 @@ class SpecEngine:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             if not prompt:
                 raise ParamError(f"prompt {i} is empty: at least one token is required")
-            if len(prompt) + p.max_tokens > context:
-                raise ParamError(f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds the "
-                                 f"model's context of {context} tokens")
+            check_room(len(prompt), p.max_tokens, context)
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise ParamError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
