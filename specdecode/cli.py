@@ -26,17 +26,26 @@ def _logit_bias(text: str) -> tuple[int, float]:
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=number("--temperature"), default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=positive_int("--top-k", 0), default=0)
-    g.add_argument("--top-p", type=number("--top-p"), default=1.0)
-    g.add_argument("--min-p", type=number("--min-p"), default=0.0)
-    g.add_argument("--repetition-penalty", type=number("--repetition-penalty"), default=1.0)
-    g.add_argument("--presence-penalty", type=number("--presence-penalty"), default=0.0)
-    g.add_argument("--frequency-penalty", type=number("--frequency-penalty"), default=0.0)
-    g.add_argument("--logit-bias", type=_logit_bias, action="append", default=[], metavar="TOKEN_ID=BIAS")
-    g.add_argument("--seed", type=positive_int("--seed", 0), default=None)
-    g.add_argument("--max-tokens", type=positive_int("--max-tokens", 1), default=128)
+    g.add_argument("--top-k", type=positive_int("--top-k", 0), default=0,
+                   help="keep the K most likely tokens (default 0: off)")
+    g.add_argument("--top-p", type=number("--top-p"), default=1.0,
+                   help="keep the smallest set of tokens whose probability reaches P (default 1.0: off)")
+    g.add_argument("--min-p", type=number("--min-p"), default=0.0,
+                   help="drop tokens below P times the most likely one's probability (default 0.0: off)")
+    g.add_argument("--repetition-penalty", type=number("--repetition-penalty"), default=1.0,
+                   help="penalize tokens already in the prompt or output, HF style (default 1.0: off)")
+    g.add_argument("--presence-penalty", type=number("--presence-penalty"), default=0.0,
+                   help="subtract from the logits of tokens already in the output (default 0.0)")
+    g.add_argument("--frequency-penalty", type=number("--frequency-penalty"), default=0.0,
+                   help="subtract, per earlier occurrence in the output (default 0.0)")
+    g.add_argument("--logit-bias", type=_logit_bias, action="append", default=[], metavar="TOKEN_ID=BIAS",
+                   help="add BIAS to a token's logit (repeatable)")
+    g.add_argument("--seed", type=positive_int("--seed", 0), default=None,
+                   help="sampling seed: the same text with speculation on or off (default: random)")
+    g.add_argument("--max-tokens", type=positive_int("--max-tokens", 1), default=128,
+                   help="new tokens at most (default 128)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     s = p.add_argument_group("structured output (at most one; the output follows it, speculation stays lossless)")
     s.add_argument("--json-schema", metavar="FILE", help="a JSON schema file (- for stdin)")
     s.add_argument("--json-object", action="store_true", help="any JSON object")

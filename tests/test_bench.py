@@ -96,6 +96,7 @@ def test_report_and_plots(run):
     md = (run / "report.md").read_text()
     assert "| system | method | k | tok/s | speed-up |" in md
     assert "## Roofline" in md and "## Losslessness" in md
+    assert "## What the drafters chose" in md and "layer-skip k=2: skip_layers [" in md     # the layers it skips
     for name in ("speedup_by_task.png", "acceptance_by_position.png", "tokens_per_s_vs_k.png"):
         data = (run / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000

@@ -120,6 +120,10 @@ def test_bad_inputs_get_clear_errors_and_the_server_keeps_serving(server):
     assert "malformed JSON" in err["message"]
     err = error_of(post("/v1/completions", json={"prompt": "hi", "temperature": -1}), 400)
     assert err["param"] == "temperature" and "[0, 100]" in err["message"]
+    assert err["code"] is None                           # OpenAI's: a string code or null, never the status
+    err = error_of(post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                      "logprobs": 3}), 400)
+    assert err["param"] == "logprobs" and "top_logprobs" in err["message"]
     err = error_of(post("/v1/completions", json={"prompt": "hi", "num_speculative_tokens": 33}), 400)
     assert err["param"] == "num_speculative_tokens" and "[0, 32]" in err["message"]
     err = error_of(post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],

@@ -121,6 +121,9 @@ def build_rows(records: list[dict], tasks: list[str], greedy: bool) -> list[dict
                    "ttft_s": _mean_or_none([r.get("ttft_s") for r in own]),
                    "decode_ms_per_token": _mean_or_none([r.get("decode_ms_per_token") for r in own])}
             row.update(_spec_stats(own))
+            chosen = [r["drafter"] for r in own if r.get("drafter")]
+            if chosen:                   # what the drafter chose (e.g. layers skipped), as of its last prompt
+                row["drafter"] = chosen[-1]
             if greedy:
                 share, first, count = _identical(own, plain, gaps)
                 row.update(identical_share=share, divergences=count, first_divergence=first)

@@ -111,6 +111,11 @@ def markdown(results: dict) -> str:
         out += [f"| {r['method']} | {r['k']} | " + " | ".join(f"{r['time_share'][x]:.1%}" for x in
                                                             ("draft", "verify", "prefill", "other")) + " |"
                 for r in timed]
+    chosen = [r for r in rows if r["task"] == "all" and r.get("drafter")]
+    if chosen:
+        out += ["", "## What the drafters chose (as of their last prompt)", ""]
+        out += [f"- {r['system']} {r['method']} k={r['k']}: "
+                + ", ".join(f"{key} {value}" for key, value in r["drafter"].items()) for r in chosen]
     out += ["", "## Losslessness", ""]
     if cfg["temperature"] != 0:
         out.append("Sampling run: outputs differ from plain decoding by design (the distribution is preserved).")

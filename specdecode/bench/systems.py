@@ -130,12 +130,14 @@ class SpecdecodeSystem(System):
         seq = engine.generate([list(prompt_ids)], [params], on_tokens)[0]
         seconds = time.perf_counter() - started
         st = seq.stats
+        drafter = engine.drafter.summary() if engine.drafter is not None else {}
         return measurement(seq.output_ids, seconds, first[0] - started if first else None, steps=st.steps,
                            emitted=st.emitted, drafted=st.drafted, accepted=st.accepted, nodes=st.nodes,
                            drafted_per_position=list(st.drafted_per_position),
                            accepted_per_position=list(st.accepted_per_position),
                            draft_s=st.draft_seconds, verify_s=st.verify_seconds, prefill_s=st.prefill_seconds,
-                           total_s=st.total_seconds, finish_reason=seq.finish_reason)
+                           total_s=st.total_seconds, finish_reason=seq.finish_reason,
+                           **({"drafter": drafter} if drafter else {}))
 
     def logit_gap(self, prompt_ids: list[int], prefix: list[int], token_a: int, token_b: int) -> dict:
         """The target's logits after prompt + prefix: how far apart the two diverging tokens are

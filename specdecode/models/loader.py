@@ -245,6 +245,8 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
         torch_dtype = torch.bfloat16
     if why_not is None and (weights == "native" or dtype is None):
         return _load_native(path, name, torch_dtype, torch_device, started)
+    if weights == "auto" and dtype is None and why_not is not None and path.suffix.lower() == ".gguf":
+        print(f"note: {path.name} runs dequantized to {str(torch_dtype).split('.')[-1]} ({why_not})", file=sys.stderr)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelError(f"model file {path} is not a .gguf file (or give a Hugging Face model directory)")

@@ -33,7 +33,7 @@ class ApiError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code if code is not None else status}}
+                      "param": param, "code": code}}       # OpenAI's: a string such as "invalid_api_key", or null
 
 
 @dataclass
@@ -108,7 +108,7 @@ def _unsupported(body: dict) -> None:
         raise _bad("functions", "is the legacy form: send tools")
 
 
-def _sampling(body: dict, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+def _sampling(body: dict, max_tokens: int | None, default_max_tokens: int, chat: bool) -> SamplingParams:
     values: dict = {"temperature": 1.0}
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         value = _number(body, name)
@@ -130,7 +130,7 @@ def _sampling(body: dict, max_tokens: int | None, default_max_tokens: int) -> Sa
         values["stop"] = stop
     values["ignore_eos"] = _bool(body, "ignore_eos")
     values["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
-    values["logprobs"] = _logprobs(body)
+    values["logprobs"] = _logprobs(body, chat)
     from ..structured import structured_from_body
     try:
         values["structured"], _ = structured_from_body(body)
@@ -146,10 +146,13 @@ def _sampling(body: dict, max_tokens: int | None, default_max_tokens: int) -> Sa
         raise ApiError(400, message, param=head if head in SAMPLING_FIELDS else None) from None
 
 
-def _logprobs(body: dict) -> int | None:
+def _logprobs(body: dict, chat: bool) -> int | None:
     """How many top alternatives per token to report, or None: chat `logprobs: true` +
     `top_logprobs: N`; completions `logprobs: N` (OpenAI's legacy field)."""
     chat_style = isinstance(body.get("logprobs"), bool)
+    if chat and body.get("logprobs") is not None and not chat_style:
+        raise _bad("logprobs", f"must be true or false on /v1/chat/completions (the number of alternatives "
+                               f"goes in top_logprobs, 0..20), got {body['logprobs']!r}")
     if chat_style or "top_logprobs" in body:
         if not _bool(body, "logprobs"):
             if body.get("top_logprobs") not in (None, 0):
@@ -263,7 +266,7 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
                             f"{ctx.max_model_len} tokens", param="messages" if chat else "prompt",
                        code="context_length_exceeded")
     default = room if chat else min(16, room)
-    params = _sampling(body, max_tokens, default)
+    params = _sampling(body, max_tokens, default, chat)
     forced_call = tools.structured() if tools is not None else None
     if forced_call is not None:                      # tool_choice required / a named function
         if params.structured is not None:
