@@ -7,7 +7,8 @@
                          tokens, token_ids, seconds, tokens_per_s, ttft_s, decode_ms_per_token,
                          steps, and for specdecode: emitted, drafted, accepted,
                          drafted_per_position, accepted_per_position, draft_s, verify_s,
-                         prefill_s, total_s, finish_reason}
+                         prefill_s, total_s, finish_reason, drafter (what it chose, e.g. the layers
+                         a layer-skip draft skips; when it reports anything)}
                         {"type": "divergence", system, method, k, task, prompt_id, position,
                          plain_token, token, gap, top1_top2_gap, ...}   (temperature 0 only)
                         {"type": "bandwidth", read_bandwidth_gbs}   (a probe after each prompt)

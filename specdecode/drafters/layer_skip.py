@@ -7,7 +7,7 @@ transform, the sequence's own generator, a confidence stop), so the target's cac
 touched and the output stays exactly the target's.
 
 Which layers: chosen on the fly from the context, as SWIFT does, with Draft & Verify's
-criterion made cheap. On the first request the drafter runs its prompt (up to
+criterion made cheap. On the first request (at its prefill) the drafter runs its prompt (up to
 `calibration_tokens` tokens) through the full model once for the reference next-token argmaxes,
 then scores every layer alone by the top-1 agreement of the model without it (teacher forced:
 that is the depth-1 acceptance of a greedy draft), and finally adds layers in that order while
@@ -151,11 +151,19 @@ class LayerSkipDrafter(ModelDrafter):
                 "num_layers": self.target.model.config.num_layers, "calibration_agreement": self.agreement}
 
     def prefill(self, seqs) -> None:
-        """Nothing yet: the skipped layers are chosen from the first proposal's context."""
+        """On the first request, choose the skipped layers from its prompt, so that the engine's
+        draft budget starts from their cost (its prior: the share of layers kept). The prompt
+        itself is read lazily: the first draft catches up on it (a budget that never drafts never
+        pays for it)."""
+        if self.skip is None and seqs:
+            self._choose(seqs[0].token_ids)
+
+    def _choose(self, token_ids: list[int]) -> None:
+        skip, self.agreement = choose_skip_layers(self.target.model, token_ids[-self.calibration_tokens:],
+                                                  self.skip_ratio, self.min_agreement)
+        self._use(skip)
 
     def propose(self, seqs, max_tokens):
-        if self.skip is None:           # first request: choose the layers from its context
-            ids = seqs[0].token_ids[-self.calibration_tokens:]
-            skip, self.agreement = choose_skip_layers(self.target.model, ids, self.skip_ratio, self.min_agreement)
-            self._use(skip)
+        if self.skip is None:           # not prefilled (a direct caller): choose from this context
+            self._choose(seqs[0].token_ids)
         return super().propose(seqs, max_tokens)

@@ -24,7 +24,9 @@ that costs more than SHADOW_SHARE of a plain step shadows only every few plain s
 A drafter with state (a draft model) pays for every size it tries, so its first size is the one
 its prior cost (`draft_cost`: seconds per drafted token, from the weights it reads) predicts best
 at an acceptance of PRIOR_ACCEPTANCE per position, rather than a fixed one; the drafting time per
-node starts from that prior (else from the first measured step) instead of zero.
+node starts from that prior (else from the first measured step) instead of zero. Where even drafts
+that were always accepted could not beat plain decoding at the drafting cost known (`could_pay`: a
+draft token costing nearly a target step), the budget neither starts nor probes there.
 """
 from __future__ import annotations
 
@@ -106,8 +108,18 @@ class DraftBudget:
         if self.draft_cost is not None:   # ... or where the prior cost says, for a drafter that pays to try
             self.draft_per_node, self.draft_time_known = self.draft_cost, True
             sizes = [s for s in self.levels if 0 < s <= 4] or [self.size]
-            self.size = max(sizes, key=lambda s: (sum(PRIOR_ACCEPTANCE ** i for i in range(s + 1))
-                                                  / self.step_seconds(s), -s))
+            rate = {s: sum(PRIOR_ACCEPTANCE ** i for i in range(s + 1)) / self.step_seconds(s) for s in sizes}
+            self.size = max(sizes, key=lambda s: (rate[s], -s))
+            if rate[self.size] < MARGIN / self.step_seconds(0):   # not even that pays: plain, and probes
+                self.size = 0                                     # only where a size still could
+
+    def could_pay(self, size: int) -> bool:
+        """Could drafting at `size` beat plain decoding if every drafted node were accepted, at the
+        drafting cost known so far? (A drafter whose tokens cost nearly a target step cannot: the
+        135M model's layer-skip draft keeps 27 of its 30 layers.) Always True before a cost is known."""
+        if not self.draft_time_known:
+            return True
+        return (size + 1) / self.step_seconds(size) >= MARGIN / self.step_seconds(0)
 
     # ------------------------------------------------------------------ the model
     def step_seconds(self, size: int, pending: float = 1.0) -> float:
@@ -135,11 +147,13 @@ class DraftBudget:
         self.steps += 1
         best = self.best()
         larger = [s for s in self.levels if s > best]
-        if len(self.gain) == 1:     # no draft measured yet: the starting size
+        if len(self.gain) == 1 and self.size > 0:     # no draft measured yet: the starting size
             pass
-        elif best == 0:               # plain decoding wins: now and then probe a small size
+        elif best == 0:               # plain decoding wins: now and then probe a small size that could pay
             probe = self.steps % self.probe_every == 0 and larger
             self.size = larger[min(1, len(larger) - 1)] if probe else 0
+            if self.size and not self.could_pay(self.size):
+                self.size = 0
         elif (self.all_accepted or self.steps % self.explore_every == 0) and larger:
             self.size = larger[0]   # hill climbing: the next larger size (its gain is then known), at
                                     # once after a step whose drafts were all accepted

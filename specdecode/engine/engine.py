@@ -128,16 +128,18 @@ class SpecEngine:
         budget = None
         # sizes follow measured times, and a sampled row's random draws follow its sizes: a seeded
         # sampled request drafts k every step so that its seed reproduces its output
-        if self.adaptive and all(p.greedy or p.seed is None for p in params):
+        adaptive = self.adaptive and all(p.greedy or p.seed is None for p in params)
+        if adaptive:
             self.prepare_cost_curve(max_len, allocate=False)     # before the clock starts
-            caps = self.drafter.capabilities if self.drafter is not None else None
-            draft_cost = caps.relative_cost * self.cost_curve[1] if caps is not None and caps.has_state else None
-            budget = self.budget = DraftBudget(self.k, self.cost_curve, draft_cost=draft_cost)
-        shadows = ShadowDrafts() if budget is not None and not self.drafter.capabilities.has_state else None
         started = time.perf_counter()
         self.runner.prefill(seqs)
         if self.drafter is not None:
             self.drafter.prefill(seqs)          # e.g. a draft model reads the prompts: prefill, not drafting
+        if adaptive:                            # after the drafter's prefill, which may refine its cost
+            caps = self.drafter.capabilities
+            draft_cost = caps.relative_cost * self.cost_curve[1] if caps.has_state else None
+            budget = self.budget = DraftBudget(self.k, self.cost_curve, draft_cost=draft_cost)
+        shadows = ShadowDrafts() if budget is not None and not self.drafter.capabilities.has_state else None
         prefill_done = time.perf_counter()
         for s in seqs:
             s.stats.prefill_seconds = prefill_done - started

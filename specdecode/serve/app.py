@@ -27,7 +27,7 @@ from starlette.staticfiles import StaticFiles
 from ..params import SamplingParams
 from .auth import DEFAULT_MAX_BODY_BYTES, Guard
 from .tools import extract_calls
-from .protocol import ApiError, ParsedRequest, error_body, parse
+from .protocol import ApiError, ParsedRequest, error_body, parse, stream_error
 from .scheduler import Failed, Finished, QueueFull, Request, Tokens
 
 log = logging.getLogger("specdecode.serve")
@@ -206,7 +206,7 @@ async def stream_events(gens: list[Generation]):
                                            speculation=event.speculation))
                 else:
                     gen.done = True
-                    yield sse(error_body(event.status, event.message))
+                    yield sse(stream_error(event.status, event.message))
                     for other in pending:
                         other.cancel()
                     pending.clear()

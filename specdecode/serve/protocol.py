@@ -31,6 +31,13 @@ class ApiError(Exception):
         return error_body(self.status, self.message, self.param, self.code)
 
 
+def stream_error(status: int, message: str) -> dict:
+    """An error event in a stream, which has no status line of its own: its code names the status
+    (e.g. "service_unavailable" for 503)."""
+    from http import HTTPStatus
+    return error_body(status, message, code=HTTPStatus(status).name.lower())
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}       # OpenAI's: a string such as "invalid_api_key", or null

@@ -37,7 +37,7 @@ from starlette.staticfiles import StaticFiles
 
 from .app import STATIC, error, http_error, index, internal_error, sse
 from .auth import Guard
-from .protocol import error_body
+from .protocol import stream_error
 from .ray_metrics import cluster_metrics, cluster_stats
 from .ray_router import AffinityRouter, routing_key
 
@@ -253,7 +253,7 @@ class Ingress:
             done = True
         except REPLICA_GONE as exc:
             log.warning("replica died mid-stream: %s", exc)
-            yield sse(error_body(503, "the engine replica serving this request died mid-stream; the cluster "
+            yield sse(stream_error(503, "the engine replica serving this request died mid-stream; the cluster "
                                       "replaces it: retry the request"))
             yield "data: [DONE]\n\n"
             done = True
