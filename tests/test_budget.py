@@ -138,3 +138,15 @@ def test_a_costly_lookup_shadows_every_few_plain_steps():
     assert all(budget.shadow_due() for _ in range(5))            # cheap: every step
     budget.shadow_seconds = 4 * SHADOW_SHARE * interpolate(CURVE, 1)
     assert sum(budget.shadow_due() for _ in range(40)) == 10     # 4x the share: one step in four
+
+
+def test_a_draft_models_prior_cost_grows_with_the_context_and_prior_gains_are_possible_ones():
+    """Until its drafting is measured, a draft model's prior cost per token scales like the target's
+    one-row pass (both read a longer context); the optimistic prior of a size's gain never exceeds
+    what a step of that size can emit (size + 1), so a costly drafter is not kept on by its prior."""
+    budget = DraftBudget(8, CURVE, decay=0.0, draft_cost=0.6)
+    budget.observe(0, [0], [[]], verify_seconds=2.0, draft_seconds=0.0, pending=1)   # 2x the start-up curve
+    assert abs(budget.scale - 2.0) < 1e-9 and abs(budget.node_seconds() - 1.2) < 1e-9
+    costly = DraftBudget(8, CURVE, draft_cost=5.0)
+    costly._update(2, 1.0, 2.0)
+    assert costly.gain[2] <= 0.7 * 3.0 + 0.3 * 1.0 + 1e-9

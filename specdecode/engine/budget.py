@@ -95,6 +95,7 @@ class DraftBudget:
     shadow_seconds: float = field(init=False, default=0.0)   # seconds of one shadow draft (measured)
     plain_steps: int = field(init=False, default=0)
     draft_time_known: bool = field(init=False, default=False)   # draft_per_node holds a prior or a measurement
+    draft_measured: bool = field(init=False, default=False)     # ... a measurement (else the prior draft_cost)
     all_accepted: bool = field(init=False, default=False)   # the last step accepted every drafted node
     size: int = field(init=False)
     steps: int = field(init=False, default=0)
@@ -125,8 +126,15 @@ class DraftBudget:
     def step_seconds(self, size: int, pending: float = 1.0) -> float:
         """Predicted seconds per sequence of a step at `size` (drafting included)."""
         nodes = self.nodes.get(size, size)
-        drafting = self.draft_per_step + self.draft_per_node * nodes if size > 0 else 0.0
+        drafting = self.draft_per_step + self.node_seconds() * nodes if size > 0 else 0.0
         return self.pass_seconds(pending + nodes) + drafting
+
+    def node_seconds(self) -> float:
+        """Drafting seconds per node: measured, or the prior scaled like a one-row target pass
+        (a draft model's step grows with the context as the target's does)."""
+        if self.draft_cost is not None and not self.draft_measured:
+            return self.draft_cost * self.scale
+        return self.draft_per_node
 
     def pass_seconds(self, rows: float) -> float:
         """Predicted seconds of one sequence's target pass (and verification) over `rows` rows."""
@@ -202,8 +210,8 @@ class DraftBudget:
         if nodes:
             per_node = max(draft_seconds - self.draft_per_step * batch, 0.0) / nodes
             past = self.decay if self.draft_time_known else 0.0          # no zero prior
-            self.draft_per_node = past * self.draft_per_node + (1 - past) * per_node
-            self.draft_time_known = True
+            self.draft_per_node = past * self.node_seconds() + (1 - past) * per_node
+            self.draft_time_known = self.draft_measured = True
         if size == 0:
             return
         for s in self.levels:
@@ -215,11 +223,11 @@ class DraftBudget:
 
     def _update(self, size: int, emitted: float, proposed: float) -> None:
         """Moving averages of a size's tokens and nodes per step. The first observation is blended
-        with an optimistic prior (drafting at that size 20% faster than plain decoding), so one
-        unlucky step does not switch speculation off."""
-        if size not in self.gain:
+        with an optimistic prior (drafting at that size 20% faster than plain decoding, at most every
+        node accepted), so one unlucky step does not switch speculation off."""
+        if size not in self.gain:        # (never more than a step can emit: size + 1 tokens)
             self.nodes[size] = float(size)
-            self.gain[size] = PRIOR * self.step_seconds(size) / self.step_seconds(0)
+            self.gain[size] = min(PRIOR * self.step_seconds(size) / self.step_seconds(0), size + 1.0)
         self.gain[size] = self.decay * self.gain[size] + (1 - self.decay) * emitted
         self.nodes[size] = self.decay * self.nodes[size] + (1 - self.decay) * proposed
 
