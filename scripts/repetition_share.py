@@ -73,9 +73,9 @@ def main() -> None:
         total_saved = saved(keys)
         plain_time = sum(plain[key]["seconds"] for key in keys)
         rep_time = sum(plain[key]["seconds"] for key in rep)
-        saved_share = saved(rep) / total_saved if total_saved > 0 else float("nan")
+        saved_share = f"{saved(rep) / total_saved:.0%}" if total_saved > 0 else "- (none saved overall)"
         print(f"| {method} | {k} | {speed(keys):.2f}x | {speed(rep):.2f}x ({len(rep)}) | {speed(other):.2f}x "
-              f"({len(other)}) | {rep_time / plain_time:.0%} | {saved_share:.0%} |")
+              f"({len(other)}) | {rep_time / plain_time:.0%} | {saved_share} |")
 
 
 if __name__ == "__main__":
