@@ -110,11 +110,15 @@ def test_a_costly_drafter_starts_small_and_its_draft_time_has_no_zero_prior():
 
 def test_a_drafter_that_cannot_pay_even_when_always_right_never_drafts():
     """A draft token costing 0.9 of a step (the 135M model's layer-skip draft: 27 of 30 layers) loses
-    to plain decoding at any acceptance: no starting size, no probes. One at 0.75 could pay if it
-    were nearly always right: it starts plain (the prior acceptance does not pay) and probes."""
+    to plain decoding at any acceptance: no starting size, no probes. One at 0.75 could pay only if
+    nearly every draft were accepted (> 90%): plain, and no probes either (each would first feed the
+    draft every token since its last draft). One at 0.6 would pay at 90%: it starts plain (the
+    prior acceptance, 0.7, does not pay) and probes."""
     hopeless = DraftBudget(8, CURVE, probe_every=4, draft_cost=0.9)
     assert all(hopeless.next_size() == 0 for _ in range(50))
-    doubtful = DraftBudget(8, CURVE, probe_every=4, draft_cost=0.75)
+    unlikely = DraftBudget(8, CURVE, probe_every=4, draft_cost=0.75)
+    assert all(unlikely.next_size() == 0 for _ in range(50))
+    doubtful = DraftBudget(8, CURVE, probe_every=4, draft_cost=0.6)
     sizes = [doubtful.next_size() for _ in range(8)]
     assert sizes[0] == 0 and any(sizes)
 

@@ -26,7 +26,9 @@ its prior cost (`draft_cost`: seconds per drafted token, from the weights it rea
 at an acceptance of PRIOR_ACCEPTANCE per position, rather than a fixed one; the drafting time per
 node starts from that prior (else from the first measured step) instead of zero. Where even drafts
 that were always accepted could not beat plain decoding at the drafting cost known (`could_pay`: a
-draft token costing nearly a target step), the budget neither starts nor probes there.
+draft token costing nearly a target step), the budget neither starts nor probes there; a drafter that
+pays to try is probed only where drafts accepted PROBE_ACCEPTANCE of the time would pay, since each
+probe after plain steps first feeds it the tokens since its last draft.
 """
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ PRIOR = 1.2             # a size not yet measured is assumed to decode this much
 PRIOR_ACCEPTANCE = 0.7  # per position: the starting size of a drafter that pays for what it tries
 SHADOW_SHARE = 0.02     # at most this share of plain decoding's time goes to shadow drafts (looking
                         # up drafts that are only scored): a costly lookup shadows every few steps
+PROBE_ACCEPTANCE = 0.9  # a drafter that pays to try is probed only where drafts accepted this often would pay:
+                        # a probe after plain steps first feeds it every token since (a catch-up pass)
 MARGIN = 1.05           # drafting must be predicted this much faster than plain decoding to be chosen:
                         # what the model leaves out (bookkeeping of a longer step) and its noise are
                         # a few percent, and a lookup drafter's gains near break-even are mostly noise
@@ -114,13 +118,15 @@ class DraftBudget:
             if rate[self.size] < MARGIN / self.step_seconds(0):   # not even that pays: plain, and probes
                 self.size = 0                                     # only where a size still could
 
-    def could_pay(self, size: int) -> bool:
-        """Could drafting at `size` beat plain decoding if every drafted node were accepted, at the
-        drafting cost known so far? (A drafter whose tokens cost nearly a target step cannot: the
-        135M model's layer-skip draft keeps 27 of its 30 layers.) Always True before a cost is known."""
+    def could_pay(self, size: int, acceptance: float = 1.0) -> bool:
+        """Could drafting at `size` beat plain decoding if drafts were accepted at `acceptance` per
+        position (1.0: all of them), at the drafting cost known so far? (A drafter whose tokens cost
+        nearly a target step cannot: the 135M model's layer-skip draft keeps 27 of its 30 layers.)
+        Always True before a cost is known."""
         if not self.draft_time_known:
             return True
-        return (size + 1) / self.step_seconds(size) >= MARGIN / self.step_seconds(0)
+        emitted = sum(acceptance ** i for i in range(size + 1))
+        return emitted / self.step_seconds(size) >= MARGIN / self.step_seconds(0)
 
     # ------------------------------------------------------------------ the model
     def step_seconds(self, size: int, pending: float = 1.0) -> float:
@@ -160,7 +166,7 @@ class DraftBudget:
         elif best == 0:               # plain decoding wins: now and then probe a small size that could pay
             probe = self.steps % self.probe_every == 0 and larger
             self.size = larger[min(1, len(larger) - 1)] if probe else 0
-            if self.size and not self.could_pay(self.size):
+            if self.size and not self.could_pay(self.size, PROBE_ACCEPTANCE if self.draft_cost is not None else 1.0):
                 self.size = 0
         elif (self.all_accepted or self.steps % self.explore_every == 0) and larger:
             self.size = larger[0]   # hill climbing: the next larger size (its gain is then known), at
