@@ -50,6 +50,12 @@ MARGIN = 1.05           # drafting must be predicted this much faster than plain
                         # a few percent, and a lookup drafter's gains near break-even are mostly noise
 
 
+def expected_tokens(acceptance: float, size: int) -> float:
+    """Tokens a chain step of `size` drafts emits when each is accepted with probability `acceptance`
+    (1 + a + ... + a^size, the bonus token included)."""
+    return sum(acceptance ** i for i in range(size + 1))
+
+
 def measure_cost_curve(model, cache, max_rows: int, repeats: int = 3) -> dict[int, float]:
     """Forward seconds of one sequence's pass of r rows, r in powers of two up to max_rows (and
     max_rows), on row 0 of `cache` at slots 0..r-1 (the caller's prefill overwrites them)."""
@@ -94,12 +100,11 @@ class DraftBudget:
     nodes: dict[int, float] = field(init=False)      # size -> mean nodes a sequence proposes at that size
     scale: float = field(init=False, default=1.0)    # measured / curve time of a one-row pass
     row_scale: float = field(init=False, default=1.0)   # measured / curve time that each further row adds
-    draft_per_node: float = field(init=False, default=0.0)
+    draft_per_node: float = field(init=False, default=0.0)   # measured drafting seconds per node (node_seconds())
     draft_per_step: float = field(init=False, default=0.0)   # drafting seconds of a step that drafts nothing
     shadow_seconds: float = field(init=False, default=0.0)   # seconds of one shadow draft (measured)
     plain_steps: int = field(init=False, default=0)
-    draft_time_known: bool = field(init=False, default=False)   # draft_per_node holds a prior or a measurement
-    draft_measured: bool = field(init=False, default=False)     # ... a measurement (else the prior draft_cost)
+    draft_measured: bool = field(init=False, default=False)     # draft_per_node holds a measurement
     all_accepted: bool = field(init=False, default=False)   # the last step accepted every drafted node
     size: int = field(init=False)
     steps: int = field(init=False, default=0)
@@ -111,12 +116,15 @@ class DraftBudget:
         self.nodes = {0: 0.0}
         self.size = min(self.levels, key=lambda x: abs(x - 4))   # start at a modest size
         if self.draft_cost is not None:   # ... or where the prior cost says, for a drafter that pays to try
-            self.draft_per_node, self.draft_time_known = self.draft_cost, True
             sizes = [s for s in self.levels if 0 < s <= 4] or [self.size]
-            rate = {s: sum(PRIOR_ACCEPTANCE ** i for i in range(s + 1)) / self.step_seconds(s) for s in sizes}
-            self.size = max(sizes, key=lambda s: (rate[s], -s))
-            if rate[self.size] < MARGIN / self.step_seconds(0):   # not even that pays: plain, and probes
+            self.size = max(sizes, key=lambda s: (expected_tokens(PRIOR_ACCEPTANCE, s) / self.step_seconds(s), -s))
+            if not self.could_pay(self.size, PRIOR_ACCEPTANCE):   # not even that pays: plain, and probes
                 self.size = 0                                     # only where a size still could
+
+    @property
+    def draft_time_known(self) -> bool:
+        """The drafting time per node is a prior (`draft_cost`) or a measurement."""
+        return self.draft_cost is not None or self.draft_measured
 
     def could_pay(self, size: int, acceptance: float = 1.0) -> bool:
         """Could drafting at `size` beat plain decoding if drafts were accepted at `acceptance` per
@@ -125,8 +133,7 @@ class DraftBudget:
         Always True before a cost is known."""
         if not self.draft_time_known:
             return True
-        emitted = sum(acceptance ** i for i in range(size + 1))
-        return emitted / self.step_seconds(size) >= MARGIN / self.step_seconds(0)
+        return expected_tokens(acceptance, size) / self.step_seconds(size) >= MARGIN / self.step_seconds(0)
 
     # ------------------------------------------------------------------ the model
     def step_seconds(self, size: int, pending: float = 1.0) -> float:
@@ -217,7 +224,7 @@ class DraftBudget:
             per_node = max(draft_seconds - self.draft_per_step * batch, 0.0) / nodes
             past = self.decay if self.draft_time_known else 0.0          # no zero prior
             self.draft_per_node = past * self.node_seconds() + (1 - past) * per_node
-            self.draft_time_known = self.draft_measured = True
+            self.draft_measured = True
         if size == 0:
             return
         for s in self.levels:
