@@ -324,15 +324,16 @@ def test_self_quant_refuses_an_already_quantized_target():
 @pytest.mark.parametrize("qtype", [2, 3, 6, 7, 8, 12, 14])
 def test_amx_tiles_equal_vnni_kernels_bitwise(qtype):
     """Where the CPU has AMX-INT8, passes of several rows over the 16-column layouts run on tiles
-    (quant16_amx.c); every output equals the VNNI kernel's bit for bit, at 2..16 rows and past 16."""
+    (quant16_amx.c); every output equals the VNNI kernel's bit for bit, at 2..16 rows and past 16
+    (K formats past 16 rows: a prompt's path, each super-block decoded once for all chunks of rows)."""
     from specdecode.fast import linear
     st = linear._load()
     if not st.get("qamx"):
         pytest.skip("no AMX-INT8 on this CPU")
     k = 768 if BLOCK.get(qtype) == 256 else 576   # 576: a last activation chunk of 2 blocks
     lin = QuantLinear(random_weight(qtype, 64, k, seed=6))
-    x = torch.randn(21, k).to(torch.bfloat16)
-    tiles = {n: lin(x[:n]) for n in (2, 5, 16, 21)}
+    x = torch.randn(45, k).to(torch.bfloat16)
+    tiles = {n: lin(x[:n]) for n in (2, 5, 16, 21, 32, 45)}
     try:
         st["lib"].sd_q_amx(0)
         for n, y in tiles.items():

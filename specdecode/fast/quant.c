@@ -213,6 +213,10 @@ static int q_block_ok(int type) {
 /* Thread-local scratch, grown on demand (OpenMP threads persist between calls). */
 static __thread char *q_scratch;
 static __thread size_t q_scratch_cap;
+static __thread float *q_accm __attribute__((unused));         /* [rows][16] fp32 accumulators of a prompt's rows (k16_amx_all) */
+static __thread size_t q_accm_cap __attribute__((unused));
+typedef struct k16_pipe k16_pipe;
+static __thread k16_pipe *q_pipe __attribute__((unused));      /* double buffers of k16_amx_all */
 
 /* Quantize activation rows per block of Q_BLOCK k: xq[r][k] int8, dq[r][b] = max|x| / 127 over block
  * b, and the sums of QS_STRIDE's layout.  A row's result depends on that row only. */
@@ -366,6 +370,24 @@ static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias
         const size_t gb = q16_group_bytes(W->type[s], K);    /* an interleaved segment: 16-aligned */
         const uint8_t *grp = gb ? W->data[s] + (size_t)(g * 16 - (s ? W->n_end[s - 1] : 0)) / 16 * gb : NULL;
         const int chunk = amx && grp ? 16 : SD_QROWS;
+#if SD_QAMX
+        if (amx && grp && (W->type[s] == GQ_Q4_K16 || W->type[s] == GQ_Q6_K16)) {
+            /* all rows at once, pipelined, each super-block decoded once (the same bits) */
+            if (q_accm_cap < (size_t)M) {
+                free(q_accm);
+                q_accm = (float *)aligned_alloc(64, (size_t)M * 16 * sizeof(float));
+                q_accm_cap = q_accm ? (size_t)M : 0;
+            }
+            if (!q_pipe) q_pipe = (k16_pipe *)aligned_alloc(64, sizeof(k16_pipe));
+            if (q_accm && q_pipe) {
+                k16_amx_all(W->type[s], grp, K, xq, dq, sums, M, q_accm, cfg, q_pipe);
+                for (int m0 = 0; m0 < M; m0 += 16)
+                    store_block(q_accm + (size_t)16 * m0, M - m0 < 16 ? M - m0 : 16, g * 16, W->N, bias,
+                                (char *)y + (size_t)m0 * ldy * esz, ldy, mode);
+                continue;
+            }
+        }
+#endif
         for (int m0 = 0; m0 < M; m0 += chunk) {
             const int R = M - m0 < chunk ? M - m0 : chunk;
             const int8_t *xm = xq + (size_t)m0 * K;
@@ -373,7 +395,7 @@ static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias
             memset(acc, 0, sizeof acc);
             if (grp && amx && R >= QAMX_MIN_ROWS) {
 #if SD_QAMX
-                q16_rows_amx(W->type[s], grp, K, xm, dm, sm, R, acc, cfg);
+                leg16_amx(W->type[s], grp, K, xm, dm, sm, R, acc, cfg);
 #endif
             } else if (grp) {
                 q16_rows(W->type[s], grp, K, xm, dm, sm, R, acc);
