@@ -31,6 +31,7 @@ static void qamx_config(int KB, int R, int *cfg) {
     for (int i = 0; i < 4; i++) { c.rows[i] = (uint8_t)R; c.colsb[i] = 64; }
     c.rows[4] = (uint8_t)R;        c.colsb[4] = (uint16_t)KB;
     c.rows[6] = (uint8_t)(KB / 4); c.colsb[6] = 64;
+    __asm__ volatile("" : : "r"(&c) : "memory");   /* see k16_config */
     _tile_loadconfig(&c);
     *cfg = QAMX_CFG(KB, R);
 }
@@ -196,7 +197,9 @@ static void k16_config(int BK, int R, int *cfg) {
     for (int i = 0; i < 4; i++) { c.rows[i] = (uint8_t)R; c.colsb[i] = 64; }
     for (int i = 4; i < 6; i++) { c.rows[i] = (uint8_t)R; c.colsb[i] = (uint16_t)BK; }
     for (int i = 6; i < 8; i++) { c.rows[i] = (uint8_t)(BK / 4); c.colsb[i] = 64; }
-    __asm__ volatile("" : : "r"(&c) : "memory");   /* gcc 12 dropped these stores as dead otherwise */
+    /* gcc 12's _tile_loadconfig tells the compiler it reads 8 bytes (an "m" operand of a pointer), so the
+     * stores past them were dropped as dead; the barrier makes the whole struct live */
+    __asm__ volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
     *cfg = QAMX_CFG(BK, R) + 500;
 }
