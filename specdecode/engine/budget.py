@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .acceptance import expected_tokens
+
 LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PRIOR = 1.2             # a size not yet measured is assumed to decode this much faster than plain
 PRIOR_ACCEPTANCE = 0.7  # per position: the starting size of a drafter that pays for what it tries
@@ -48,12 +50,6 @@ PROBE_ACCEPTANCE = 0.9  # a drafter that pays to try is probed only where drafts
 MARGIN = 1.05           # drafting must be predicted this much faster than plain decoding to be chosen:
                         # what the model leaves out (bookkeeping of a longer step) and its noise are
                         # a few percent, and a lookup drafter's gains near break-even are mostly noise
-
-
-def expected_tokens(acceptance: float, size: int) -> float:
-    """Tokens a chain step of `size` drafts emits when each is accepted with probability `acceptance`
-    (1 + a + ... + a^size, the bonus token included)."""
-    return sum(acceptance ** i for i in range(size + 1))
 
 
 def measure_cost_curve(model, cache, max_rows: int, repeats: int = 3) -> dict[int, float]:

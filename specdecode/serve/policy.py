@@ -36,14 +36,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..engine.acceptance import expected_tokens
+
 AUTO, ON, OFF = "auto", "on", "off"
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Mean tokens emitted by a step with k drafts at per-position acceptance alpha."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 @dataclass
