@@ -48,7 +48,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--eval-prompts", type=positive_int("--eval-prompts", 0), default=3,
                    help="held-out Spec-Bench prompts per task for the final engine run (default 3; 0 = skip)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="target dtype (default bf16)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="target dtype (default auto: as `generate` loads it, a GGUF file on its own quantized "
+                        "weights, so the features are those the drafter sees at run time)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--threads", type=positive_int("--threads", 1, 1024), default=None)
     p.set_defaults(run=cmd_distill)
