@@ -325,7 +325,7 @@ def test_self_quant_refuses_an_already_quantized_target():
 def test_amx_tiles_equal_vnni_kernels_bitwise(qtype):
     """Where the CPU has AMX-INT8, passes of several rows over the 16-column layouts run on tiles
     (quant16_amx.c); every output equals the VNNI kernel's bit for bit, at 2..16 rows and past 16
-    (K formats past 16 rows: a prompt's path, each super-block decoded once for all chunks of rows)."""
+    (the K formats run all rows in one pipelined pass, each super-block decoded once for all chunks)."""
     from specdecode.fast import linear
     st = linear._load()
     if not st.get("qamx"):

@@ -151,7 +151,7 @@ static void amx_config(int rows) {
     c.palette = 1;
     for (int i = 0; i < 3; i++) { c.rows[i] = (uint8_t)rows; c.colsb[i] = 64; }
     for (int i = 3; i < 7; i++) { c.rows[i] = 16; c.colsb[i] = 64; }
-    __asm__ volatile("" : : "r"(&c) : "memory");   /* see k16_config */
+    __asm__ volatile("" : : "r"(&c) : "memory");   /* see qamx_config (quant16_amx.c) */
     _tile_loadconfig(&c);
 }
 

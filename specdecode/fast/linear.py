@@ -56,24 +56,19 @@ AMX_MIN_ROWS = 1
 _state: dict = {}  # lazily filled by _load(): lib, amx, bf16, fp32, reason
 
 
-def _cpu_flags() -> set[str]:
+def _cpuinfo(field: str) -> str:
+    """The first CPU's `field` in /proc/cpuinfo ("" where there is none)."""
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _cpu_vendor() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("vendor_id"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def _cpu_flags() -> set[str]:
+    return set(_cpuinfo("flags").split())
 
 
 # Software prefetch (PREFETCHT2, this many bytes ahead of each weight block) in the quantized kernels,
@@ -90,7 +85,7 @@ def _qprefetch_bytes() -> int:
     by default QPREFETCH_INTEL on Intel CPUs and 0 elsewhere."""
     value = os.environ.get("SPECDECODE_QPREFETCH")
     if value is None:
-        return QPREFETCH_INTEL if _cpu_vendor() == "GenuineIntel" else 0
+        return QPREFETCH_INTEL if _cpuinfo("vendor_id") == "GenuineIntel" else 0
     return int(value) if value.isdigit() else 0
 
 

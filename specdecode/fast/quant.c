@@ -213,10 +213,6 @@ static int q_block_ok(int type) {
 /* Thread-local scratch, grown on demand (OpenMP threads persist between calls). */
 static __thread char *q_scratch;
 static __thread size_t q_scratch_cap;
-static __thread float *q_accm __attribute__((unused));         /* [rows][16] fp32 accumulators of a prompt's rows (k16_amx_all) */
-static __thread size_t q_accm_cap __attribute__((unused));
-typedef struct k16_pipe k16_pipe;
-static __thread k16_pipe *q_pipe __attribute__((unused));      /* double buffers of k16_amx_all */
 
 /* Quantize activation rows per block of Q_BLOCK k: xq[r][k] int8, dq[r][b] = max|x| / 127 over block
  * b, and the sums of QS_STRIDE's layout.  A row's result depends on that row only. */
@@ -347,14 +343,20 @@ static q_col_fn q_col_for(int type) {
 static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias, void *y, int ldy, int M,
                      int mode, int t, int nt, int *cfg) {
     const int K = W->K, KB = K / 32, QS = QS_STRIDE(K), esz = out_esz(mode);
-    const size_t need = (size_t)M * K + ((size_t)M * (KB + QS) + 32) * 4 + 128;
+    /* scratch: [AMX: k16_amx_all's double buffers | fp32 accumulators [M][16]] | dq | sums | xq */
+#if SD_QAMX
+    const size_t pipe = sizeof(k16_pipe) + (size_t)M * 16 * sizeof(float);
+#else
+    const size_t pipe = 0;
+#endif
+    const size_t need = pipe + (size_t)M * K + ((size_t)M * (KB + QS) + 32) * 4 + 128;
     if (q_scratch_cap < need) {
         free(q_scratch);
         q_scratch = (char *)aligned_alloc(64, (need + 63) / 64 * 64);
         q_scratch_cap = q_scratch ? need : 0;
     }
     if (!q_scratch) return;
-    float *dq = (float *)q_scratch, *sums = dq + (size_t)M * KB + 16;
+    float *dq = (float *)(q_scratch + pipe), *sums = dq + (size_t)M * KB + 16;
     int8_t *xq = (int8_t *)(sums + (size_t)M * QS + 16);
     q_quantize_rows(x, lda, M, K, xq, dq, sums);
     int g0, g1;
@@ -373,19 +375,12 @@ static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias
 #if SD_QAMX
         if (amx && grp && (W->type[s] == GQ_Q4_K16 || W->type[s] == GQ_Q6_K16)) {
             /* all rows at once, pipelined, each super-block decoded once (the same bits) */
-            if (q_accm_cap < (size_t)M) {
-                free(q_accm);
-                q_accm = (float *)aligned_alloc(64, (size_t)M * 16 * sizeof(float));
-                q_accm_cap = q_accm ? (size_t)M : 0;
-            }
-            if (!q_pipe) q_pipe = (k16_pipe *)aligned_alloc(64, sizeof(k16_pipe));
-            if (q_accm && q_pipe) {
-                k16_amx_all(W->type[s], grp, K, xq, dq, sums, M, q_accm, cfg, q_pipe);
-                for (int m0 = 0; m0 < M; m0 += 16)
-                    store_block(q_accm + (size_t)16 * m0, M - m0 < 16 ? M - m0 : 16, g * 16, W->N, bias,
-                                (char *)y + (size_t)m0 * ldy * esz, ldy, mode);
-                continue;
-            }
+            float *accm = (float *)(q_scratch + sizeof(k16_pipe));
+            k16_amx_all(W->type[s], grp, K, xq, dq, sums, M, accm, cfg, (k16_pipe *)q_scratch);
+            for (int m0 = 0; m0 < M; m0 += 16)
+                store_block(accm + (size_t)16 * m0, M - m0 < 16 ? M - m0 : 16, g * 16, W->N, bias,
+                            (char *)y + (size_t)m0 * ldy * esz, ldy, mode);
+            continue;
         }
 #endif
         for (int m0 = 0; m0 < M; m0 += chunk) {

@@ -10,8 +10,8 @@
  * order; an integer dot product is exact whichever instruction sums it, so every output equals the VNNI
  * kernel's bit for bit, for any row count: batch invariance holds across the two paths.
  *
- * Tiles: 0..3 C (R x 16 int32); 4 A (R x KB int8); 6 B (KB / 4 x 64 u8), KB = 32 (Q6_K: 16); the K
- * formats (k16_amx_all) alternate A between 4 and 5 and B between 6 and 7.
+ * Tiles: 0..3 C (R x 16 int32); 4, 5 A (R x KB int8); 6, 7 B (KB / 4 x 64 u8), KB = 32 (Q6_K: 16); the
+ * 32-block formats use 4 and 6 only, the K formats (k16_amx_all) alternate between the two pairs.
  */
 
 #if defined(__AVX512F__) && defined(__AMX_INT8__)
@@ -29,22 +29,27 @@ static void qamx_config(int KB, int R, int *cfg) {
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int i = 0; i < 4; i++) { c.rows[i] = (uint8_t)R; c.colsb[i] = 64; }
-    c.rows[4] = (uint8_t)R;        c.colsb[4] = (uint16_t)KB;
-    c.rows[6] = (uint8_t)(KB / 4); c.colsb[6] = 64;
-    __asm__ volatile("" : : "r"(&c) : "memory");   /* see k16_config */
+    for (int i = 4; i < 6; i++) { c.rows[i] = (uint8_t)R; c.colsb[i] = (uint16_t)KB; }
+    for (int i = 6; i < 8; i++) { c.rows[i] = (uint8_t)(KB / 4); c.colsb[i] = 64; }
+    /* gcc 12's _tile_loadconfig tells the compiler it reads 8 bytes (an "m" operand of a pointer), so
+     * the stores past them can be dropped as dead (they were, ldtilecfg faulted); the barrier makes the
+     * whole struct live */
+    __asm__ volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
     *cfg = QAMX_CFG(KB, R);
 }
 
-/* CI = A(X + KB j) . B, exact int32 [R][16], in C tile T (a literal) */
-#define QAMX_DOT(KB, j, T, X, B, LDX, CI)                                                             \
+/* CI = A . B, exact int32 [R][16], in C tile TC through A tile TA and B tile TB (literals) */
+#define QAMX_DOT_T(TC, TA, TB, A, LDA, B, CI)                                                         \
     do {                                                                                              \
-        _tile_loadd(4, (X) + (KB) * (j), (LDX));                                                      \
-        _tile_loadd(6, (B), 64);                                                                      \
-        _tile_zero(T);                                                                                \
-        _tile_dpbsud(T, 4, 6);                                                                        \
-        _tile_stored(T, (CI), 64);                                                                    \
+        _tile_loadd(TA, (A), (LDA));                                                                  \
+        _tile_loadd(TB, (B), 64);                                                                     \
+        _tile_zero(TC);                                                                               \
+        _tile_dpbsud(TC, TA, TB);                                                                     \
+        _tile_stored(TC, (CI), 64);                                                                   \
     } while (0)
+/* CI = A(X + KB j) . B in C tile T */
+#define QAMX_DOT(KB, j, T, X, B, LDX, CI) QAMX_DOT_T(T, 4, 6, (X) + (KB) * (j), LDX, B, CI)
 /* blocks j .. j+3: CI[j + i] = A(X + KB (j + i)) . BS[j + i] */
 #define QAMX_DOT4(KB, j, X, BS, LDX, CI)                                                              \
     do {                                                                                              \
@@ -131,11 +136,12 @@ static void leg16_amx(int type, const uint8_t *grp, int K, const int8_t *xq, con
  * outputs are the VNNI kernels' bits.  2-core Sapphire Rapids, against one 16-row chunk at a time with
  * the super-block decoded per chunk: L2-resident Q4_K 64 rows 254-259 -> 293-303 GMAC/s per core; a
  * 700-token prefill of the 1.5B Q4_K_M 194-207 -> 210-230 tok/s (alternating runs). */
-struct k16_pipe {
+typedef struct k16_pipe {
     uint8_t bb[2][16][512] __attribute__((aligned(64)));   /* B rows of the decoded super-block */
     int32_t ci[2][16][16 * 16] __attribute__((aligned(64)));
     float scs[2][16][16] __attribute__((aligned(64))), off[2][16][16] __attribute__((aligned(64)));
-};
+} k16_pipe;
+_Static_assert(sizeof(k16_pipe) % 64 == 0, "qmm_part places the accumulators right after it, 64-aligned");
 
 static void k16_decode(int q6, const uint8_t *sb, uint8_t (*bb)[512], float (*scs)[16], float (*off)[16]) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
@@ -162,55 +168,26 @@ static void k16_decode(int q6, const uint8_t *sb, uint8_t (*bb)[512], float (*sc
     }
 }
 
-/* the NB block products of rows x[0..R) (row stride K) into ci, A / B tiles alternating 4|5, 6|7 */
-#define K16_DOT(TC, TA, TB, b)                                                                        \
-    do {                                                                                              \
-        _tile_loadd(TA, x + BK * (b), K);                                                             \
-        _tile_loadd(TB, bb[b], 64);                                                                   \
-        _tile_zero(TC);                                                                               \
-        _tile_dpbsud(TC, TA, TB);                                                                     \
-        _tile_stored(TC, ci[b], 64);                                                                  \
-    } while (0)
+/* Block b's products of rows x[0..R) (row stride K) into ci[b]: C tile b % 4, A / B tiles alternating
+ * 4|5 and 6|7, so the next product's loads need not wait for this one's */
 static inline __attribute__((always_inline)) void
 k16_dot(int b, int BK, int K, const int8_t *x, uint8_t (*bb)[512], int32_t (*ci)[256]) {
     switch (b & 3) {
-    case 0: K16_DOT(0, 4, 6, b); break;
-    case 1: K16_DOT(1, 5, 7, b); break;
-    case 2: K16_DOT(2, 4, 6, b); break;
-    default: K16_DOT(3, 5, 7, b); break;
+    case 0: QAMX_DOT_T(0, 4, 6, x + BK * b, K, bb[b], ci[b]); break;
+    case 1: QAMX_DOT_T(1, 5, 7, x + BK * b, K, bb[b], ci[b]); break;
+    case 2: QAMX_DOT_T(2, 4, 6, x + BK * b, K, bb[b], ci[b]); break;
+    default: QAMX_DOT_T(3, 5, 7, x + BK * b, K, bb[b], ci[b]); break;
     }
-}
-static inline void k16_tiles(int NB, int BK, int K, const int8_t *x, uint8_t (*bb)[512], int32_t (*ci)[256]) {
-    for (int b = 0; b < NB; b += 4) {
-        K16_DOT(0, 4, 6, b);
-        K16_DOT(1, 5, 7, b + 1);
-        K16_DOT(2, 4, 6, b + 2);
-        K16_DOT(3, 5, 7, b + 3);
-    }
-}
-
-static void k16_config(int BK, int R, int *cfg) {
-    if (*cfg == QAMX_CFG(BK, R) + 500) return;
-    tilecfg_t c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 4; i++) { c.rows[i] = (uint8_t)R; c.colsb[i] = 64; }
-    for (int i = 4; i < 6; i++) { c.rows[i] = (uint8_t)R; c.colsb[i] = (uint16_t)BK; }
-    for (int i = 6; i < 8; i++) { c.rows[i] = (uint8_t)(BK / 4); c.colsb[i] = 64; }
-    /* gcc 12's _tile_loadconfig tells the compiler it reads 8 bytes (an "m" operand of a pointer), so the
-     * stores past them were dropped as dead; the barrier makes the whole struct live */
-    __asm__ volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
-    *cfg = QAMX_CFG(BK, R) + 500;
 }
 
 /* The fp32 scaling of one job's block products (q4k16_group / q6k16_group's operations in their order),
- * NB blocks at a time with the blocks' 16-lane scales in registers (Q6_K: two halves of 8). */
+ * 8 blocks at a time (Q6_K's 16 in two halves) with the blocks' 16-lane scales in registers; the next
+ * job's products (xn: its rows, or NULL) are issued one per row in between. */
 static inline __attribute__((always_inline)) void
-k16_scale(const int NB, const int q6, int32_t (*ci)[256], float (*scs)[16], float (*off)[16], const float *sums,
+k16_scale(int q6, int32_t (*ci)[256], float (*scs)[16], float (*off)[16], const float *sums,
           const float *dq, int QS, int KB, int R, float *accm,
           const int8_t *xn, uint8_t (*bbn)[512], int32_t (*cin)[256], int BK, int K) {
-    for (int h = 0; h < NB; h += 8) {
+    for (int h = 0; h < 8 << q6; h += 8) {
         __m512 sv[8], ov[8];
         for (int b = 0; b < 8; b++) { sv[b] = _mm512_load_ps(scs[h + b]); ov[b] = _mm512_load_ps(off[h + b]); }
 #pragma GCC unroll 1
@@ -220,7 +197,7 @@ k16_scale(const int NB, const int q6, int32_t (*ci)[256], float (*scs)[16], floa
 #pragma GCC unroll 8
             for (int b = 0; b < 8; b++) {
                 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ci[h + b] + 16 * r)),
-                                    _mm512_mul_ps(sv[b], _mm512_set1_ps(dr[q6 ? (h + b) / 2 : h + b])), a);
+                                    _mm512_mul_ps(sv[b], _mm512_set1_ps(dr[(h + b) >> q6])), a);   /* Q6_K: 2 blocks per scale */
                 a = _mm512_fnmadd_ps(ov[b], _mm512_set1_ps(sr[b]), a);
             }
             _mm512_store_ps(accm + 16 * r, a);
@@ -231,16 +208,17 @@ k16_scale(const int NB, const int q6, int32_t (*ci)[256], float (*scs)[16], floa
     }
 }
 
-static void k16_amx_all(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums,
-                        int M, float *accm, int *cfg, k16_pipe *pp) {
-    const int q6 = type == GQ_Q6_K16, NC = K / 256, KB = K / 32, QS = QS_STRIDE(K);
+static inline __attribute__((always_inline)) void
+k16_amx_run(const int q6, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums, int M,
+            float *accm, int *cfg, k16_pipe *pp) {
+    const int NC = K / 256, KB = K / 32, QS = QS_STRIDE(K);
     const int NB = q6 ? 16 : 8, BK = q6 ? 16 : 32;       /* scale blocks per super-block, k per block */
     const int NM = (M + 15) / 16, jobs = NC * NM;         /* job i: super-block i / NM, rows 16 (i % NM) */
     const size_t SBB = q6 ? Q6K16_BYTES : Q4K16_BYTES;
     for (int r = 0; r < M; r++) _mm512_store_ps(accm + 16 * r, _mm512_setzero_ps());
     k16_decode(q6, grp, pp->bb[0], pp->scs[0], pp->off[0]);
-    k16_config(BK, M < 16 ? M : 16, cfg);
-    k16_tiles(NB, BK, K, xq, pp->bb[0], pp->ci[0]);
+    qamx_config(BK, M < 16 ? M : 16, cfg);
+    for (int b = 0; b < NB; b++) k16_dot(b, BK, K, xq, pp->bb[0], pp->ci[0]);
     for (int i = 0; i < jobs; i++) {
         const int c = i / NM, m0 = 16 * (i % NM), R = M - m0 < 16 ? M - m0 : 16;
         const int8_t *xn = NULL;                         /* the next job's rows, its products issued */
@@ -249,19 +227,24 @@ static void k16_amx_all(int type, const uint8_t *grp, int K, const int8_t *xq, c
         if (i + 1 < jobs) {
             const int c1 = (i + 1) / NM, n0 = 16 * ((i + 1) % NM);
             if (c1 != c) k16_decode(q6, grp + (size_t)c1 * SBB, pp->bb[c1 & 1], pp->scs[c1 & 1], pp->off[c1 & 1]);
-            k16_config(BK, M - n0 < 16 ? M - n0 : 16, cfg);
+            qamx_config(BK, M - n0 < 16 ? M - n0 : 16, cfg);
             xn = xq + (size_t)n0 * K + 256 * c1;
             bbn = pp->bb[c1 & 1];
         }
         int32_t (*ci)[256] = pp->ci[i & 1];
         float (*scs)[16] = pp->scs[c & 1], (*off)[16] = pp->off[c & 1];
-        if (q6)
-            k16_scale(16, 1, ci, scs, off, sums + (size_t)m0 * QS + QS_SX16(K) + 16 * c, dq + (size_t)m0 * KB + 8 * c,
-                      QS, KB, R, accm + 16 * (size_t)m0, xn, bbn, cin, BK, K);
-        else
-            k16_scale(8, 0, ci, scs, off, sums + (size_t)m0 * QS + QS_SX(K) + 8 * c, dq + (size_t)m0 * KB + 8 * c,
-                      QS, KB, R, accm + 16 * (size_t)m0, xn, bbn, cin, BK, K);
+        const float *sx = sums + (size_t)m0 * QS + (q6 ? QS_SX16(K) : QS_SX(K)) + NB * c;   /* per block */
+        k16_scale(q6, ci, scs, off, sx, dq + (size_t)m0 * KB + 8 * c, QS, KB, R, accm + 16 * (size_t)m0,
+                  xn, bbn, cin, BK, K);
     }
+}
+
+/* the two formats compiled apart, q6 a constant in each (with q6 at run time a 700-token prefill of the
+ * 1.5B ran 3-5% slower, alternating runs) */
+static void k16_amx_all(int type, const uint8_t *grp, int K, const int8_t *xq, const float *dq, const float *sums,
+                        int M, float *accm, int *cfg, k16_pipe *pp) {
+    if (type == GQ_Q6_K16) k16_amx_run(1, grp, K, xq, dq, sums, M, accm, cfg, pp);
+    else k16_amx_run(0, grp, K, xq, dq, sums, M, accm, cfg, pp);
 }
 
 #else
