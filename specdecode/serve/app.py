@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -28,7 +29,7 @@ from ..params import SamplingParams
 from .auth import DEFAULT_MAX_BODY_BYTES, Guard
 from .tools import extract_calls
 from .protocol import ApiError, ParsedRequest, error_body, parse, stream_error
-from .scheduler import Failed, Finished, QueueFull, Request, Tokens
+from .scheduler import Failed, Finished, QueueFull, Request, ShuttingDown, Tokens
 
 log = logging.getLogger("specdecode.serve")
 STATIC = Path(__file__).parent / "static"
@@ -38,28 +39,77 @@ def error(status: int, message: str, param: str | None = None, code: str | None 
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
-DISCONNECT_CHECK = 0.5    # seconds between checks that a non-streamed request's client is still connected
+class Mailbox:
+    """Events from the engine thread to one event loop: however many events a step produces, the
+    loop is woken once (one `call_soon_threadsafe`) and hands each to its queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.items, self.lock, self.scheduled = loop, [], threading.Lock(), False
+
+    @staticmethod
+    def of(app_state) -> "Mailbox":
+        """The running loop's mailbox (made on first use)."""
+        loop = asyncio.get_running_loop()
+        boxes = app_state.__dict__.setdefault("_mailboxes", {})
+        if loop not in boxes:
+            boxes[loop] = Mailbox(loop)
+        return boxes[loop]
+
+    def post(self, queue: asyncio.Queue, item) -> None:
+        with self.lock:
+            self.items.append((queue, item))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:           # the event loop is gone (shutdown)
+            pass
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items, self.scheduled = self.items, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
 
 
 class TextStream:
     """Incremental detokenization: text deltas that never split a UTF-8 character and never
-    show text that may still turn out to be part of a stop string."""
+    show text that may still turn out to be part of a stop string. Each token is decoded once,
+    with the few tokens before it (as vLLM does), so a long answer costs no more per token than a
+    short one."""
 
     def __init__(self, tokenizer, params: SamplingParams) -> None:
         self.tokenizer, self.ids, self.sent = tokenizer, [], 0
+        self.text = ""                     # the text of ids[:read_at] (whole characters)
+        self.prefix_at = self.read_at = 0  # ids[prefix_at:read_at]: the context the next tokens decode with
         self.stops = tuple(s for s in params.stop if s)
         self.hold = max((len(s) - 1 for s in self.stops), default=0)
-        self.token_text_len = 0
+
+    def _decode_new(self) -> str:
+        """The text ids[read_at:] add, or '' while they end inside a character. Decoded after
+        the tokens before them: a tokenizer that drops a word's leading space at the start of a
+        decode drops it from both strings alike."""
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_at:self.read_at]) if self.read_at > self.prefix_at else ""
+        full = decode(self.ids[self.prefix_at:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_at, self.read_at = self.read_at, len(self.ids)
+        self.text += full[len(prefix):]
+        return full[len(prefix):]
 
     def add(self, ids: list[int], with_token_texts: bool) -> tuple[str, list[str]]:
+        """(the text that may be sent now, each token's own text when asked)."""
         texts = []
-        for token in ids:
-            self.ids.append(token)
-            if with_token_texts:
-                text = self.tokenizer.decode(self.ids).rstrip("\ufffd")
-                texts.append(text[self.token_text_len:])
-                self.token_text_len = max(self.token_text_len, len(text))
-        text = self.tokenizer.decode(self.ids).rstrip("\ufffd")
+        if with_token_texts:
+            for token in ids:
+                self.ids.append(token)
+                texts.append(self._decode_new())
+        else:
+            self.ids += ids
+            self._decode_new()
+        text = self.text
         # a stop string's prefix at the end is held back, so none can start before self.sent;
         # a whole one (completed by these tokens) cuts the text where it starts
         cut = len(text) - self.hold
@@ -72,9 +122,7 @@ class TextStream:
         return delta, texts
 
     def finish(self, stop_text_index: int | None) -> str:
-        text = self.tokenizer.decode(self.ids)
-        if stop_text_index is not None:
-            text = text[:stop_text_index]
+        text = self.full_text(stop_text_index)
         delta, self.sent = text[self.sent:], max(self.sent, len(text))
         return delta
 
@@ -84,23 +132,17 @@ class TextStream:
 
 
 class Generation:
-    """One request's trip through the scheduler, as seen by the handler."""
+    """One choice of a request on its trip through the scheduler, as seen by the handler. The
+    choices of a request share one queue of (generation, event) pairs."""
 
-    def __init__(self, state, parsed: ParsedRequest, index: int = 0) -> None:
+    def __init__(self, state, parsed: ParsedRequest, queue: asyncio.Queue, mailbox: Mailbox, index: int = 0) -> None:
         """Choice `index` of the request (n > 1: choice i is seeded seed + i when a seed is given)."""
         self.state, self.parsed, self.index = state, parsed, index
         params = parsed.params
         if index and params.seed is not None:
             params = dataclasses.replace(params, seed=(params.seed + index) % 2**63)
-        self.queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-
-        def sink(event) -> None:
-            try:
-                loop.call_soon_threadsafe(self.queue.put_nowait, event)
-            except RuntimeError:       # the event loop is gone (shutdown)
-                pass
-        self.request = Request(parsed.prompt_ids, params, sink, parsed.speculate, parsed.num_speculative_tokens)
+        self.request = Request(parsed.prompt_ids, params, lambda event: mailbox.post(queue, (self, event)),
+                               parsed.speculate, parsed.num_speculative_tokens)
         self.text = TextStream(state.tokenizer, params)
         self.done = False
         self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -161,22 +203,50 @@ def merged_usage(usages: list[dict]) -> dict:
     return dict(usages[0], prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-async def stream_events(gens: list[Generation]):
+def drain(first, queue: asyncio.Queue) -> list:
+    """`first` and whatever else is already in the queue: the events of one or more engine steps."""
+    items = [first]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+def merge_tokens(items: list) -> list:
+    """Consecutive Tokens events of a choice merged into one (a client that fell behind gets one
+    chunk per choice for several steps); other events kept in order."""
+    out, last = [], {}
+    for gen, event in items:
+        if isinstance(event, Tokens) and gen in last:
+            merged = last[gen]
+            merged.ids += event.ids
+            merged.kinds += event.kinds
+            if merged.logprobs is not None:
+                merged.logprobs += event.logprobs or []
+            continue
+        if isinstance(event, Tokens):
+            event = Tokens(list(event.ids), list(event.kinds), None if event.logprobs is None else list(event.logprobs))
+            last[gen] = event
+        else:
+            last.pop(gen, None)
+        out.append((gen, event))
+    return out
+
+
+async def stream_events(gens: list[Generation], queue: asyncio.Queue):
     """Server-sent events of one request's choices, interleaved as their tokens come; cancelled
     (client gone) -> every unfinished choice is aborted."""
     p = gens[0].parsed
-    pending = {asyncio.ensure_future(g.queue.get()): g for g in gens}
     usages: list[dict] = []
     try:
         if p.chat:
             for g in gens:
                 yield sse(g.envelope([{"index": g.index, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}]))
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                gen = pending.pop(task)
-                event = task.result()
+        live = len(gens)
+        per_step = p.return_token_kinds or p.return_token_ids       # then a chunk is a step
+        while live:
+            items = drain(await queue.get(), queue)
+            for gen, event in (items if per_step else merge_tokens(items)):
                 if isinstance(event, Tokens):
                     sent = gen.text.sent
                     delta, texts = gen.text.add(event.ids, p.return_token_kinds)
@@ -185,9 +255,9 @@ async def stream_events(gens: list[Generation]):
                     elif delta or p.return_token_kinds or p.return_token_ids or event.logprobs:
                         yield sse(gen.envelope([gen.choice(delta, event.kinds, event.ids, texts, None,
                                                            event.logprobs, sent)]))
-                    pending[asyncio.ensure_future(gen.queue.get())] = gen
                 elif isinstance(event, Finished):
                     gen.done = True
+                    live -= 1
                     usages.append(event.usage)
                     delta = gen.text.finish(event.stop_text_index)
                     reason = event.reason
@@ -207,73 +277,61 @@ async def stream_events(gens: list[Generation]):
                 else:
                     gen.done = True
                     yield sse(stream_error(event.status, event.message))
-                    for other in pending:
-                        other.cancel()
-                    pending.clear()
                     yield "data: [DONE]\n\n"
                     return
         if p.include_usage:
             yield sse(gens[0].envelope([], usage=merged_usage(usages)))
         yield "data: [DONE]\n\n"
     finally:
-        for task in pending:
-            task.cancel()
         for g in gens:
             if not g.done:
                 g.state.scheduler.abort(g.request.id)
 
 
-async def collect_one(gen: Generation, http: HttpRequest):
-    """(choice, usage, speculation) of one choice, or an error Response."""
-    ids: list[int] = []
-    kinds: list[str] = []
-    texts: list[str] = []
-    lps: list = []
-    check_at = time.monotonic() + DISCONNECT_CHECK
-    while True:
-        try:                             # whether the client is still there, every DISCONNECT_CHECK s
-            event = await asyncio.wait_for(gen.queue.get(), timeout=max(check_at - time.monotonic(), 0.001))
-        except asyncio.TimeoutError:
-            event = None
-        if time.monotonic() >= check_at:
-            check_at = time.monotonic() + DISCONNECT_CHECK
-            if await http.is_disconnected():
-                gen.state.scheduler.abort(gen.request.id)
+async def client_gone(http: HttpRequest) -> None:
+    """Returns when the client of a request whose body was read disconnects."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(gens: list[Generation], queue: asyncio.Queue, http: HttpRequest) -> Response:
+    """The whole answer of a non-streamed request; a client that disconnects aborts it at once."""
+    watcher = asyncio.ensure_future(client_gone(http))
+    watcher.add_done_callback(lambda task: task.cancelled() or queue.put_nowait((None, None)))
+    parts = {g: ([], [], [], []) for g in gens}           # ids, kinds, token texts, logprobs
+    results: dict = {}
+    try:
+        while len(results) < len(gens):
+            gen, event = await queue.get()
+            if gen is None:                                # the client went away
                 return Response(status_code=499)
-        if event is None:
-            continue
-        if isinstance(event, Tokens):
-            ids += event.ids
-            kinds += event.kinds
-            lps += event.logprobs or []
-            texts += gen.text.add(event.ids, gen.parsed.return_token_kinds)[1]
-        elif isinstance(event, Finished):
-            gen.done = True
-            text = gen.text.full_text(event.stop_text_index)
-            choice = gen.choice(text, kinds, ids, texts, event.reason, lps if lps else None)
-            if gen.parsed.tools is not None:
-                content, calls = extract_calls(text)
-                if calls:
-                    choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-                    choice["finish_reason"] = "tool_calls"
-            return choice, event.usage, event.speculation
-        else:
-            gen.done = True
-            return error(event.status, event.message)
-
-
-async def collect(gens: list[Generation], http: HttpRequest) -> Response:
-    results = []
-    for gen in gens:                     # they run concurrently in the scheduler; collected in order
-        result = await collect_one(gen, http)
-        if isinstance(result, Response):
-            for other in gens:
-                if not other.done:
-                    other.state.scheduler.abort(other.request.id)
-            return result
-        results.append(result)
-    speculation = results[0][2] if len(results) == 1 else [r[2] for r in results]
-    return JSONResponse(gens[0].envelope([r[0] for r in results], usage=merged_usage([r[1] for r in results]),
+            ids, kinds, texts, lps = parts[gen]
+            if isinstance(event, Tokens):
+                ids += event.ids
+                kinds += event.kinds
+                lps += event.logprobs or []
+                texts += gen.text.add(event.ids, gen.parsed.return_token_kinds)[1]
+            elif isinstance(event, Finished):
+                gen.done = True
+                text = gen.text.full_text(event.stop_text_index)
+                choice = gen.choice(text, kinds, ids, texts, event.reason, lps if lps else None)
+                if gen.parsed.tools is not None:
+                    content, calls = extract_calls(text)
+                    if calls:
+                        choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                        choice["finish_reason"] = "tool_calls"
+                results[gen] = (choice, event.usage, event.speculation)
+            else:
+                gen.done = True
+                return error(event.status, event.message)
+    finally:
+        watcher.cancel()
+        for g in gens:
+            if not g.done:
+                g.state.scheduler.abort(g.request.id)
+    ordered = [results[g] for g in gens]
+    speculation = ordered[0][2] if len(ordered) == 1 else [r[2] for r in ordered]
+    return JSONResponse(gens[0].envelope([r[0] for r in ordered], usage=merged_usage([r[1] for r in ordered]),
                                          speculation=speculation))
 
 
@@ -296,20 +354,24 @@ async def generate(http: HttpRequest, chat: bool) -> Response:
         if parsed.n > state.scheduler.config.max_queue:
             raise ApiError(400, f"n ({parsed.n}) is more than this server queues at once "
                                 f"({state.scheduler.config.max_queue}, --max-queue)", param="n")
-        gens = [Generation(state, parsed, i) for i in range(parsed.n)]
+        queue: asyncio.Queue = asyncio.Queue()
+        mailbox = Mailbox.of(http.app.state)
+        gens = [Generation(state, parsed, queue, mailbox, i) for i in range(parsed.n)]
         for g in gens[1:]:
             g.id, g.created = gens[0].id, gens[0].created
         for i, g in enumerate(gens):
             try:
                 state.scheduler.submit(g.request)
-            except QueueFull as exc:
+            except (QueueFull, ShuttingDown) as exc:
                 for submitted in gens[:i]:
                     state.scheduler.abort(submitted.request.id)
+                if isinstance(exc, ShuttingDown):
+                    raise ApiError(503, str(exc), code="service_unavailable") from None
                 raise ApiError(429, str(exc), code="queue_full") from None
         if parsed.stream:
-            return StreamingResponse(stream_events(gens), media_type="text/event-stream",
+            return StreamingResponse(stream_events(gens, queue), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await collect(gens, http)
+        return await collect(gens, queue, http)
     except ApiError as exc:
         return JSONResponse(exc.body(), status_code=exc.status)
     except Exception as exc:  # noqa: BLE001 -- never a traceback to the client
@@ -336,10 +398,13 @@ async def health(http: HttpRequest) -> Response:
     """200 only when a one-token generation through the engine finishes within the timeout."""
     state = http.app.state.serve
     queue: asyncio.Queue = asyncio.Queue()
-    loop = asyncio.get_running_loop()
+    mailbox = Mailbox.of(http.app.state)
     request = Request([state.health_token], SamplingParams(max_tokens=1, ignore_eos=True),
-                      lambda e: loop.call_soon_threadsafe(queue.put_nowait, e), speculate=False, internal=True)
-    state.scheduler.submit(request)
+                      lambda e: mailbox.post(queue, e), speculate=False, internal=True)
+    try:
+        state.scheduler.submit(request)
+    except ShuttingDown as exc:
+        return error(503, f"unhealthy: {exc}")
     timeout = state.scheduler.config.health_timeout
     deadline = time.monotonic() + timeout
     try:
@@ -378,18 +443,23 @@ async def internal_error(http: HttpRequest, exc: Exception) -> Response:
     return error(500, f"internal server error ({type(exc).__name__})")
 
 
-def create_app(state, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+def create_app(state, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               engine_thread: bool = True) -> Starlette:
     """`state`: a `server.ServeState` (scheduler, tokenizer, parsing context); api_key: required as
     `Authorization: Bearer KEY` on every endpoint but /health and the dashboard's files (auth.py);
-    max_body_bytes: larger request bodies get 413."""
+    max_body_bytes: larger request bodies get 413; engine_thread: the app's lifespan starts and
+    stops the engine loop in a thread of its own (False: the caller runs `scheduler.run()`, as
+    `specdecode serve` does on its main thread)."""
 
     @asynccontextmanager
     async def lifespan(app):
-        state.scheduler.start()
+        if engine_thread:
+            state.scheduler.start()
         try:
             yield
         finally:
-            state.scheduler.stop()
+            if engine_thread:
+                state.scheduler.stop()
 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),

@@ -36,6 +36,9 @@ def add_serve_parser(sub) -> None:
                    help="switch speculation off while more requests run (default: only the measured policy)")
     g.add_argument("--health-timeout", type=number("--health-timeout"), default=10.0,
                    help="seconds /health waits for its one-token generation (default 10)")
+    g.add_argument("--shutdown-timeout", type=number("--shutdown-timeout"), default=30.0,
+                   help="on SIGTERM / SIGINT: new requests get 503 and those in flight have this many seconds to "
+                        "finish before they end with an error (default 30; a second signal stops at once)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"), metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every endpoint but /health and the dashboard page "
@@ -67,17 +70,17 @@ def uses_ray(args: argparse.Namespace) -> bool:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from ..api import LLM
     from ..cli_common import CliError, drafter_options
     from .app import create_app
     from .auth import exposed_without_key
     from .memory import weights_bytes
     from .scheduler import ServeConfig
-    from .server import build_state
+    from .server import build_state, serve_forever
     if args.method == "model" and args.draft is None:
         raise CliError("--method model needs a draft model: add --draft PATH")
+    if not 0 <= args.shutdown_timeout <= 86400:
+        raise CliError(f"--shutdown-timeout must be a number of seconds in [0, 86400], got {args.shutdown_timeout:g}")
     if uses_ray(args):
         from .ray_cli import serve_on_ray
         return serve_on_ray(args)
@@ -102,6 +105,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if exposed_without_key(args.host, args.api_key):
         print(f"warning: listening on {args.host} without an API key: anyone who can reach this port may use "
               f"the server (set --api-key or SPECDECODE_API_KEY)", file=sys.stderr)
-    uvicorn.run(create_app(state, api_key=args.api_key, max_body_bytes=args.max_body_bytes), host=args.host,
-                port=args.port, log_level=args.log_level)
-    return 0
+    app = create_app(state, api_key=args.api_key, max_body_bytes=args.max_body_bytes, engine_thread=False)
+    return serve_forever(state, app, args.host, args.port, args.log_level, args.shutdown_timeout)

@@ -1,6 +1,7 @@
 """Putting the server together: model checks, memory budget, scheduler, parsing context."""
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
@@ -49,6 +50,52 @@ def build_state(llm, config: ServeConfig, check_budget: bool = True, available: 
                        scheduler.max_k)
     probe = target.tokenizer.encode("ok", add_special=False) or [0]
     return ServeState(scheduler, ctx, target.tokenizer, probe[0], int(time.time()))
+
+
+def serve_forever(state: ServeState, app, host: str, port: int, log_level: str = "info",
+                  shutdown_timeout: float = 30.0) -> int:
+    """`specdecode serve`: uvicorn in a thread, the engine loop on this thread (the process's main
+    thread: `Scheduler.start` says why). SIGTERM / SIGINT stop it gracefully: new requests get
+    503, those queued or running have `shutdown_timeout` seconds to finish (then an error event /
+    503), then the HTTP server closes; a second signal ends the wait at once. Returns the exit code."""
+    import signal
+    import threading
+
+    import uvicorn
+    scheduler = state.scheduler
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                                           timeout_graceful_shutdown=5))
+
+    def http() -> None:
+        try:
+            server.run()
+        finally:                                # however the HTTP side ends, the engine loop ends too
+            scheduler.stop()
+
+    def on_signal(signum, frame) -> None:       # runs on this thread between two engine iterations
+        draining = scheduler.drain_deadline is not None
+        busy = scheduler.in_flight()
+        if not draining and busy:
+            print(f"specdecode serve: {signal.Signals(signum).name}: no new requests; waiting up to "
+                  f"{shutdown_timeout:g} s for {busy} in flight (again to stop now)", file=sys.stderr, flush=True)
+        scheduler.drain(0.0 if draining else shutdown_timeout)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=http, name="specdecode-http", daemon=True)
+    thread.start()
+    try:
+        scheduler.run()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=shutdown_timeout + 10)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not server.started:
+        print(f"specdecode serve: could not start the HTTP server on {host}:{port} (see the log above)",
+              file=sys.stderr)
+        return 1
+    print("specdecode serve: stopped", file=sys.stderr)
+    return 0
 
 
 class BackgroundServer:
