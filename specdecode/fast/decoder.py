@@ -328,25 +328,29 @@ class FusedDecoder:
         B, T = tokens.shape
         starts = fb.starts()
         row_ids = list(range(B)) if fb.rows is None else [int(r) for r in fb.rows.reshape(-1).tolist()]
-        positions = fb.rope_positions()                                               # [B, T]
-        if int(positions.min()) < 0 or int(positions.max()) >= self._m.rope_len:
-            raise ValueError(f"positions {int(positions.min())}..{int(positions.max())} exceed the rope tables "
-                             f"({self._m.rope_len})")
+        R = B * T
+        # slots (and a chain's RoPE positions): start + 0..T-1 per row
+        slot = (torch.tensor(starts, dtype=torch.int32)[:, None] + torch.arange(T, dtype=torch.int32)).reshape(R)
+        if fb.positions is None:
+            pos, low, high = slot, min(starts), max(starts) + T - 1
+        else:
+            pos = fb.positions.to(torch.int32).reshape(R).contiguous()                # [R] a tree's depths
+            low, high = int(pos.min()), int(pos.max())
+        if low < 0 or high >= self._m.rope_len:
+            raise ValueError(f"positions {low}..{high} exceed the rope tables ({self._m.rope_len})")
         lay = cache.layout(row_ids, starts, T)
         kbase, vbase = self._bind_layout(lay)
-        R = B * T
         tok = tokens.reshape(R).to(torch.int64).contiguous()
-        pos = positions.to(torch.int32).reshape(R).contiguous()
-        slot = fb.slots().to(torch.int32).reshape(R).contiguous()
         if fb.is_chain:
             base = mask = None
         else:
             base = fb.tree_base.to(torch.int32).reshape(R).contiguous()
             mask = fb.tree_mask.to(torch.int64).reshape(R).contiguous()
-        tables = lay.tables.to(torch.int32).repeat_interleave(T, 0).contiguous()      # [R, blocks]
+        tables = lay.tables.to(torch.int32)                                            # [B, blocks]
+        tables = (tables if T == 1 else tables.repeat_interleave(T, 0)).contiguous()  # [R, blocks]
         hidden = torch.empty(R, self.model.config.hidden_size, dtype=self.dtype)
         nt = torch.get_num_threads()
-        score_len = int(pos.max()) + 17
+        score_len = high + 17
         if self._scores.numel() < nt * ATT_PAIRS * score_len:
             self._scores = torch.empty(nt * ATT_PAIRS * score_len, dtype=torch.float32)
         for c0 in range(0, R, MAX_T):

@@ -86,6 +86,7 @@ class ServeMetrics:
         self.totals = dict(row_steps=0, drafted=0, accepted=0, emitted=0, steps=0, draft_s=0.0, verify_s=0.0,
                            finished=0, failed=0, aborted=0, nodes=0)
         self.node_counts = [0] * (len(NODE_BUCKETS) + 1)     # row-steps per node-count bucket (last: more)
+        self._per_pos: list[tuple] = []
         self.last_tree: dict | None = None
         self.drafted_pos: list[int] = []
         self.accepted_pos: list[int] = []
@@ -121,19 +122,28 @@ class ServeMetrics:
                     self.accepted_pos[i] += i < a
             self.rate_points.append((time.monotonic(), sum(emitted)))
         self.steps.inc()
+        self.generation_tokens.inc(sum(emitted))
+        self.draft_time.inc(draft_s)
+        self.verify_time.inc(verify_s)
+        for n in nodes:
+            self.tree_nodes.observe(n)
+        if not any(drafted):                        # a plain step: nothing per position
+            return
         self.num_drafts.inc(sum(1 for n in drafted if n))
         self.num_draft_tokens.inc(sum(drafted))
         self.num_accepted.inc(sum(accepted))
         for n, a in zip(drafted, accepted):
             for i in range(n):
-                self.drafted_per_pos.labels(str(i)).inc()
+                self._position(i)[0].inc()
                 if i < a:
-                    self.accepted_per_pos.labels(str(i)).inc()
-        for n in nodes:
-            self.tree_nodes.observe(n)
-        self.generation_tokens.inc(sum(emitted))
-        self.draft_time.inc(draft_s)
-        self.verify_time.inc(verify_s)
+                    self._position(i)[1].inc()
+
+    def _position(self, i: int) -> tuple:
+        """The (drafted, accepted) counters of draft position i (label lookups once per position)."""
+        while len(self._per_pos) <= i:
+            label = str(len(self._per_pos))
+            self._per_pos.append((self.drafted_per_pos.labels(label), self.accepted_per_pos.labels(label)))
+        return self._per_pos[i]
 
     def record_tree(self, request_id: str, tokens: list[int], texts: list[str], parents: list[int],
                     accepted: list[int], emitted: list[int], emitted_texts: list[str]) -> None:
