@@ -55,7 +55,8 @@ def test_a_long_prompt_is_prefilled_in_small_passes_while_another_request_decode
                                num_speculative_tokens=0)[0].token_ids
             for text, n in ((short, 60), (long, 4))}
     state = build_state(llm, ServeConfig(max_batch_size=2, block_size=4, prefill_chunk=64, prefill_stall_ms=50,
-                                         max_model_len=200, served_model_name="tiny"))
+                                         max_model_len=200, served_model_name="tiny",
+                                         prefix_cache=False))     # the second long prompt is prefilled again
     sched = state.scheduler
     sched.prefill_budget.observe = lambda tokens, seconds: None     # a slow machine: 5 ms per prompt token
     sched.prefill_budget.per_token_s = 0.005                        # -> 10 tokens fit 50 ms: the floor, 16

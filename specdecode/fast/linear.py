@@ -112,6 +112,13 @@ def _compile() -> Path:
     return so
 
 
+def kernel_id() -> str:
+    """Which native kernel build computes here ('' when none is loaded): results are bitwise
+    reproducible for one build, so caches of computed keys and values name it."""
+    lib = _state.get("lib")
+    return Path(lib._name).stem if lib is not None else ""
+
+
 def _load() -> dict:
     if _state:
         return _state

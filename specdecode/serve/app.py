@@ -135,14 +135,16 @@ class Generation:
     """One choice of a request on its trip through the scheduler, as seen by the handler. The
     choices of a request share one queue of (generation, event) pairs."""
 
-    def __init__(self, state, parsed: ParsedRequest, queue: asyncio.Queue, mailbox: Mailbox, index: int = 0) -> None:
-        """Choice `index` of the request (n > 1: choice i is seeded seed + i when a seed is given)."""
+    def __init__(self, state, parsed: ParsedRequest, queue: asyncio.Queue, mailbox: Mailbox, index: int = 0,
+                 after: str | None = None) -> None:
+        """Choice `index` of the request (n > 1: choice i is seeded seed + i when a seed is given;
+        `after`: the first choice's request id, whose prompt blocks the others wait for and share)."""
         self.state, self.parsed, self.index = state, parsed, index
         params = parsed.params
         if index and params.seed is not None:
             params = dataclasses.replace(params, seed=(params.seed + index) % 2**63)
         self.request = Request(parsed.prompt_ids, params, lambda event: mailbox.post(queue, (self, event)),
-                               parsed.speculate, parsed.num_speculative_tokens)
+                               parsed.speculate, parsed.num_speculative_tokens, after=after)
         self.text = TextStream(state.tokenizer, params)
         self.done = False
         self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -356,7 +358,8 @@ async def generate(http: HttpRequest, chat: bool) -> Response:
                                 f"({state.scheduler.config.max_queue}, --max-queue)", param="n")
         queue: asyncio.Queue = asyncio.Queue()
         mailbox = Mailbox.of(http.app.state)
-        gens = [Generation(state, parsed, queue, mailbox, i) for i in range(parsed.n)]
+        gens = [Generation(state, parsed, queue, mailbox)]
+        gens += [Generation(state, parsed, queue, mailbox, i, after=gens[0].request.id) for i in range(1, parsed.n)]
         for g in gens[1:]:
             g.id, g.created = gens[0].id, gens[0].created
         for i, g in enumerate(gens):

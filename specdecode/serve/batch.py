@@ -21,6 +21,7 @@ from ..engine.runner import ModelRunner
 from ..engine.scheduler import draft_room
 from ..engine.sequence import Sequence
 from ..params import SamplingParams
+from .block_pool import chain_hashes
 from .paged_cache import PagedKVCache
 from .policy import OFF, RowPolicy
 
@@ -33,6 +34,7 @@ class ServeSequence(Sequence):
         self.policy = policy
         self.k_now = 0                     # drafts allowed in the coming step (set by the scheduler)
         self.prefilled = 0                 # prompt tokens already in the target cache
+        self.cached_tokens = 0             # of which taken from earlier requests' cached blocks
         self.admitted_at = time.perf_counter()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -113,6 +115,44 @@ class BatchEngine:
                                 model.dtype, model.device)
         self.runner.allocate(num_rows, context + max_k + 2, new_cache=paged)
         self.loop = SpecEngine(target, self.drafter, max_k if drafter is not None else 0, runner=self.runner)
+        self.prefix_note = ""               # why prefix caching is off for a cache that has it off
+
+    # ------------------------------------------------------------ prefix caching
+    def enable_prefix_caching(self, max_cached_blocks: int | None = None) -> None:
+        """Reuse the keys and values of earlier requests' prompts (paged_cache.py). Off for the
+        target when the drafter reads the target's hidden states of every prompt token (an EAGLE
+        head): a matched prefix would be skipped by the target pass the head reads them from."""
+        draft = self.runner.drafter.draft_model() if self.drafter is not None else None
+        if self.capabilities is not None and self.capabilities.needs_target_hidden:
+            self.prefix_note = "the drafter reads the target's hidden states of every prompt token"
+            return
+        self.cache.enable_prefix_caching(kv_salt(self.runner.target), max_cached_blocks)
+        if self.draft_cache is not None and draft is not None:
+            self.draft_cache.enable_prefix_caching(kv_salt(draft), max_cached_blocks)
+
+    def match(self, prompt_ids: list[int], drafting: bool, memo: dict) -> dict:
+        """Per cache, the registered blocks the prompt starts with (the same count in each cache
+        the row writes: its draft cache too when it drafts). `memo`: the request's, keeps the
+        prompt's block hashes between admission attempts."""
+        caches = [self.cache] + ([self.draft_cache] if drafting and self.draft_cache is not None else [])
+        if not all(c.prefix_caching for c in caches):
+            return {}
+        limit = len(prompt_ids) - 1                 # the last prompt token is the first step's
+        hits = {}
+        for c in caches:
+            key = id(c)
+            if key not in memo:
+                memo[key] = chain_hashes(prompt_ids, c.block_size, c.salt, limit // c.block_size)
+            hits[key] = c.pool.match(memo[key])
+        shortest = min(len(h) for h in hits.values())
+        return {key: h[:shortest] for key, h in hits.items()} if shortest else {}
+
+    def commit(self, seqs) -> None:
+        """Register the rows' newly committed full blocks (every cache that has them)."""
+        for c in self.runner.caches:
+            if c.prefix_caching:
+                for s in seqs:
+                    c.commit(s.row, s.token_ids)
 
     @property
     def cache(self) -> PagedKVCache:
@@ -131,19 +171,27 @@ class BatchEngine:
         """One speculative step; row b drafts up to its k_now (set by the scheduler). Returns the
         engine's StepReport (each row's draft tree and accepted path)."""
         room = [draft_room(s, s.k_now, self.context) if self.drafter is not None else 0 for s in seqs]
-        return self.loop.step(seqs, room, on_tokens)
+        report = self.loop.step(seqs, room, on_tokens)
+        self.commit(seqs)
+        return report
 
     # ------------------------------------------------------------ rows
     def fits(self, tokens: int) -> bool:
         """Whether a request of `tokens` (prompt + max_tokens) can ever be admitted."""
         return all(c.blocks_for(tokens) <= c.usable_blocks for c in self.runner.caches)
 
-    def can_admit(self, tokens: int) -> bool:
-        return all(c.can_reserve(tokens) for c in self.runner.caches)
+    def can_admit(self, tokens: int, hits: dict | None = None) -> bool:
+        return all(c.can_reserve(tokens, (hits or {}).get(id(c), ())) for c in self.runner.caches)
 
-    def admit(self, row: int, tokens: int) -> None:
+    def admit(self, row: int, tokens: int, hits: dict | None = None) -> int:
+        """Reserve the row in every cache, taking the matched blocks; returns the prompt positions
+        they cover (prefill starts there)."""
+        covered = 0
         for c in self.runner.caches:
-            c.reserve(row, tokens)
+            blocks = (hits or {}).get(id(c), ())
+            c.reserve(row, tokens, blocks)
+            covered = len(blocks) * c.block_size if blocks else covered
+        return covered
 
     def release(self, row: int) -> None:
         for c in self.runner.caches:
@@ -161,3 +209,16 @@ class BatchEngine:
             self.runner.prefill_chunks(drafting, draft=True)
         for s, n in chunks:
             s.prefilled += n
+        self.commit([s for s, _ in chunks])
+
+
+def kv_salt(loaded) -> bytes:
+    """What a model's keys and values depend on besides the tokens: its weights (fingerprint),
+    how they are held (dtype, native formats) and the kernel build that computes them."""
+    import hashlib
+
+    from ..fast.linear import kernel_id
+    model = loaded.model
+    fused = "fused" if getattr(model, "fused", None) is not None else "eager"
+    text = f"{loaded.fingerprint}|{loaded.weights_kind}|{getattr(model, 'dtype', '')}|{fused}|{kernel_id()}"
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()

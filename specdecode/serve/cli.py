@@ -32,6 +32,12 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--prefill-stall-ms", type=number("--prefill-stall-ms"), default=100.0,
                    help="while requests decode, prefill chunks are sized from their measured cost to stall "
                         "them about this long (default 100; 0: always --prefill-chunk tokens)")
+    g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="do not reuse the KV cache of earlier requests' prompts (on by default: a prompt that "
+                        "starts like an earlier one, e.g. a chat's next turn, is prefilled only after that start)")
+    g.add_argument("--prefix-cache-blocks", type=positive_int("--prefix-cache-blocks", 0), default=None,
+                   help="most KV blocks kept for cached prefixes while no request uses them (default: whatever "
+                        "the pool has free; they are evicted least recently used first when requests need room)")
     g.add_argument("--spec-max-batch-size", type=positive_int("--spec-max-batch-size", 1), default=None,
                    help="switch speculation off while more requests run (default: only the measured policy)")
     g.add_argument("--health-timeout", type=number("--health-timeout"), default=10.0,
@@ -89,7 +95,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          prefill_chunk=args.prefill_chunk, prefill_stall_ms=args.prefill_stall_ms,
                          num_speculative_tokens=args.k,
                          spec_max_batch_size=args.spec_max_batch_size, health_timeout=args.health_timeout,
-                         served_model_name=args.served_model_name)
+                         served_model_name=args.served_model_name, prefix_cache=args.prefix_cache,
+                         prefix_cache_blocks=args.prefix_cache_blocks)
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
               dtype=args.dtype, device=args.device, threads=args.threads, fast=not args.eager,
               weights=args.weights, draft_dtype=args.draft_dtype, **drafter_options(args))

@@ -69,7 +69,11 @@ class ServeMetrics:
                              registry=r)
         self.waiting = Gauge(P + "num_requests_waiting", "Requests queued", registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens", registry=r)
-        self.prompt_tokens = Counter(P + "prompt_tokens", "Prefilled prompt tokens", registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.prefix_queries = Counter(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter(P + "prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)",
+                                   registry=r)
         self.tokens_per_s = Gauge(P + "generation_tokens_per_second",
                                   f"Generated tokens per second over the last {RATE_WINDOW_S:.0f} s", registry=r)
         self.success = Counter(P + "request_success", "Finished requests", ["finished_reason"], registry=r)
@@ -84,7 +88,7 @@ class ServeMetrics:
             self.weights.labels(name).set(value)
         # aggregates for /api/stats (under self.lock)
         self.totals = dict(row_steps=0, drafted=0, accepted=0, emitted=0, steps=0, draft_s=0.0, verify_s=0.0,
-                           finished=0, failed=0, aborted=0, nodes=0)
+                           finished=0, failed=0, aborted=0, nodes=0, prefix_queries=0, prefix_hits=0)
         self.node_counts = [0] * (len(NODE_BUCKETS) + 1)     # row-steps per node-count bucket (last: more)
         self._per_pos: list[tuple] = []
         self.last_tree: dict | None = None
@@ -144,6 +148,14 @@ class ServeMetrics:
             label = str(len(self._per_pos))
             self._per_pos.append((self.drafted_per_pos.labels(label), self.accepted_per_pos.labels(label)))
         return self._per_pos[i]
+
+    def record_prefix(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """An admitted request's prompt looked up in the prefix cache (vLLM's counters, in tokens)."""
+        with self.lock:
+            self.totals["prefix_queries"] += prompt_tokens
+            self.totals["prefix_hits"] += cached_tokens
+        self.prefix_queries.inc(prompt_tokens)
+        self.prefix_hits.inc(cached_tokens)
 
     def record_tree(self, request_id: str, tokens: list[int], texts: list[str], parents: list[int],
                     accepted: list[int], emitted: list[int], emitted_texts: list[str]) -> None:
@@ -255,8 +267,18 @@ class ServeMetrics:
                 "generated_tokens": t["emitted"],
                 "memory": {"weights_bytes": dict(self.weights_bytes), "kv_bytes_used": used,
                            "kv_bytes_capacity": capacity},
+                "prefix_cache": self._prefix_stats(t),
                 "history": list(self.history),
             }
+
+    def _prefix_stats(self, totals: dict) -> dict:
+        target = self.caches.get("target")
+        on = target is not None and target.prefix_caching
+        queries, hits = totals["prefix_queries"], totals["prefix_hits"]
+        return {"enabled": on, "queried_tokens": queries, "hit_tokens": hits,
+                "hit_rate": round(hits / queries, 4) if queries else 0.0,
+                "cached_blocks": target.cached_blocks if on else 0,
+                "cached_bytes": target.cached_blocks * target.block_bytes if on else 0}
 
     def render(self) -> bytes:
         used, capacity = self.kv_bytes()

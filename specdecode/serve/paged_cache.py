@@ -8,7 +8,15 @@ held, not a worst-case `[batch, max_len]` slab.
 
 Admission is by reservation: a request reserves the blocks its prompt + max_tokens can ever
 need before it is admitted (`reserve`), so the pool can never run dry in the middle of a step
-(no preemption). Writes past a row's reservation are padding of a ragged batch (slots after a
+(no preemption).
+
+Prefix caching (`enable_prefix_caching`; block_pool.py): a row's full, committed blocks are
+registered under the hash of their tokens and everything before them (`commit`); a new request
+takes the registered blocks its prompt starts with (`match`, then `reserve(..., hits)`) and is
+prefilled from there. Shared blocks are never written: a row only writes at positions >= its
+length, and a matched prefix ends at or before it (rollback never goes below a row's committed
+length), so no copy-on-write is needed. Reservations count what a row may still allocate, and
+holding an idle cached block takes it out of what can be handed out. Writes past a row's reservation are padding of a ragged batch (slots after a
 row's own drafts, drafts past its token budget); they go to a scratch block that is never a
 real position of any row, are masked by attention and never read back.
 
@@ -24,6 +32,7 @@ import math
 import torch
 
 from ..kv_cache import CacheLayout
+from .block_pool import BlockPool, chain_hashes
 
 SCRATCH = 0          # block 0: target of padding writes, never owned by a row
 
@@ -50,8 +59,10 @@ class PagedKVCache:
         self.lengths = [0] * num_rows              # committed positions of each row
         self.tables: list[list[int]] = [[] for _ in range(num_rows)]   # row -> block ids in position order
         self.limits = [0] * num_rows               # reserved tokens of each row
-        self.free: list[int] = list(range(num_blocks - 1, SCRATCH, -1))   # a stack; SCRATCH never free
-        self.reserved_blocks = 0                   # sum of reservations (admission budget)
+        self.pool = BlockPool(num_blocks, first=SCRATCH + 1)          # SCRATCH is never handed out
+        self.pending = 0                           # blocks rows may still allocate (sum over rows)
+        self.salt: bytes | None = None             # prefix caching: on when set (enable_prefix_caching)
+        self.row_hashes: list[list[bytes]] = [[] for _ in range(num_rows)]   # hashes of a row's full blocks
         self._plan = None
         self.block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * self.keys[0].element_size()
 
@@ -65,7 +76,18 @@ class PagedKVCache:
 
     @property
     def used_blocks(self) -> int:
-        return self.usable_blocks - len(self.free)
+        """Blocks held by rows (idle cached prefixes are not counted: they are there to be taken)."""
+        return self.pool.held
+
+    @property
+    def cached_blocks(self) -> int:
+        """Idle blocks kept for their prefix."""
+        return len(self.pool.idle)
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks held or still reservable by rows (the admission budget in use)."""
+        return self.pool.held + self.pending
 
     def nbytes(self) -> int:
         """Capacity: bytes of the whole pool (all layers, keys and values)."""
@@ -74,27 +96,40 @@ class PagedKVCache:
     def used_bytes(self) -> int:
         return self.used_blocks * self.block_bytes
 
-    def can_reserve(self, tokens: int) -> bool:
-        return self.reserved_blocks + self.blocks_for(tokens) <= self.usable_blocks
+    def can_reserve(self, tokens: int, hits: list[int] = ()) -> bool:
+        """Whether a row of `tokens` positions whose first blocks are the matched `hits` fits."""
+        need = self.blocks_for(tokens) - len(hits)
+        return self.pool.held + self.pending + need + self.pool.revived(hits) <= self.usable_blocks
 
-    def reserve(self, row: int, tokens: int) -> None:
-        """Give an idle row a budget of `tokens` positions (blocks come as it grows)."""
+    def reserve(self, row: int, tokens: int, hits: list[int] = ()) -> None:
+        """Give an idle row a budget of `tokens` positions (blocks come as it grows); `hits`: the
+        registered blocks its tokens start with (from `match`), held by it from now on, its length
+        the positions they cover."""
         if self.limits[row] or self.tables[row]:
             raise ValueError(f"cache row {row} is in use")
         if not 1 <= tokens <= self.max_len:
             raise ValueError(f"a row holds 1..{self.max_len} tokens, got {tokens}")
-        if not self.can_reserve(tokens):
-            raise CacheFull(f"{self.blocks_for(tokens)} blocks asked for, "
+        if len(hits) * self.block_size >= tokens:
+            raise ValueError(f"{len(hits)} matched blocks cover all {tokens} tokens of the row")
+        if not self.can_reserve(tokens, hits):
+            raise CacheFull(f"{self.blocks_for(tokens) - len(hits)} blocks asked for, "
                             f"{self.usable_blocks - self.reserved_blocks} unreserved")
+        for block in hits:
+            self.pool.hold(block)
+        self.tables[row] = list(hits)
+        self.row_hashes[row] = [self.pool.hash_of[b] for b in hits]
         self.limits[row] = tokens
-        self.reserved_blocks += self.blocks_for(tokens)
-        self.lengths[row] = 0
+        self.pending += self.blocks_for(tokens) - len(hits)
+        self.lengths[row] = len(hits) * self.block_size
 
     def release(self, row: int) -> None:
-        """The row's request ended: free its blocks and its reservation."""
-        self.free.extend(reversed(self.tables[row]))
+        """The row's request ended: let go of its blocks and its reservation."""
+        table = self.tables[row]
+        self.pending -= self.blocks_for(self.limits[row]) - len(table)
+        for block in reversed(table):
+            self.pool.drop(block)
         self.tables[row] = []
-        self.reserved_blocks -= self.blocks_for(self.limits[row])
+        self.row_hashes[row] = []
         self.limits[row] = 0
         self.lengths[row] = 0
 
@@ -106,7 +141,40 @@ class PagedKVCache:
         keep = self.blocks_for(length)
         table = self.tables[row]
         while len(table) > keep:
-            self.free.append(table.pop())
+            self.pool.drop(table.pop())
+            self.pending += 1
+        del self.row_hashes[row][keep:]
+
+    # ------------------------------------------------------------ prefix caching
+    def enable_prefix_caching(self, salt: bytes, max_cached_blocks: int | None = None) -> None:
+        """Register full committed blocks and match prompts against them. `salt`: what else the
+        keys and values depend on (model, weights, dtype); `max_cached_blocks`: most idle cached
+        blocks kept (None: as many as the pool has room for)."""
+        self.salt = salt
+        self.pool.max_idle = max_cached_blocks
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.salt is not None
+
+    def match(self, tokens: list[int], limit: int) -> list[int]:
+        """The registered blocks that hold the first positions of `tokens`, covering at most
+        `limit` positions (a prompt's last token is always computed: it is the first step's)."""
+        if self.salt is None:
+            return []
+        return self.pool.match(chain_hashes(tokens, self.block_size, self.salt, limit // self.block_size))
+
+    def commit(self, row: int, tokens: list[int]) -> None:
+        """Register the row's full blocks below its length (committed: never written again);
+        `tokens`: the row's tokens from position 0 (at least its length of them)."""
+        known = self.row_hashes[row]
+        full = min(self.lengths[row] // self.block_size, len(self.tables[row]))
+        if self.salt is None or len(known) >= full:
+            return
+        hashes = chain_hashes(tokens, self.block_size, self.salt, full, known)
+        for block, key in zip(self.tables[row][len(known):], hashes[len(known):]):
+            self.pool.register(block, key)
+        self.row_hashes[row] = hashes
 
     def move(self, row: int, src: list[int], dst: list[int]) -> None:
         """Copy the entries at slots `src` of a row to slots `dst` (tree compaction; see KVCache.move)."""
@@ -129,7 +197,8 @@ class PagedKVCache:
         need = self.blocks_for(min(end, self.limits[row]))
         table = self.tables[row]
         while len(table) < need:
-            table.append(self.free.pop())     # cannot be empty: reservations bound the tables
+            table.append(self.pool.take())    # cannot fail: reservations bound the tables
+            self.pending -= 1
 
     def _block_tables(self, row_ids: list[int], starts: list[int], num_tokens: int) -> tuple[torch.Tensor, int]:
         """Grow the rows for positions < start + num_tokens; their block tables [B, blocks]

@@ -51,6 +51,8 @@ class ServeConfig:
     spec_max_batch_size: int | None = None   # speculation off for the batch above this many rows
     health_timeout: float = 10.0
     served_model_name: str | None = None
+    prefix_cache: bool = True            # reuse earlier requests' prompt blocks (block_pool.py)
+    prefix_cache_blocks: int | None = None   # most idle cached blocks kept (None: what the pool has free)
 
     def __post_init__(self) -> None:
         for name, low, high in (("max_batch_size", 1, 1024), ("max_queue", 1, 1_000_000), ("block_size", 1, 1024),
@@ -66,6 +68,10 @@ class ServeConfig:
         if isinstance(self.prefill_stall_ms, bool) or not isinstance(self.prefill_stall_ms, (int, float)) \
                 or not 0 <= self.prefill_stall_ms <= 60_000:
             raise ParamError(f"prefill_stall_ms must be a number of milliseconds in [0, 60000], got {self.prefill_stall_ms!r}")
+        if self.prefix_cache_blocks is not None and (isinstance(self.prefix_cache_blocks, bool) or
+                                                     not isinstance(self.prefix_cache_blocks, int) or
+                                                     self.prefix_cache_blocks < 0):
+            raise ParamError(f"prefix_cache_blocks must be an integer >= 0, got {self.prefix_cache_blocks!r}")
         if not self.health_timeout > 0:
             raise ParamError(f"health_timeout must be > 0 seconds, got {self.health_timeout}")
 
@@ -113,8 +119,11 @@ class Request:
     speculate: bool | None = None
     num_speculative_tokens: int | None = None
     internal: bool = False            # health checks: not counted in request metrics, never queued out
+    after: str | None = None          # admitted once this request (the first choice of the same prompt)
+                                      # has been prefilled, so that its prompt blocks are shared
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival: float = field(default_factory=time.perf_counter)
+    prefix_memo: dict = field(default_factory=dict)   # the prompt's block hashes per cache (admission)
 
 
 class Scheduler:
@@ -128,6 +137,8 @@ class Scheduler:
         # (its batch-1 fused path needs a contiguous cache)
         self.max_k = MAX_TREE_NODES if drafter is not None and drafter.capabilities.drafts_trees else MAX_CHAIN
         self.engine = BatchEngine(target, drafter, self.max_k, self.context, rows + 1, num_blocks, config.block_size)
+        if config.prefix_cache:
+            self.engine.enable_prefix_caching(config.prefix_cache_blocks)
         self.inner_drafter = drafter
         self.prefill_budget = PrefillBudget(config.prefill_chunk, config.prefill_stall_ms / 1000)
         caps = drafter.capabilities if drafter is not None else None
@@ -272,19 +283,26 @@ class Scheduler:
                 group.remove(s)
                 self._end(s, "abort", None)
 
+    def _speculates(self, request: Request) -> bool:
+        return not (self.engine.drafter is None or request.speculate is False or request.num_speculative_tokens == 0)
+
     def _admit(self) -> None:
         while self.free_rows:
             with self.cond:
                 if not self.inbox:
                     return
                 request = self.inbox[0]
+                if request.after is not None and (any(s.request.id == request.after for s in self.prefilling)
+                                                  or any(r.id == request.after for r in self.inbox)):
+                    return                      # a later choice waits for the first one's prompt blocks
                 tokens = len(request.prompt_ids) + request.params.max_tokens
-                if not self.engine.can_admit(tokens):
+                hits = self.engine.match(request.prompt_ids, self._speculates(request), request.prefix_memo)
+                if not self.engine.can_admit(tokens, hits):
                     return                      # FIFO: the head waits for blocks
                 self.inbox.popleft()
             row = self.free_rows.pop()
             try:
-                seq = self._new_sequence(request, row, tokens)
+                seq = self._new_sequence(request, row, tokens, hits)
             except Exception as exc:  # noqa: BLE001 -- this request fails, the row goes back
                 self.engine.release(row)
                 self.free_rows.append(row)
@@ -294,13 +312,15 @@ class Scheduler:
                     log.exception("admitting %s failed", request.id)
                     request.sink(Failed(500, f"internal error while admitting the request ({type(exc).__name__})"))
                 continue
-            (self.prefilling if seq.prefill_target > 0 else self.running).append(seq)
+            (self.prefilling if seq.prefilled < seq.prefill_target else self.running).append(seq)
             if not request.internal:
                 self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+                if self.engine.cache.prefix_caching:
+                    self.metrics.record_prefix(len(request.prompt_ids), seq.cached_tokens)
 
-    def _new_sequence(self, request: Request, row: int, tokens: int) -> ServeSequence:
-        self.engine.admit(row, tokens)
-        if self.engine.drafter is None or request.speculate is False or request.num_speculative_tokens == 0:
+    def _new_sequence(self, request: Request, row: int, tokens: int, hits: dict) -> ServeSequence:
+        covered = self.engine.admit(row, tokens, hits)
+        if not self._speculates(request):
             mode, k = OFF, 0
         else:
             mode = ON if request.speculate else AUTO
@@ -308,6 +328,7 @@ class Scheduler:
         policy = RowPolicy(mode=mode, k=k, probe_wait=self.policy.probe_interval)
         seq = ServeSequence(request, request.prompt_ids, request.params, self.target.eos_token_ids, row,
                             policy, self.target.model.device)
+        seq.prefilled = seq.cached_tokens = covered
         if request.params.structured is not None:         # the grammar's state (structured.py)
             from ..structured import grammar_tokenizer
             seq.constraint = grammar_tokenizer(self.target).constraint(request.params.structured)
@@ -429,7 +450,8 @@ class Scheduler:
             st = s.stats
             event = Finished(reason, s.stop_text_index,
                              {"prompt_tokens": s.prompt_len, "completion_tokens": s.num_output,
-                              "total_tokens": s.prompt_len + s.num_output},
+                              "total_tokens": s.prompt_len + s.num_output,
+                              "prompt_tokens_details": {"cached_tokens": s.cached_tokens}},
                              {"mode": s.policy.mode, "num_speculative_tokens": s.policy.k,
                               "on_at_end": s.policy.mode == ON or (s.policy.mode == AUTO and s.policy.on),
                               "steps": st.steps, "drafted_tokens": st.drafted, "accepted_tokens": st.accepted,
