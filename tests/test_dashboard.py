@@ -84,11 +84,13 @@ def test_dashboard_renders_live_stats(browser, server):
     assert by_id(browser, "model-name").text == stats["model"]
     assert by_id(browser, "method-name").text == stats["method"]
     for name in ("stat-acceptance", "stat-mal", "stat-tokens-per-step", "stat-throughput", "stat-running",
-                 "stat-waiting", "mem-weights-target", "mem-kv-target"):
+                 "stat-waiting", "mem-weights-target", "mem-kv-target", "stat-prefix-hit-rate", "stat-prefix-cached"):
         assert by_id(browser, name).text not in ("", "–"), name
     # an idle server: the panel shows exactly what /api/stats says
     acceptance = float(by_id(browser, "stat-acceptance").get_attribute("data-value"))
     assert acceptance == pytest.approx(stats["speculation"]["acceptance_rate"])
+    hit_rate = float(by_id(browser, "stat-prefix-hit-rate").get_attribute("data-value"))
+    assert stats["prefix_cache"]["enabled"] and hit_rate == pytest.approx(stats["prefix_cache"]["hit_rate"])
     weights = float(by_id(browser, "mem-weights-target").get_attribute("data-value"))
     assert weights == stats["memory"]["weights_bytes"]["target"] > 0
     models = [o.get_attribute("value") for o in by_id(browser, "pg-model").find_elements("tag name", "option")]

@@ -133,6 +133,10 @@
       set(id, value, typeof value === "number" ? value.toLocaleString("en-US") : "–");
     }
     renderMemory(stats.memory || {});
+    const prefix = stats.prefix_cache;
+    set("stat-prefix-hit-rate", prefix ? prefix.hit_rate : 0,
+        !prefix ? "–" : prefix.enabled ? pct(prefix.hit_rate) : "off");
+    set("stat-prefix-cached", prefix ? prefix.cached_bytes : 0, prefix && prefix.enabled ? bytes(prefix.cached_bytes) : "–");
     SpecCharts.bars($("chart-positions"), spec.acceptance_per_position || []);
     set("stat-tree-nodes", spec.tree_nodes_mean, typeof spec.tree_nodes_mean === "number" ? spec.tree_nodes_mean.toFixed(2) : "–");
     const tree = spec.last_tree;
