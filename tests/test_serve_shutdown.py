@@ -1,0 +1,105 @@
+"""Graceful stop of `specdecode serve` (serve/server.py `serve_forever`): SIGTERM or SIGINT, as
+service managers send them. Requests in flight are answered, new ones get 503 meanwhile, the
+process exits 0 without a traceback; with --shutdown-timeout 0 a request still running ends
+with an error event, not a cut connection."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+LAUNCH = "import sys; from specdecode.cli import main; sys.exit(main())"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start(*extra):
+    """The embedded model (a few hundred tokens per second: a long answer is still running when
+    the signal comes)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--method", "none", "--port", str(port),
+                             "--max-model-len", "4096", "--max-batch-size", "2", "--threads", "1", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("the server did not start")
+
+
+def stream(url, max_tokens, events, started):
+    """A streamed completion; every data line is appended to `events`."""
+    body = {"prompt": "the quick brown fox", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+        events.append(("status", response.status_code))
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                started.set()
+                events.append(("data", line[6:]))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_lets_running_requests_finish_refuses_new_ones_and_exits_cleanly(sig):
+    proc, url = start("--shutdown-timeout", "300")
+    events, started = [], threading.Event()
+    client = threading.Thread(target=stream, args=(url, 300, events, started))
+    client.start()
+    assert started.wait(60)
+    proc.send_signal(sig)
+    time.sleep(0.2)
+    refused = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    client.join(300)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert "Traceback" not in err and "stopped" in err
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "service_unavailable"
+    data = [json.loads(d) for kind, d in events if kind == "data" and d != "[DONE]"]
+    assert events[-1] == ("data", "[DONE]")
+    assert data[-1]["choices"][0]["finish_reason"] == "length"        # answered in full
+    assert sum(len(c["choices"][0]["text"]) > 0 for c in data) > 1
+
+
+def test_past_the_shutdown_timeout_a_running_request_ends_with_an_error_event():
+    proc, url = start("--shutdown-timeout", "0")
+    events, started = [], threading.Event()
+    client = threading.Thread(target=stream, args=(url, 1500, events, started))
+    client.start()
+    assert started.wait(60)
+    proc.send_signal(signal.SIGTERM)
+    client.join(120)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
+    data = [json.loads(d) for kind, d in events if kind == "data" and d != "[DONE]"]
+    assert data[-1].get("error", {}).get("code") == "service_unavailable", data[-1]
+    assert events[-1] == ("data", "[DONE]")
+
+
+def test_a_port_in_use_is_one_line_and_exit_code_1(tiny_models):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-c", LAUNCH, "serve", "--model", str(tiny_models["llama"]),
+                               "--dtype", "fp32", "--method", "none", "--port", str(port), "--max-model-len", "256"],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"could not start the HTTP server on 127.0.0.1:{port}" in proc.stderr
