@@ -103,3 +103,38 @@ def test_a_port_in_use_is_one_line_and_exit_code_1(tiny_models):
                               capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert f"could not start the HTTP server on 127.0.0.1:{port}" in proc.stderr
+
+
+def test_sigterm_stops_the_ray_replicas_and_leaves_no_process_behind(tiny_models):
+    pytest.importorskip("ray.serve")
+    psutil = pytest.importorskip("psutil")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--model", str(tiny_models["llama"]),
+                             "--dtype", "fp32", "--method", "none", "--replicas", "2", "--threads", "1",
+                             "--port", str(port), "--max-model-len", "256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the replicas did not start"
+            try:
+                if httpx.post(url + "/v1/completions", json={"prompt": "the quick", "max_tokens": 4},
+                              timeout=10).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert any("raylet" in " ".join(p.cmdline()) for p in family)         # Ray runs under it
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert "stopped" in err
+    time.sleep(2)
+    left = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [" ".join(p.cmdline())[:120] for p in left]

@@ -278,6 +278,7 @@ def build_app(spec: dict):
     else:
         scaling["num_replicas"] = spec["replicas"]
     engine = serve.deployment(EngineReplica, name="Engine", max_ongoing_requests=in_flight,
+                              graceful_shutdown_timeout_s=spec.get("shutdown_timeout", 30.0),
                               ray_actor_options={"num_cpus": spec["llm"]["threads"]},
                               request_router_config=RequestRouterConfig(
                                   request_router_class=AffinityRouter,
@@ -297,15 +298,20 @@ def replica_threads(replicas: int) -> int:
     return max(1, min(int(total // replicas), int(max(per_node, default=total))))
 
 
-def start(spec: dict, host: str, port: int, ray_address: str | None, app_name: str = APP_NAME) -> dict:
+def start(spec: dict, host: str, port: int, ray_address: str | None, app_name: str = APP_NAME,
+          after_init=None) -> dict:
     """Start (no address: a local Ray instance with this machine's cores) or join Ray, then deploy
     the application with its HTTP proxy on host:port; returns the spec (threads filled in) once
     every replica runs (raises the replicas' error when they cannot start). Ray's own ports
-    listen with Ray's token authentication; the API listens on `host` only."""
+    listen with Ray's token authentication; the API listens on `host` only. `after_init`: called
+    once Ray is initialized (which installs Ray's own fatal-signal handlers: SIGTERM would print a
+    trace and abort), e.g. to install the caller's signal handlers over them."""
     if ray_address:
         ray.init(address=ray_address, namespace=NAMESPACE, log_to_driver=False)
     else:
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    if after_init is not None:
+        after_init()
     if spec["llm"].get("threads") is None:
         spec = dict(spec, llm=dict(spec["llm"], threads=replica_threads(max(spec["replicas"],
                                                                              spec.get("max_replicas") or 0))))

@@ -3,8 +3,9 @@ deploys the application (ray_app.py) and waits for Ctrl-C."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
-import time
+import threading
 
 
 def ray_spec(args: argparse.Namespace) -> dict:
@@ -30,6 +31,7 @@ def ray_spec(args: argparse.Namespace) -> dict:
                dtype=args.dtype, device="cpu", threads=args.threads, fast=not args.eager, weights=args.weights,
                draft_dtype=args.draft_dtype, **drafter_options(args))
     return {"llm": llm, "config": config, "replicas": args.replicas, "min_replicas": low, "max_replicas": high,
+            "shutdown_timeout": args.shutdown_timeout,
             "imbalance": args.route_imbalance if args.route_imbalance is not None else args.max_batch_size,
             "retries": args.replica_retries, "api_key": args.api_key, "max_body_bytes": args.max_body_bytes}
 
@@ -54,8 +56,26 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         raise CliError("--replicas / --ray-address need Ray Serve: pip install 'specdecode[ray]'") from None
     from . import ray_app
     spec = ray_spec(args)
+    stop = threading.Event()
+    started = False
+
+    def on_signal(signum, frame) -> None:
+        if not started:                          # still deploying: give up the start
+            raise KeyboardInterrupt
+        if not stop.is_set():
+            print(f"specdecode serve: {signal.Signals(signum).name}: stopping the replicas (requests in flight "
+                  f"have up to {args.shutdown_timeout:g} s) and Ray", file=sys.stderr, flush=True)
+        stop.set()
+
+    def install() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
     try:
-        spec = ray_app.start(spec, args.host, args.port, args.ray_address)
+        spec = ray_app.start(spec, args.host, args.port, args.ray_address, after_init=install)
+    except KeyboardInterrupt:
+        leave(args.ray_address)
+        print("specdecode serve: stopped before the replicas were up", file=sys.stderr)
+        return 0
     except ConnectionError as exc:
         raise CliError(f"--ray-address {args.ray_address}: cannot join the Ray cluster ({exc}); a cluster with "
                        f"token authentication needs RAY_AUTH_MODE=token and its token (~/.ray/auth_token or "
@@ -72,13 +92,13 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     if exposed_without_key(args.host, args.api_key):
         print(f"warning: listening on {args.host} without an API key: anyone who can reach this port may use "
               f"the server (set --api-key or SPECDECODE_API_KEY)", file=sys.stderr)
+    started = True
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
+        while not stop.wait(3600):
+            pass
     finally:
         leave(args.ray_address)
+    print("specdecode serve: stopped", file=sys.stderr)
     return 0
 
 
