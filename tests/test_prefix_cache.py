@@ -233,3 +233,60 @@ def test_prefix_cache_off_and_bounded(tiny_models):
     run(bounded, [(prompt, greedy, False)])
     assert bounded.scheduler.engine.cache.cached_blocks == 3
     assert cached(run(bounded, [(prompt, greedy, False)])[0][1]) == 3 * BLOCK
+
+
+# ----------------------------------------------------------------------------- on disk
+def disk_state(model, directory, **config):
+    llm = LLM(model=str(model), method="none", dtype="fp32", progress=False)
+    return llm, build_state(llm, ServeConfig(max_batch_size=2, block_size=BLOCK, max_model_len=240,
+                                             prefix_cache_dir=str(directory), **config), check_budget=False)
+
+
+def stop_gracefully(state):
+    state.scheduler.drain(0.0)
+    state.scheduler.run()            # returns at once (nothing in flight), writing what the cache holds
+
+
+def test_a_restarted_server_takes_prefixes_from_disk(tiny_models, tmp_path):
+    llm, first = disk_state(tiny_models["llama"], tmp_path)
+    prompt = llm.tokenizer.encode(TEXT)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    want, usage = run(first, [(prompt, greedy, False)])[0]
+    assert cached(usage) == 0
+    stop_gracefully(first)
+    disk = first.scheduler.disks[0]
+    assert disk.written > 0 and len(list(disk.dir.glob("*.kv"))) == disk.written
+    _, second = disk_state(tiny_models["llama"], tmp_path)
+    assert second.scheduler.disks[0].loaded == disk.written
+    got, usage = run(second, [(prompt, greedy, False)])[0]
+    assert got == want and cached(usage) == (len(prompt) - 1) // BLOCK * BLOCK
+    # another model never reads these files (its own directory), even renamed into its own
+    _, other = disk_state(tiny_models["qwen2"], tmp_path)
+    assert other.scheduler.disks[0].loaded == 0
+    theirs = other.scheduler.disks[0].dir
+    moved = theirs / next(disk.dir.glob("*.kv")).name
+    moved.write_bytes(next(disk.dir.glob("*.kv")).read_bytes())
+    _, other = disk_state(tiny_models["qwen2"], tmp_path)
+    assert other.scheduler.disks[0].loaded == 0 and moved.exists()          # foreign: skipped, left alone
+
+
+def test_damaged_files_are_skipped_and_the_directory_is_bounded(tiny_models, tmp_path):
+    llm, first = disk_state(tiny_models["llama"], tmp_path)
+    prompt = llm.tokenizer.encode(TEXT)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = run(first, [(prompt, greedy, False)])[0][0]
+    stop_gracefully(first)
+    files = sorted(first.scheduler.disks[0].dir.glob("*.kv"))
+    files[0].write_bytes(files[0].read_bytes()[:-100])                  # truncated
+    data = bytearray(files[1].read_bytes())
+    data[-1] ^= 0xFF                                                    # one bit of a value
+    files[1].write_bytes(bytes(data))
+    _, second = disk_state(tiny_models["llama"], tmp_path)
+    assert second.scheduler.disks[0].loaded == len(files) - 2
+    assert not files[0].exists() and not files[1].exists()              # ours but damaged: removed
+    assert run(second, [(prompt, greedy, False)])[0][0] == want         # computed where a block is missing
+    size = files[2].stat().st_size
+    _, small = disk_state(tiny_models["llama"], tmp_path, prefix_cache_dir_bytes=3 * size)
+    run(small, [(llm.tokenizer.encode("other words " + TEXT), greedy, False)])
+    stop_gracefully(small)
+    assert len(list(small.scheduler.disks[0].dir.glob("*.kv"))) == 3

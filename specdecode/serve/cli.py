@@ -38,6 +38,12 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--prefix-cache-blocks", type=positive_int("--prefix-cache-blocks", 0), default=None,
                    help="most KV blocks kept for cached prefixes while no request uses them (default: whatever "
                         "the pool has free; they are evicted least recently used first when requests need room)")
+    g.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="keep hot cached prefixes (prompts reused by later requests, and at a graceful stop all "
+                        "the cache holds) on disk in DIR and load them at start-up, so a restart does not "
+                        "prefill them again; files are checked against the model and damaged ones skipped")
+    g.add_argument("--prefix-cache-dir-size", type=number("--prefix-cache-dir-size"), default=4.0, metavar="GB",
+                   help="most GB kept in --prefix-cache-dir, least recently used files removed first (default 4)")
     g.add_argument("--spec-max-batch-size", type=positive_int("--spec-max-batch-size", 1), default=None,
                    help="switch speculation off while more requests run (default: only the measured policy)")
     g.add_argument("--health-timeout", type=number("--health-timeout"), default=10.0,
@@ -87,7 +93,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("--method model needs a draft model: add --draft PATH")
     if not 0 <= args.shutdown_timeout <= 86400:
         raise CliError(f"--shutdown-timeout must be a number of seconds in [0, 86400], got {args.shutdown_timeout:g}")
+    if args.prefix_cache_dir is not None and not args.prefix_cache:
+        raise CliError("--prefix-cache-dir needs the prefix cache: drop --no-prefix-cache")
+    if not 0 <= args.prefix_cache_dir_size <= 1e6:
+        raise CliError(f"--prefix-cache-dir-size must be a number of GB in [0, 1e6], got {args.prefix_cache_dir_size:g}")
     if uses_ray(args):
+        if args.prefix_cache_dir is not None:
+            raise CliError("--prefix-cache-dir applies to one server; with --replicas each replica keeps its own "
+                           "cache in memory")
         from .ray_cli import serve_on_ray
         return serve_on_ray(args)
     config = ServeConfig(max_batch_size=args.max_batch_size, max_queue=args.max_queue,
@@ -96,7 +109,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          num_speculative_tokens=args.k,
                          spec_max_batch_size=args.spec_max_batch_size, health_timeout=args.health_timeout,
                          served_model_name=args.served_model_name, prefix_cache=args.prefix_cache,
-                         prefix_cache_blocks=args.prefix_cache_blocks)
+                         prefix_cache_blocks=args.prefix_cache_blocks, prefix_cache_dir=args.prefix_cache_dir,
+                         prefix_cache_dir_bytes=int(args.prefix_cache_dir_size * 2**30))
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
               dtype=args.dtype, device=args.device, threads=args.threads, fast=not args.eager,
               weights=args.weights, draft_dtype=args.draft_dtype, **drafter_options(args))
@@ -109,6 +123,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{(sched.engine.draft_cache.nbytes() if sched.engine.draft_cache else 0) / 2**20:.0f} MiB draft, "
           f"weights {weights_bytes(llm.target.model) / 2**20:.0f} MiB; http://{args.host}:{args.port}/",
           file=sys.stderr)
+    cache = sched.engine.cache
+    print(f"specdecode serve: prefix cache {'on' if cache.prefix_caching else 'off'}"
+          + (f" ({sched.engine.prefix_note})" if sched.engine.prefix_note else "")
+          + "".join(f"; {d.loaded} blocks loaded from {d.dir}" for d in sched.disks), file=sys.stderr)
     if exposed_without_key(args.host, args.api_key):
         print(f"warning: listening on {args.host} without an API key: anyone who can reach this port may use "
               f"the server (set --api-key or SPECDECODE_API_KEY)", file=sys.stderr)

@@ -53,6 +53,8 @@ class ServeConfig:
     served_model_name: str | None = None
     prefix_cache: bool = True            # reuse earlier requests' prompt blocks (block_pool.py)
     prefix_cache_blocks: int | None = None   # most idle cached blocks kept (None: what the pool has free)
+    prefix_cache_dir: str | None = None      # hot prefixes kept on disk across restarts (prefix_disk.py)
+    prefix_cache_dir_bytes: int = 4 * 2**30  # the directory's size bound
 
     def __post_init__(self) -> None:
         for name, low, high in (("max_batch_size", 1, 1024), ("max_queue", 1, 1_000_000), ("block_size", 1, 1024),
@@ -72,6 +74,11 @@ class ServeConfig:
                                                      not isinstance(self.prefix_cache_blocks, int) or
                                                      self.prefix_cache_blocks < 0):
             raise ParamError(f"prefix_cache_blocks must be an integer >= 0, got {self.prefix_cache_blocks!r}")
+        if self.prefix_cache_dir is not None and not self.prefix_cache:
+            raise ParamError("prefix_cache_dir needs the prefix cache (prefix_cache=True)")
+        if isinstance(self.prefix_cache_dir_bytes, bool) or not isinstance(self.prefix_cache_dir_bytes, int) \
+                or self.prefix_cache_dir_bytes < 0:
+            raise ParamError(f"prefix_cache_dir_bytes must be an integer >= 0, got {self.prefix_cache_dir_bytes!r}")
         if not self.health_timeout > 0:
             raise ParamError(f"health_timeout must be > 0 seconds, got {self.health_timeout}")
 
@@ -137,8 +144,15 @@ class Scheduler:
         # (its batch-1 fused path needs a contiguous cache)
         self.max_k = MAX_TREE_NODES if drafter is not None and drafter.capabilities.drafts_trees else MAX_CHAIN
         self.engine = BatchEngine(target, drafter, self.max_k, self.context, rows + 1, num_blocks, config.block_size)
+        self.disks = []                               # serve --prefix-cache-dir (prefix_disk.py)
         if config.prefix_cache:
             self.engine.enable_prefix_caching(config.prefix_cache_blocks)
+            if config.prefix_cache_dir:
+                from .prefix_disk import DiskPrefixCache
+                self.disks = [DiskPrefixCache(config.prefix_cache_dir, c, config.prefix_cache_dir_bytes)
+                              for c in self.engine.runner.caches if c.prefix_caching]
+                for disk in self.disks:
+                    log.info("prefix cache: %d blocks loaded from %s", disk.load(), disk.dir)
         self.inner_drafter = drafter
         self.prefill_budget = PrefillBudget(config.prefill_chunk, config.prefill_stall_ms / 1000)
         caps = drafter.capabilities if drafter is not None else None
@@ -237,7 +251,7 @@ class Scheduler:
                 busy = bool(self.inbox or self.aborts or self.prefilling or self.running)
                 if self.drain_deadline is not None and (not busy or time.monotonic() >= self.drain_deadline):
                     break
-                if not self._stop and not busy:
+                if not self._stop and not busy and not self._persist(limit=8):
                     self.cond.wait(timeout=1.0)
                 if self._stop:
                     return
@@ -253,6 +267,17 @@ class Scheduler:
             self._fail_all("the server is shutting down and this request did not finish in time "
                            "(--shutdown-timeout)")
             self._publish_counts()
+            for disk in self.disks:                  # what the caches hold, for the next start
+                disk.note_all()
+            self._persist(limit=None)
+
+    def _persist(self, limit: int | None) -> bool:
+        """Write up to `limit` blocks per disk cache (serve --prefix-cache-dir); True if more wait."""
+        more = False
+        for disk in self.disks:
+            if disk.pending:
+                more = disk.flush(limit) > 0 or more
+        return more
 
     def _iteration(self, aborts: set[str]) -> None:
         try:
@@ -317,6 +342,8 @@ class Scheduler:
                 self.metrics.prompt_tokens.inc(len(request.prompt_ids))
                 if self.engine.cache.prefix_caching:
                     self.metrics.record_prefix(len(request.prompt_ids), seq.cached_tokens)
+            for disk in self.disks:                  # a hit: a hot prefix, worth keeping on disk
+                disk.note(hits.get(id(disk.cache), ()))
 
     def _new_sequence(self, request: Request, row: int, tokens: int, hits: dict) -> ServeSequence:
         covered = self.engine.admit(row, tokens, hits)
