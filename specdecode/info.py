@@ -13,7 +13,6 @@ import json
 import os
 import platform
 import shutil
-import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -274,7 +273,3 @@ def format_text(r: dict) -> str:
             lines.append(f"  note      {m['note']}")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    from .cli import main
-    sys.exit(main(["info", *sys.argv[1:]]))
