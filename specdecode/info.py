@@ -126,12 +126,17 @@ def _describe(k: dict) -> dict:
                         " and permitted" if k["loaded"] else " (the OS's permission is asked when the kernels load)")
                     + ("" if k["amx_int8"] else "; SPECDECODE_QAMX=0 or no amx_int8: GGUF passes stay on VNNI"))}
     if k["isa"] == "avx2":
-        return {"path": "avx2-simde",
+        why = (f"no {', '.join(k['emulated'])}: the AVX512 kernels compile through SIMDe "
+               f"({k['simde'] or 'headers not found'})")
+        if "avx512f" not in k["emulated"]:           # an AVX-512 part without BF16 / VNNI: only those emulated
+            return {"path": "avx512-simde", "why": why,
+                    "gguf": "the file's own blocks, AVX-512 kernels with " + ", ".join(k["emulated"])
+                            + " emulated (exact forms of VPDPBUSD / VDPBF16PS)",
+                    "dense_bf16": "AVX-512 (bf16 pairs emulated)", "dense_fp32": "AVX512F FMA"}
+        return {"path": "avx2-simde", "why": why,
                 "gguf": "the file's own blocks, the same kernels in AVX2 forms (VPDPBUSD as VPMADDUBSW + "
                         "VPMADDWD, exact; hand-written AVX2 16-column kernels)",
-                "dense_bf16": "AVX2 + FMA (bf16 widened to fp32)", "dense_fp32": "AVX2 + FMA",
-                "why": f"no {', '.join(k['emulated'])}: the AVX512 kernels compile through SIMDe "
-                       f"({k['simde'] or 'headers not found'})"}
+                "dense_bf16": "AVX2 + FMA (bf16 widened to fp32)", "dense_fp32": "AVX2 + FMA"}
     return {"path": "eager", "gguf": "dequantized to bf16 at load (as --weights dense), then torch F.linear",
             "dense_bf16": "torch F.linear", "dense_fp32": "torch F.linear", "why": k["reason"]}
 

@@ -49,7 +49,7 @@ def test_json_has_every_field_with_its_type(capsys):
     assert cpu["flags"]["AVX2"] == ("avx2" in linear.cpu_flags())
     k = r["kernels"]
     assert k["isa"] in ("avx512", "avx2", "none")
-    assert k["path"] in ("avx512-vnni+amx", "avx512-vnni", "avx2-simde", "eager")
+    assert k["path"] in ("avx512-vnni+amx", "avx512-vnni", "avx512-simde", "avx2-simde", "eager")
     for key in ("why", "gguf", "dense_bf16", "dense_fp32", "reason", "cache_dir"):
         assert isinstance(k[key], str) and k[key], key
     assert isinstance(k["amx_bf16"], bool) and isinstance(k["amx_int8"], bool)
@@ -107,6 +107,9 @@ def test_other_cpus_and_switches(capsys, simde, monkeypatch):
     zen4 = SAPPHIRE_RAPIDS.replace(" amx_tile amx_int8 amx_bf16", "")
     k = info_json(capsys, "--cpu-flags", zen4)["kernels"]
     assert k["path"] == "avx512-vnni" and not k["amx_bf16"] and "VDPBF16PS" in k["dense_bf16"]
+    skylake = zen4.replace(" avx512_vnni avx512_bf16", "")        # AVX-512 without VNNI / BF16: those emulated
+    k = info_json(capsys, "--cpu-flags", skylake)["kernels"]
+    assert k["isa"] == "avx2" and k["path"] == "avx512-simde" and set(k["emulated"]) == {"avx512_vnni", "avx512_bf16"}
     k = info_json(capsys, "--cpu-flags", "sse2 sse4_2")["kernels"]
     assert k["path"] == "eager" and "lacks avx2, fma, f16c" in k["reason"]
     monkeypatch.setenv("SPECDECODE_QAMX", "0")
