@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     from .distill.cli import add_parser as add_distill_parser   # `specdecode distill`: specdecode/distill
     add_distill_parser(sub)
+    from .info import add_parser as add_info_parser   # `specdecode info`: what this machine runs (info.py)
+    add_info_parser(sub)
     return parser
 
 

@@ -17,7 +17,7 @@ ROOT = Path(specdecode.__file__).resolve().parent
 # subpackages / modules below the interfaces: they must never import the layers above them
 LOW = ("params", "sampling", "structured", "verify", "kv_cache", "tokenizer", "datasets", "models", "fast", "drafters",
        "engine")
-HIGH = ("api", "cli", "serve", "bench", "distill")
+HIGH = ("api", "cli", "serve", "bench", "distill", "info")
 
 
 def modules() -> dict[str, Path]:

@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["PackedLinear", "available", "reason", "self_check"]
+__all__ = ["PackedLinear", "available", "reason", "self_check", "isa", "kernel_plan", "cpu_flags",
+           "cpu_field", "kernel_cache", "features"]
 
 _SRC = Path(__file__).with_name("kernels.c")
 _SOURCES = (_SRC, *(_SRC.with_name(n) for n in ("decoder.c", "decoder_ops.c", "decoder_attn.c", "quant.c", "quant16.c", "quant16_amx.c",
@@ -69,6 +70,47 @@ def _cpuinfo(field: str) -> str:
 
 def _cpu_flags() -> set[str]:
     return set(_cpuinfo("flags").split())
+
+
+def cpu_field(field: str) -> str:
+    """The first CPU's `field` in /proc/cpuinfo, e.g. "model name" ("" where there is none)."""
+    return _cpuinfo(field)
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's flags as /proc/cpuinfo names them (avx512f, avx512_vnni, amx_int8, ...)."""
+    return _cpu_flags()
+
+
+def kernel_cache() -> Path:
+    """Where the compiled kernel libraries are kept (SPECDECODE_KERNEL_CACHE)."""
+    return _CACHE
+
+
+def kernel_plan(flags: set[str] | None = None) -> dict:
+    """Which kernel build a CPU with `flags` (/proc/cpuinfo names; default this CPU's) gets, decided
+    as _load() decides it, without compiling or loading anything: {"isa": "avx512" (every AVX512
+    feature native) | "avx2" (the missing ones emulated through SIMDe) | "none" (eager torch),
+    "emulated": [flags], "amx_bf16": bool, "amx_int8": bool (AMX tiles for quantized passes of
+    several rows; SPECDECODE_QAMX=0 turns them off), "reason": why "none", else "ok"}. AMX also
+    needs the OS's permission, which only loading the kernels asks for (reason() then says)."""
+    flags = _cpu_flags() if flags is None else set(flags)
+    plan = {"isa": "none", "emulated": [f for f in _AVX512_FLAGS if f not in flags], "amx_bf16": False,
+            "amx_int8": False, "reason": "ok"}
+    missing = [f for f in _AVX2_FLAGS if f not in flags]
+    if os.environ.get("SPECDECODE_FAST", "1") == "0":
+        plan["reason"] = "disabled by SPECDECODE_FAST=0"
+    elif missing:
+        plan["reason"] = f"CPU lacks {', '.join(missing)} (the kernels need AVX512, or AVX2 + FMA + F16C)"
+    elif plan["emulated"] and not _simde_available():
+        plan["reason"] = (f"CPU lacks {', '.join(plan['emulated'])}: the kernels then compile through SIMDe, whose "
+                          f"headers are missing (apt install libsimde-dev, or SPECDECODE_SIMDE_INCLUDE=DIR)")
+    else:
+        plan["isa"] = "avx2" if plan["emulated"] else "avx512"
+        plan["amx_bf16"] = "avx512_bf16" in flags and {"amx_tile", "amx_bf16"} <= flags
+        plan["amx_int8"] = (plan["amx_bf16"] and "amx_int8" in flags
+                            and os.environ.get("SPECDECODE_QAMX", "1") != "0")
+    return plan
 
 
 # Software prefetch (PREFETCHT2, this many bytes ahead of each weight block) in the quantized kernels,
@@ -125,18 +167,11 @@ def _load() -> dict:
     st = {"lib": None, "amx": False, "bf16": False, "fp32": False, "reason": "ok"}
     _state.update(st)
     flags = _cpu_flags()
-    if os.environ.get("SPECDECODE_FAST", "1") == "0":
-        _state["reason"] = "disabled by SPECDECODE_FAST=0"
+    plan = kernel_plan(flags)
+    if plan["isa"] == "none":
+        _state["reason"] = plan["reason"]
         return _state
-    emulated = [f for f in _AVX512_FLAGS if f not in flags]
-    missing = [f for f in _AVX2_FLAGS if f not in flags]
-    if missing:
-        _state["reason"] = f"CPU lacks {', '.join(missing)} (the kernels need AVX512, or AVX2 + FMA + F16C)"
-        return _state
-    if emulated and not _simde_available():
-        _state["reason"] = (f"CPU lacks {', '.join(emulated)}: the kernels then compile through SIMDe, whose "
-                            f"headers are missing (apt install libsimde-dev, or SPECDECODE_SIMDE_INCLUDE=DIR)")
-        return _state
+    emulated = plan["emulated"]
     try:
         lib = ctypes.CDLL(str(_compile()))  # torch is imported first, so libgomp is shared
     except (RuntimeError, OSError) as e:
@@ -156,14 +191,13 @@ def _load() -> dict:
     _state["bf16"] = True      # AVX512-BF16, or its emulation through SIMDe (the same lane semantics)
     _state["isa"] = "avx512" if lib.sd_isa() == 2 else "avx2"
     _state["emulated"] = emulated
-    # AMX needs the CPU flags *and* the kernel's permission (arch_prctl XCOMP_PERM).
-    _state["amx"] = "avx512_bf16" in flags and {"amx_tile", "amx_bf16"} <= flags and lib.sd_amx_init() == 0
+    # AMX needs the CPU flags (kernel_plan) *and* the kernel's permission (arch_prctl XCOMP_PERM).
+    _state["amx"] = plan["amx_bf16"] and lib.sd_amx_init() == 0
     # Quantized weights on AMX int8 tiles for passes of several rows (bitwise equal to the VNNI kernels;
     # SPECDECODE_QAMX=0 keeps VNNI, e.g. to compare the two)
     lib.sd_q_amx.argtypes = [I]
     lib.sd_q_amx.restype = I
-    want = _state["amx"] and "amx_int8" in flags and os.environ.get("SPECDECODE_QAMX", "1") != "0"
-    _state["qamx"] = bool(lib.sd_q_amx(int(want)))
+    _state["qamx"] = bool(lib.sd_q_amx(int(_state["amx"] and plan["amx_int8"])))
     return _state
 
 
@@ -209,6 +243,14 @@ def isa() -> str:
     """Which kernels run: 'avx512' (native), 'avx2' (the AVX512 kernels through SIMDe) or 'none'."""
     st = _load()
     return st.get("isa", "none") if st["lib"] is not None else "none"
+
+
+def features() -> dict:
+    """What loaded (compiling the kernels on first use): {"isa": as isa(), "amx": AMX bf16 tiles usable
+    (flags and the OS's permission), "qamx": quantized passes of several rows on AMX int8 tiles,
+    "reason": as reason()}."""
+    st = _load()
+    return {"isa": isa(), "amx": bool(st["amx"]), "qamx": bool(st.get("qamx", False)), "reason": reason()}
 
 
 def available() -> bool:

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,7 +26,7 @@ from torch import Tensor
 
 from . import linear as _lin
 
-__all__ = ["QuantWeight", "QuantLinear", "NATIVE_TYPES", "quantize_int8", "type_name"]
+__all__ = ["QuantWeight", "QuantLinear", "NATIVE_TYPES", "quantize_int8", "type_name", "repacks16", "qamx_min_rows"]
 
 # ggml type ids (gguf.GGMLQuantizationType) the native kernel reads; I8 is our int8 per channel
 I8 = 1000
@@ -178,6 +181,21 @@ def _quant_lib():
     return lib
 
 
+def repacks16(qtype: int, start: int, end: int, in_features: int) -> bool:
+    """Whether rows start..end of a weight in format `qtype` are repacked 16 columns at a time at load
+    (quant16.c; the layout the AMX int8 tiles also read): a 16-aligned row range, in_features % 256 == 0
+    for the K formats, and not SPECDECODE_Q16=0."""
+    return (qtype in INTERLEAVED and not start % 16 and not end % 16
+            and not (qtype in (12, 14) and in_features % 256) and os.environ.get("SPECDECODE_Q16", "1") != "0")
+
+
+@functools.cache
+def qamx_min_rows() -> int:
+    """The row count from which a pass runs the 16-column layouts on AMX int8 tiles (QAMX_MIN_ROWS in quant.c)."""
+    match = re.search(r"#define QAMX_MIN_ROWS (\d+)", Path(__file__).with_name("quant.c").read_text())
+    return int(match.group(1)) if match else 0
+
+
 def native_reason() -> str | None:
     """None if the quantized kernels can run here, else why not."""
     st = _lin._load()
@@ -216,13 +234,9 @@ class QuantLinear:
 
     def _interleave(self, qtype: int, data: Tensor, start: int, end: int) -> tuple[int, Tensor]:
         """A segment's rows repacked 16 columns at a time (lossless, same size; see quant16.c)
-        when its row range is 16-aligned (K formats: K % 256 == 0); SPECDECODE_Q16=0 keeps the
-        file layout."""
-        import os
+        where repacks16 says so, else the file layout."""
         K = self.in_features
-        kquant = qtype in (12, 14)
-        if (qtype not in INTERLEAVED or start % 16 or end % 16 or (kquant and K % 256)
-                or os.environ.get("SPECDECODE_Q16", "1") == "0"):
+        if not repacks16(qtype, start, end, K):
             return qtype, data
         n = data.shape[0]
         row_bytes = K * INTERLEAVED[qtype][1] // 256

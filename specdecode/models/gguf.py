@@ -83,7 +83,7 @@ def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
     import torch
     from gguf.quants import dequantize
 
-    from ..fast.quant import NATIVE_TYPES, QuantWeight
+    from ..fast.quant import QuantWeight
 
     table = json.loads((tokenizer_dir(path) / "tensors.json").read_text())
     config = ModelConfig(**dict(table["config"], eos_token_ids=tuple(table["config"]["eos_token_ids"])))
@@ -94,8 +94,7 @@ def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
         if name is None:
             continue
         data = raw[t["offset"]:t["offset"] + t["bytes"]]
-        projection = name.endswith("proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
-        if projection and len(shape) == 2 and qtype in NATIVE_TYPES and shape[1] % 64 == 0:
+        if kept_as_stored(name, qtype, shape):
             qw = QuantWeight.from_blocks(qtype, np.array(data, copy=True), shape)
             if config.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.num_heads if "q_proj" in name else config.num_kv_heads
@@ -111,6 +110,28 @@ def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
         array = dequantize(np.asarray(data), qtype).astype(np.float32, copy=False).reshape(shape)
         weights[name] = torch.from_numpy(_hf_order(name, array, config)).to(device=device, dtype=dtype)
     return config, weights
+
+
+def kept_as_stored(hf_name: str, qtype: int, shape: tuple[int, ...]) -> bool:
+    """Whether native_weights keeps a tensor (by its HF name) as the file's own blocks for the native
+    kernels: a projection or the output matrix in a format they read (fast.quant.NATIVE_TYPES), rows a
+    multiple of 64 weights. Anything else is dequantized at load."""
+    from ..fast.quant import NATIVE_TYPES
+    projection = hf_name.endswith("proj.weight") or hf_name in ("lm_head.weight", "model.embed_tokens.weight")
+    return projection and len(shape) == 2 and qtype in NATIVE_TYPES and shape[1] % 64 == 0
+
+
+def tensor_table(path: Path) -> tuple[str | None, list[tuple[str | None, str, int, tuple[int, ...]]]]:
+    """(architecture, [(HF name or None, GGUF name, ggml type, shape [out, in])]) from the file's header
+    alone (no weights read, nothing cached); ModelError for a file that is not GGUF or is damaged."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelError(f"{path} is not a GGUF file")
+    try:
+        arch, tensors = _header(path)
+    except Exception as exc:  # noqa: BLE001  (as in inspect_file)
+        raise ModelError(f"{path} is a damaged GGUF file ({type(exc).__name__}: {exc})") from None
+    return arch, [(_hf_name(name, arch), name, qtype, shape) for name, qtype, shape, _ in tensors]
 
 
 def _open(path: Path):
@@ -133,7 +154,8 @@ def inspect_file(path: Path) -> str:
     if record.is_file():
         return json.loads(record.read_text())["architecture"]
     try:
-        arch, ends = _tensor_ends(path)
+        arch, tensors = _header(path)
+        ends = [(name, end) for name, _, _, end in tensors]
     except Exception as exc:  # struct / numpy / the gguf package raise many kinds for a cut header
         raise ModelError(f"{path} is a damaged GGUF file (truncated or corrupt header: {type(exc).__name__}: "
                          f"{exc})") from None
@@ -149,19 +171,21 @@ def inspect_file(path: Path) -> str:
     return str(arch)
 
 
-def _tensor_ends(path: Path) -> tuple[str | None, list[tuple[str, int]]]:
-    """(architecture, [(tensor name, byte offset just past its data)]). transformers' header
-    reader skips the vocabulary (milliseconds); the gguf package's reader parses it (seconds) and
-    is the fallback for what the former does not read."""
+def _header(path: Path) -> tuple[str | None, list[tuple[str, int, tuple[int, ...], int]]]:
+    """(architecture, [(tensor name, ggml type, shape [out, in], byte offset just past its data)]).
+    transformers' header reader skips the vocabulary (milliseconds); the gguf package's reader parses
+    it (seconds) and is the fallback for what the former does not read."""
     try:
         from transformers.integrations.gguf.reader import GgufHeader
-        header = GgufHeader.from_file(str(path))
-        return header.architecture, [(t.name, header.data_start + t.offset + t.nbytes) for t in header.tensors]
+        h = GgufHeader.from_file(str(path))
+        return h.architecture, [(t.name, int(t.ggml_type), tuple(int(d) for d in t.shape),
+                                 h.data_start + t.offset + t.nbytes) for t in h.tensors]
     except Exception:  # noqa: BLE001  (an older transformers, or a type / header it does not read)
         from gguf import GGUFReader
         reader = GGUFReader(str(path))
-        ends = [(t.name, int(t.data_offset) + int(t.n_bytes)) for t in reader.tensors]
-        return _field(reader, "general.architecture"), ends
+        return _field(reader, "general.architecture"), [
+            (t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape)), int(t.data_offset) + int(t.n_bytes))
+            for t in reader.tensors]
 
 
 def transformers_archs() -> tuple[str, ...]:

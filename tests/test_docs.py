@@ -1,0 +1,261 @@
+"""The docs cannot drift from the CLI or point nowhere.
+
+* Every `specdecode SUBCOMMAND ...` command in a fenced shell block of README.md, docs/*.md and the
+  package READMEs parses with the real parser (`cli.build_parser`), every flag it shows exists exactly as
+  written (no abbreviations), and every `--drafter-option KEY=...` is an option of the method it runs.
+  Usage synopses (`[--flag VALUE]`) and inline `specdecode ...` spans in prose are checked flag by flag.
+* `--help` of every subcommand renders.
+* Every relative link (and its #anchor, for a Markdown target) in those files and in benchmarks/ points
+  to something that exists.
+Parse only: nothing is loaded or run."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from specdecode.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+USER_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+COMMAND_DOCS = USER_DOCS + sorted(ROOT.glob("specdecode/*/README.md")) + [ROOT / "benchmarks" / "README.md"]
+# RESULTS.md keeps each run's command as it was run (some flags have changed since): links only
+LINK_DOCS = COMMAND_DOCS + [ROOT / "benchmarks" / "RESULTS.md"]
+SHELLS = ("", "bash", "sh", "shell", "console")
+COMMAND = re.compile(r"(?:^|(?<=[\s;&(]))(?:[\w./~$-]*/)?specdecode\s+(?=[a-z])")
+FLAG = re.compile(r"^--?[A-Za-z][\w-]*")
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def fenced_blocks(text: str):
+    """(language, [lines]) of every fenced code block."""
+    lang, lines = None, []
+    for line in text.splitlines():
+        fence = re.match(r"^\s*```\s*([\w+-]*)", line)
+        if fence and lang is None:
+            lang, lines = fence.group(1).lower(), []
+        elif fence:
+            yield lang, lines
+            lang = None
+        elif lang is not None:
+            lines.append(line)
+
+
+def prose(text: str) -> str:
+    """The text outside fenced code blocks."""
+    keep, inside = [], False
+    for line in text.splitlines():
+        if re.match(r"^\s*```", line):
+            inside = not inside
+        elif not inside:
+            keep.append(line)
+    return "\n".join(keep)
+
+
+def shell_commands(path: Path) -> list[tuple[str, list[str]]]:
+    """(source line, argv after `specdecode`) of every specdecode command in the file's shell blocks."""
+    out = []
+    for lang, lines in fenced_blocks(path.read_text()):
+        if lang not in SHELLS:
+            continue
+        logical, buf = [], ""
+        for line in lines:
+            buf += line.rstrip()
+            if buf.endswith("\\"):
+                buf = buf[:-1] + " "
+                continue
+            logical.append(buf)
+            buf = ""
+        for line in logical:
+            for match in COMMAND.finditer(line):
+                tokens = shlex.split(line[match.end():], comments=True)
+                for i, tok in enumerate(tokens):
+                    if tok in ("&&", "||", ";", "|", ">", "2>", "&"):
+                        tokens = tokens[:i]
+                        break
+                out.append((line.strip(), tokens))
+    return out
+
+
+def inline_commands(path: Path) -> list[tuple[str, list[str]]]:
+    """`specdecode SUB ...` spans in the prose: checked as synopses (flags only)."""
+    spans = re.findall(r"`((?:[\w./~-]*/)?specdecode\s+[a-z][^`]*)`", prose(path.read_text()))
+    return [(span, span.split(None, 1)[1].replace("[", " [").split()) for span in spans]
+
+
+def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(actions[0].choices) if actions else {}
+
+
+def resolve(tokens: list[str]) -> tuple[list[argparse.ArgumentParser], list[str]]:
+    """The parsers a command reaches (`bench`, then `bench serve`) and its name; each alternative of
+    `generate|serve` is one parser."""
+    parser, names = build_parser(), []
+    chain = [parser]
+    for tok in tokens:
+        subs = subparsers(chain[-1])
+        alternatives = tok.split("|")
+        if not subs or not all(a in subs for a in alternatives):
+            break
+        names.append(tok)
+        if len(alternatives) > 1:
+            return [subs[a] for a in alternatives], names
+        chain.append(subs[tok])
+    return chain[1:], names
+
+
+def option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for action in parser._actions for s in action.option_strings}
+
+
+def shown_flags(tokens: list[str]) -> list[str]:
+    flags = []
+    for tok in tokens:
+        for part in tok.strip("[]().,;").split("/"):
+            part = part.strip("[]")
+            m = FLAG.match(part)
+            if m and not re.match(r"^-\d", part):
+                flags.append(m.group(0))
+    return flags
+
+
+def check(source: str, tokens: list[str], synopsis: bool) -> list[str]:
+    """Problems with one documented command (empty when it is right)."""
+    parsers, names = resolve(tokens)
+    if not names:
+        return [f"{source!r}: no subcommand of specdecode (have {', '.join(subparsers(build_parser()))})"]
+    rest = tokens[len(names):]
+    # `generate|serve --method NAME`: a flag any of the alternatives has; else the last parser reached
+    known = set.union(*(option_strings(p) for p in parsers)) if len(parsers) > 1 else option_strings(parsers[-1])
+    problems = [f"{source!r}: {' '.join(names)} has no option {flag}" for flag in shown_flags(rest) if flag not in known]
+    if synopsis or any("[" in t or t in ("...", "|") for t in rest) or problems:
+        return problems
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            args = build_parser().parse_args(tokens)
+    except SystemExit as exc:
+        return [f"{source!r}: does not parse (exit {exc.code}): {err.getvalue().strip().splitlines()[-1:]}"]
+    return check_drafter_options(source, args)
+
+
+def check_drafter_options(source: str, args: argparse.Namespace) -> list[str]:
+    from specdecode.drafters.registry import drafter_option_names
+    options = dict(getattr(args, "drafter_options", None) or [])
+    if not options:
+        return []
+    method = getattr(args, "method", None) or ("cascade" if getattr(args, "draft", None) else "ngram")
+    if isinstance(method, list):                      # bench: --methods plain,model,...
+        method = next((m for m in method if m not in ("plain", "none")), "ngram")
+    known = set(drafter_option_names(method))
+    return [f"{source!r}: --drafter-option {key} is not an option of method {method}" for key in options
+            if key not in known]
+
+
+def all_commands():
+    for path in COMMAND_DOCS:
+        for source, tokens in shell_commands(path):
+            yield rel(path), source, tokens, False
+        for source, tokens in inline_commands(path):
+            yield rel(path), source, tokens, True
+
+
+def test_the_extractor_finds_commands_and_the_checker_catches_drift(tmp_path):
+    doc = tmp_path / "x.md"
+    doc.write_text("```bash\n.venv/bin/specdecode generate \"hi there\" --compare \\\n    -k 4   # note\n"
+                   "bash x.sh && specdecode info --json | head\n```\n"
+                   "Use `specdecode serve [--port N] [--bogus]` or `specdecode generate|serve --method NAME`.\n")
+    cmds = shell_commands(doc)
+    assert [t for _, t in cmds] == [["generate", "hi there", "--compare", "-k", "4"], ["info", "--json"]]
+    assert all(not check(s, t, False) for s, t in cmds)
+    (span, tokens), (span2, tokens2) = inline_commands(doc)
+    assert any("--bogus" in p for p in check(span, tokens, True)) and not check(span2, tokens2, True)
+    assert check("x", ["generate", "hi", "--max-tok", "3"], False)               # an abbreviation is drift
+    assert check("x", ["generate", "hi", "-k", "many"], False)                   # a bad value does not parse
+    assert check("x", ["frobnicate"], False)
+    assert check("x", ["generate", "hi", "--drafter-option", "head_vocab=8"], False)   # ngram has no head_vocab
+    assert not check("x", ["generate", "hi", "--draft", "d.gguf", "--drafter-option", "head_vocab=8"], False)
+    assert not check("x", ["bench", "serve", "--concurrency", "1,4", "--compare-speculation"], False)
+
+
+def test_docs_show_commands():
+    found = {}
+    for doc, source, tokens, synopsis in all_commands():
+        found.setdefault(doc, []).append(source)
+    for doc in ("README.md", "docs/models.md", "docs/serving.md", "docs/benchmarking.md", "docs/ray.md"):
+        assert found.get(doc), f"no specdecode command found in {doc}: is the extractor broken?"
+
+
+def test_every_documented_command_parses():
+    problems = [f"{doc}: {p}" for doc, source, tokens, synopsis in all_commands() for p in check(source, tokens, synopsis)]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench", "bench serve", "distill", "info"])
+def test_help_of_every_subcommand_renders(command):
+    out = io.StringIO()
+    with pytest.raises(SystemExit) as exc, contextlib.redirect_stdout(out):
+        build_parser().parse_args([*command.split(), "--help"])
+    assert exc.value.code == 0 and out.getvalue().startswith(f"usage: specdecode {command}")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for line in prose(path.read_text()).splitlines():
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            base = slug(m.group(1))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def links(path: Path) -> list[str]:
+    text = re.sub(r"`[^`\n]*`", "", prose(path.read_text()))
+    return re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", text)
+
+
+def test_slugs_follow_github():
+    assert slug("Scale-out on Ray Serve") == "scale-out-on-ray-serve"
+    assert slug("`specdecode bench serve`: load-testing a server") == "specdecode-bench-serve-load-testing-a-server"
+    assert slug("Which method for which job") == "which-method-for-which-job"
+
+
+def test_every_relative_link_points_to_something_that_exists():
+    assert len(LINK_DOCS) > 10
+    broken = []
+    for doc in LINK_DOCS:
+        for target in links(doc):
+            if re.match(r"^[a-z]+:", target):            # http:, https:, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (doc.parent / file).resolve() if file else doc
+            if not dest.exists():
+                broken.append(f"{rel(doc)}: {target} (no {dest})")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{rel(doc)}: {target} (no heading #{anchor} in {rel(dest)})")
+    assert not broken, "\n".join(broken)
+
+
+def test_readme_is_short_and_links_every_guide():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    guides = {Path(t).name for t in links(ROOT / "README.md") if t.startswith("docs/")}
+    assert guides >= {p.name for p in (ROOT / "docs").glob("*.md")}, "a guide in docs/ is not linked from README.md"
