@@ -116,7 +116,7 @@ def load_samples(bench_dir: Path, tasks: list[str] | None) -> tuple[list[dict], 
     rows = [json.loads(line) for line in (bench_dir / "measurements.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("type") == "measurement" and r["system"] == "specdecode"
             and (tasks is None or r["task"] in tasks)]
-    llm = LLM(model=config.get("model"), dtype=config.get("dtype", "bf16"))
+    llm = LLM(model=config.get("model"), dtype=config.get("dtype", "bf16"), prefix_cache=False)
     texts = {(p.task, p.id): p for task in config["tasks"] for p in datasets.load(task)}
     samples = []
     for r in rows:

@@ -71,7 +71,7 @@ def main() -> int:
 
     report: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
                                 "torch": torch.__version__}, "dtype": args.dtype}
-    llm = LLM(dtype=args.dtype, num_speculative_tokens=5, method="ngram", progress=False)
+    llm = LLM(dtype=args.dtype, num_speculative_tokens=5, method="ngram", progress=False, prefix_cache=False)
     ids = llm.encode("Write a short story about a robot who learns to paint.", chat=True)
     llm.generate([ids], SamplingParams(max_tokens=8), num_speculative_tokens=0)
 

@@ -55,13 +55,15 @@ def main() -> int:
 
     from specdecode import LLM, SamplingParams
     from specdecode.bench.serve_server import LocalServer
-    llm = LLM(model=args.model, method=args.method, threads=args.threads, progress=False)
+    llm = LLM(model=args.model, method=args.method, threads=args.threads, progress=False, prefix_cache=False)
     serve_args = [a for a, v in (("--model", args.model), ("--method", args.method),
                                  ("--threads", args.threads)) if v is not None for a in (a, str(v))]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     prompts = PROMPTS[:args.prompts]
     kinds = args.arms.split(",")
-    with LocalServer(serve_args + ["--log-level", "warning"], Path(tempfile.mkdtemp()) / "server.log") as server:
+    # the prompts repeat round after round: both sides prefill them in full (no prefix caches)
+    with LocalServer(serve_args + ["--log-level", "warning", "--no-prefix-cache"],
+                     Path(tempfile.mkdtemp()) / "server.log") as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
 

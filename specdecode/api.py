@@ -9,9 +9,12 @@ import torch
 from .drafters.base import Drafter, DrafterError
 from .drafters.registry import build_drafter, check_drafter_options, method_names
 from .engine.engine import SpecEngine, StreamCallback, check_num_speculative_tokens
+from .engine.prefix_store import PrefixStore
 from .models.dtypes import canonical_dtype
 from .models.loader import LoadedModel, default_draft_dtype, load_model
 from .params import ParamError, SamplingParams
+
+PREFIX_CACHE_BYTES = 512 * 2**20     # LLM's default bound on cached prefix blocks (prefix_cache=True)
 
 
 @dataclass
@@ -83,13 +86,18 @@ class LLM:
     acceptance (engine/budget.py), plain decoding when drafts do not pay; None = on; False: every
     step drafts num_speculative_tokens. A batch with a seeded sampled request drafts
     num_speculative_tokens every step (sizes follow timings; the seed then reproduces the output).
+    prefix_cache: keep the target's keys and values of every call's sequences (prompts and answers)
+    so that a later prompt that starts the same way (a chat's next turn) is prefilled only after
+    that start (engine/prefix_store.py; bitwise the same answers); True: up to PREFIX_CACHE_BYTES,
+    an int: up to that many bytes, False/0: off. Off for the transformers adapter and eager runs
+    (whose passes are not batch invariant) and for drafters that read the target's hidden states.
     """
 
     def __init__(self, model: str | None = None, draft: str | None = None, method: str | None = None,
                  num_speculative_tokens: int = 5, dtype: str | None = None, device: str | None = "cpu",
                  threads: int | None = None, fast: bool = True, progress: bool = True,
                  weights: str = "auto", draft_dtype: str | None = None, adaptive: bool | None = None,
-                 **drafter_options) -> None:
+                 prefix_cache: bool | int = True, **drafter_options) -> None:
         if threads is not None:
             if not isinstance(threads, int) or threads < 1:
                 raise ParamError(f"threads must be an integer >= 1, got {threads!r}")
@@ -118,10 +126,26 @@ class LLM:
         self.adaptive = adaptive
         self.cost_curve: dict[int, float] | None = None     # measured by the first adaptive engine
         self.tokenizer = self.target.tokenizer
+        self.prefix_store = self._prefix_store(prefix_cache)
 
     def engine(self, num_speculative_tokens: int | None = None) -> SpecEngine:
         k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-        return SpecEngine(self.target, self.drafter, k, adaptive=self.adaptive, cost_curve=self.cost_curve)
+        return SpecEngine(self.target, self.drafter, k, adaptive=self.adaptive, cost_curve=self.cost_curve,
+                          prefix_store=self.prefix_store)
+
+    def _prefix_store(self, prefix_cache) -> PrefixStore | None:
+        if isinstance(prefix_cache, bool):
+            size = PREFIX_CACHE_BYTES if prefix_cache else 0
+        elif isinstance(prefix_cache, int) and prefix_cache >= 0:
+            size = prefix_cache
+        else:
+            raise ParamError(f"prefix_cache must be True, False or a number of bytes >= 0, got {prefix_cache!r}")
+        model = self.target.model
+        batch_invariant = self.target.native and getattr(model, "fused", None) is not None
+        reads_hidden = self.drafter is not None and self.drafter.capabilities.needs_target_hidden
+        if not size or not batch_invariant or reads_hidden:
+            return None
+        return PrefixStore(size)
 
     def encode(self, prompt: str | list[dict[str, str]], chat: bool) -> list[int]:
         check_prompt(prompt)

@@ -160,7 +160,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
               dtype=args.dtype, device=args.device, threads=args.threads, fast=not args.eager,
               progress=not args.json, drafter_path=args.drafter, weights=args.weights, draft_dtype=args.draft_dtype,
-              adaptive=args.adaptive, **drafter_options(args))
+              adaptive=args.adaptive, prefix_cache=False,   # --compare times full prefills of the same prompt
+              **drafter_options(args))
     ids = llm.encode(prompt, chat=args.chat)
     check_room(len(ids), params.max_tokens, llm.target.model.max_len, "--max-tokens")   # before any generation
     # warm-up on the prompt's first tokens, so that the first measured run does not pay one-time costs

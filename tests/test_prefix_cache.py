@@ -290,3 +290,48 @@ def test_damaged_files_are_skipped_and_the_directory_is_bounded(tiny_models, tmp
     run(small, [(llm.tokenizer.encode("other words " + TEXT), greedy, False)])
     stop_gracefully(small)
     assert len(list(small.scheduler.disks[0].dir.glob("*.kv"))) == 3
+
+
+# ----------------------------------------------------------------------------- LLM.generate
+@pytest.mark.parametrize("method", ["none", "ngram", "model"])
+def test_generate_calls_reuse_earlier_calls_blocks_bitwise(tiny_models, method):
+    draft = str(tiny_models["llama_draft"]) if method == "model" else None
+    options = dict(model=str(tiny_models["llama"]), draft=draft, method=method, dtype="fp32", progress=False,
+                   adaptive=False)
+    llm, plain = LLM(**options), LLM(**options, prefix_cache=False)
+    assert llm.prefix_store is not None and plain.prefix_store is None
+    tok = llm.tokenizer
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.9, seed=3)
+    first = tok.encode(TEXT)
+    out = llm.generate([first], greedy)[0]
+    assert out.stats["cached_tokens"] == 0
+    # the next turn (the answer and more words) next to an unrelated prompt, in one call
+    turn = first + out.token_ids + tok.encode(" and then the fox")
+    other = tok.encode("def add(a, b): return a + b")
+    got = llm.generate([turn, other, turn], [greedy, greedy, seeded])
+    want = plain.generate([turn, other, turn], [greedy, greedy, seeded])
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    cached_turn = (len(first) + len(out.token_ids) - 1) // 16 * 16      # the store's blocks are 16 tokens
+    assert [g.stats["cached_tokens"] for g in got] == [cached_turn, 0, cached_turn]
+
+
+def test_the_store_is_bounded_and_can_be_off(tiny_models):
+    probe = LLM(model=str(tiny_models["llama"]), method="none", dtype="fp32", progress=False)
+    tok = probe.tokenizer
+    prompts = [tok.encode(f"{i} {TEXT} {TEXT}") for i in range(6)]
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    probe.generate([prompts[0]], greedy)
+    per_prompt = probe.prefix_store.bytes                     # one prompt's blocks
+    assert per_prompt > 0
+    llm = LLM(model=str(tiny_models["llama"]), method="none", dtype="fp32", progress=False,
+              prefix_cache=per_prompt * 3 // 2)
+    for p in prompts:
+        llm.generate([p], greedy)
+        assert llm.prefix_store.bytes <= per_prompt * 3 // 2
+    assert llm.generate([prompts[-1]], greedy)[0].stats["cached_tokens"] > 0      # the newest kept
+    assert llm.generate([prompts[0]], greedy)[0].stats["cached_tokens"] == 0      # the oldest dropped
+    with pytest.raises(Exception, match="prefix_cache must be"):
+        LLM(model=str(tiny_models["llama"]), method="none", dtype="fp32", progress=False, prefix_cache=-1)
+    eager = LLM(model=str(tiny_models["llama"]), method="none", dtype="fp32", progress=False, fast=False)
+    assert eager.prefix_store is None                      # eager passes are not batch invariant

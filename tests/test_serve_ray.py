@@ -184,14 +184,18 @@ def test_two_replicas_survive_a_killed_replica(cluster, reference):
 
 
 def test_routing_key_follows_the_conversation():
-    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    later = chat + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "and?"}]
-    assert routing_key({"messages": chat}) == routing_key({"messages": later})
-    assert routing_key({"messages": chat}) != routing_key({"messages": [{"role": "user", "content": "bye"}]})
-    assert routing_key({"messages": later, "user": "ann"}) == "user:ann"
+    doc = "a long document. " * 40
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": doc + "what is it?"}]
+    later = chat + [{"role": "assistant", "content": "a document"}, {"role": "user", "content": "and?"}]
+    first, second = routing_key({"messages": chat}), routing_key({"messages": later})
+    assert first.user is None and len(first.chunks) >= 2
+    assert second.chunks[:len(first.chunks)] == first.chunks and len(second.chunks) >= len(first.chunks)
+    other = routing_key({"messages": [{"role": "user", "content": doc + "other"}]})
+    assert other.chunks[0] != first.chunks[0]                   # another conversation from its first chunk
+    assert routing_key({"messages": later, "user": "ann"}).user == "ann"
     long = "x" * 600
-    assert routing_key({"prompt": long}) == routing_key({"prompt": long + " more"})
-    assert routing_key({"prompt": "a"}) != routing_key({"prompt": "b"})
+    assert routing_key({"prompt": long + " more"}).chunks[:2] == routing_key({"prompt": long}).chunks
+    assert routing_key({"prompt": "a"}) != routing_key({"prompt": "b"})         # short: one hash of all
     assert routing_key([1, 2]) is None and routing_key({}) is None
 
 
@@ -223,7 +227,7 @@ def test_affinity_router_keeps_a_conversation_within_the_imbalance():
 
     from ray.serve._private.request_router.common import ReplicaQueueLengthCache
 
-    from specdecode.serve.ray_router import AffinityRouter
+    from specdecode.serve.ray_router import AffinityRouter, RouteKey
     router = object.__new__(AffinityRouter)       # the routing policy alone, without a Serve handle
     router._replica_queue_len_cache = ReplicaQueueLengthCache()
     router.initialize_state(imbalance=2)
@@ -231,18 +235,30 @@ def test_affinity_router_keeps_a_conversation_within_the_imbalance():
     router._replicas = {"a": a, "b": b}
     router._replicas_list, router._replica_id_set, router._queue_len_gauge_last_update = [a, b], {"a", "b"}, {}
     choose = lambda key: asyncio.run(router.choose_replicas([a, b], SimpleNamespace(args=[key])))  # noqa: E731
-    assert sorted(choose("user:ann")[0], key=id) == sorted([a, b], key=id)   # new: the least-loaded of all
-    router.on_request_routed(SimpleNamespace(args=["user:ann"]), "b", None)
+    routed = lambda key, replica: router.on_request_routed(SimpleNamespace(args=[key]), replica, None)  # noqa: E731
+    ann = RouteKey("ann", ())
+    assert sorted(choose(ann)[0], key=id) == sorted([a, b], key=id)   # new: the least-loaded of all
+    routed(ann, "b")
     router._replica_queue_len_cache.update("a", 0)
     router._replica_queue_len_cache.update("b", 2)
-    assert choose("user:ann") == [[b], [a]]                    # 2 above the least-loaded: stays
-    assert all(len(choose(key)) == 1 and len(choose(key)[0]) == 2 for key in ("user:bob", None))
+    assert choose(ann) == [[b], [a]]                             # 2 above the least-loaded: stays
+    assert all(len(choose(key)) == 1 and len(choose(key)[0]) == 2 for key in (RouteKey("bob", ()), None))
     router._replica_queue_len_cache.update("b", 3)
-    assert len(choose("user:ann")) == 1                        # 3 above: moves to the least-loaded
-    router.on_request_routed(SimpleNamespace(args=["user:ann"]), "a", None)
-    assert choose("user:ann") == [[a], [b]]
+    assert len(choose(ann)) == 1                                 # 3 above: moves to the least-loaded
+    routed(ann, "a")
+    assert choose(ann) == [[a], [b]]
     router.on_replica_actor_died("a")
-    assert "user:ann" not in router.owners and len(choose("user:ann")) == 1
+    assert "ann" not in router.owners and len(choose(ann)) == 1
+    # conversations: the replica holding the longest run of a request's chunks
+    router._replica_queue_len_cache.update("b", 1)
+    routed(RouteKey(None, ("c1", "c2")), "a")
+    routed(RouteKey(None, ("c1", "c2", "c3", "c4")), "b")
+    assert choose(RouteKey(None, ("c1", "c2", "c3", "c4", "c5"))) == [[b], [a]]   # 4 chunks deep on b
+    assert choose(RouteKey(None, ("c1", "c2", "x"))) in ([[a], [b]], [[b], [a]])   # both hold 2: less loaded
+    assert choose(RouteKey(None, ("c1", "c2", "x")))[0] == [a]
+    assert len(choose(RouteKey(None, ("z",)))) == 1                                # nobody: least-loaded of all
+    router._replica_queue_len_cache.update("b", 4)
+    assert len(choose(RouteKey(None, ("c1", "c2", "c3", "c4")))) == 1     # b too busy: the least-loaded of all
 
 
 def test_one_replica_without_ray_does_not_import_ray():

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--per-schema must be in [1, 100], got {args.per_schema}")
     from ..api import LLM
     llm = LLM(model=args.model, method=args.method, num_speculative_tokens=args.k, threads=args.threads,
-              progress=False, adaptive=False)
+              progress=False, adaptive=False, prefix_cache=False)
     prompts, schemas = load_workload(args.per_schema)
     result = check(llm, prompts, schemas, args.k, args.batch_size, args.max_tokens)
     out = Path(args.out)

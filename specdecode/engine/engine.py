@@ -82,7 +82,7 @@ def check_room(prompt_tokens: int, max_tokens: int, context: int, name: str = "m
 class SpecEngine:
     def __init__(self, target, drafter: Drafter | None = None, num_speculative_tokens: int = 5,
                  runner: ModelRunner | None = None, adaptive: bool | None = None,
-                 cost_curve: dict[int, float] | None = None) -> None:
+                 cost_curve: dict[int, float] | None = None, prefix_store=None) -> None:
         check_num_speculative_tokens(num_speculative_tokens, drafter)
         trees = drafter is not None and drafter.capabilities.drafts_trees
         if trees and not target.model.supports_trees:
@@ -101,6 +101,7 @@ class SpecEngine:
         self.adaptive = (True if adaptive is None else adaptive) and self.k > 0
         self.cost_curve = cost_curve              # forward seconds against rows (measured on first use)
         self.budget: DraftBudget | None = None    # the last generate's (its chosen sizes, gains)
+        self.prefix_store = prefix_store          # earlier calls' blocks (prefix_store.py), or None
 
     # ------------------------------------------------------------------ public
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
@@ -132,6 +133,9 @@ class SpecEngine:
         if adaptive:
             self.prepare_cost_curve(max_len, allocate=False)     # before the clock starts
         started = time.perf_counter()
+        if self.prefix_store is not None:       # earlier calls' blocks this prompt starts with
+            for s in seqs:
+                s.stats.cached_tokens = self.prefix_store.load(self.runner.cache, s.row, s.prompt_ids)
         self.runner.prefill(seqs)
         if self.drafter is not None:
             self.drafter.prefill(seqs)          # e.g. a draft model reads the prompts: prefill, not drafting
@@ -162,6 +166,9 @@ class SpecEngine:
         finally:
             if self.drafter is not None:
                 self.drafter.close()
+        if self.prefix_store is not None:
+            for s in seqs:
+                self.prefix_store.save(self.runner.cache, s.row, s.token_ids)
         total = time.perf_counter() - started
         for s in seqs:
             s.stats.total_seconds = total

@@ -68,15 +68,29 @@ class ModelRunner:
     # ------------------------------------------------------------------ prompts
     def prefill(self, seqs: list[Sequence]) -> None:
         """Write all prompt tokens but the last into a fresh target cache (the last one is
-        pending and goes into the first step with the first drafts)."""
+        pending and goes into the first step with the first drafts). A row whose cache already
+        holds its prompt's start (a prefix store's blocks) is prefilled from there, in a pass of
+        its own (a shared pass would pad it past its cache row)."""
+        held = [s for s in seqs if self.cache.lengths[s.row] > 0]
+        for s in held:
+            start, end = self.cache.lengths[s.row], len(s.prompt_ids) - 1
+            if end > start:
+                tokens = torch.tensor([s.prompt_ids[start:end]], device=self.model.device)
+                self.model.run(ForwardBatch.chain(tokens, torch.tensor([start]), torch.tensor([s.row])), self.cache)
+                self.cache.truncate(s.row, end)
+        seqs = [s for s in seqs if self.cache.lengths[s.row] == 0]
         lengths = [len(s.prompt_ids) - 1 for s in seqs]
-        width = max(lengths)
+        width = max(lengths, default=0)
         if width == 0:
             return
         tokens = torch.zeros(len(seqs), width, dtype=torch.long)
-        for row, s in enumerate(seqs):
-            tokens[row, :lengths[row]] = torch.tensor(s.prompt_ids[:-1])
-        hidden = self.model.run(ForwardBatch.chain(tokens.to(self.model.device), 0), self.cache)  # no logits
+        for b, s in enumerate(seqs):
+            tokens[b, :lengths[b]] = torch.tensor(s.prompt_ids[:-1])
+        rows = [s.row for s in seqs]
+        fb = (ForwardBatch.chain(tokens.to(self.model.device), 0) if rows == list(range(self.cache.batch_size))
+              else ForwardBatch.chain(tokens.to(self.model.device), torch.zeros(len(rows), dtype=torch.long),
+                                      torch.tensor(rows)))
+        hidden = self.model.run(fb, self.cache)                                      # no logits
         if self.wants_hidden:
             self.drafter.observe(seqs, [0] * len(seqs), hidden)
         for s, n in zip(seqs, lengths):

@@ -29,6 +29,7 @@ class SpecStats:
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0
+    cached_tokens: int = 0      # prompt tokens taken from earlier calls' cached blocks (not prefilled)
 
     def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, nodes: int | None = None) -> None:
         """num_drafted: the draft's depth (a chain's length; acceptance is counted per depth);
@@ -80,6 +81,7 @@ class SpecStats:
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "tree_nodes_mean": round(self.nodes / self.steps, 4) if self.steps else 0.0,
             "acceptance_per_position": [round(x, 4) for x in self.acceptance_per_position],
+            "cached_tokens": self.cached_tokens,
             "prefill_s": round(self.prefill_seconds, 4),
             "draft_s": round(self.draft_seconds, 4),
             "verify_s": round(self.verify_seconds, 4),

@@ -39,7 +39,7 @@ from .app import STATIC, error, http_error, index, internal_error, sse
 from .auth import Guard
 from .protocol import stream_error
 from .ray_metrics import cluster_metrics, cluster_stats
-from .ray_router import AffinityRouter, routing_key
+from .ray_router import AffinityRouter, RouteKey, routing_key
 
 log = logging.getLogger("specdecode.serve")
 NAMESPACE = "specdecode"
@@ -148,7 +148,7 @@ class EngineReplica:
                 log.debug("metrics report failed: %s", exc)
                 registry = None
 
-    async def handle(self, key: str | None, method: str, path: str, query: bytes,
+    async def handle(self, key: RouteKey | None, method: str, path: str, query: bytes,
                      headers: list[tuple[str, str]], body: bytes):
         """One HTTP request through the replica's app (`key` is for the router)."""
         async for item in asgi_call(self.app, method, path, query, headers, body):
@@ -213,7 +213,7 @@ class Ingress:
             key = None                      # the replica answers the 400
         return await self.forward(http, key, body)
 
-    async def forward(self, http: HttpRequest, key: str | None = None, body: bytes | None = None) -> Response:
+    async def forward(self, http: HttpRequest, key: RouteKey | None = None, body: bytes | None = None) -> Response:
         """Send the request to a replica; retried on another one while nothing reached the client."""
         if body is None:
             body = await http.body()
