@@ -9,6 +9,7 @@ import torch
 from .drafters.base import Drafter, DrafterError
 from .drafters.registry import build_drafter, check_drafter_options, method_names
 from .engine.engine import SpecEngine, StreamCallback, check_num_speculative_tokens
+from .drafters.prediction import prediction_usage
 from .engine.prefix_store import PrefixStore
 from .models.dtypes import canonical_dtype
 from .models.loader import LoadedModel, default_draft_dtype, load_model
@@ -185,13 +186,16 @@ class LLM:
         self.cost_curve = engine.cost_curve
         outputs = []
         for prompt, s in zip(prompt_list, seqs):
+            stats = s.stats.as_dict(s.num_output)
+            if s.prediction is not None:         # OpenAI's accepted / rejected prediction tokens
+                stats.update(prediction_usage(s.prediction.ids, s.output_ids))
             text = self.tokenizer.decode(s.output_ids)
             if s.stop_text_index is not None:
                 text = text[:s.stop_text_index]
             outputs.append(RequestOutput(prompt=prompt if isinstance(prompt, str) else str(prompt), text=text,
                                          token_ids=s.output_ids, prompt_token_ids=s.prompt_ids,
                                          finish_reason=s.finish_reason or "length",
-                                         stats=s.stats.as_dict(s.num_output),
+                                         stats=stats,
                                          logprobs=s.logprobs[:s.num_output] if s.params.logprobs is not None else None))
         return outputs
 

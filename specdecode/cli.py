@@ -99,7 +99,22 @@ def sampling_params(args: argparse.Namespace):
                           repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, logit_bias=dict(args.logit_bias),
                           seed=args.seed, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
-                          structured=structured_option(args))
+                          structured=structured_option(args), prediction=prediction_option(args))
+
+
+def prediction_option(args: argparse.Namespace) -> str | None:
+    """The text of --prediction FILE (- for stdin), or None."""
+    from .cli_common import CliError
+    path = getattr(args, "prediction", None)
+    if path is None:
+        return None
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"--prediction {path}: cannot read it ({exc})") from None
+    if not text:
+        raise CliError(f"--prediction {path}: the file is empty")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also run plain decoding; print the measured speed-up and whether outputs are identical")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming")
+    gen.add_argument("--prediction", metavar="FILE", default=None,
+                     help="the answer is expected to repeat most of this file (e.g. the file being edited): "
+                          "drafts follow it, re-aligning after each change (OpenAI's Predicted Outputs; - for stdin)")
     gen.set_defaults(run=cmd_generate)
     from .serve.cli import add_serve_parser          # `specdecode serve` lives in specdecode/serve
     add_serve_parser(sub)

@@ -48,6 +48,8 @@ class SamplingParams:
     ignore_eos: bool = False
     structured: object = None       # specdecode.structured.Structured: the output follows a grammar
     logprobs: int | None = None     # report each emitted token's log-probability and the top N (0..20)
+    prediction: str | None = None   # OpenAI's Predicted Outputs: text the answer is expected to mostly repeat
+                                    # (e.g. the file being edited); drafts follow it, the answer is the target's
 
     def __post_init__(self) -> None:
         _finite("temperature", self.temperature)
@@ -92,6 +94,8 @@ class SamplingParams:
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
                                          and 0 <= self.logprobs <= 20),
                f"logprobs must be an integer in [0, 20] (top alternatives per token) or None, got {self.logprobs!r}")
+        _check(self.prediction is None or (isinstance(self.prediction, str) and self.prediction != ""),
+               f"prediction must be a non-empty string or None, got {self.prediction!r:.80}")
         _check(self.structured is None or callable(getattr(self.structured, "grammar", None)),
                f"structured must be a specdecode.structured.Structured, got {type(self.structured).__name__}")
 

@@ -149,6 +149,9 @@ class DrafterCapabilities:
     has_state: bool = False             # keeps per-request state: prepare() returns a DrafterState, and a
                                         # propose() must be followed by its commit(); False: propose is pure
                                         # (the server may draft for a row without committing)
+    copies: bool = False                # drafts continue earlier text (lookups, a predicted output): when a
+                                        # step's drafts are all accepted the next may draft past k (SPAN)
+    drafts_predictions: bool = False    # drafts from a request's predicted output (SamplingParams.prediction)
     commit_reads_nodes: bool = False    # commit() reads node indices of the proposal its propose() returned,
                                         # so the engine may not renumber them (a grammar trimming forbidden
                                         # drafts, structured.trim_drafts); drafters with state never are

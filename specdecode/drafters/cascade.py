@@ -20,13 +20,15 @@ verification stays lossless.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterError, DrafterState
 from .registry import register
 from .eagle import EagleDrafter
 from .model import ModelDrafter
-from .ngram import NgramDrafter
+from .ngram import NgramDrafter, predicted
 from .suffix import SuffixDrafter
 
 LOOKUPS = ("ngram", "suffix")
@@ -59,7 +61,8 @@ class CascadeDrafter(Drafter):
             self.head = EagleDrafter(target, drafter_path, fast,
                                      **({} if min_confidence is None else {"min_confidence": min_confidence}))
             self.matches_target = self.head.matches_target
-        self.capabilities = self.head.capabilities        # its cost, its needs (a lookup row costs ~nothing)
+        # the head's cost and needs (a lookup row costs ~nothing); predicted outputs are looked up first
+        self.capabilities = dataclasses.replace(self.head.capabilities, drafts_predictions=True)
         self.lookup_steps = self.head_steps = 0          # row-steps drafted by each (for reports)
 
     def draft_model(self):
@@ -90,7 +93,10 @@ class CascadeDrafter(Drafter):
     def propose(self, seqs, max_tokens):
         drafts: list[list[int] | None] = []
         for s, k in zip(seqs, max_tokens):
-            if self.suffix is not None:
+            found = predicted(s, k)              # a predicted output, where it aligns
+            if found:
+                pass
+            elif self.suffix is not None:
                 found = self.suffix.propose([s], [k]).main_path(0) if k else []
                 if len(found) < min(self.lookup_min_tokens or k, k):
                     found = []                   # a short match: the second drafter does better

@@ -150,7 +150,7 @@ def text_lookup(texts: TokenTexts, token_ids: list[int], max_tokens: int, token_
 
 @register("ngram")
 class NgramDrafter(Drafter):
-    capabilities = DrafterCapabilities()     # stateless and free: propose is a pure function of the text
+    capabilities = DrafterCapabilities(copies=True, drafts_predictions=True)   # stateless and free
 
     def __init__(self, target=None, ngram_min: int = 1, ngram_max: int = 4, text_match: bool = False,
                  **_: object) -> None:
@@ -190,5 +190,12 @@ class NgramDrafter(Drafter):
         return found
 
     def propose(self, seqs, max_tokens):
-        return DraftProposal.from_lists([self.draft_one(s.token_ids, k, self.index(s) if k > 0 else None)
+        return DraftProposal.from_lists([predicted(s, k) or self.draft_one(s.token_ids, k, self.index(s) if k > 0 else None)
                                          for s, k in zip(seqs, max_tokens)])
+
+
+def predicted(s, k: int) -> list[int]:
+    """The draft a sequence's predicted output gives (prediction.py), [] without one."""
+    if s.prediction is None or k <= 0:
+        return []
+    return s.prediction.draft(s.token_ids[len(s.prompt_ids):], k)

@@ -42,6 +42,7 @@ import numpy as np
 
 from ..tree import MAX_TREE_NODES
 from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterError
+from .ngram import predicted
 from .registry import register
 
 
@@ -215,7 +216,7 @@ class SuffixState:
 
 @register("suffix")
 class SuffixDrafter(Drafter):
-    capabilities = DrafterCapabilities(drafts_trees=True, relative_cost=0.01)
+    capabilities = DrafterCapabilities(drafts_trees=True, relative_cost=0.01, copies=True, drafts_predictions=True)
 
     def __init__(self, target=None, suffix_max_match: int = 24, suffix_max_depth: int = 24,
                  suffix_spec_factor: float = 1.0, suffix_min_prob: float = 0.1,
@@ -265,7 +266,9 @@ class SuffixDrafter(Drafter):
             if loc is None or loc.n > len(s.token_ids):      # new, or its text was cut back: rebuilt
                 loc = self.local[s] = LocalIndex()
             loc.extend(s.token_ids)
-            trees.append(self.draft(loc, min(int(k), MAX_TREE_NODES)))
+            chain = predicted(s, min(int(k), MAX_TREE_NODES))  # a predicted output, where it aligns
+            trees.append([(t, i - 1) for i, t in enumerate(chain)] if chain
+                         else self.draft(loc, min(int(k), MAX_TREE_NODES)))
         return DraftProposal.from_trees(trees)
 
     def draft(self, loc: LocalIndex, budget: int) -> list[tuple[int, int]]:

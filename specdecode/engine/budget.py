@@ -91,6 +91,8 @@ class DraftBudget:
     explore_every: int = 8                  # steps between explorations of the next larger size
     probe_every: int = 16                   # steps between probes while plain decoding wins
     draft_cost: float | None = None         # prior seconds per drafted node (None: measured only)
+    span: int = 0                           # a copying drafter's sizes past max_size: tried only right after a
+                                            # step that accepted every node (a long copy), kept while they pay
     levels: list[int] = field(init=False)
     gain: dict[int, float] = field(init=False)       # size -> mean tokens emitted per sequence-step
     nodes: dict[int, float] = field(init=False)      # size -> mean nodes a sequence proposes at that size
@@ -107,7 +109,8 @@ class DraftBudget:
     chosen: list[int] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
-        self.levels = sorted({x for x in LEVELS if x <= self.max_size} | {self.max_size})
+        top = max(self.max_size, self.span)
+        self.levels = sorted({x for x in LEVELS if x <= top} | {self.max_size, top})
         self.gain = {0: 1.0}
         self.nodes = {0: 0.0}
         self.size = min(self.levels, key=lambda x: abs(x - 4))   # start at a modest size
@@ -171,9 +174,12 @@ class DraftBudget:
             self.size = larger[min(1, len(larger) - 1)] if probe else 0
             if self.size and not self.could_pay(self.size, PROBE_ACCEPTANCE if self.draft_cost is not None else 1.0):
                 self.size = 0
-        elif (self.all_accepted or self.steps % self.explore_every == 0) and larger:
-            self.size = larger[0]   # hill climbing: the next larger size (its gain is then known), at
-                                    # once after a step whose drafts were all accepted
+        elif self.all_accepted and [s for s in self.levels if s > max(best, self.size)]:
+            # hill climbing: after a step whose drafts were all accepted, the next size above it (past
+            # max_size too: a long copy goes on growing while it is accepted whole)
+            self.size = next(s for s in self.levels if s > max(best, self.size))
+        elif self.steps % self.explore_every == 0 and [s for s in larger if s <= self.max_size]:
+            self.size = larger[0]   # now and then the next larger size up to max_size (its gain is then known)
         else:
             self.size = best
         self.chosen.append(self.size)

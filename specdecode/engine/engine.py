@@ -22,7 +22,7 @@ from ..verify_tree import verify_greedy, verify_point_mass, verify_tree
 from .runner import ModelRunner
 from .budget import DraftBudget, ShadowDrafts, measure_cost_curve
 from .scheduler import StaticBatch, draft_room
-from .sequence import Sequence
+from .sequence import Sequence, attach_prediction
 from ..structured import FORCED_MAX, grammar_tokenizer, trim_drafts
 
 StreamCallback = Callable[[Sequence, list[int]], None]
@@ -39,6 +39,7 @@ class StepReport:
     node_parents: list[list[int]] | None = None   # per sequence each node's parent (-1: the root)
     emitted: list[list[int]] | None = None        # per sequence the tokens this step appended
 MAX_CHAIN = 32          # draft tokens per row of a chain drafter
+SPAN = 32               # the longest draft of a copying drafter's step (a long copy: an edit, a quote)
 
 
 def check_num_speculative_tokens(k: object, drafter: Drafter | None) -> None:
@@ -95,10 +96,13 @@ class SpecEngine:
         self.model = target.model
         self.drafter = drafter if num_speculative_tokens > 0 else None
         self.k = num_speculative_tokens if drafter is not None else 0
-        self.slack = self.k + 2                   # cache room for padded writes past a row's end
         self.runner = runner if runner is not None else ModelRunner(target, self.drafter)
-        # adaptive draft size (budget.py; default on): k is then the most a step may draft
+        # adaptive draft size (budget.py; default on): k is then the most a step may draft, except
+        # that a copying drafter (lookups) grows past it, up to SPAN, while its drafts are accepted whole
         self.adaptive = (True if adaptive is None else adaptive) and self.k > 0
+        copies = self.adaptive and self.drafter.capabilities.copies
+        self.span = max(self.k, SPAN) if copies else self.k
+        self.slack = self.span + 2                # cache room for padded writes past a row's end
         self.cost_curve = cost_curve              # forward seconds against rows (measured on first use)
         self.budget: DraftBudget | None = None    # the last generate's (its chosen sizes, gains)
         self.prefix_store = prefix_store          # earlier calls' blocks (prefix_store.py), or None
@@ -123,6 +127,7 @@ class SpecEngine:
         for s in seqs:
             if s.params.structured is not None:
                 s.constraint = grammar_tokenizer(self.target).constraint(s.params.structured)
+            attach_prediction(s, self.target.tokenizer)
         max_len = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs) + self.slack
         batch = StaticBatch(seqs, self.k, max_len - self.slack)
         self.runner.allocate(len(seqs), max_len)
@@ -142,7 +147,8 @@ class SpecEngine:
         if adaptive:                            # after the drafter's prefill, which may refine its cost
             caps = self.drafter.capabilities
             draft_cost = caps.relative_cost * self.cost_curve[1] if caps.has_state else None
-            budget = self.budget = DraftBudget(self.k, self.cost_curve, draft_cost=draft_cost)
+            budget = self.budget = DraftBudget(self.k, self.cost_curve, draft_cost=draft_cost,
+                                               span=self.span if self.span > self.k else 0)
         shadows = ShadowDrafts() if budget is not None and not self.drafter.capabilities.has_state else None
         prefill_done = time.perf_counter()
         for s in seqs:

@@ -90,6 +90,13 @@ class SpecStats:
         }
 
 
+def attach_prediction(s: "Sequence", tokenizer) -> None:
+    """Tokenize the request's predicted output (SamplingParams.prediction) for the drafters."""
+    if s.params.prediction is not None:
+        from ..drafters.prediction import PredictionIndex
+        s.prediction = PredictionIndex(tokenizer.encode(s.params.prediction, add_special=False))
+
+
 class Sequence:
     def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], row: int, device: torch.device | str = "cpu") -> None:
@@ -100,6 +107,7 @@ class Sequence:
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.row = row                             # cache row in target and draft caches
         self.constraint = None                     # structured output's grammar state (structured.py)
+        self.prediction = None                     # drafters/prediction.py PredictionIndex of params.prediction
         self.forced_now = False                    # True while a stream callback gets jump-forward tokens
         self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []   # per output token, if asked:
                                                    # (token, its logprob, the top N (token, logprob))

@@ -13,6 +13,9 @@ were measured, a prior from the drafter's relative cost is used. Speculation pay
 E > r: a request stays on while E >= r * (1 + margin) and comes back on at E >= r * (1 +
 margin) * (1 + hysteresis).
 
+Long copies: a row of a copying drafter (lookups, a predicted output) doubles its draft after
+each step whose drafts were all accepted, up to its span, and goes back to k at a rejection.
+
 Switching off:
 * request ("low_acceptance"): its own alpha gives E below the bar;
 * batch ("batch_cost"): at batch size B >= 2 the pooled alpha of the rows that speculate gives
@@ -61,6 +64,12 @@ class RowPolicy:
     probe_wait: int = 0
     probing: bool = False
     shadow: tuple[int, list[int]] | None = None   # (output length when drafted, draft tokens)
+    span: int = 0                  # a copying drafter's longest draft (0: k); reached by doubling k after each
+    streak: int = 0                # step whose drafts were all accepted (a long copy), back to k at a rejection
+
+    def size(self) -> int:
+        """Drafts of the next speculating step: k, doubled per fully accepted step up to span."""
+        return min(self.span, self.k << min(self.streak, 8)) if self.span > self.k else self.k
 
     @property
     def alpha(self) -> float:
@@ -158,13 +167,13 @@ class SpeculationPolicy:
             if r.mode == OFF or r.k == 0:
                 ks.append(0)
             elif r.mode == ON:
-                ks.append(r.k)
+                ks.append(r.size())
             elif self.calibrating:
                 ks.append(0)
             elif not self.batch_on:
                 ks.append(r.k if self.batch_probing and r.on else 0)
             elif r.on:
-                ks.append(r.k)
+                ks.append(r.size())
             elif not self.shadow and r.steps_off >= r.probe_wait:
                 r.probing = True
                 decisions.append(Decision("request", "probe", "periodic"))
@@ -190,6 +199,7 @@ class SpeculationPolicy:
         for r, k, n, a in zip(rows, ks, drafted, accepted):
             if n > 0:
                 r.record(n, a, self.decay)
+                r.streak = r.streak + 1 if a == n else 0
                 if r.mode == AUTO:
                     pooled_s += a
                     pooled_t += a + (1 if a < n else 0)

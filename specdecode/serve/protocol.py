@@ -3,6 +3,7 @@
 Every bad field is an `ApiError` naming the field and its limit; the app turns it into
 OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}`. Extra request fields
 (vLLM's names where vLLM has them): `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+OpenAI's `prediction` (Predicted Outputs),
 `speculate`, `num_speculative_tokens`, `return_token_kinds`, `return_token_ids`.
 """
 from __future__ import annotations
@@ -52,6 +53,7 @@ class ServeContext:
     model_names: tuple[str, ...]     # the first is the one /v1/models lists
     has_drafter: bool
     max_k: int = MAX_K               # the drafter's limit: draft tokens of a chain, nodes of a tree
+    drafts_predictions: bool = False # the drafter follows a request's `prediction` (Predicted Outputs)
 
 
 @dataclass
@@ -240,6 +242,27 @@ def _chat_ids(body: dict, ctx: ServeContext, tools=None) -> list[int]:
     return ids
 
 
+def _prediction(body: dict, ctx: ServeContext, chat: bool) -> str | None:
+    """OpenAI's Predicted Outputs: `prediction: {"type": "content", "content": str | text parts}`."""
+    value = body.get("prediction")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "content":
+        raise _bad("prediction", f"must be {{'type': 'content', 'content': TEXT}}, got {value!r:.80}")
+    content = value.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise _bad("prediction", "content parts must be {'type': 'text', 'text': str}")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str) or not content:
+        raise _bad("prediction", f"content must be a non-empty string or list of text parts, got {content!r:.80}")
+    if not ctx.has_drafter or not ctx.drafts_predictions:
+        raise _bad("prediction", "needs a server whose drafter follows predictions (methods ngram, suffix, cascade; "
+                                 "this one was started with " + ("no drafter" if not ctx.has_drafter else
+                                                                 "another method") + ")")
+    return content
+
+
 def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -301,6 +324,14 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
                             "speculate / num_speculative_tokens cannot turn speculation on",
                        param="speculate" if speculate else "num_speculative_tokens")
     n = _int(body, "n", 1, MAX_N)
+    prediction = _prediction(body, ctx, chat)
+    if prediction is not None:
+        for bad, what in ((n not in (None, 1), "n > 1"), (params.logprobs is not None, "logprobs"),
+                          (tools is not None and tools.active, "tools"), (speculate is False, "speculate: false")):
+            if bad:
+                raise _bad("prediction", f"cannot be combined with {what} (as in OpenAI's API: Predicted Outputs "
+                                         f"draft the answer, which needs speculation on one choice)")
+        params = dataclasses.replace(params, prediction=prediction)
     return ParsedRequest(ids, params, speculate, k, stream, include_usage, _bool(body, "return_token_kinds"),
                          _bool(body, "return_token_ids"), model, chat, 1 if n is None else n,
                          tools if tools is not None and tools.active else None)

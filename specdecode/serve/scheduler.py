@@ -26,7 +26,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..engine.engine import MAX_CHAIN
+from ..engine.engine import MAX_CHAIN, SPAN
+from ..drafters.prediction import prediction_usage
+from ..engine.sequence import attach_prediction
 from ..params import ParamError, SamplingParams
 from ..tree import MAX_TREE_NODES
 from .batch import BatchEngine, ServeSequence
@@ -352,10 +354,14 @@ class Scheduler:
         else:
             mode = ON if request.speculate else AUTO
             k = min(request.num_speculative_tokens or self.config.num_speculative_tokens, self.max_k)
-        policy = RowPolicy(mode=mode, k=k, probe_wait=self.policy.probe_interval)
+        copies = (self.inner_drafter is not None and self.inner_drafter.capabilities.copies
+                  and request.num_speculative_tokens is None)          # a k of the request's own is its cap
+        policy = RowPolicy(mode=mode, k=k, probe_wait=self.policy.probe_interval,
+                           span=min(SPAN, self.max_k) if copies and mode != OFF else 0)
         seq = ServeSequence(request, request.prompt_ids, request.params, self.target.eos_token_ids, row,
                             policy, self.target.model.device)
         seq.prefilled = seq.cached_tokens = covered
+        attach_prediction(seq, self.target.tokenizer)
         if request.params.structured is not None:         # the grammar's state (structured.py)
             from ..structured import grammar_tokenizer
             seq.constraint = grammar_tokenizer(self.target).constraint(request.params.structured)
@@ -478,7 +484,9 @@ class Scheduler:
             event = Finished(reason, s.stop_text_index,
                              {"prompt_tokens": s.prompt_len, "completion_tokens": s.num_output,
                               "total_tokens": s.prompt_len + s.num_output,
-                              "prompt_tokens_details": {"cached_tokens": s.cached_tokens}},
+                              "prompt_tokens_details": {"cached_tokens": s.cached_tokens},
+                              "completion_tokens_details": prediction_usage(
+                                  s.prediction.ids if s.prediction is not None else [], s.output_ids)},
                              {"mode": s.policy.mode, "num_speculative_tokens": s.policy.k,
                               "on_at_end": s.policy.mode == ON or (s.policy.mode == AUTO and s.policy.on),
                               "steps": st.steps, "drafted_tokens": st.drafted, "accepted_tokens": st.accepted,
