@@ -23,7 +23,8 @@ def ray_spec(args: argparse.Namespace) -> dict:
                   block_size=args.block_size, num_blocks=args.num_blocks, prefill_chunk=args.prefill_chunk,
                   prefill_stall_ms=args.prefill_stall_ms,
                   num_speculative_tokens=args.k, spec_max_batch_size=args.spec_max_batch_size,
-                  health_timeout=args.health_timeout, served_model_name=args.served_model_name)
+                  health_timeout=args.health_timeout, served_model_name=args.served_model_name,
+                  max_tokens_default=args.max_tokens_default)
     ServeConfig(**config)                         # ParamError here rather than in every replica
     llm = dict(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
                dtype=args.dtype, device="cpu", threads=args.threads, fast=not args.eager, weights=args.weights,

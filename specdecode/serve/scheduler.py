@@ -51,11 +51,12 @@ class ServeConfig:
     spec_max_batch_size: int | None = None   # speculation off for the batch above this many rows
     health_timeout: float = 10.0
     served_model_name: str | None = None
+    max_tokens_default: int = 2048       # max_tokens of a request that gives none (at most the rest of the context)
 
     def __post_init__(self) -> None:
         for name, low, high in (("max_batch_size", 1, 1024), ("max_queue", 1, 1_000_000), ("block_size", 1, 1024),
                                 ("prefill_chunk", 1, 1_000_000), ("num_speculative_tokens", 0, MAX_TREE_NODES),
-                                ("num_blocks", 0, 100_000_000)):
+                                ("num_blocks", 0, 100_000_000), ("max_tokens_default", 1, 100_000_000)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ParamError(f"{name} must be an integer in [{low}, {high}], got {value!r}")

@@ -1,15 +1,11 @@
-"""Tool calls on /v1/chat/completions: OpenAI's `tools` / `tool_choice`, in the Hermes format most
-open chat models are trained on (Qwen2.5, Hermes, SmolLM's tool variants):
+"""A request's `tools` / `tool_choice`: validation, the prompt, and the grammar of a forced call.
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
-The tools reach the model through its chat template when the template takes `tools` (as
-transformers renders it), else as a system instruction in that format. With `tool_choice`
-"required" or a named function, the output is constrained (structured output, llguidance) to one
-such block whose arguments follow the function's JSON schema; with "auto" the model decides and
-the answer is parsed. Parsed calls become OpenAI `tool_calls` with finish_reason "tool_calls".
+The tools reach the model through its chat template when the template writes them (as
+transformers renders it), else as a system instruction showing the model's own call format
+(formats.py). With `tool_choice` "required" or a named function, the output is constrained
+(structured output, llguidance) to one call in that format whose arguments follow the function's
+JSON schema; with "auto" the model decides and the answer is parsed (parser.py). Parsed calls
+become OpenAI `tool_calls` with finish_reason "tool_calls".
 The forced call is compact JSON (no line breaks or indentation), and an object of the arguments'
 schema that does not say `additionalProperties` admits only its listed properties (as xgrammar's
 strict mode and OpenAI's strict function calling): a small model otherwise copies the schema itself
@@ -19,19 +15,21 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..params import ParamError
-from ..structured import JSON_STYLE, Structured, check_grammar
+from ...params import ParamError
+from ...structured import JSON_STYLE, Structured, check_grammar
+from .formats import HERMES, ToolFormat, takes_tools
 
-CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+# a template that reads tool definitions from the system message's own `tools` field (Phi-4-mini)
+MESSAGE_TOOLS = re.compile(r"""message\s*(\[\s*['"]tools['"]\s*\]|\.tools\b)""")
 
 
 @dataclass(frozen=True)
 class ToolSpec:
     tools: list[dict]            # OpenAI's [{"type": "function", "function": {name, description, parameters}}]
     choice: str                  # "auto" | "required" | "none" | a function name
+    fmt: ToolFormat = field(default=HERMES)
 
     @property
     def active(self) -> bool:
@@ -41,24 +39,20 @@ class ToolSpec:
         return [t["function"] for t in self.tools]
 
     def system_prompt(self) -> str:
-        listing = "\n".join(json.dumps(f, ensure_ascii=False) for f in self.functions())
-        return ("You may call one or more functions to answer. The functions are:\n<tools>\n" + listing +
-                "\n</tools>\nTo call one, answer with\n<tool_call>\n{\"name\": <function name>, \"arguments\": "
-                "<arguments as a JSON object>}\n</tool_call>")
+        return self.fmt.instruction(self.functions())
 
     def structured(self) -> Structured | None:
-        """The constraint of "required" / a named function: one call block, arguments per schema."""
+        """The constraint of "required" / a named function: one call, arguments per schema."""
         if self.choice in ("auto", "none"):
             return None
+        key = self.fmt.args_key
         chosen = [f for f in self.functions() if self.choice == "required" or f["name"] == self.choice]
         schemas = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                     "arguments": closed(f.get("parameters") or {"type": "object"})},
-                    "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
+                                                     key: closed(f.get("parameters") or {"type": "object"})},
+                    "required": ["name", key], "additionalProperties": False} for f in chosen]
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         schema["x-guidance"] = dict(JSON_STYLE)          # llguidance's options: compact, one separator style
-        lark = ('start: "<tool_call>\\n" call "\\n</tool_call>"\n'
-                f"call: %json {json.dumps(schema)}\n")
-        return Structured("grammar", lark)
+        return Structured("grammar", self.fmt.grammar(schema))
 
 
 def closed(schema):
@@ -77,8 +71,9 @@ def closed(schema):
     return out
 
 
-def parse_tools(body: dict) -> ToolSpec | None:
-    """The request's tools, validated (ParamError naming the field), or None."""
+def parse_tools(body: dict, fmt: ToolFormat | None = None) -> ToolSpec | None:
+    """The request's tools, validated (ParamError naming the field), or None. `fmt`: the model's
+    call format (`formats.detect`), read only when the request has tools."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None:
         if choice not in (None, "none"):
@@ -109,24 +104,42 @@ def parse_tools(body: dict) -> ToolSpec | None:
         choice = name
     elif choice not in ("auto", "required", "none"):
         raise ParamError(f"tool_choice must be auto, required, none or {{'type': 'function', ...}}, got {choice!r:.80}")
-    return ToolSpec(tools, choice)
+    return ToolSpec(tools, choice, fmt if fmt is not None else HERMES)
 
 
-def extract_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(the text outside tool-call blocks or None, OpenAI tool_calls) of a finished answer."""
-    calls = []
-    for match in CALL.finditer(text):
-        try:
-            call = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            continue
-        arguments = call.get("arguments", {})
-        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                      "function": {"name": call["name"],
-                                   "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})
-    if not calls:
-        return text, []
-    rest = CALL.sub("", text).strip()
-    return rest or None, calls
+def with_tools(messages: list[dict], tools: ToolSpec | None, tokenizer) -> tuple[list[dict], list[dict] | None]:
+    """(the messages, the `tools` for the template): the template's own way when it writes the
+    tools it is given; a template reading them from the system message's `tools` field (Phi-4-mini)
+    gets them there; else the format's instruction as (or after) the system message. Earlier
+    calls' arguments sent as JSON strings (as OpenAI's clients send them) reach the template as
+    objects, as transformers' templates expect (they write them with `tojson`)."""
+    messages = [_arguments_as_objects(m) for m in messages]
+    if tools is None or not tools.active:
+        return messages, None
+    if takes_tools(tokenizer):
+        return messages, tools.tools
+    template = tokenizer.chat_template or ""
+    if MESSAGE_TOOLS.search(template):
+        listing = json.dumps(tools.functions(), ensure_ascii=False)
+        if messages and messages[0]["role"] == "system":
+            return [dict(messages[0], tools=listing)] + messages[1:], None
+        return [{"role": "system", "content": "", "tools": listing}] + messages, None
+    if messages and messages[0]["role"] == "system":
+        return [dict(messages[0], content=messages[0]["content"] + "\n\n" + tools.system_prompt())] + messages[1:], None
+    return [{"role": "system", "content": tools.system_prompt()}] + messages, None
+
+
+def _arguments_as_objects(message: dict) -> dict:
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                call = dict(call, function=dict(function, arguments=json.loads(function["arguments"])))
+            except json.JSONDecodeError:
+                pass
+        out.append(call)
+    return dict(message, tool_calls=out)
