@@ -18,12 +18,13 @@ __all__ = ["HERMES", "Marker", "ToolFormat", "ToolParser", "ToolSpec", "closed",
 _FORMATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def format_of(tokenizer, is_special=None) -> ToolFormat:
-    """The model's tool-call format, detected once per tokenizer. `is_special(id)` (llguidance's
-    view of a token; called only for markers the vocabulary holds as one token)."""
+def format_of(tokenizer, is_special) -> ToolFormat:
+    """The model's tool-call format, detected once per tokenizer. `is_special(id)`: llguidance's
+    view of a token (structured.GrammarTokenizer.is_special), asked only about markers the
+    vocabulary holds as one token."""
     found = _FORMATS.get(tokenizer)
     if found is None:
-        found = _FORMATS[tokenizer] = detect(tokenizer, is_special or (lambda token: False))
+        found = _FORMATS[tokenizer] = detect(tokenizer, is_special)
     return found
 
 
