@@ -239,25 +239,25 @@ def test_earlier_calls_reach_the_template_as_objects(family):
 
 def test_parser_units():
     from specdecode.serve.tools import HERMES, Marker, ToolFormat, extract_calls
-    llama = ToolFormat("llama3", None, args_key="parameters", also=(Marker("<|python_tag|>"),), bare=True)
+    llama = ToolFormat("llama3", None, args_key="parameters", also=(Marker("<|python_tag|>"),))
     mistral = ToolFormat("mistral", Marker("[TOOL_CALLS]"), listed=True, gap_start=" ")
 
-    def streamed(fmt, text):
-        parser, deltas = ToolParser(fmt), []
+    def streamed(fmt, text, names=None):
+        parser, deltas = ToolParser(fmt, names), []
         for ch in text:                          # one character at a time: the same as all at once
             deltas += parser.feed(ch)
         deltas += parser.finish()
         content = "".join(d[1] for d in deltas if d[0] == "content")
         calls = [(d[3], "".join(a[2] for a in deltas if a[0] == "arguments" and a[1] == d[1]))
                  for d in deltas if d[0] == "call"]
-        whole = ToolParser(fmt).result(text)
+        whole = ToolParser(fmt, names).result(text)
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole[1]] == calls
         assert (whole[0] or "") == content.strip()
         return content, calls
     assert streamed(HERMES, 'ok <tool_call>\n{"name": "f", "arguments": {"a": [1, "}"]}}\n</tool_call>') == \
         ("ok", [("f", '{"a": [1, "}"]}')])
     assert streamed(HERMES, '<tool_call>{"arguments": {"x": 1}, "name": "g"}</tool_call> then') == \
-        (" then", [("g", '{"x": 1}')])
+        ("then", [("g", '{"x": 1}')])
     assert streamed(HERMES, '<tool_call>{"name": "h", "arguments": "{\\"x\\": 2}"}</tool_call>')[1] == [("h", '{"x": 2}')]
     assert streamed(HERMES, "Hello <tool_ca world") == ("Hello <tool_ca world", [])
     assert streamed(HERMES, "<tool_call>{not json}</tool_call>")[1] == []
@@ -271,3 +271,10 @@ def test_parser_units():
         == [("f", '{"a": 1}'), ("g", "{}")]
     assert streamed(mistral, "[TOOL_CALLS] nothing") == ("[TOOL_CALLS] nothing", [])
     assert extract_calls("no calls here") == ("no calls here", [])
+    # a call without markers at the answer's start, bare or fenced, when it names one of the functions
+    fenced = '```json\n{\n  "name": "Person",\n  "arguments": {\n    "age": 34\n  }\n}\n```\nDone.'
+    assert streamed(HERMES, fenced, ["Person"]) == ("Done.", [("Person", '{\n    "age": 34\n  }')])
+    assert streamed(HERMES, fenced, ["get_time"]) == (fenced, [])
+    assert streamed(HERMES, ' {"name": "Person", "arguments": {}}', ["Person"]) == ("", [("Person", "{}")])
+    assert streamed(HERMES, "```python\nprint(1)\n```", ["Person"]) == ("```python\nprint(1)\n```", [])
+    assert streamed(llama, '{"name": "nope", "parameters": {}}', ["f"]) == ('{"name": "nope", "parameters": {}}', [])

@@ -146,7 +146,7 @@ class Generation:
         self.request = Request(parsed.prompt_ids, params, lambda event: mailbox.post(queue, (self, event)),
                                parsed.speculate, parsed.num_speculative_tokens)
         tools = parsed.tools             # tools/: the calls are parsed out of the text as it comes
-        self.tools = ToolParser(tools.fmt) if tools is not None else None
+        self.tools = ToolParser(tools.fmt, [f["name"] for f in tools.functions()]) if tools is not None else None
         self.text = TextStream(state.tokenizer, params,
                                decoder(state.tokenizer, tools.fmt) if tools is not None else None)
         self.done = False

@@ -49,7 +49,6 @@ class ToolFormat:
     gap_start: str = ""              # between `start` and the JSON (Qwen: "\n", Mistral v3: " ")
     gap_end: str = ""                # between the JSON and `end`
     also: tuple[Marker, ...] = field(default=())   # other markers that open calls (Llama's <|python_tag|>)
-    bare: bool = False               # a JSON object with "name" at the start of the answer is a call
 
     def markers(self) -> list[Marker]:
         return [m for m in (self.start, self.end, *self.also) if m is not None]
@@ -117,7 +116,7 @@ def detect(tokenizer, is_special=lambda token: False) -> ToolFormat:
     elif "<tool_call>" in template:
         fmt = replace(HERMES, start=marker("<tool_call>"), end=marker("</tool_call>"))
     elif "<|python_tag|>" in template or ("<|start_header_id|>" in template and "parameters" in template):
-        fmt = ToolFormat("llama3", None, args_key="parameters", also=(marker("<|python_tag|>"),), bare=True)
+        fmt = ToolFormat("llama3", None, args_key="parameters", also=(marker("<|python_tag|>"),))
     elif has("<|tool_call|>") and has("<|/tool_call|>"):
         fmt = ToolFormat("phi4", marker("<|tool_call|>"), marker("<|/tool_call|>"), listed=True)
     else:

@@ -5,7 +5,9 @@ returns what may be sent now: `("content", text)`, `("call", index, id, name)` o
 name is complete, `("arguments", index, text)` as its arguments' JSON grows. Text that may still
 turn out to open a call (a marker's first characters, an answer that so far is only whitespace in
 a format whose calls are bare JSON) is held back until it is known. `finish()` sends the rest.
-A non-streamed answer is the same deltas put together, so both say the same.
+A non-streamed answer is the same deltas put together, so both say the same. Besides the
+format's markers, an answer that starts with a call object naming one of the request's functions
+(bare, or in a ```json fence) is a call: Llama 3's way, and what small models often write.
 
 Arguments are the raw JSON text the model wrote for them (the `arguments` / `parameters` value),
 sent as it comes; a call cut short (max_tokens) keeps the arguments written so far, as OpenAI's
@@ -119,20 +121,23 @@ def _string(literal: str) -> str | None:
 
 
 class ToolParser:
-    def __init__(self, fmt: ToolFormat = HERMES) -> None:
-        self.fmt = fmt
+    def __init__(self, fmt: ToolFormat = HERMES, names: list[str] | None = None) -> None:
+        """names: the request's functions; a bare call (below) must name one (None: any name)."""
+        self.fmt, self.names = fmt, names
         self.args_keys = tuple(dict.fromkeys((fmt.args_key, "arguments", "parameters")))
         self.openers = [m.text for m in fmt.markers() if m is not fmt.end]
         self.text = ""
         self.pos = 0                 # everything before has been decided
         self.state = "text"          # text | open | call | after | list | end
         self.in_list = False
+        self.bare = self.fenced = False   # the current call opened without a marker / inside a ``` fence
         self.region = self.opened = -1   # the current opener's start and end (its text is content if no call follows)
         self.region_calls = 0        # calls before the current opener
         self.scan: CallScan | None = None
         self.calls: list[dict] = []  # {"id", "name", "sent", "complete", "scan"}
         self.spaces = ""             # whitespace-only content held until more content follows
         self.content_seen = False
+        self.after_call = False      # no content since the last call: its leading whitespace is dropped
 
     # ------------------------------------------------------------------ the answer's text
     def feed(self, text: str) -> list[tuple]:
@@ -196,10 +201,18 @@ class ToolParser:
             if self.in_list and text[at] == "]":
                 self.in_list, self.pos = False, at + 1
                 return True
-            if fmt.bare and fmt.start is None and text[at] == ";":
+            if self.bare and self.fenced:             # the fence's end, if written
+                if text.startswith("```", at):
+                    self.state, self.pos, self.fenced = "text", at + 3, False
+                    return True
+                if "```".startswith(text[at:]) and not final:
+                    return False
+                self.state, self.pos = "text", at
+                return True
+            if self.bare and fmt.start is None and text[at] == ";":
                 self.state, self.pos = "open", at + 1
                 return True
-            if fmt.end is not None:
+            if fmt.end is not None and not self.bare:
                 self.state, self.pos = "end", at
                 return True
             self.state = "text"
@@ -219,24 +232,22 @@ class ToolParser:
         text, fmt = self.text, self.fmt
         hits = [(text.find(o, self.pos), o) for o in self.openers]
         hits = [(at, o) for at, o in hits if at >= 0]
-        bare_at = None
-        if fmt.bare and not self.content_seen and not self.calls:
-            lead = self._skip(self.pos)
-            if lead < len(text) and text[lead] == "{":
-                bare_at = lead
-            elif lead >= len(text) and not final:
-                return False                          # only whitespace so far: a call may follow
-        if bare_at is not None and (not hits or bare_at < min(hits)[0]):
+        lead, bare_at, fenced = self._skip(self.pos), None, False
+        if not self.content_seen and not self.calls:  # the answer's start: a bare or fenced call?
+            bare_at, fenced = self._bare_start(lead)
+            if bare_at == -1 and not final:
+                return False                          # not known yet: held
+        if bare_at is not None and bare_at >= 0 and (not hits or lead <= min(hits)[0]):
             self.spaces = ""
-            self.region, self.opened, self.pos, self.state = bare_at, bare_at + 1, bare_at, "open"
-            self.region_calls = len(self.calls)
+            self.region, self.opened, self.pos, self.state = lead, bare_at + 1, bare_at, "open"
+            self.region_calls, self.bare, self.fenced = len(self.calls), True, fenced
             return True
         if hits:
             at, opener = min(hits)
             self._content(text[self.pos:at], out)
             self.spaces = ""
             self.region, self.opened, self.pos, self.state = at, at + len(opener), at + len(opener), "open"
-            self.region_calls = len(self.calls)
+            self.region_calls, self.bare, self.fenced = len(self.calls), False, False
             return True
         hold = 0 if final else max((k for o in self.openers for k in range(1, len(o))
                                     if text.endswith(o[:k])), default=0)
@@ -249,12 +260,14 @@ class ToolParser:
     def _in_call(self, out: list) -> bool:
         scan = self.scan
         scan.scan(self.text)
-        if scan.bad or (self.fmt.bare and scan.keys and scan.keys[0] != "name"):
+        if scan.bad or (self.bare and scan.keys and scan.keys[0] != "name") or \
+                (self.bare and scan.name is not None and self.names is not None and scan.name not in self.names):
             return self._not_a_call(out)
         call = self.calls[-1] if self.calls and self.calls[-1]["scan"] is scan else None
         if call is None and scan.name is not None:
             call = {"id": self.fmt.call_id(), "name": scan.name, "arguments": "", "sent": 0, "scan": scan}
             self.calls.append(call)
+            self.after_call = True
             out.append(("call", len(self.calls) - 1, call["id"], call["name"]))
         if call is not None:
             self._send_arguments(call, out)
@@ -290,8 +303,31 @@ class ToolParser:
             self._content(self.text[self.region:self.opened], out)
             self.content_seen = True
             self.state, self.pos = "text", self.opened
-        self.scan, self.in_list = None, False
+        self.scan, self.in_list, self.bare, self.fenced = None, False, False, False
         return True
+
+    def _bare_start(self, lead: int) -> tuple[int | None, bool]:
+        """At the answer's start (`lead`: its first non-space): (where a call object without a marker
+        opens, or None when there is none, or -1 while the text does not tell yet; inside a ```json
+        fence). Llama 3 writes its calls so; other models do it too (Qwen2.5-Coder-1.5B answers
+        "auto" with a fenced {"name": ..., "arguments": ...}). It is a call when its first key is
+        "name" and names one of the request's functions."""
+        text = self.text
+        if lead >= len(text):
+            return -1, False
+        if text[lead] == "{":
+            return lead, False
+        if not text.startswith("```", lead):
+            return (-1, False) if "```".startswith(text[lead:]) else (None, False)
+        line = text.find("\n", lead)
+        if line < 0:
+            return -1, False
+        if text[lead + 3:line].strip().lower() not in ("", "json"):
+            return None, False
+        at = self._skip(line + 1)
+        if at >= len(text):
+            return -1, False
+        return (at, True) if text[at] == "{" else (None, False)
 
     def _skip(self, at: int) -> int:
         while at < len(self.text) and self.text[at] in WS:
@@ -301,12 +337,14 @@ class ToolParser:
     def _content(self, piece: str, out: list, final: bool = False) -> None:
         """Content text; whitespace at its end waits for what follows (dropped before a call, and at
         the end of an answer with calls), so the deltas do not depend on how the text was cut."""
+        if self.after_call:
+            piece, self.spaces = piece.lstrip(WS), ""
         words = piece.rstrip(WS)
         if not words:
             if not final:
                 self.spaces += piece
             return
-        self.content_seen = True
+        self.content_seen, self.after_call = True, False
         out.append(("content", self.spaces + words))
         self.spaces = piece[len(words):]
 
