@@ -20,7 +20,7 @@ from specdecode import LLM
 from specdecode.serve.app import create_app
 from specdecode.serve.scheduler import ServeConfig
 from specdecode.serve.server import BackgroundServer, build_state
-from specdecode.serve.tools import ToolParser, ToolSpec, with_tools
+from specdecode.serve.tools import HERMES, ToolParser, ToolSpec, with_tools
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -238,7 +238,7 @@ def test_earlier_calls_reach_the_template_as_objects(family):
 
 
 def test_parser_units():
-    from specdecode.serve.tools import HERMES, Marker, ToolFormat, extract_calls
+    from specdecode.serve.tools import Marker, ToolFormat, extract_calls
     llama = ToolFormat("llama3", None, args_key="parameters", also=(Marker("<|python_tag|>"),))
     mistral = ToolFormat("mistral", Marker("[TOOL_CALLS]"), listed=True, gap_start=" ")
 
@@ -278,3 +278,15 @@ def test_parser_units():
     assert streamed(HERMES, ' {"name": "Person", "arguments": {}}', ["Person"]) == ("", [("Person", "{}")])
     assert streamed(HERMES, "```python\nprint(1)\n```", ["Person"]) == ("```python\nprint(1)\n```", [])
     assert streamed(llama, '{"name": "nope", "parameters": {}}', ["f"]) == ('{"name": "nope", "parameters": {}}', [])
+
+
+def test_a_long_answer_streams_through_the_parser():
+    """Decided text is dropped as the answer grows (no copy of the whole answer per step); what
+    comes out is the text, then a call after it."""
+    parser, out = ToolParser(HERMES, ["Person"]), []
+    words = ["word%d " % i for i in range(3000)]
+    for w in words:
+        out += parser.feed(w)
+    out += parser.feed('<tool_call>\n{"name": "Person", "arguments": {"age": 1}}\n</tool_call>') + parser.finish()
+    assert "".join(d[1] for d in out if d[0] == "content") == "".join(words).rstrip()
+    assert len(parser.text) < 8192 and parser.tool_calls()[0]["function"]["arguments"] == '{"age": 1}'

@@ -77,7 +77,7 @@ class ParsedRequest:
     model: str
     chat: bool
     n: int = 1                       # choices: n sequences of the prompt (choice i seeded seed + i)
-    tools: object = None             # serve/tools.py ToolSpec (chat with tools), or None
+    tools: object = None             # serve/tools/ ToolSpec (chat with tools), or None
 
 
 def _bad(name: str, message: str) -> ApiError:

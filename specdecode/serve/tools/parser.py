@@ -128,13 +128,13 @@ class ToolParser:
         self.openers = [m.text for m in fmt.markers() if m is not fmt.end]
         self.text = ""
         self.pos = 0                 # everything before has been decided
-        self.state = "text"          # text | open | call | after | list | end
+        self.state = "text"          # text | open (after an opener) | call | after (a call) | end (its marker)
         self.in_list = False
         self.bare = self.fenced = False   # the current call opened without a marker / inside a ``` fence
         self.region = self.opened = -1   # the current opener's start and end (its text is content if no call follows)
         self.region_calls = 0        # calls before the current opener
         self.scan: CallScan | None = None
-        self.calls: list[dict] = []  # {"id", "name", "sent", "complete", "scan"}
+        self.calls: list[dict] = []  # {"id", "name", "arguments" (sent so far), "sent", "scan"}
         self.spaces = ""             # whitespace-only content held until more content follows
         self.content_seen = False
         self.after_call = False      # no content since the last call: its leading whitespace is dropped
@@ -145,6 +145,8 @@ class ToolParser:
         out: list[tuple] = []
         while self._advance(out, final=False):
             pass
+        if self.state == "text" and self.pos > 4096:     # decided text is not read again: a long answer
+            self.text, self.pos = self.text[self.pos:], 0  # is not copied whole at every step
         return out
 
     def finish(self) -> list[tuple]:
