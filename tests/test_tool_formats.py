@@ -290,3 +290,24 @@ def test_a_long_answer_streams_through_the_parser():
     out += parser.feed('<tool_call>\n{"name": "Person", "arguments": {"age": 1}}\n</tool_call>') + parser.finish()
     assert "".join(d[1] for d in out if d[0] == "content") == "".join(words).rstrip()
     assert len(parser.text) < 8192 and parser.tool_calls()[0]["function"]["arguments"] == '{"age": 1}'
+
+
+def test_a_template_without_a_system_role_gets_the_instruction_in_the_user_turn(tiny_models):
+    """Gemma 2's template defines no tool format and refuses a system message: the Hermes
+    instruction opens the first user turn instead."""
+    from specdecode.tokenizer import Tokenizer
+    tok = Tokenizer(tiny_models["llama"])
+    tok.chat_template = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not "
+                         "supported') }}{% endif %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n"
+                         "{% endfor %}<start_of_turn>model\n")
+    fmt = format_of_tokenizer(tok)
+    assert fmt.name == "hermes" and fmt.start.token is None          # its text, spelled out
+    messages, template_tools = with_tools(ASK, ToolSpec(TOOLS, "auto", fmt), tok)
+    assert template_tools is None and [m["role"] for m in messages] == ["user"]
+    text = tok.apply_chat_template(messages)
+    assert "<tool_call>" in text and text.index("Record a person") < text.index("Maria Lopez")
+
+
+def format_of_tokenizer(tok):
+    from specdecode.serve.tools import detect
+    return detect(tok, lambda token: True)

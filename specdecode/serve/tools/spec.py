@@ -126,7 +126,21 @@ def with_tools(messages: list[dict], tools: ToolSpec | None, tokenizer) -> tuple
         return [{"role": "system", "content": "", "tools": listing}] + messages, None
     if messages and messages[0]["role"] == "system":
         return [dict(messages[0], content=messages[0]["content"] + "\n\n" + tools.system_prompt())] + messages[1:], None
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is not None and not takes_system(tokenizer):      # Gemma 2: the instruction opens the user turn
+        m = messages[first_user]
+        return messages[:first_user] + [dict(m, content=tools.system_prompt() + "\n\n" + m["content"])] + \
+            messages[first_user + 1:], None
     return [{"role": "system", "content": tools.system_prompt()}] + messages, None
+
+
+def takes_system(tokenizer) -> bool:
+    """Does the chat template accept a system message (Gemma 2's raises)?"""
+    try:
+        tokenizer.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+    except Exception:  # noqa: BLE001 -- jinja's TemplateError, or whatever the template raises
+        return False
+    return True
 
 
 def _arguments_as_objects(message: dict) -> dict:
