@@ -98,6 +98,10 @@ class GrammarTokenizer:
         self.ll = LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos)
         self.eos_token_ids = tuple(eos)
 
+    def is_special(self, token: int) -> bool:
+        """Is `token` special to llguidance (a grammar names it `<[id]>`; its text does not match it)?"""
+        return bool(self.ll.is_special_token(int(token)))
+
     def constraint(self, structured: Structured) -> "Constraint":
         from llguidance import LLMatcher
         matcher = LLMatcher(self.ll, structured.grammar())
@@ -111,10 +115,14 @@ _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def grammar_tokenizer(target) -> GrammarTokenizer:
     """The cached GrammarTokenizer of a LoadedModel."""
-    found = _TOKENIZERS.get(target.tokenizer)
+    return grammar_tokenizer_for(target.tokenizer, target.model.vocab_size, tuple(target.eos_token_ids))
+
+
+def grammar_tokenizer_for(tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> GrammarTokenizer:
+    """The cached GrammarTokenizer of a tokenizer (built on first use)."""
+    found = _TOKENIZERS.get(tokenizer)
     if found is None:
-        found = _TOKENIZERS[target.tokenizer] = GrammarTokenizer(target.tokenizer, target.model.vocab_size,
-                                                                 tuple(target.eos_token_ids))
+        found = _TOKENIZERS[tokenizer] = GrammarTokenizer(tokenizer, vocab_size, tuple(eos_token_ids))
     return found
 
 

@@ -1,7 +1,9 @@
 """Tool calls through the unchanged openai client: tools reach the model (its template, or a
 system instruction in the Hermes format), `tool_choice` naming a function constrains the answer to
 one call whose arguments follow the function's schema, parsed into OpenAI `tool_calls`
-(finish_reason "tool_calls"), streamed and not; bad tools get a 400 naming the field."""
+(finish_reason "tool_calls"), streamed as OpenAI streams them (the call's name, then its
+arguments in pieces) and not; bad tools get a 400 naming the field. The families' own formats:
+test_tool_formats.py."""
 from __future__ import annotations
 
 import json
@@ -51,8 +53,10 @@ def test_named_tool_choice_gives_a_valid_call(client):
     chunks = list(c.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice=named,
                                             max_tokens=80, temperature=0, stream=True))
     deltas = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
-    assert len(deltas) == 1 and deltas[0].function.name == "get_weather"
-    assert deltas[0].function.arguments == call.function.arguments
+    # as OpenAI streams a call: index, id, type and name first, then the arguments in pieces
+    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_") and deltas[0].type == "function"
+    assert len(deltas) >= 2 and all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     required = c.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="required",
                                          max_tokens=80, temperature=0)

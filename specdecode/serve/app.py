@@ -27,7 +27,7 @@ from starlette.staticfiles import StaticFiles
 
 from ..params import SamplingParams
 from .auth import DEFAULT_MAX_BODY_BYTES, Guard
-from .tools import extract_calls
+from .tools import ToolParser, decoder, openai_deltas
 from .protocol import ApiError, ParsedRequest, error_body, parse, stream_error
 from .scheduler import Failed, Finished, QueueFull, Request, ShuttingDown, Tokens
 
@@ -79,8 +79,10 @@ class TextStream:
     with the few tokens before it (as vLLM does), so a long answer costs no more per token than a
     short one."""
 
-    def __init__(self, tokenizer, params: SamplingParams) -> None:
+    def __init__(self, tokenizer, params: SamplingParams, decode=None) -> None:
+        """decode: ids -> text (default the tokenizer's, skipping special tokens)."""
         self.tokenizer, self.ids, self.sent = tokenizer, [], 0
+        self.decode = decode or tokenizer.decode
         self.text = ""                     # the text of ids[:read_at] (whole characters)
         self.prefix_at = self.read_at = 0  # ids[prefix_at:read_at]: the context the next tokens decode with
         self.stops = tuple(s for s in params.stop if s)
@@ -90,7 +92,7 @@ class TextStream:
         """The text ids[read_at:] add, or '' while they end inside a character. Decoded after
         the tokens before them: a tokenizer that drops a word's leading space at the start of a
         decode drops it from both strings alike."""
-        decode = self.tokenizer.decode
+        decode = self.decode
         prefix = decode(self.ids[self.prefix_at:self.read_at]) if self.read_at > self.prefix_at else ""
         full = decode(self.ids[self.prefix_at:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
@@ -127,7 +129,7 @@ class TextStream:
         return delta
 
     def full_text(self, stop_text_index: int | None) -> str:
-        text = self.tokenizer.decode(self.ids)
+        text = self.decode(self.ids)
         return text[:stop_text_index] if stop_text_index is not None else text
 
 
@@ -145,7 +147,10 @@ class Generation:
             params = dataclasses.replace(params, seed=(params.seed + index) % 2**63)
         self.request = Request(parsed.prompt_ids, params, lambda event: mailbox.post(queue, (self, event)),
                                parsed.speculate, parsed.num_speculative_tokens, after=after)
-        self.text = TextStream(state.tokenizer, params)
+        tools = parsed.tools             # tools/: the calls are parsed out of the text as it comes
+        self.tools = ToolParser(tools.fmt, [f["name"] for f in tools.functions()]) if tools is not None else None
+        self.text = TextStream(state.tokenizer, params,
+                               decoder(state.tokenizer, tools.fmt) if tools is not None else None)
         self.done = False
         self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -186,6 +191,17 @@ class Generation:
         if p.return_token_ids:
             out["token_ids"] = ids
         return out
+
+    def tool_chunks(self, deltas: list[tuple], first: dict | None = None) -> list[dict]:
+        """Chunks of the parser's deltas; `first` (a choice with the step's token kinds, ids,
+        logprobs) carries the first delta, or goes alone when there is none."""
+        chunks = []
+        for i, delta in enumerate(openai_deltas(deltas) or ([{}] if first is not None else [])):
+            choice = dict(first) if i == 0 and first is not None else {"index": self.index, "logprobs": None,
+                                                                       "finish_reason": None}
+            choice["delta"] = delta
+            chunks.append(self.envelope([choice]))
+        return chunks
 
     def envelope(self, choices: list[dict], **extra) -> dict:
         p = self.parsed
@@ -252,8 +268,12 @@ async def stream_events(gens: list[Generation], queue: asyncio.Queue):
                 if isinstance(event, Tokens):
                     sent = gen.text.sent
                     delta, texts = gen.text.add(event.ids, p.return_token_kinds)
-                    if p.tools is not None:          # tool calls are parsed from the whole answer
-                        pass
+                    if gen.tools is not None:        # content and tool calls as the parser finds them
+                        extra = p.return_token_kinds or p.return_token_ids or event.logprobs
+                        first = gen.choice("", event.kinds, event.ids, texts, None, event.logprobs, sent) \
+                            if extra else None
+                        for chunk in gen.tool_chunks(gen.tools.feed(delta), first):
+                            yield sse(chunk)
                     elif delta or p.return_token_kinds or p.return_token_ids or event.logprobs:
                         yield sse(gen.envelope([gen.choice(delta, event.kinds, event.ids, texts, None,
                                                            event.logprobs, sent)]))
@@ -263,16 +283,11 @@ async def stream_events(gens: list[Generation], queue: asyncio.Queue):
                     usages.append(event.usage)
                     delta = gen.text.finish(event.stop_text_index)
                     reason = event.reason
-                    if p.tools is not None:
-                        content, calls = extract_calls(gen.text.full_text(event.stop_text_index))
-                        if content:
-                            yield sse(gen.envelope([{"index": gen.index, "delta": {"content": content},
-                                                     "logprobs": None, "finish_reason": None}]))
-                        if calls:
+                    if gen.tools is not None:
+                        for chunk in gen.tool_chunks(gen.tools.feed(delta) + gen.tools.finish()):
+                            yield sse(chunk)
+                        if gen.tools.calls and reason == "stop":
                             reason = "tool_calls"
-                            yield sse(gen.envelope([{"index": gen.index, "delta": {"tool_calls": [
-                                dict(c, index=i) for i, c in enumerate(calls)]}, "logprobs": None,
-                                "finish_reason": None}]))
                         delta = ""
                     yield sse(gen.envelope([gen.choice(delta, [], [], [], reason)],
                                            speculation=event.speculation))
@@ -317,11 +332,12 @@ async def collect(gens: list[Generation], queue: asyncio.Queue, http: HttpReques
                 gen.done = True
                 text = gen.text.full_text(event.stop_text_index)
                 choice = gen.choice(text, kinds, ids, texts, event.reason, lps if lps else None)
-                if gen.parsed.tools is not None:
-                    content, calls = extract_calls(text)
+                if gen.tools is not None:
+                    content, calls = gen.tools.result(text)
                     if calls:
                         choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-                        choice["finish_reason"] = "tool_calls"
+                        if event.reason == "stop":
+                            choice["finish_reason"] = "tool_calls"
                 results[gen] = (choice, event.usage, event.speculation)
             else:
                 gen.done = True

@@ -23,6 +23,9 @@ def add_serve_parser(sub) -> None:
                    help="requests waiting for a row in the batch; more get HTTP 429 (default 64)")
     g.add_argument("--max-model-len", type=positive_int("--max-model-len", 2), default=None,
                    help="prompt + max_tokens limit per request (default: the model's context)")
+    g.add_argument("--max-tokens-default", type=positive_int("--max-tokens-default", 1), default=2048,
+                   help="max_tokens of a request that gives none, at most the rest of the context (default 2048; "
+                        "completions: 16 as OpenAI's); a request's own max_tokens may go up to the context")
     g.add_argument("--block-size", type=positive_int("--block-size", 1, 1024), default=16,
                    help="tokens per KV cache block (default 16)")
     g.add_argument("--num-blocks", type=positive_int("--num-blocks", 2), default=0,
@@ -110,7 +113,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          spec_max_batch_size=args.spec_max_batch_size, health_timeout=args.health_timeout,
                          served_model_name=args.served_model_name, prefix_cache=args.prefix_cache,
                          prefix_cache_blocks=args.prefix_cache_blocks, prefix_cache_dir=args.prefix_cache_dir,
-                         prefix_cache_dir_bytes=int(args.prefix_cache_dir_size * 2**30))
+                         prefix_cache_dir_bytes=int(args.prefix_cache_dir_size * 2**30),
+                         max_tokens_default=args.max_tokens_default)
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
               dtype=args.dtype, device=args.device, threads=args.threads, fast=not args.eager,
               weights=args.weights, draft_dtype=args.draft_dtype, **drafter_options(args))

@@ -21,6 +21,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_K = 64            # draft tree nodes per step (tree drafters); a chain drafter's limit is 32
 MAX_N = 16            # choices per request (`n`)
+DEFAULT_MAX_TOKENS = 2048   # max_tokens of a request that gives none (ServeConfig.max_tokens_default)
 
 
 class ApiError(Exception):
@@ -53,7 +54,16 @@ class ServeContext:
     model_names: tuple[str, ...]     # the first is the one /v1/models lists
     has_drafter: bool
     max_k: int = MAX_K               # the drafter's limit: draft tokens of a chain, nodes of a tree
+    eos_token_ids: tuple[int, ...] = ()      # the target's (a grammar's end)
+    max_tokens_default: int = DEFAULT_MAX_TOKENS   # max_tokens of a request that gives none (capped by the context)
     drafts_predictions: bool = False # the drafter follows a request's `prediction` (Predicted Outputs)
+
+    def tool_format(self):
+        """The model's tool-call format (serve/tools/formats.py), detected on first use."""
+        from ..structured import grammar_tokenizer_for
+        from .tools import format_of
+        return format_of(self.tokenizer, lambda token: grammar_tokenizer_for(
+            self.tokenizer, self.vocab_size, self.eos_token_ids).is_special(token))
 
 
 @dataclass
@@ -69,7 +79,7 @@ class ParsedRequest:
     model: str
     chat: bool
     n: int = 1                       # choices: n sequences of the prompt (choice i seeded seed + i)
-    tools: object = None             # serve/tools.py ToolSpec (chat with tools), or None
+    tools: object = None             # serve/tools/ ToolSpec (chat with tools), or None
 
 
 def _bad(name: str, message: str) -> ApiError:
@@ -219,14 +229,8 @@ def _chat_ids(body: dict, ctx: ServeContext, tools=None) -> list[int]:
             if m.get(key) is not None:
                 entry[key] = m[key]
         clean.append(entry)
-    template_tools = None
-    if tools is not None and tools.active:
-        if ctx.tokenizer.template_takes_tools:
-            template_tools = tools.tools
-        elif clean and clean[0]["role"] == "system":
-            clean[0] = dict(clean[0], content=clean[0]["content"] + "\n\n" + tools.system_prompt())
-        else:
-            clean.insert(0, {"role": "system", "content": tools.system_prompt()})
+    from .tools import with_tools
+    clean, template_tools = with_tools(clean, tools, ctx.tokenizer)
     from jinja2.exceptions import TemplateError
 
     from ..models.config import ModelError
@@ -280,7 +284,7 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
     include_usage = bool((options or {}).get("include_usage", False))
     from .tools import parse_tools
     try:
-        tools = parse_tools(body) if chat else None
+        tools = parse_tools(body, ctx.tool_format() if body.get("tools") is not None else None) if chat else None
     except ParamError as exc:
         raise ApiError(400, str(exc), param=str(exc).split()[0].split("[")[0]) from None
     if not chat and body.get("tools") is not None:
@@ -295,7 +299,7 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
         raise ApiError(400, f"prompt ({len(ids)} tokens) leaves no room in the maximum context of "
                             f"{ctx.max_model_len} tokens", param="messages" if chat else "prompt",
                        code="context_length_exceeded")
-    default = room if chat else min(16, room)
+    default = min(ctx.max_tokens_default, room) if chat else min(16, ctx.max_tokens_default, room)
     params = _sampling(body, max_tokens, default, chat)
     forced_call = tools.structured() if tools is not None else None
     if forced_call is not None:                      # tool_choice required / a named function

@@ -57,11 +57,12 @@ class ServeConfig:
     prefix_cache_blocks: int | None = None   # most idle cached blocks kept (None: what the pool has free)
     prefix_cache_dir: str | None = None      # hot prefixes kept on disk across restarts (prefix_disk.py)
     prefix_cache_dir_bytes: int = 4 * 2**30  # the directory's size bound
+    max_tokens_default: int = 2048       # max_tokens of a request that gives none (at most the rest of the context)
 
     def __post_init__(self) -> None:
         for name, low, high in (("max_batch_size", 1, 1024), ("max_queue", 1, 1_000_000), ("block_size", 1, 1024),
                                 ("prefill_chunk", 1, 1_000_000), ("num_speculative_tokens", 0, MAX_TREE_NODES),
-                                ("num_blocks", 0, 100_000_000)):
+                                ("num_blocks", 0, 100_000_000), ("max_tokens_default", 1, 100_000_000)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ParamError(f"{name} must be an integer in [{low}, {high}], got {value!r}")

@@ -47,7 +47,8 @@ def build_state(llm, config: ServeConfig, check_budget: bool = True, available: 
     name = config.served_model_name or target.name
     names = tuple(dict.fromkeys([name, target.name, str(target.path)]))
     ctx = ServeContext(target.tokenizer, target.model.vocab_size, context, names, drafter is not None,
-                       scheduler.max_k, drafter is not None and drafter.capabilities.drafts_predictions)
+                       scheduler.max_k, tuple(target.eos_token_ids), config.max_tokens_default,
+                       drafter is not None and drafter.capabilities.drafts_predictions)
     probe = target.tokenizer.encode("ok", add_special=False) or [0]
     return ServeState(scheduler, ctx, target.tokenizer, probe[0], int(time.time()))
 

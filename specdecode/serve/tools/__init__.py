@@ -1,0 +1,47 @@
+"""Tool calls on /v1/chat/completions, in each model family's own format.
+
+`formats.py`: the families' formats, detected from the chat template and vocabulary, and the
+grammar of a forced call over their exact tokens; `spec.py`: the request's `tools` /
+`tool_choice` and the prompt; `parser.py`: calls out of the answer as it streams.
+"""
+from __future__ import annotations
+
+import weakref
+
+from .formats import HERMES, Marker, ToolFormat, detect, takes_tools
+from .parser import ToolParser, extract_calls, openai_deltas
+from .spec import ToolSpec, closed, parse_tools, with_tools
+
+__all__ = ["HERMES", "Marker", "ToolFormat", "ToolParser", "ToolSpec", "closed", "decoder", "detect",
+           "extract_calls", "format_of", "openai_deltas", "parse_tools", "takes_tools", "with_tools"]
+
+_FORMATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def format_of(tokenizer, is_special) -> ToolFormat:
+    """The model's tool-call format, detected once per tokenizer. `is_special(id)`: llguidance's
+    view of a token (structured.GrammarTokenizer.is_special), asked only about markers the
+    vocabulary holds as one token."""
+    found = _FORMATS.get(tokenizer)
+    if found is None:
+        found = _FORMATS[tokenizer] = detect(tokenizer, is_special)
+    return found
+
+
+def decoder(tokenizer, fmt: ToolFormat):
+    """`decode(ids)` that skips special tokens but writes the format's marker tokens as their text."""
+    kept = fmt.kept_tokens()
+    if not kept:
+        return tokenizer.decode
+
+    def decode(ids: list[int]) -> str:
+        parts, run = [], []
+        for token in ids:
+            if token in kept:
+                parts += [tokenizer.decode(run) if run else "", kept[token]]
+                run = []
+            else:
+                run.append(token)
+        parts.append(tokenizer.decode(run) if run else "")
+        return "".join(parts)
+    return decode
