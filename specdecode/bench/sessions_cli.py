@@ -185,6 +185,14 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def load_average() -> list[float] | None:
+    """1, 5 and 15-minute load averages (others sharing the cores show up here)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def groups(sessions, size: int) -> list[list]:
     """Sessions in groups of `size`, each group of one kind."""
     out = []
@@ -259,6 +267,7 @@ def cmd_bench_sessions(args: argparse.Namespace) -> int:
                         timeout_s=args.request_timeout)
 
     notes: list[str] = []
+    load_start = load_average()
     t0 = time.perf_counter()
     try:
         if args.url is not None:
@@ -277,6 +286,12 @@ def cmd_bench_sessions(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     if any(not run["reports"]["cached_tokens"] for run in runs):
         notes.append("the server does not report usage.prompt_tokens_details.cached_tokens: cached is blank")
+    held = [r for r in records if r["ok"] and r["chunks"] == 1 and (r["output_tokens"] or 0) > 1]
+    if held:
+        kinds = ", ".join(dict.fromkeys(r["kind"] for r in held))
+        notes.append(f"{len(held)} turns ({kinds}) came in one chunk (specdecode holds the text of a request with "
+                     "`tools` back to parse calls from it): their TTFT is the whole answer's time and they have no "
+                     "decode rate; compare them by output tok/s")
     if args.prediction and not any(r["accepted_prediction_tokens"] is not None for r in records):
         notes.append("prediction sent, but the server reports no accepted_prediction_tokens")
     config = {key: getattr(args, key) for key in (
@@ -286,7 +301,9 @@ def cmd_bench_sessions(args: argparse.Namespace) -> int:
     config.update(extra_body=extra, command=command_line(args))
     results = {"schema": "specdecode-bench-sessions/1", "config": config,
                "machine": {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                           else os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+                           else os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                           "load_average_start": load_start, "load_average_end": load_average(),
+                           "duration_s": round(time.perf_counter() - t0, 1)},
                "server": {"url": args.url, "local": args.url is None, "model": runs[0]["model"],
                           "args": serve_args(args) if args.url is None else None, "runs": runs},
                "sessions": [{"id": s.id, "kind": s.kind, "title": s.title, "turns": len(s.turns)} for s in sessions],

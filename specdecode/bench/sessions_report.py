@@ -178,7 +178,10 @@ def markdown(results: dict) -> str:
     caches = {r["cache"] for r in records}
     lines = ["# specdecode bench sessions", "",
              f"Command: `{cfg['command']}`", "",
-             f"Machine: {machine['cpu']}, {machine['cores']} cores. Server: "
+             f"Machine: {machine['cpu']}, {machine['cores']} cores"
+             + (f" (load average {machine['load_average_start'][0]:.1f} at the start, "
+                f"{machine['load_average_end'][0]:.1f} at the end)" if machine.get("load_average_start") else "")
+             + ". Server: "
              + ("started by the run" if server["local"] else f"`{server['url']}`")
              + f", model `{server['model']}`" + (f", args `{' '.join(server['args'])}`" if server.get("args") else "")
              + f". Max tokens {cfg['max_tokens']}, temperature {cfg['temperature']:g}"
