@@ -289,8 +289,8 @@ def cmd_bench_sessions(args: argparse.Namespace) -> int:
     held = [r for r in records if r["ok"] and r["chunks"] == 1 and (r["output_tokens"] or 0) > 1]
     if held:
         kinds = ", ".join(dict.fromkeys(r["kind"] for r in held))
-        notes.append(f"{len(held)} turns ({kinds}) came in one chunk (specdecode holds the text of a request with "
-                     "`tools` back to parse calls from it): their TTFT is the whole answer's time and they have no "
+        notes.append(f"{len(held)} turns ({kinds}) came in one chunk (a server that holds the text of a request "
+                     "with `tools` back to parse calls from it, as specdecode's does): their TTFT is the whole answer's time and they have no "
                      "decode rate; compare them by output tok/s")
     if args.prediction and not any(r["accepted_prediction_tokens"] is not None for r in records):
         notes.append("prediction sent, but the server reports no accepted_prediction_tokens")
@@ -307,7 +307,7 @@ def cmd_bench_sessions(args: argparse.Namespace) -> int:
                "server": {"url": args.url, "local": args.url is None, "model": runs[0]["model"],
                           "args": serve_args(args) if args.url is None else None, "runs": runs},
                "sessions": [{"id": s.id, "kind": s.kind, "title": s.title, "turns": len(s.turns)} for s in sessions],
-               "notes": notes, **build(records, args.temperature == 0), "turns": records}
+               "notes": list(dict.fromkeys(notes)), **build(records, args.temperature == 0), "turns": records}
     write(out, results, transcripts)
     print(markdown(results))
     failed = [r for r in records if not r["ok"]]
