@@ -313,3 +313,12 @@ def test_child_server_runs_this_checkout(tmp_path):
     found = subprocess.run([sys.executable, "-c", "import specdecode; print(specdecode.__file__)"], env=env,
                            cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
     assert os.path.abspath(found) == os.path.abspath(specdecode.__file__)
+
+
+def test_report_warns_when_the_cpu_was_shared(compared):
+    from specdecode.bench.sessions_report import markdown
+    results = read(compared)
+    assert results["machine"]["cpu"] and "cpu_family" in results["machine"]
+    for loads, warned in (([0.4, 0.3], False), ([0.5, 9.0], True)):
+        results["machine"].update(load_average_start=[loads[0], 1, 1], load_average_end=[loads[1], 1, 1], cores=2)
+        assert ("**Shared CPU: the load average (9.0) exceeded the 2 cores" in markdown(results)) == warned

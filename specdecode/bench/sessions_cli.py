@@ -174,15 +174,21 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(words)
 
 
-def cpu_name() -> str:
+def cpu_info() -> dict:
+    """The CPU as /proc/cpuinfo names it: model name, family and model numbers (null where unknown)."""
+    info = {"cpu": platform.processor() or platform.machine(), "cpu_family": None, "cpu_model": None}
+    keys = {"model name": "cpu", "cpu family": "cpu_family", "model": "cpu_model"}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                if key.strip() in keys:
+                    info[keys[key.strip()]] = value.strip()
+                if not line.strip():
+                    break                              # the first processor is enough
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return info
 
 
 def load_average() -> list[float] | None:
@@ -300,7 +306,7 @@ def cmd_bench_sessions(args: argparse.Namespace) -> int:
         "interleave", "round_robin")}
     config.update(extra_body=extra, command=command_line(args))
     results = {"schema": "specdecode-bench-sessions/1", "config": config,
-               "machine": {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               "machine": {**cpu_info(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                            else os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                            "load_average_start": load_start, "load_average_end": load_average(),
                            "duration_s": round(time.perf_counter() - t0, 1)},

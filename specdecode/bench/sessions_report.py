@@ -176,9 +176,16 @@ def markdown(results: dict) -> str:
     cfg, server, machine = results["config"], results["server"], results["machine"]
     records = results["turns"]
     caches = {r["cache"] for r in records}
+    loads = [x[0] for x in (machine.get("load_average_start"), machine.get("load_average_end")) if x]
+    busy = [f"**Shared CPU: the load average ({max(loads):.1f}) exceeded the {machine['cores']} cores during the run; "
+            "other processes took CPU time, so the timings (TTFT, tok/s, speed-ups) are unreliable. Token counts, "
+            "cached tokens, accepted tokens and the identity of answers do not depend on it.**", ""] \
+        if loads and max(loads) > machine["cores"] else []
     lines = ["# specdecode bench sessions", "",
-             f"Command: `{cfg['command']}`", "",
-             f"Machine: {machine['cpu']}, {machine['cores']} cores"
+             f"Command: `{cfg['command']}`", "", *busy,
+             f"Machine: {machine['cpu']}"
+             + (f" (family {machine['cpu_family']}, model {machine['cpu_model']})" if machine.get("cpu_family") else "")
+             + f", {machine['cores']} cores"
              + (f" (load average {machine['load_average_start'][0]:.1f} at the start, "
                 f"{machine['load_average_end'][0]:.1f} at the end)" if machine.get("load_average_start") else "")
              + ". Server: "
