@@ -108,7 +108,7 @@ def test_the_server_takes_openais_prediction_field(tiny_models):
                                               max_tokens=20, temperature=0,
                                               prediction={"type": "content", "content": text})
         assert chat.usage.completion_tokens_details.accepted_prediction_tokens >= 0
-        for extra, word in (({"n": 2}, "n > 1"), ({"logprobs": 2}, "logprobs"), ({"speculate": False}, "speculate"),
+        for extra, word in (({"n": 2}, "n > 1"), ({"logprobs": 2}, "logprobs"),
                             ({"prediction": {"type": "text", "content": "x"}}, "must be")):
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 4,
                     "prediction": {"type": "content", "content": text}, **extra}

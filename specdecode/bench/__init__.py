@@ -11,6 +11,11 @@ documented in specdecode/bench/README.md.
 speculation arms), serve_load (streaming requests, concurrency / Poisson arrivals),
 serve_server (a local `specdecode serve`, memory sampling), serve_report (percentiles,
 goodput, results.json, requests.jsonl, report.md).
+
+`specdecode bench sessions` runs multi-turn sessions through a server: sessions_cli (options, arms,
+own servers), sessions_data (the shipped sessions, conversations growing turn by turn),
+sessions_run (streaming turns, groups in lockstep), sessions_report (summaries, on/off
+comparisons, the losslessness check, results.json, report.md, transcripts.jsonl).
 """
 from .cli import add_parser, cmd_bench
 

@@ -106,7 +106,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_bench)
     from .serve_cli import add_serve_parser     # `specdecode bench serve ...`: the server load generator
-    add_serve_parser(p.add_subparsers(dest="bench_command", title="load-test a server", metavar="serve"))
+    from .sessions_cli import add_sessions_parser   # `specdecode bench sessions ...`: multi-turn sessions
+    sub = p.add_subparsers(dest="bench_command", title="benchmark a server", metavar="{serve,sessions}")
+    add_serve_parser(sub)
+    add_sessions_parser(sub)
     return p
 
 

@@ -5,6 +5,7 @@ GET /api/stats reports (local or not)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import sys
@@ -14,6 +15,18 @@ from pathlib import Path
 import httpx
 
 LAUNCH = "import sys; from specdecode.cli import main; sys.exit(main())"
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a child `specdecode` process: this one's, with the folder holding the
+    specdecode package in use first on PYTHONPATH, so a server started from a git worktree (or any
+    checkout other than the installed one) runs that checkout's code, whatever the working directory."""
+    import specdecode
+    root = str(Path(specdecode.__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+    env["PYTHONPATH"] = os.pathsep.join([root, *rest])
+    return env
 
 
 class ServerError(RuntimeError):
@@ -60,7 +73,8 @@ class LocalServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         try:
-            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=child_env())
         finally:
             log.close()
         try:

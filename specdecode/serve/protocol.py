@@ -331,10 +331,9 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
     prediction = _prediction(body, ctx, chat)
     if prediction is not None:
         for bad, what in ((n not in (None, 1), "n > 1"), (params.logprobs is not None, "logprobs"),
-                          (tools is not None and tools.active, "tools"), (speculate is False, "speculate: false")):
+                          (tools is not None and tools.active, "tools")):
             if bad:
-                raise _bad("prediction", f"cannot be combined with {what} (as in OpenAI's API: Predicted Outputs "
-                                         f"draft the answer, which needs speculation on one choice)")
+                raise _bad("prediction", f"cannot be combined with {what} (as in OpenAI's API)")
         params = dataclasses.replace(params, prediction=prediction)
     return ParsedRequest(ids, params, speculate, k, stream, include_usage, _bool(body, "return_token_kinds"),
                          _bool(body, "return_token_ids"), model, chat, 1 if n is None else n,
