@@ -59,8 +59,10 @@ def measure_cost_curve(model, cache, max_rows: int, repeats: int = 3) -> dict[in
     rows = sorted({r for r in (1, 2, 4, 8, 16, 32, 64) if r <= max_rows} | {max_rows})
     curve = {}
     for r in rows:
-        tokens = torch.zeros(1, r, dtype=torch.long, device=model.device)
-        fb = ForwardBatch.chain(tokens, torch.tensor([0]), torch.tensor([0]), torch.arange(r)[None])
+        device = model.device
+        tokens = torch.zeros(1, r, dtype=torch.long, device=device)
+        fb = ForwardBatch.chain(tokens, torch.tensor([0], device=device), torch.tensor([0], device=device),
+                                torch.arange(r, device=device)[None])
         model.logits(model.run(fb, cache), fb.logit_index)        # warm-up
         best = float("inf")
         for _ in range(repeats):
