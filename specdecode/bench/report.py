@@ -75,9 +75,35 @@ def _roofline_lines(roof: dict) -> list[str]:
     return ["".join(out)]
 
 
+REGRESSION = 0.97      # a speculative cell below this speed-up over its system's plain decoding is flagged
+
+
+def regressions(rows: list[dict]) -> list[dict]:
+    """Cells (system x method x k x task, and all tasks) where speculation was slower than
+    REGRESSION x plain decoding: a change that makes a case lose shows up in the report."""
+    return [r for r in rows if r["method"] != "plain" and r.get("speedup") is not None
+            and r["speedup"] < REGRESSION]
+
+
+def _regression_lines(rows: list[dict]) -> list[str]:
+    slow = regressions(rows)
+    if not slow:
+        return [f"No speculative cell is below {REGRESSION:.2f}x its system's plain decoding."]
+    lines = [f"{len(slow)} cell(s) below {REGRESSION:.2f}x plain decoding (speculation loses there):", "",
+             "| system | method | k | task | speed-up |", "|---|---|---|---|---|"]
+    lines += [f"| {r['system']} | {r['method']} | {r['k']} | {r['task']} | {r['speedup']:.2f}x |"
+              for r in sorted(slow, key=lambda r: r["speedup"])]
+    return lines
+
+
 def console_summary(results: dict) -> str:
     rows = [r for r in results["rows"] if r["task"] == "all"]
     lines = _table(rows, with_task=False) + [""] + _summary_lines(results["summary"])
+    slow = regressions(results["rows"])
+    if slow:
+        lines += ["", f"warning: {len(slow)} cell(s) below {REGRESSION:.2f}x plain decoding: " + ", ".join(
+            f"{r['system']} {r['method']} k={r['k']} {r['task']} {r['speedup']:.2f}x" for r in slow[:8])
+            + (" ..." if len(slow) > 8 else "") + " (report.md, 'Regressions')"]
     lines += [""] + _roofline_lines(results["roofline"])
     lines += [f"note: {n}" for n in results["notes"]]
     return "\n".join(lines)
@@ -95,6 +121,7 @@ def markdown(results: dict) -> str:
            "", "## Summary", ""] + _summary_lines(results["summary"])
     out += ["", "## All prompts", ""] + _table([r for r in rows if r["task"] == "all"], with_task=False)
     out += ["", "## Per task", ""] + _table([r for r in rows if r["task"] != "all"], with_task=True)
+    out += ["", "## Regressions", ""] + _regression_lines(rows)
     spec = [r for r in rows if r["task"] == "all" and r["acceptance_per_position"]]
     if spec:
         width = max(len(r["acceptance_per_position"]) for r in spec)
