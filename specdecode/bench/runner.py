@@ -34,14 +34,8 @@ def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
 
 def machine_info(threads: int, llamacpp_version: str | None) -> dict:
     import transformers
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from ..fast.linear import cpu_label
+    cpu = cpu_label()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"cpu": cpu, "cores": cores, "threads": threads, "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__,

@@ -176,19 +176,9 @@ def command_line(args: argparse.Namespace) -> str:
 
 def cpu_info() -> dict:
     """The CPU as /proc/cpuinfo names it: model name, family and model numbers (null where unknown)."""
-    info = {"cpu": platform.processor() or platform.machine(), "cpu_family": None, "cpu_model": None}
-    keys = {"model name": "cpu", "cpu family": "cpu_family", "model": "cpu_model"}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in keys:
-                    info[keys[key.strip()]] = value.strip()
-                if not line.strip():
-                    break                              # the first processor is enough
-    except OSError:
-        pass
-    return info
+    from ..fast.linear import cpu_field
+    return {"cpu": cpu_field("model name") or platform.processor() or platform.machine(),
+            "cpu_family": cpu_field("cpu family") or None, "cpu_model": cpu_field("model") or None}
 
 
 def load_average() -> list[float] | None:

@@ -77,6 +77,15 @@ def cpu_field(field: str) -> str:
     return _cpuinfo(field)
 
 
+def cpu_label() -> str:
+    """The CPU as figures should name it: model name, with the family and model numbers that tell
+    its generation (e.g. "AMD EPYC (family 26, model 2)"); the platform's name off Linux."""
+    import platform
+    name = cpu_field("model name") or platform.processor() or platform.machine()
+    family, model = cpu_field("cpu family"), cpu_field("model")
+    return f"{name} (family {family}, model {model})" if family and model else name
+
+
 def cpu_flags() -> set[str]:
     """This CPU's flags as /proc/cpuinfo names them (avx512f, avx512_vnni, amx_int8, ...)."""
     return _cpu_flags()
