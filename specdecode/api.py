@@ -11,6 +11,7 @@ from .drafters.registry import build_drafter, check_drafter_options, method_name
 from .engine.engine import SpecEngine, StreamCallback, check_num_speculative_tokens
 from .drafters.prediction import prediction_usage
 from .engine.prefix_store import PrefixStore
+from .engine.threads import ThreadTuner
 from .models.dtypes import canonical_dtype
 from .models.loader import LoadedModel, default_draft_dtype, load_model
 from .params import ParamError, SamplingParams
@@ -128,11 +129,13 @@ class LLM:
         self.cost_curve: dict[int, float] | None = None     # measured by the first adaptive engine
         self.tokenizer = self.target.tokenizer
         self.prefix_store = self._prefix_store(prefix_cache)
+        # passes on fewer threads where that measures faster (another process busy on a core)
+        self.threads = ThreadTuner() if self.target.model.device.type == "cpu" else None
 
     def engine(self, num_speculative_tokens: int | None = None) -> SpecEngine:
         k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         return SpecEngine(self.target, self.drafter, k, adaptive=self.adaptive, cost_curve=self.cost_curve,
-                          prefix_store=self.prefix_store)
+                          prefix_store=self.prefix_store, threads=self.threads)
 
     def _prefix_store(self, prefix_cache) -> PrefixStore | None:
         if isinstance(prefix_cache, bool):

@@ -22,6 +22,7 @@ from ..verify_tree import verify_greedy, verify_point_mass, verify_tree
 from .runner import ModelRunner
 from .budget import DraftBudget, ShadowDrafts, measure_cost_curve
 from .scheduler import StaticBatch, draft_room
+from .threads import ThreadTuner
 from .sequence import Sequence, attach_prediction
 from ..structured import FORCED_MAX, grammar_tokenizer, trim_drafts
 
@@ -83,7 +84,8 @@ def check_room(prompt_tokens: int, max_tokens: int, context: int, name: str = "m
 class SpecEngine:
     def __init__(self, target, drafter: Drafter | None = None, num_speculative_tokens: int = 5,
                  runner: ModelRunner | None = None, adaptive: bool | None = None,
-                 cost_curve: dict[int, float] | None = None, prefix_store=None) -> None:
+                 cost_curve: dict[int, float] | None = None, prefix_store=None,
+                 threads: ThreadTuner | None = None) -> None:
         check_num_speculative_tokens(num_speculative_tokens, drafter)
         trees = drafter is not None and drafter.capabilities.drafts_trees
         if trees and not target.model.supports_trees:
@@ -106,6 +108,7 @@ class SpecEngine:
         self.cost_curve = cost_curve              # forward seconds against rows (measured on first use)
         self.budget: DraftBudget | None = None    # the last generate's (its chosen sizes, gains)
         self.prefix_store = prefix_store          # earlier calls' blocks (prefix_store.py), or None
+        self.threads = threads                    # threads per pass from measured step times (threads.py)
 
     # ------------------------------------------------------------------ public
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
@@ -224,6 +227,8 @@ class SpecEngine:
         # 0. jump forward (speculating, structured output): tokens a row's grammar allows alone
         #    have probability 1 under the masked target distribution, whatever the logits: they are
         #    committed now, written by this step's pass as pending tokens, and the drafts follow them
+        if self.threads is not None:
+            self.threads.before()
         t0 = time.perf_counter()
         if self.k > 0 and any(s.constraint is not None for s in seqs):
             room = self._jump_forward(seqs, room, on_tokens)
@@ -254,6 +259,8 @@ class SpecEngine:
                 result = verify_tree(proposal.tokens.to(device), proposal.parents, proposal.num_tokens.to(device),
                                      proposal.probs, target_probs, greedy, [s.generator for s in seqs])
         t2 = time.perf_counter()
+        if self.threads is not None:
+            self.threads.after(t2 - t0, len(seqs) + int(proposal.num_tokens.sum()))
         # 3. commit: append tokens, move a tree's accepted path to consecutive slots, roll the
         #    target cache back to the accepted prefix
         num_accepted = result.num_accepted.tolist()

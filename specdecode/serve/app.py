@@ -152,6 +152,7 @@ class Generation:
         self.text = TextStream(state.tokenizer, params,
                                decoder(state.tokenizer, tools.fmt) if tools is not None else None)
         self.done = False
+        self._text_template: tuple[str, str] | None = None
         self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
@@ -202,6 +203,16 @@ class Generation:
             choice["delta"] = delta
             chunks.append(self.envelope([choice]))
         return chunks
+
+    def text_chunk(self, delta: str) -> str:
+        """The SSE event of a plain text delta (the chunk of nearly every step), from a template made
+        once: the envelope around the text is the same every time."""
+        if self._text_template is None:
+            probe = "\u0000"
+            event = sse(self.envelope([self.choice(probe, [], [], [], None)]))
+            self._text_template = tuple(event.split(json.dumps(probe), 1))
+        head, tail = self._text_template
+        return head + json.dumps(delta, ensure_ascii=False) + tail
 
     def envelope(self, choices: list[dict], **extra) -> dict:
         p = self.parsed
@@ -274,9 +285,11 @@ async def stream_events(gens: list[Generation], queue: asyncio.Queue):
                             if extra else None
                         for chunk in gen.tool_chunks(gen.tools.feed(delta), first):
                             yield sse(chunk)
-                    elif delta or p.return_token_kinds or p.return_token_ids or event.logprobs:
+                    elif p.return_token_kinds or p.return_token_ids or event.logprobs:
                         yield sse(gen.envelope([gen.choice(delta, event.kinds, event.ids, texts, None,
                                                            event.logprobs, sent)]))
+                    elif delta:
+                        yield gen.text_chunk(delta)
                 elif isinstance(event, Finished):
                     gen.done = True
                     live -= 1

@@ -19,6 +19,7 @@ from ..drafters.base import DraftProposal, Drafter, DrafterState
 from ..engine.engine import SpecEngine
 from ..engine.runner import ModelRunner
 from ..engine.scheduler import draft_room
+from ..engine.threads import ThreadTuner
 from ..engine.sequence import Sequence
 from ..params import SamplingParams
 from .block_pool import chain_hashes
@@ -114,7 +115,8 @@ class BatchEngine:
             return PagedKVCache(c.num_layers, rows, c.num_kv_heads, c.head_dim, max_len, num_blocks, block_size,
                                 model.dtype, model.device)
         self.runner.allocate(num_rows, context + max_k + 2, new_cache=paged)
-        self.loop = SpecEngine(target, self.drafter, max_k if drafter is not None else 0, runner=self.runner)
+        self.loop = SpecEngine(target, self.drafter, max_k if drafter is not None else 0, runner=self.runner,
+                               threads=ThreadTuner() if target.model.device.type == "cpu" else None)
         self.prefix_note = ""               # why prefix caching is off for a cache that has it off
 
     # ------------------------------------------------------------ prefix caching

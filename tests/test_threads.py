@@ -1,0 +1,50 @@
+"""The thread tuner (engine/threads.py): steps move to the thread count that measures faster and
+follow a machine that becomes busy or idle again; answers do not depend on the count."""
+from __future__ import annotations
+
+import torch
+
+from specdecode import LLM, SamplingParams
+from specdecode.engine.threads import ThreadTuner
+
+
+def drive(tuner, steps, seconds_per_row):
+    """Run `steps` steps of 3 rows whose time per row is seconds_per_row(threads)."""
+    for _ in range(steps):
+        tuner.before()
+        tuner.after(3 * seconds_per_row(tuner.running), 3)
+
+
+def test_the_tuner_follows_a_machine_that_becomes_busy_and_idle_again():
+    calls = []
+    tuner = ThreadTuner(max_threads=2, period=10, trial=4, set_threads=calls.append)
+    idle = {2: 1.0, 1: 1.6}.get            # idle: 2 threads faster
+    busy = {2: 2.5, 1: 1.7}.get            # another process on a core: 1 thread faster
+    drive(tuner, 40, idle)
+    assert tuner.current == 2 and tuner.switches == 0 and 1 in calls       # tried 1, kept 2
+    drive(tuner, 30, busy)                 # within a few dozen steps: 1 thread
+    assert tuner.current == 1
+    drive(tuner, 30, idle)
+    assert tuner.current == 2 and tuner.switches == 2
+    assert ThreadTuner(max_threads=1).active is False
+
+
+def test_noise_within_the_margin_does_not_switch():
+    tuner = ThreadTuner(max_threads=2, period=8, trial=4, set_threads=lambda n: None)
+    drive(tuner, 100, {2: 1.0, 1: 0.97}.get)
+    assert tuner.current == 2 and tuner.switches == 0
+
+
+def test_answers_do_not_depend_on_the_thread_count(tiny_models):
+    threads = torch.get_num_threads()
+    try:
+        llm = LLM(model=str(tiny_models["llama"]), method="ngram", dtype="fp32", progress=False, prefix_cache=False)
+        prompt = llm.tokenizer.encode("the quick brown fox jumps over the lazy dog. the quick")
+        params = [SamplingParams(max_tokens=120, ignore_eos=True),
+                  SamplingParams(max_tokens=120, ignore_eos=True, temperature=0.9, seed=4)]
+        want = [o.token_ids for o in llm.generate([prompt, prompt], params)]
+        llm.threads = ThreadTuner(max_threads=2, period=3, trial=2)      # trials every few steps
+        got = [o.token_ids for o in llm.generate([prompt, prompt], params)]
+        assert got == want and llm.threads.steps > 20
+    finally:
+        torch.set_num_threads(threads)
