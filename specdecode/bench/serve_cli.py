@@ -131,17 +131,24 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def check_url(args: argparse.Namespace, command: str) -> None:
+    """--url is an http(s) address and comes without the own server's model options (CliError)."""
+    from ..cli_common import CliError
+    if args.url is None:
+        return
+    if not args.url.startswith(("http://", "https://")):
+        raise CliError(f"--url must start with http:// or https://, got {args.url!r}")
+    given = [name for name in SERVER_OPTIONS if getattr(args, name) is not None]
+    if given:
+        flag = "--" + given[0].replace("_", "-") if given[0] != "k" else "-k"
+        raise CliError(f"{flag} applies only when {command} starts its own server: drop --url or {flag}")
+
+
 def check(args: argparse.Namespace) -> dict:
     """Cross-option checks; returns the --extra-body object."""
     from ..cli_common import CliError
-    given = [name for name in SERVER_OPTIONS if getattr(args, name) is not None]
-    if args.url is not None:
-        if not args.url.startswith(("http://", "https://")):
-            raise CliError(f"--url must start with http:// or https://, got {args.url!r}")
-        if given:
-            flag = "--" + given[0].replace("_", "-") if given[0] != "k" else "-k"
-            raise CliError(f"{flag} applies only when bench serve starts its own server: drop --url or {flag}")
-    elif args.server_pid is not None:
+    check_url(args, "bench serve")
+    if args.url is None and args.server_pid is not None:
         raise CliError("--server-pid applies only with --url (the own server's RSS is sampled anyway)")
     if args.max_concurrency is not None and args.rate is None:
         raise CliError("--max-concurrency applies only with --rate")

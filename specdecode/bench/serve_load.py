@@ -94,60 +94,70 @@ def error_message(status: int, raw: bytes) -> str:
     return f"HTTP {status}: {' '.join(text.split())[:300] or 'no message'}"
 
 
-async def send(client: httpx.AsyncClient, prompt: Prompt, workload: Workload, record: Record, t0: float) -> Record:
-    """Send one streaming request and fill `record` (never raises for request failures)."""
-    path, body = request_body(prompt, workload, record.arm)
-    start = time.perf_counter()
-    record.start = start - t0
-    chunks, from_kinds, usage_tokens, last, done = 0, 0, None, None, False
+class StreamFailed(Exception):
+    """A streamed request that did not complete: an HTTP error, an error event, a broken or
+    malformed stream, or no `data: [DONE]` (the message says which, in one line)."""
+
+
+async def stream_chunks(client: httpx.AsyncClient, path: str, body: dict, timeout_s: float, on_status=None):
+    """The JSON chunks of one server-sent-events response, up to `data: [DONE]`; raises
+    StreamFailed. `on_status`: called with the HTTP status once it is known."""
     try:
-        async with client.stream("POST", path, json=body, timeout=workload.timeout_s) as response:
-            record.status = response.status_code
+        async with client.stream("POST", path, json=body, timeout=timeout_s) as response:
+            if on_status is not None:
+                on_status(response.status_code)
             if response.status_code != 200:
-                record.error = error_message(response.status_code, await response.aread())
-                return record
+                raise StreamFailed(error_message(response.status_code, await response.aread()))
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
-                    done = True
-                    break
+                    return
                 chunk = json.loads(data)
                 if isinstance(chunk, dict) and chunk.get("error"):
                     err = chunk["error"]
-                    record.error = "stream error: " + str(err.get("message", err) if isinstance(err, dict) else err)
-                    return record
-                if chunk.get("usage") and chunk["usage"].get("completion_tokens") is not None:
-                    usage_tokens = int(chunk["usage"]["completion_tokens"])
-                for choice in chunk.get("choices") or []:
-                    text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                    kinds = choice.get("token_kinds") or []
-                    for token in kinds:
-                        kind = token.get("kind", "")
-                        record.kinds[kind] = record.kinds.get(kind, 0) + 1
-                    if text or kinds:
-                        now = time.perf_counter()
-                        if record.ttft is None:
-                            record.ttft = now - start
-                        else:
-                            record.itl.append(now - last)
-                        last = now
-                        chunks += 1
-                        from_kinds += len(kinds)
-                    if choice.get("finish_reason"):
-                        record.finish_reason = choice["finish_reason"]
+                    raise StreamFailed("stream error: " + str(err.get("message", err) if isinstance(err, dict) else err))
+                yield chunk
     except httpx.TimeoutException:
-        record.error = f"timeout after {workload.timeout_s:g} s"
-        return record
+        raise StreamFailed(f"timeout after {timeout_s:g} s") from None
     except httpx.HTTPError as exc:
-        record.error = f"connection error: {type(exc).__name__}: {exc}"
-        return record
+        raise StreamFailed(f"connection error: {type(exc).__name__}: {exc}") from None
     except (ValueError, AttributeError, TypeError) as exc:
-        record.error = f"malformed stream: {type(exc).__name__}: {exc}"
-        return record
-    if not done:
-        record.error = "stream ended without data: [DONE]"
+        raise StreamFailed(f"malformed stream: {type(exc).__name__}: {exc}") from None
+    raise StreamFailed("stream ended without data: [DONE]")
+
+
+async def send(client: httpx.AsyncClient, prompt: Prompt, workload: Workload, record: Record, t0: float) -> Record:
+    """Send one streaming request and fill `record` (never raises for request failures)."""
+    path, body = request_body(prompt, workload, record.arm)
+    start = time.perf_counter()
+    record.start = start - t0
+    chunks, from_kinds, usage_tokens, last = 0, 0, None, None
+    try:
+        async for chunk in stream_chunks(client, path, body, workload.timeout_s,
+                                         lambda status: setattr(record, "status", status)):
+            if chunk.get("usage") and chunk["usage"].get("completion_tokens") is not None:
+                usage_tokens = int(chunk["usage"]["completion_tokens"])
+            for choice in chunk.get("choices") or []:
+                text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                kinds = choice.get("token_kinds") or []
+                for token in kinds:
+                    kind = token.get("kind", "")
+                    record.kinds[kind] = record.kinds.get(kind, 0) + 1
+                if text or kinds:
+                    now = time.perf_counter()
+                    if record.ttft is None:
+                        record.ttft = now - start
+                    else:
+                        record.itl.append(now - last)
+                    last = now
+                    chunks += 1
+                    from_kinds += len(kinds)
+                if choice.get("finish_reason"):
+                    record.finish_reason = choice["finish_reason"]
+    except StreamFailed as exc:
+        record.error = str(exc)
         return record
     record.e2e = time.perf_counter() - start
     record.output_tokens = usage_tokens if usage_tokens is not None else (from_kinds or chunks)

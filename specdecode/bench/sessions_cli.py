@@ -26,14 +26,13 @@ from pathlib import Path
 
 import httpx
 
-from .serve_cli import _positive_float, serve_args
+from .serve_cli import SERVER_OPTIONS, _positive_float, check_url, serve_args
 from .serve_load import first_model
 from .serve_server import LocalServer, ServerError
 from .sessions_data import KINDS, SessionDataError, load, select
 from .sessions_report import build, markdown, write
 from .sessions_run import Settings, probe, run_group
 
-SERVER_OPTIONS = ("model", "draft", "method", "k", "dtype", "threads", "eager", "server_args")
 
 
 def add_sessions_parser(sub) -> argparse.ArgumentParser:
@@ -110,13 +109,8 @@ def add_sessions_parser(sub) -> argparse.ArgumentParser:
 def check(args: argparse.Namespace) -> dict:
     """Cross-option checks (CliError naming the flag); returns the --extra-body object."""
     from ..cli_common import CliError
-    given = [name for name in SERVER_OPTIONS if getattr(args, name) is not None]
+    check_url(args, "bench sessions")
     if args.url is not None:
-        if not args.url.startswith(("http://", "https://")):
-            raise CliError(f"--url must start with http:// or https://, got {args.url!r}")
-        if given:
-            flag = "-k" if given[0] == "k" else "--" + given[0].replace("_", "-")
-            raise CliError(f"{flag} applies only when bench sessions starts its own server: drop --url or {flag}")
         for flag, on in (("--compare-prefix-cache", args.compare_prefix_cache), ("--one-server", args.one_server)):
             if on:
                 raise CliError(f"{flag} applies only to the bench's own server (drop --url); with --url, run once "

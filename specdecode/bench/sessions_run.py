@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from .serve_load import error_message
+from .serve_load import StreamFailed, stream_chunks
 from .sessions_data import Conversation, Session
 
 
@@ -128,55 +128,30 @@ async def stream_chat(client: httpx.AsyncClient, body: dict, timeout_s: float) -
     """One streaming chat request (never raises for request failures: Answer.error says what went wrong)."""
     answer = Answer()
     start = time.perf_counter()
-    done = False
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body, timeout=timeout_s) as response:
-            answer.status = response.status_code
-            if response.status_code != 200:
-                answer.error = error_message(response.status_code, await response.aread())
-                return answer
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                if chunk.get("error"):
-                    err = chunk["error"]
-                    answer.error = "stream error: " + str(err.get("message", err) if isinstance(err, dict) else err)
-                    return answer
-                if chunk.get("usage"):
-                    answer.usage = chunk["usage"]
-                if chunk.get("speculation"):
-                    answer.speculation = chunk["speculation"]
-                for choice in chunk.get("choices") or []:
-                    delta = choice.get("delta") or {}
-                    text = delta.get("content") or ""
-                    kinds = choice.get("token_kinds") or []
-                    for token in kinds:
-                        answer.kinds[token.get("kind", "")] = answer.kinds.get(token.get("kind", ""), 0) + 1
-                    for call in delta.get("tool_calls") or []:
-                        add_call_delta(answer.calls, call)
-                    if text or kinds or delta.get("tool_calls"):
-                        if answer.ttft is None:
-                            answer.ttft = time.perf_counter() - start
-                        answer.chunks += 1
-                        answer.text += text
-                    if choice.get("finish_reason"):
-                        answer.finish_reason = choice["finish_reason"]
-    except httpx.TimeoutException:
-        answer.error = f"timeout after {timeout_s:g} s"
-        return answer
-    except httpx.HTTPError as exc:
-        answer.error = f"connection error: {type(exc).__name__}: {exc}"
-        return answer
-    except (ValueError, AttributeError, TypeError) as exc:
-        answer.error = f"malformed stream: {type(exc).__name__}: {exc}"
-        return answer
-    if not done:
-        answer.error = "stream ended without data: [DONE]"
+        async for chunk in stream_chunks(client, "/v1/chat/completions", body, timeout_s,
+                                         lambda status: setattr(answer, "status", status)):
+            if chunk.get("usage"):
+                answer.usage = chunk["usage"]
+            if chunk.get("speculation"):
+                answer.speculation = chunk["speculation"]
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                text = delta.get("content") or ""
+                kinds = choice.get("token_kinds") or []
+                for token in kinds:
+                    answer.kinds[token.get("kind", "")] = answer.kinds.get(token.get("kind", ""), 0) + 1
+                for call in delta.get("tool_calls") or []:
+                    add_call_delta(answer.calls, call)
+                if text or kinds or delta.get("tool_calls"):
+                    if answer.ttft is None:
+                        answer.ttft = time.perf_counter() - start
+                    answer.chunks += 1
+                    answer.text += text
+                if choice.get("finish_reason"):
+                    answer.finish_reason = choice["finish_reason"]
+    except StreamFailed as exc:
+        answer.error = str(exc)
         return answer
     answer.e2e = time.perf_counter() - start
     return answer
