@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from .serve_cli import SERVER_OPTIONS, _positive_float, check_url, serve_args
+from .serve_cli import _positive_float, check_url, serve_args
 from .serve_load import first_model
 from .serve_server import LocalServer, ServerError
 from .sessions_data import KINDS, SessionDataError, load, select
