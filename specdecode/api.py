@@ -127,6 +127,7 @@ class LLM:
         check_num_speculative_tokens(num_speculative_tokens, self.drafter)
         self.adaptive = adaptive
         self.cost_curve: dict[int, float] | None = None     # measured by the first adaptive engine
+        self.batch_curves: dict[int, dict[int, float]] = {}  # ... and per batch size of a batch call
         self.tokenizer = self.target.tokenizer
         self.prefix_store = self._prefix_store(prefix_cache)
         # passes on fewer threads where that measures faster (another process busy on a core)
@@ -135,7 +136,7 @@ class LLM:
     def engine(self, num_speculative_tokens: int | None = None) -> SpecEngine:
         k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         return SpecEngine(self.target, self.drafter, k, adaptive=self.adaptive, cost_curve=self.cost_curve,
-                          prefix_store=self.prefix_store, threads=self.threads)
+                          prefix_store=self.prefix_store, threads=self.threads, batch_curves=self.batch_curves)
 
     def _prefix_store(self, prefix_cache) -> PrefixStore | None:
         if isinstance(prefix_cache, bool):

@@ -52,25 +52,31 @@ MARGIN = 1.05           # drafting must be predicted this much faster than plain
                         # a few percent, and a lookup drafter's gains near break-even are mostly noise
 
 
-def measure_cost_curve(model, cache, max_rows: int, repeats: int = 3) -> dict[int, float]:
-    """Forward seconds of one sequence's pass of r rows, r in powers of two up to max_rows (and
-    max_rows), on row 0 of `cache` at slots 0..r-1 (the caller's prefill overwrites them)."""
+def measure_cost_curve(model, cache, max_rows: int, repeats: int = 3, batch: int = 1) -> dict[int, float]:
+    """Forward seconds per sequence of a pass of `batch` sequences of r rows each, r in powers of
+    two up to max_rows (and max_rows); rows 0..batch-1 of `cache` at slots 0..r-1 (the caller's
+    prefill overwrites them). A batch's pass is measured as a batch: at a few sequences one more
+    row per sequence costs little (the weights are read once), at many the pass is bound by
+    arithmetic and every row costs nearly a sequence's step, so drafting that pays alone does not
+    pay there. Past one sequence the curve is two points (1 and max_rows rows; interpolated)."""
     from ..forward import ForwardBatch
-    rows = sorted({r for r in (1, 2, 4, 8, 16, 32, 64) if r <= max_rows} | {max_rows})
+    rows = sorted({r for r in (1, 2, 4, 8, 16, 32, 64) if r <= max_rows} | {max_rows}) if batch == 1 \
+        else sorted({1, max_rows})
+    device = model.device
     curve = {}
     for r in rows:
-        device = model.device
-        tokens = torch.zeros(1, r, dtype=torch.long, device=device)
-        fb = ForwardBatch.chain(tokens, torch.tensor([0], device=device), torch.tensor([0], device=device),
-                                torch.arange(r, device=device)[None])
+        tokens = torch.zeros(batch, r, dtype=torch.long, device=device)
+        fb = ForwardBatch.chain(tokens, torch.zeros(batch, dtype=torch.long, device=device),
+                                torch.arange(batch, device=device), torch.arange(r, device=device)[None].expand(batch, r))
         model.logits(model.run(fb, cache), fb.logit_index)        # warm-up
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
             model.logits(model.run(fb, cache), fb.logit_index)
             best = min(best, time.perf_counter() - t0)
-        curve[r] = best
-    cache.truncate(0, 0)
+        curve[r] = best / batch
+    for row in range(batch):
+        cache.truncate(row, 0)
     return curve
 
 

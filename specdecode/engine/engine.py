@@ -85,7 +85,7 @@ class SpecEngine:
     def __init__(self, target, drafter: Drafter | None = None, num_speculative_tokens: int = 5,
                  runner: ModelRunner | None = None, adaptive: bool | None = None,
                  cost_curve: dict[int, float] | None = None, prefix_store=None,
-                 threads: ThreadTuner | None = None) -> None:
+                 threads: ThreadTuner | None = None, batch_curves: dict | None = None) -> None:
         check_num_speculative_tokens(num_speculative_tokens, drafter)
         trees = drafter is not None and drafter.capabilities.drafts_trees
         if trees and not target.model.supports_trees:
@@ -106,6 +106,7 @@ class SpecEngine:
         self.span = max(self.k, SPAN) if copies else self.k
         self.slack = self.span + 2                # cache room for padded writes past a row's end
         self.cost_curve = cost_curve              # forward seconds against rows (measured on first use)
+        self.batch_curves: dict[int, dict[int, float]] = batch_curves if batch_curves is not None else {}
         self.budget: DraftBudget | None = None    # the last generate's (its chosen sizes, gains)
         self.prefix_store = prefix_store          # earlier calls' blocks (prefix_store.py), or None
         self.threads = threads                    # threads per pass from measured step times (threads.py)
@@ -140,6 +141,7 @@ class SpecEngine:
         adaptive = self.adaptive and all(p.greedy or p.seed is None for p in params)
         if adaptive:
             self.prepare_cost_curve(max_len, allocate=False)     # before the clock starts
+            curve = self.batch_curve(len(seqs))
         started = time.perf_counter()
         if self.prefix_store is not None:       # earlier calls' blocks this prompt starts with
             for s in seqs:
@@ -150,7 +152,7 @@ class SpecEngine:
         if adaptive:                            # after the drafter's prefill, which may refine its cost
             caps = self.drafter.capabilities
             draft_cost = caps.relative_cost * self.cost_curve[1] if caps.has_state else None
-            budget = self.budget = DraftBudget(self.k, self.cost_curve, draft_cost=draft_cost,
+            budget = self.budget = DraftBudget(self.k, curve, draft_cost=draft_cost,
                                                span=self.span if self.span > self.k else 0)
         shadows = ShadowDrafts() if budget is not None and not self.drafter.capabilities.has_state else None
         prefill_done = time.perf_counter()
@@ -191,6 +193,16 @@ class SpecEngine:
         if allocate:
             self.runner.allocate(1, max_len + self.slack)
         self.cost_curve = measure_cost_curve(self.model, self.runner.cache, rows)
+
+    def batch_curve(self, batch: int) -> dict[int, float]:
+        """The cost curve per sequence of a batch of `batch` sequences (measure_cost_curve; batch 1:
+        cost_curve), measured once per batch size on the runner's cache (its rows are the batch's)."""
+        if batch == 1:
+            return self.cost_curve
+        if batch not in self.batch_curves:
+            self.batch_curves[batch] = measure_cost_curve(self.model, self.runner.cache, max(self.cost_curve),
+                                                          repeats=2, batch=batch)
+        return self.batch_curves[batch]
 
     # ------------------------------------------------------------------ one step
     def _jump_forward(self, seqs: list[Sequence], room: list[int], on_tokens: StreamCallback | None) -> list[int]:
