@@ -25,40 +25,155 @@ typedef struct {
 } att_pair;
 
 #if defined(__AVX512F__)
-/* keys (or values) j0..j0+15 of kv head h, whole and in one block, widened to fp32 rows of HD */
-static inline void widen_chunk(const char *base, const sd_kv *kv, const int32_t *tab, int j0, int h, int HD,
-                               int bf, float *dst) {
-    const int esz = bf ? 2 : 4;
-    const char *src = base + kv_off(kv, tab, j0, h) * esz;
-    if (j0 % kv->block + 48 <= kv->block)         /* the chunk after next, when in the same block */
-        for (int i = 32; i < 48; i++)
-            for (int b = 0; b < HD * esz; b += 64) _mm_prefetch(src + (size_t)i * kv->key_stride * esz + b, _MM_HINT_T0);
+#ifndef SD_ATT_PREFETCH
+#define SD_ATT_PREFETCH 2      /* software prefetch of the keys / values this many chunks ahead (0: off) */
+#endif
+
+static const float sd_zero_row[256] __attribute__((aligned(64)));   /* a key / value of zeros */
+
+static inline void att_prefetch(const void *p) { __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)p)); }
+
+/* One bf16 dot-product step on 16 fp32 lanes: lane l += q[2l+1] k[2l+1], then += q[2l] k[2l] (exact
+ * products, each sum rounded): VDPBF16PS, or where the CPU lacks it the same two steps as FMAs. */
+static inline __m512 dp_bf16(__m512 acc, __m512i q, __m512i k) {
+#if defined(__AVX512BF16__)
+    return _mm512_dpbf16_ps(acc, (__m512bh)q, (__m512bh)k);
+#else
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(q, hi)), _mm512_castsi512_ps(_mm512_and_si512(k, hi)), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(q, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(k, 16)), acc);
+#endif
+}
+
+/* The dot products of q with the 16 keys at kp[0..15], in key order.  bf16: 32 elements at a time,
+ * lane l summing elements 2l and 2l+1 of each 32 (dp_bf16, element 2l+1 first) over the 32-element
+ * units in order (an odd last 16 elements: a half unit); fp32: one FMA per 16 elements, in order.
+ * Then reduce16's fixed tree over the 16 lanes.  A function of q and each key alone. */
+static inline __m512 dots16(const __m512i *q, const char *const *kp, int HD, int bf, __m512i inv) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    if (bf) {
+        const int U = HD / 32;
+        for (int u = 0; u < U; u++)
+            for (int i = 0; i < 16; i++)
+                acc[i] = dp_bf16(acc[i], q[u], _mm512_loadu_si512(kp[i] + 64 * u));
+        if (HD % 32)
+            for (int i = 0; i < 16; i++)
+                acc[i] = dp_bf16(acc[i], q[U], _mm512_maskz_loadu_epi16(0xffff, kp[i] + 64 * U));
+    } else {
+        for (int c = 0; c < HD / 16; c++)
+            for (int i = 0; i < 16; i++)
+                acc[i] = _mm512_fmadd_ps(_mm512_castsi512_ps(q[c]), _mm512_loadu_ps((const float *)kp[i] + 16 * c), acc[i]);
+    }
+    return _mm512_permutexvar_ps(inv, reduce16(acc));
+}
+
+/* Value rows are summed 32 elements at a time: bf16 as its even elements (x << 16) and its odd ones
+ * (x & 0xffff0000) in two fp32 vectors, fp32 as two plain vectors; an odd last 16 elements in one. */
+static inline void val32(const char *v, int u, int bf, __m512 *ev, __m512 *od) {
+    if (bf) {
+        const __m512i x = _mm512_loadu_si512(v + 2 * u);
+        *ev = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        *od = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+    } else {
+        *ev = _mm512_loadu_ps((const float *)v + u);
+        *od = _mm512_loadu_ps((const float *)v + u + 16);
+    }
+}
+static inline __m512 val16(const char *v, int u, int bf) {
+    return bf ? bf16x16_to_ps(_mm256_loadu_si256((const __m256i *)(v + 2 * u))) : _mm512_loadu_ps((const float *)v + u);
+}
+
+/* of[p] += sum over keys i < nk in order of w[p][i] * value i (vp[i]), for NP pairs (a compile-time
+ * count, so the accumulators stay in registers); of[p] holds the sums in val32's layout. */
+static inline __attribute__((always_inline)) void vsum(float (*of)[256], const float *const *w, const char *const *vp,
+                                                       int nk, int NP, int HD, int bf) {
+    int u = 0;
+    for (; u + 32 <= HD; u += 32) {
+        __m512 a[SD_ATT_PAIRS][2];
+        for (int p = 0; p < NP; p++) { a[p][0] = _mm512_load_ps(of[p] + u); a[p][1] = _mm512_load_ps(of[p] + u + 16); }
+        for (int i = 0; i < nk; i++) {
+            __m512 ev, od;
+            val32(vp[i], u, bf, &ev, &od);
+            for (int p = 0; p < NP; p++) {
+                const __m512 wv = _mm512_set1_ps(w[p][i]);
+                a[p][0] = _mm512_fmadd_ps(wv, ev, a[p][0]);
+                a[p][1] = _mm512_fmadd_ps(wv, od, a[p][1]);
+            }
+        }
+        for (int p = 0; p < NP; p++) { _mm512_store_ps(of[p] + u, a[p][0]); _mm512_store_ps(of[p] + u + 16, a[p][1]); }
+    }
+    if (u < HD) {
+        __m512 a[SD_ATT_PAIRS];
+        for (int p = 0; p < NP; p++) a[p] = _mm512_load_ps(of[p] + u);
+        for (int i = 0; i < nk; i++) {
+            const __m512 x = val16(vp[i], u, bf);
+            for (int p = 0; p < NP; p++) a[p] = _mm512_fmadd_ps(_mm512_set1_ps(w[p][i]), x, a[p]);
+        }
+        for (int p = 0; p < NP; p++) _mm512_store_ps(of[p] + u, a[p]);
+    }
+}
+static void vsum_n(float (*of)[256], const float *const *w, const char *const *vp, int nk, int np, int HD, int bf) {
+#define SD_VSUM(N) case N: if (bf) vsum(of, w, vp, nk, N, HD, 1); else vsum(of, w, vp, nk, N, HD, 0); break;
+    switch (np) { SD_VSUM(1) SD_VSUM(2) SD_VSUM(3) SD_VSUM(4) SD_VSUM(5) SD_VSUM(6) SD_VSUM(7) SD_VSUM(8) }
+#undef SD_VSUM
+}
+
+/* Addresses of keys (or values) j0..j0+15: whole chunk in one block -> consecutive rows of the block */
+static inline void chunk_rows(const char *base, const sd_kv *kv, const int32_t *tab, int j0, int h, int esz,
+                              const char **rows) {
+    const char *r0 = base + kv_off(kv, tab, j0, h) * esz;
+    for (int i = 0; i < 16; i++) rows[i] = r0 + (size_t)i * kv->key_stride * esz;
+}
+/* ... of pair p alone: its keys (through its tree path) up to its end, then rows of zeros */
+static inline void pair_rows(const att_pair *p, const char *base, const sd_kv *kv, const int32_t *tab, int j0,
+                             int nk, int h, int esz, const char **rows) {
+    const int tbase = p->tbase;
+    const int32_t *tslots = p->tslots;
     for (int i = 0; i < 16; i++)
-        for (int c = 0; c < HD; c += 16)
-            _mm512_store_ps(dst + (size_t)i * HD + c, ld16(src, (size_t)i * kv->key_stride + c, bf, 0xffff));
+        rows[i] = i < nk ? base + kv_off(kv, tab, KEY_SLOT(j0 + i), h) * esz : (const char *)sd_zero_row;
+}
+/* Prefetch the rows of kv head h for keys j0..j0+15 (those below end) */
+static inline void prefetch_chunk(const char *base, const sd_kv *kv, const int32_t *tab, int j0, int end, int h,
+                                  int rowbytes, int esz) {
+    const int n = end - j0 < 16 ? end - j0 : 16;
+    for (int i = 0; i < n;) {
+        const int j = j0 + i, in_blk = kv->block - j % kv->block;
+        const char *r = base + kv_off(kv, tab, j, h) * esz;
+        for (int k = 0; k < in_blk && i < n; k++, i++, r += kv->key_stride * esz)
+            for (int b = 0; b < rowbytes; b += 64) att_prefetch(r + b);
+    }
 }
 
 /* Keys of pair p in the chunk from j0 (0: past its end); *shared: the chunk is whole, in one cache
- * block and below p's tree path, so the chunk widened once for all pairs serves it. */
+ * block and below p's tree path, so the rows of the chunk read for all pairs serve it. */
 static inline int chunk_keys(const att_pair *p, int j0, int in_block, int *shared) {
     const int nk = p->len - j0 < 16 ? p->len - j0 : 16;
     *shared = nk == 16 && in_block && j0 + 16 <= p->tbase;
     return nk > 0 ? nk : 0;
 }
 
-/* Attention for n pairs sharing kv head h, cache table tab and first key lo; scores: n * score_len floats */
-static void attend_pairs(const att_pair *pr, int n, const char *kbase, const char *vbase, const sd_kv *kv,
-                         const int32_t *tab, int h, int lo, int HD, float scale, float cap, int bf,
-                         float *scores, int score_len) {
-    const int C = HD / 16, esz = bf ? 2 : 4;
-    float qf[SD_ATT_PAIRS][256] __attribute__((aligned(64)));
+/* Attention for n pairs sharing kv head h, cache table tab and first key lo; scores: n * score_len floats.
+ * Every pair's scores, softmax and weighted sums are computed by the same operations whichever pairs
+ * share the call: keys in chunks of 16 from lo, dots16 per key, max, exp512, sum in 16-lane blocks,
+ * then the values in key order (fp32 FMAs, the sums kept in registers within a chunk and in memory
+ * between chunks, which stores and reloads fp32 exactly), times 1 / sum. */
+static inline __attribute__((always_inline)) void attend_pairs_t(
+        const att_pair *pr, int n, const char *kbase, const char *vbase, const sd_kv *kv, const int32_t *tab,
+        int h, int lo, int HD, float scale, float cap, int bf, float *scores, int score_len) {
+    const int esz = bf ? 2 : 4, rowbytes = HD * esz;
+    __m512i qv[SD_ATT_PAIRS][16];
     float of[SD_ATT_PAIRS][256] __attribute__((aligned(64)));
-    float buf[16 * 256] __attribute__((aligned(64)));     /* a shared chunk, fp32 */
-    float own[16 * 256] __attribute__((aligned(64)));     /* one pair's partial chunk, fp32 (zero padded) */
-    __m512 mx[SD_ATT_PAIRS], invs[SD_ATT_PAIRS];
+    __m512 mx[SD_ATT_PAIRS];
+    float invs[SD_ATT_PAIRS];
     int maxlen = lo;
     for (int p = 0; p < n; p++) {
-        for (int c = 0; c < C; c++) _mm512_store_ps(qf[p] + 16 * c, ld16(pr[p].q, 16 * c, bf, 0xffff));
+        if (bf) {
+            for (int u = 0; u < HD / 32; u++) qv[p][u] = _mm512_loadu_si512((const bf16 *)pr[p].q + 32 * u);
+            if (HD % 32) qv[p][HD / 32] = _mm512_maskz_loadu_epi16(0xffff, (const bf16 *)pr[p].q + HD / 32 * 32);
+        } else {
+            for (int c = 0; c < HD / 16; c++) qv[p][c] = _mm512_castps_si512(_mm512_loadu_ps((const float *)pr[p].q + 16 * c));
+        }
         mx[p] = _mm512_set1_ps(-__builtin_inff());
         if (pr[p].len > maxlen) maxlen = pr[p].len;
     }
@@ -67,33 +182,23 @@ static void attend_pairs(const att_pair *pr, int n, const char *kbase, const cha
     /* scores */
     for (int j0 = lo; j0 < maxlen; j0 += 16) {
         const int in_block = j0 % kv->block + 16 <= kv->block;
-        int widened = 0;
+        if (SD_ATT_PREFETCH && j0 + 16 * SD_ATT_PREFETCH < maxlen)
+            prefetch_chunk(kbase, kv, tab, j0 + 16 * SD_ATT_PREFETCH, maxlen, h, rowbytes, esz);
+        const char *rows[16], *own[16];
+        int have_rows = 0;
         for (int p = 0; p < n; p++) {
-            const int tbase = pr[p].tbase;
-            const int32_t *tslots = pr[p].tslots;
             int shared;
             const int nk = chunk_keys(&pr[p], j0, in_block, &shared);
             if (!nk) continue;
-            const float *kb = buf;
+            const char *const *kp = rows;
             if (shared) {
-                if (!widened) widen_chunk(kbase, kv, tab, j0, h, HD, bf, buf);
-                widened = 1;
-            } else {                          /* this pair's keys alone, zero padded */
-                for (int i = 0; i < 16; i++)
-                    for (int c = 0; c < HD; c += 16)
-                        _mm512_store_ps(own + (size_t)i * HD + c, i < nk
-                            ? ld16(kbase + kv_off(kv, tab, KEY_SLOT(j0 + i), h) * esz, c, bf, 0xffff)
-                            : _mm512_setzero_ps());
-                kb = own;
+                if (!have_rows) chunk_rows(kbase, kv, tab, j0, h, esz, rows);
+                have_rows = 1;
+            } else {
+                pair_rows(&pr[p], kbase, kv, tab, j0, nk, h, esz, own);
+                kp = own;
             }
-            __m512 acc[16];
-            for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-            for (int c = 0; c < C; c++) {
-                const __m512 qv = _mm512_load_ps(qf[p] + 16 * c);
-                for (int i = 0; i < 16; i++)
-                    acc[i] = _mm512_fmadd_ps(qv, _mm512_load_ps(kb + (size_t)i * HD + 16 * c), acc[i]);
-            }
-            __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(inv, reduce16(acc)), sv);
+            __m512 s = _mm512_mul_ps(dots16(qv[p], kp, HD, bf, inv), sv);
             if (cap > 0.f)
                 s = _mm512_mul_ps(_mm512_set1_ps(cap), tanh512(_mm512_div_ps(s, _mm512_set1_ps(cap))));
             const __mmask16 m = lanes(nk);
@@ -113,42 +218,61 @@ static void attend_pairs(const att_pair *pr, int n, const char *kbase, const cha
             _mm512_mask_storeu_ps(sc + j, m, e);
             sum = _mm512_add_ps(sum, e);
         }
-        invs[p] = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-        for (int c = 0; c < C; c++) _mm512_store_ps(of[p] + 16 * c, _mm512_setzero_ps());
+        invs[p] = 1.0f / _mm512_reduce_add_ps(sum);
+        for (int c = 0; c < HD; c += 16) _mm512_store_ps(of[p] + c, _mm512_setzero_ps());
     }
     /* weighted values, keys in order */
     for (int j0 = lo; j0 < maxlen; j0 += 16) {
         const int in_block = j0 % kv->block + 16 <= kv->block;
-        int widened = 0;
+        if (SD_ATT_PREFETCH && j0 + 16 * SD_ATT_PREFETCH < maxlen)
+            prefetch_chunk(vbase, kv, tab, j0 + 16 * SD_ATT_PREFETCH, maxlen, h, rowbytes, esz);
+        const char *rows[16];
+        const float *w[SD_ATT_PAIRS];
+        int idx[SD_ATT_PAIRS], ns = 0;
         for (int p = 0; p < n; p++) {
-            const int tbase = pr[p].tbase;
-            const int32_t *tslots = pr[p].tslots;
             int shared;
             const int nk = chunk_keys(&pr[p], j0, in_block, &shared);
             if (!nk) continue;
-            const float *sc = scores + (size_t)p * score_len + (j0 - lo);
-            __m512 o[16];
-            for (int c = 0; c < C; c++) o[c] = _mm512_load_ps(of[p] + 16 * c);
-            if (shared) {
-                if (!widened) widen_chunk(vbase, kv, tab, j0, h, HD, bf, buf);
-                widened = 1;
-                for (int i = 0; i < 16; i++) {
-                    const __m512 w = _mm512_set1_ps(sc[i]);
-                    for (int c = 0; c < C; c++) o[c] = _mm512_fmadd_ps(w, _mm512_load_ps(buf + (size_t)i * HD + 16 * c), o[c]);
-                }
-            } else {
-                for (int i = 0; i < nk; i++) {
-                    const __m512 w = _mm512_set1_ps(sc[i]);
-                    const char *vj = vbase + kv_off(kv, tab, KEY_SLOT(j0 + i), h) * esz;
-                    for (int c = 0; c < C; c++) o[c] = _mm512_fmadd_ps(w, ld16(vj, 16 * c, bf, 0xffff), o[c]);
-                }
-            }
-            for (int c = 0; c < C; c++) _mm512_store_ps(of[p] + 16 * c, o[c]);
+            const float *wp = scores + (size_t)p * score_len + (j0 - lo);
+            if (shared) { idx[ns] = p; w[ns++] = wp; continue; }
+            const char *own[16];
+            pair_rows(&pr[p], vbase, kv, tab, j0, nk, h, esz, own);
+            vsum_n(&of[p], &wp, own, nk, 1, HD, bf);
+        }
+        if (!ns) continue;
+        chunk_rows(vbase, kv, tab, j0, h, esz, rows);
+        /* the pairs sharing the chunk: consecutive in pr when they are all of them (the usual case) */
+        if (idx[ns - 1] - idx[0] == ns - 1) {
+            vsum_n(&of[idx[0]], w, rows, 16, ns, HD, bf);
+        } else {
+            for (int k = 0; k < ns; k++) vsum_n(&of[idx[k]], &w[k], rows, 16, 1, HD, bf);
         }
     }
-    for (int p = 0; p < n; p++)
-        for (int c = 0; c < C; c++)
-            st16(pr[p].out, 16 * c, bf, 0xffff, _mm512_mul_ps(_mm512_load_ps(of[p] + 16 * c), invs[p]));
+    /* out = sums * (1 / sum), back in element order */
+    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int p = 0; p < n; p++) {
+        const __m512 iv = _mm512_set1_ps(invs[p]);
+        int u = 0;
+        for (; u + 32 <= HD; u += 32) {
+            __m512 a = _mm512_mul_ps(_mm512_load_ps(of[p] + u), iv), b = _mm512_mul_ps(_mm512_load_ps(of[p] + u + 16), iv);
+            if (bf) {
+                const __m512 ev = a, od = b;
+                a = _mm512_permutex2var_ps(ev, lo_idx, od);
+                b = _mm512_permutex2var_ps(ev, hi_idx, od);
+            }
+            st16(pr[p].out, u, bf, 0xffff, a);
+            st16(pr[p].out, u + 16, bf, 0xffff, b);
+        }
+        if (u < HD) st16(pr[p].out, u, bf, 0xffff, _mm512_mul_ps(_mm512_load_ps(of[p] + u), iv));
+    }
+}
+
+static void attend_pairs(const att_pair *pr, int n, const char *kbase, const char *vbase, const sd_kv *kv,
+                         const int32_t *tab, int h, int lo, int HD, float scale, float cap, int bf,
+                         float *scores, int score_len) {
+    if (bf) attend_pairs_t(pr, n, kbase, vbase, kv, tab, h, lo, HD, scale, cap, 1, scores, score_len);
+    else attend_pairs_t(pr, n, kbase, vbase, kv, tab, h, lo, HD, scale, cap, 0, scores, score_len);
 }
 
 #else

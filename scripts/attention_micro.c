@@ -1,0 +1,65 @@
+/* Attention kernel alone (attend_pairs of specdecode/fast/decoder_attn.c), single thread, on a
+ * synthetic paged bf16 cache shaped like SmolLM2-135M (30 layers, 3 kv heads x 3 q heads, head_dim 64,
+ * block 16).  Built against a kernels.c source tree:
+ *   gcc -O3 -march=native -fopenmp -std=gnu11 -ffp-contract=off -mamx-tile -mamx-bf16 -mamx-int8 \
+ *       -Wno-psabi -I specdecode/fast scripts/attention_micro.c -o /tmp/am && /tmp/am CTX ROWS REPS [shuffle [rowmajor]]
+ * (rowmajor: a row's kv heads one after the other, else a kv head's rows.)  Prints the minimum and median over REPS of one decode step's attention (all layers, kv heads and
+ * rows) in ms, and a checksum of the outputs. */
+#include "kernels.c"
+#include <stdio.h>
+#include <time.h>
+#include <sys/mman.h>
+
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+static int cmp(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
+static uint16_t tobf(float f) { uint32_t u; memcpy(&u, &f, 4); return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16); }
+
+int main(int argc, char **argv) {
+    const int ctx = argc > 1 ? atoi(argv[1]) : 1500, R = argc > 2 ? atoi(argv[2]) : 1, reps = argc > 3 ? atoi(argv[3]) : 50;
+    const int shuffle = argc > 4 && atoi(argv[4]), rowmajor = argc > 5 && atoi(argv[5]);
+    const int L = getenv("LAYERS") ? atoi(getenv("LAYERS")) : 30, KVH = 3, G = 3, HD = 64, BS = 16, len = ctx + 1;
+    const int nb = (len + BS - 1) / BS, NB = R * nb + 1;
+    const size_t blk = (size_t)BS * KVH * HD;
+    uint16_t **K = malloc(sizeof(void *) * L), **V = malloc(sizeof(void *) * L);
+    uint32_t seed = 1;
+    for (int l = 0; l < L; l++) {
+        const size_t bytes = (NB * blk * 2 + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
+        K[l] = aligned_alloc(2u << 20, bytes); V[l] = aligned_alloc(2u << 20, bytes);
+        if (getenv("HUGE")) { madvise(K[l], bytes, MADV_HUGEPAGE); madvise(V[l], bytes, MADV_HUGEPAGE); }
+        for (size_t i = 0; i < NB * blk; i++) {
+            seed = seed * 1664525u + 1013904223u; K[l][i] = tobf(((int)(seed >> 9) - (1 << 22)) / (float)(1 << 22) * 2.f);
+            seed = seed * 1664525u + 1013904223u; V[l][i] = tobf(((int)(seed >> 9) - (1 << 22)) / (float)(1 << 22));
+        }
+    }
+    int32_t *tables = malloc(sizeof(int32_t) * R * nb), *perm = malloc(sizeof(int32_t) * R * nb);
+    for (int i = 0; i < R * nb; i++) perm[i] = 1 + i;
+    for (int i = R * nb - 1; shuffle && i > 0; i--) { seed = seed * 1664525u + 1013904223u; int j = seed % (i + 1), t = perm[i]; perm[i] = perm[j]; perm[j] = t; }
+    for (int i = 0; i < R * nb; i++) tables[i] = perm[i];
+    sd_kv kv = {(void *const *)K, (void *const *)V, tables, nb, BS, (long)blk, KVH * HD, HD};
+    uint16_t *q = malloc(2 * R * KVH * G * HD), *out = malloc(2 * R * KVH * G * HD);
+    for (int i = 0; i < R * KVH * G * HD; i++) { seed = seed * 1664525u + 1013904223u; q[i] = tobf(((int)(seed >> 9) - (1 << 22)) / (float)(1 << 22) * 3.f); }
+    float *scores = aligned_alloc(64, sizeof(float) * SD_ATT_PAIRS * (len + 32));
+    reduce16_init();
+    double *t = malloc(sizeof(double) * reps);
+    for (int it = 0; it < reps; it++) {
+        double t0 = now();
+        for (int l = 0; l < L; l++)
+            for (int u = 0; u < KVH * R; u++) {
+                    const int h = rowmajor ? u % KVH : u / R, r = rowmajor ? u / KVH : u % R;
+                    att_pair pr[SD_ATT_PAIRS];
+                    for (int g = 0; g < G; g++) {
+                        size_t o = ((size_t)(r * KVH + h) * G + g) * HD;
+                        pr[g] = (att_pair){q + o, out + o, len, 0x7fffffff, NULL};
+                    }
+                    attend_pairs(pr, G, (const char *)K[l], (const char *)V[l], &kv, tables + (size_t)r * nb, h, 0, HD,
+                                 0.125f, 0.f, 1, scores, len + 32);
+                }
+        t[it] = (now() - t0) * 1e3;
+    }
+    double sum = 0;
+    for (int i = 0; i < R * KVH * G * HD; i++) { uint32_t u = (uint32_t)out[i] << 16; float f; memcpy(&f, &u, 4); sum += f * (1 + i % 7); }
+    qsort(t, reps, sizeof(double), cmp);
+    printf("ctx %d rows %d: min %.3f ms  median %.3f ms  (%.1f GB/s at min)  checksum %.6f\n", ctx, R, t[0], t[reps / 2],
+           (double)L * KVH * R * len * HD * 2 * 2 / t[0] / 1e6, sum);
+    return 0;
+}
