@@ -3,7 +3,9 @@
  * block 16).  Built against a kernels.c source tree:
  *   gcc -O3 -march=native -fopenmp -std=gnu11 -ffp-contract=off -mamx-tile -mamx-bf16 -mamx-int8 \
  *       -Wno-psabi -I specdecode/fast scripts/attention_micro.c -o /tmp/am && /tmp/am CTX ROWS REPS [shuffle [rowmajor]]
- * (rowmajor: a row's kv heads one after the other, else a kv head's rows.)  Prints the minimum and median over REPS of one decode step's attention (all layers, kv heads and
+ * FLUSH=1: 96 MB read between repetitions (the KV cache then comes from DRAM, as in a decode step
+ * that streams the weights too).  THREADS=2: the decoder's split of (row, q head) units between 2 threads, REV=1: even threads
+ * take their kv heads in reverse order.  (rowmajor: a row's kv heads one after the other, else a kv head's rows.)  Prints the minimum and median over REPS of one decode step's attention (all layers, kv heads and
  * rows) in ms, and a checksum of the outputs. */
 #include "kernels.c"
 #include <stdio.h>
@@ -38,13 +40,20 @@ int main(int argc, char **argv) {
     sd_kv kv = {(void *const *)K, (void *const *)V, tables, nb, BS, (long)blk, KVH * HD, HD};
     uint16_t *q = malloc(2 * R * KVH * G * HD), *out = malloc(2 * R * KVH * G * HD);
     for (int i = 0; i < R * KVH * G * HD; i++) { seed = seed * 1664525u + 1013904223u; q[i] = tobf(((int)(seed >> 9) - (1 << 22)) / (float)(1 << 22) * 3.f); }
-    float *scores = aligned_alloc(64, sizeof(float) * SD_ATT_PAIRS * (len + 32));
+    float *scores = aligned_alloc(64, sizeof(float) * 2 * SD_ATT_PAIRS * (len + 32));
     reduce16_init();
     double *t = malloc(sizeof(double) * reps);
+    const int getenv_rev = getenv("REV") != NULL;
+    const int nth = getenv("THREADS") ? atoi(getenv("THREADS")) : 1;
+    const size_t flush_n = getenv("FLUSH") ? (size_t)96 << 18 : 0;    /* 96 MB of floats read between reps */
+    float *flush = flush_n ? malloc(flush_n * sizeof(float)) : NULL, sink = 0;
+    for (size_t i = 0; i < flush_n; i++) flush[i] = 1.f;
     for (int it = 0; it < reps; it++) {
+        if (flush) sink += sd_read_bw(flush, flush_n, nth);
         double t0 = now();
-        for (int l = 0; l < L; l++)
-            for (int u = 0; u < KVH * R; u++) {
+        if (nth == 1) {
+            for (int l = 0; l < L; l++)
+                for (int u = 0; u < KVH * R; u++) {
                     const int h = rowmajor ? u % KVH : u / R, r = rowmajor ? u / KVH : u % R;
                     att_pair pr[SD_ATT_PAIRS];
                     for (int g = 0; g < G; g++) {
@@ -54,11 +63,42 @@ int main(int argc, char **argv) {
                     attend_pairs(pr, G, (const char *)K[l], (const char *)V[l], &kv, tables + (size_t)r * nb, h, 0, HD,
                                  0.125f, 0.f, 1, scores, len + 32);
                 }
+        } else {
+            /* the decoder's split (decoder.c): (row, q head) units kv-head-major, an even range per thread */
+#pragma omp parallel num_threads(nth)
+            {
+                const int t = omp_get_thread_num(), nt = omp_get_num_threads(), H = KVH * G, per = R * G;
+                float *sc = scores + (size_t)t * SD_ATT_PAIRS * (len + 32);
+                for (int l = 0; l < L; l++) {
+                    int a, b;
+                    range(R * H, t, nt, &a, &b);
+                    const int k0 = a / per, k1 = b > a ? (b - 1) / per : k0 - 1;
+                    for (int s = 0; s <= k1 - k0; s++) {
+                        const int kvh = getenv_rev && t % 2 == 0 ? k1 - s : k0 + s;
+                        const int sa = a > kvh * per ? a : kvh * per, sb = b < (kvh + 1) * per ? b : (kvh + 1) * per;
+                        for (int u = sa; u < sb;) {
+                            att_pair pr[SD_ATT_PAIRS];
+                            const int r0 = u % per / G;
+                            int n = 0;
+                            for (; u < sb && n < SD_ATT_PAIRS && u % per / G == r0; u++) {
+                                const int g = u % G;
+                                size_t o = ((size_t)(r0 * KVH + kvh) * G + g) * HD;
+                                pr[n++] = (att_pair){q + o, out + o, len, 0x7fffffff, NULL};
+                            }
+                            attend_pairs(pr, n, (const char *)K[l], (const char *)V[l], &kv, tables + (size_t)r0 * nb, kvh,
+                                         0, HD, 0.125f, 0.f, 1, sc, len + 32);
+                        }
+                    }
+#pragma omp barrier
+                }
+            }
+        }
         t[it] = (now() - t0) * 1e3;
     }
     double sum = 0;
     for (int i = 0; i < R * KVH * G * HD; i++) { uint32_t u = (uint32_t)out[i] << 16; float f; memcpy(&f, &u, 4); sum += f * (1 + i % 7); }
     qsort(t, reps, sizeof(double), cmp);
+    if (sink == 1.f) printf(" ");
     printf("ctx %d rows %d: min %.3f ms  median %.3f ms  (%.1f GB/s at min)  checksum %.6f\n", ctx, R, t[0], t[reps / 2],
            (double)L * KVH * R * len * HD * 2 * 2 / t[0] / 1e6, sum);
     return 0;

@@ -211,23 +211,33 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
             }
 #pragma omp barrier
             /* (row, q head) pairs in kv-head-major order, split evenly between threads; each thread
-             * runs its share in batches that read one kv head through one cache table (decoder_attn.c) */
+             * runs its share in batches that read one kv head through one cache table (decoder_attn.c).
+             * A kv head split between threads t and t + 1 (t even) is the last of t's range and the
+             * first of t + 1's: t takes its kv heads last to first, so that the two read that head's
+             * keys and values at the same time (decode at batch 1: 9 q heads over 3 kv heads, one
+             * of them on both threads) */
             range(T * H, t, nt, &a, &b);
-            for (int u = a; u < b;) {
-                att_pair pr[SD_ATT_PAIRS];
-                const int kvh = u / (T * grp), r0 = u % (T * grp) / grp;
-                const int32_t *tab0 = kv->tables + (size_t)r0 * kv->table_width;
-                const int lo0 = win > 0 && pos[r0] + 1 > win ? pos[r0] + 1 - win : 0;
-                int n = 0;
-                for (; u < b && n < SD_ATT_PAIRS && u / (T * grp) == kvh; u++) {
-                    const int r = u % (T * grp) / grp, h = kvh * grp + u % grp;
-                    const int lo = win > 0 && pos[r] + 1 > win ? pos[r] + 1 - win : 0;
-                    const int32_t *tab = kv->tables + (size_t)r * kv->table_width;
-                    if (lo != lo0 || (tab != tab0 && memcmp(tab, tab0, sizeof(int32_t) * kv->table_width))) break;
-                    pr[n++] = (att_pair){qb + ((size_t)r * QS + (size_t)h * HD) * esz,
-                                         att + ((size_t)r * md->Qp + (size_t)h * HD) * esz, pos[r] + 1, row_base[r], path[r]};
+            const int per = T * grp, k0 = a / per, k1 = b > a ? (b - 1) / per : k0 - 1;
+            for (int s = 0; s <= k1 - k0; s++) {
+                const int kvh = t % 2 == 0 ? k1 - s : k0 + s;
+                const int ub = b < (kvh + 1) * per ? b : (kvh + 1) * per;
+                for (int u = a > kvh * per ? a : kvh * per; u < ub;) {
+                    att_pair pr[SD_ATT_PAIRS];
+                    const int r0 = u % per / grp;
+                    const int32_t *tab0 = kv->tables + (size_t)r0 * kv->table_width;
+                    const int lo0 = win > 0 && pos[r0] + 1 > win ? pos[r0] + 1 - win : 0;
+                    int n = 0;
+                    for (; u < ub && n < SD_ATT_PAIRS; u++) {
+                        const int r = u % per / grp, h = kvh * grp + u % grp;
+                        const int lo = win > 0 && pos[r] + 1 > win ? pos[r] + 1 - win : 0;
+                        const int32_t *tab = kv->tables + (size_t)r * kv->table_width;
+                        if (lo != lo0 || (tab != tab0 && memcmp(tab, tab0, sizeof(int32_t) * kv->table_width))) break;
+                        pr[n++] = (att_pair){qb + ((size_t)r * QS + (size_t)h * HD) * esz,
+                                             att + ((size_t)r * md->Qp + (size_t)h * HD) * esz, pos[r] + 1, row_base[r],
+                                             path[r]};
+                    }
+                    attend_pairs(pr, n, kl, vl, kv, tab0, kvh, lo0, HD, md->scale, md->attn_softcap, bf, sc, score_len);
                 }
-                attend_pairs(pr, n, kl, vl, kv, tab0, kvh, lo0, HD, md->scale, md->attn_softcap, bf, sc, score_len);
             }
 #pragma omp barrier
             sublayer_out(md, att, md->Qp, md->o_w[l], md->o_q ? md->o_q[l] : NULL,

@@ -26,7 +26,7 @@ typedef struct {
 
 #if defined(__AVX512F__)
 #ifndef SD_ATT_PREFETCH
-#define SD_ATT_PREFETCH 2      /* software prefetch of the keys / values this many chunks ahead (0: off) */
+#define SD_ATT_PREFETCH 4      /* software prefetch of the keys / values this many chunks ahead (0: off) */
 #endif
 
 static const float sd_zero_row[256] __attribute__((aligned(64)));   /* a key / value of zeros */
