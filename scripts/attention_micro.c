@@ -3,6 +3,7 @@
  * block 16).  Built against a kernels.c source tree:
  *   gcc -O3 -march=native -fopenmp -std=gnu11 -ffp-contract=off -mamx-tile -mamx-bf16 -mamx-int8 \
  *       -Wno-psabi -I specdecode/fast scripts/attention_micro.c -o /tmp/am && /tmp/am CTX ROWS REPS [shuffle [rowmajor]]
+ * HEADMAJOR=1: blocks laid out [kv head][key][head_dim] instead of [key][kv head][head_dim].
  * FLUSH=1: 96 MB read between repetitions (the KV cache then comes from DRAM, as in a decode step
  * that streams the weights too).  THREADS=2: the decoder's split of (row, q head) units between 2 threads, REV=1: even threads
  * take their kv heads in reverse order.  (rowmajor: a row's kv heads one after the other, else a kv head's rows.)  Prints the minimum and median over REPS of one decode step's attention (all layers, kv heads and
@@ -12,7 +13,12 @@
 #include <time.h>
 #include <sys/mman.h>
 
-static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+static int use_cputime;    /* CPUTIME=1: this thread's CPU time (one thread: robust to preemption on a busy host) */
+static double now(void) {
+    struct timespec t;
+    clock_gettime(use_cputime ? CLOCK_THREAD_CPUTIME_ID : CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
 static int cmp(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
 static uint16_t tobf(float f) { uint32_t u; memcpy(&u, &f, 4); return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16); }
 
@@ -38,12 +44,14 @@ int main(int argc, char **argv) {
     for (int i = R * nb - 1; shuffle && i > 0; i--) { seed = seed * 1664525u + 1013904223u; int j = seed % (i + 1), t = perm[i]; perm[i] = perm[j]; perm[j] = t; }
     for (int i = 0; i < R * nb; i++) tables[i] = perm[i];
     sd_kv kv = {(void *const *)K, (void *const *)V, tables, nb, BS, (long)blk, KVH * HD, HD};
+    if (getenv("HEADMAJOR")) { kv.key_stride = HD; kv.head_stride = (long)BS * HD; }   /* blocks [KVH][BS][HD] */
     uint16_t *q = malloc(2 * R * KVH * G * HD), *out = malloc(2 * R * KVH * G * HD);
     for (int i = 0; i < R * KVH * G * HD; i++) { seed = seed * 1664525u + 1013904223u; q[i] = tobf(((int)(seed >> 9) - (1 << 22)) / (float)(1 << 22) * 3.f); }
     float *scores = aligned_alloc(64, sizeof(float) * 2 * SD_ATT_PAIRS * (len + 32));
     reduce16_init();
     double *t = malloc(sizeof(double) * reps);
     const int getenv_rev = getenv("REV") != NULL;
+    use_cputime = getenv("CPUTIME") != NULL;
     const int nth = getenv("THREADS") ? atoi(getenv("THREADS")) : 1;
     const size_t flush_n = getenv("FLUSH") ? (size_t)96 << 18 : 0;    /* 96 MB of floats read between reps */
     float *flush = flush_n ? malloc(flush_n * sizeof(float)) : NULL, sink = 0;
