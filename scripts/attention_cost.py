@@ -7,7 +7,7 @@ round in the same process, so machine noise hits both alike; the table gives the
 minimum of the single steps of each build.
 
 Usage: python scripts/attention_cost.py [--base main] [--ctx 300 1500] [--batch 1 8 32]
-                                        [--rounds 5] [--steps 10] [--shuffle]
+                                        [--rounds 5] [--steps 10] [--shuffle] [--threads 1 --cputime]
 --shuffle: the pool's free list is shuffled first, so a row's blocks lie scattered in memory as
 after hours of serving (default: a fresh pool, a row's blocks in ascending order).
 """
@@ -19,11 +19,14 @@ import hashlib
 import random
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's specdecode, not an installed one
 
 
 def cpu_name() -> str:
@@ -75,7 +78,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--shuffle", action="store_true")
+    ap.add_argument("--threads", type=int, help="torch / OpenMP threads (default: torch's)")
+    ap.add_argument("--cputime", action="store_true",
+                    help="time the CPU time of this thread, not the wall clock (with --threads 1: robust "
+                         "to other processes on a busy host)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.cputime else time.perf_counter
 
     from specdecode import LLM
     from specdecode.fast import linear as lin
@@ -88,10 +98,11 @@ def main() -> None:
     libs = {"new": lin._load()["lib"]}
     if args.base:
         libs = {"base": ctypes.CDLL(str(build_rev(args.base))), **libs}
+    print(f"specdecode from {Path(lin.__file__).resolve().parents[1]}")
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; model {c.num_layers} layers, "
           f"{c.num_heads} q / {c.num_kv_heads} kv heads, head_dim {c.head_dim}, {m.dtype}; "
           f"paged block 16{', shuffled blocks' if args.shuffle else ''}")
-    print(f"ms per decode step: median (min) of {args.rounds} rounds x {args.steps} steps"
+    print(f"{'CPU' if args.cputime else 'wall'} ms per decode step: median (min) of {args.rounds} rounds x {args.steps} steps"
           + (f" (builds alternate: {' / '.join(libs)})" if len(libs) > 1 else ""))
     rng = random.Random(0)
     text = llm.tokenizer.encode(Path(__file__).resolve().parents[1].joinpath("README.md").read_text())
@@ -121,9 +132,9 @@ def main() -> None:
                     for _ in range(2):
                         fused.head(fused.forward_rows(fb, pc), none)
                     for _ in range(args.steps):
-                        t = time.perf_counter()
+                        t = clock()
                         fused.head(fused.forward_rows(fb, pc), none)
-                        times[name].append((time.perf_counter() - t) * 1e3)
+                        times[name].append((clock() - t) * 1e3)
             med = {n: statistics.median(v) for n, v in times.items()}
             low = {n: min(v) for n, v in times.items()}
             line = f"ctx {ctx:5d} B {B:3d}: " + "  ".join(f"{n} {med[n]:7.2f} ({low[n]:7.2f}) ms" for n in med)
