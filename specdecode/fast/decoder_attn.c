@@ -2,18 +2,27 @@
  * (included by decoder.c after decoder_ops.c).
  *
  * Grouped-query attention reads each kv head once per q head of its group, and a verify pass once per
- * row: the 1.5B Qwen2 target (12 q heads over 2 kv heads) read every cached key and value 6 times per
- * row.  Past a few hundred tokens that traffic, and the bf16 -> fp32 widening of every key and value
- * element, cost as much as the matmuls of a small model.  attend_pairs takes up to SD_ATT_PAIRS pairs
- * that read the same kv head through the same cache table, and widens each whole chunk of 16 keys (and
- * of 16 values) into an fp32 buffer once for all of them.
+ * row.  attend_pairs takes up to SD_ATT_PAIRS pairs that read the same kv head through the same cache
+ * table and goes through the keys (then the values) once for all of them, a chunk of 16 at a time,
+ * reading each row where the cache holds it (no copy), with a software prefetch through the block table.
  *
- * Batch invariance: each pair runs the one-(row, head) contract of decoder_ops.c (chunks of 16 keys
- * from key lo, the fma order over head_dim chunks, reduce16, max, exp512, sum, the weighted value sum
- * in key order with the accumulator kept in memory between chunks, which stores and reloads fp32
- * exactly) with the same operations whichever pairs share a call, so every output is bitwise that of
- * the pair alone.  Chunks that a pair sees only partly (its last one, one across cache blocks, or one
- * reaching into a tree's per-row path) are read for that pair alone. */
+ * Per pair (AVX512):
+ *   scores  each key's dot product with q: bf16, VDPBF16PS over 32 elements at a time into 16 lanes,
+ *           then reduce16's fixed tree (q and k are bf16 values, so every product is exact and only
+ *           the fp32 sums round); fp32, one FMA per 16 elements, then the same tree; times scale,
+ *           soft cap;
+ *   softmax max, exp512, the sum in 16-lane blocks of keys from lo;
+ *   values  in key order, fp32 FMAs of the weights and the widened values (bf16 -> fp32 is exact),
+ *           the sums in registers within a chunk and in memory between chunks (exact), times 1 / sum.
+ * 16 keys cost ~32 VDPBF16PS + a 45-op reduction per pair for the scores and 64 FMAs for the values
+ * (head_dim 64); bf16 -> fp32 widening of the values is 2 ops per 32 elements, shared by the pairs.
+ *
+ * Batch invariance: a key's score is a function of q and that key only, the softmax and the value
+ * sums run over the pair's keys lo..len-1 in a fixed order, so every output is bitwise that of the
+ * pair alone, whichever pairs share the call, whatever the cache layout (paged or contiguous, block
+ * size) or the thread.  Chunks that a pair sees only partly (its last one, one across cache blocks,
+ * or one reaching into a tree's per-row path) are read for that pair alone, its rows past its end
+ * replaced by zeros (the scores of those lanes are dropped, the values not read). */
 
 #define SD_ATT_PAIRS 8
 
@@ -24,7 +33,6 @@ typedef struct {
     const int32_t *tslots;
 } att_pair;
 
-#if defined(__AVX512F__)
 /* Software prefetch of the keys (values) of kv head h, through the block table: into L1 two chunks
  * ahead and into L2 eight ahead (0: off).  Without it a row's blocks, scattered in a paged pool, are
  * read at a few GB/s.  scripts/attention_micro.c (one thread, SmolLM2-135M's shapes, 8 rows of 1500
@@ -40,6 +48,51 @@ typedef struct {
 static const float sd_zero_row[256] __attribute__((aligned(64)));   /* a key / value of zeros */
 
 
+/* Addresses of keys (or values) j0..j0+15: whole chunk in one block -> consecutive rows of the block */
+static inline void chunk_rows(const char *base, const sd_kv *kv, const int32_t *tab, int j0, int h, int esz,
+                              const char **rows) {
+    const char *r0 = base + kv_off(kv, tab, j0, h) * esz;
+    for (int i = 0; i < 16; i++) rows[i] = r0 + (size_t)i * kv->key_stride * esz;
+}
+/* ... of pair p alone: its keys (through its tree path) up to its end, then rows of zeros */
+static inline void pair_rows(const att_pair *p, const char *base, const sd_kv *kv, const int32_t *tab, int j0,
+                             int nk, int h, int esz, const char **rows) {
+    const int tbase = p->tbase;
+    const int32_t *tslots = p->tslots;
+    for (int i = 0; i < 16; i++)
+        rows[i] = i < nk ? base + kv_off(kv, tab, KEY_SLOT(j0 + i), h) * esz : (const char *)sd_zero_row;
+}
+/* Prefetch the rows of kv head h for keys j0..j0+15 (those below end) into L1 (far = 0) or L2 */
+static inline void prefetch_chunk(const char *base, const sd_kv *kv, const int32_t *tab, int j0, int end, int h,
+                                  int rowbytes, int esz, int far) {
+    const int n = end - j0 < 16 ? end - j0 : 16;
+    for (int i = 0; i < n;) {
+        const int j = j0 + i, in_blk = kv->block - j % kv->block;
+        const char *r = base + kv_off(kv, tab, j, h) * esz;
+        for (int k = 0; k < in_blk && i < n; k++, i++, r += kv->key_stride * esz)
+            for (int b = 0; b < rowbytes; b += 64) {     /* inline asm: gcc drops _mm_prefetch here */
+                if (far) __asm__ volatile("prefetcht1 %0" : : "m"(*(r + b)));
+                else __asm__ volatile("prefetcht0 %0" : : "m"(*(r + b)));
+            }
+    }
+}
+static inline void prefetch_ahead(const char *base, const sd_kv *kv, const int32_t *tab, int j0, int end, int h,
+                                  int rowbytes, int esz) {
+    if (SD_ATT_PF_NEAR && j0 + 16 * SD_ATT_PF_NEAR < end)
+        prefetch_chunk(base, kv, tab, j0 + 16 * SD_ATT_PF_NEAR, end, h, rowbytes, esz, 0);
+    if (SD_ATT_PF_FAR && j0 + 16 * SD_ATT_PF_FAR < end)
+        prefetch_chunk(base, kv, tab, j0 + 16 * SD_ATT_PF_FAR, end, h, rowbytes, esz, 1);
+}
+
+/* Keys of pair p in the chunk from j0 (0: past its end); *shared: the chunk is whole, in one cache
+ * block and below p's tree path, so the rows of the chunk read for all pairs serve it. */
+static inline int chunk_keys(const att_pair *p, int j0, int in_block, int *shared) {
+    const int nk = p->len - j0 < 16 ? p->len - j0 : 16;
+    *shared = nk == 16 && in_block && j0 + 16 <= p->tbase;
+    return nk > 0 ? nk : 0;
+}
+
+#if defined(__AVX512F__)
 /* One bf16 dot-product step on 16 fp32 lanes: lane l += q[2l+1] k[2l+1], then += q[2l] k[2l] (exact
  * products, each sum rounded): VDPBF16PS, or where the CPU lacks it the same two steps as FMAs. */
 static inline __m512 dp_bf16(__m512 acc, __m512i q, __m512i k) {
@@ -126,55 +179,8 @@ static void vsum_n(float (*of)[256], const float *const *w, const char *const *v
 #undef SD_VSUM
 }
 
-/* Addresses of keys (or values) j0..j0+15: whole chunk in one block -> consecutive rows of the block */
-static inline void chunk_rows(const char *base, const sd_kv *kv, const int32_t *tab, int j0, int h, int esz,
-                              const char **rows) {
-    const char *r0 = base + kv_off(kv, tab, j0, h) * esz;
-    for (int i = 0; i < 16; i++) rows[i] = r0 + (size_t)i * kv->key_stride * esz;
-}
-/* ... of pair p alone: its keys (through its tree path) up to its end, then rows of zeros */
-static inline void pair_rows(const att_pair *p, const char *base, const sd_kv *kv, const int32_t *tab, int j0,
-                             int nk, int h, int esz, const char **rows) {
-    const int tbase = p->tbase;
-    const int32_t *tslots = p->tslots;
-    for (int i = 0; i < 16; i++)
-        rows[i] = i < nk ? base + kv_off(kv, tab, KEY_SLOT(j0 + i), h) * esz : (const char *)sd_zero_row;
-}
-/* Prefetch the rows of kv head h for keys j0..j0+15 (those below end) into L1 (far = 0) or L2 */
-static inline void prefetch_chunk(const char *base, const sd_kv *kv, const int32_t *tab, int j0, int end, int h,
-                                  int rowbytes, int esz, int far) {
-    const int n = end - j0 < 16 ? end - j0 : 16;
-    for (int i = 0; i < n;) {
-        const int j = j0 + i, in_blk = kv->block - j % kv->block;
-        const char *r = base + kv_off(kv, tab, j, h) * esz;
-        for (int k = 0; k < in_blk && i < n; k++, i++, r += kv->key_stride * esz)
-            for (int b = 0; b < rowbytes; b += 64) {     /* inline asm: gcc drops _mm_prefetch here */
-                if (far) __asm__ volatile("prefetcht1 %0" : : "m"(*(r + b)));
-                else __asm__ volatile("prefetcht0 %0" : : "m"(*(r + b)));
-            }
-    }
-}
-static inline void prefetch_ahead(const char *base, const sd_kv *kv, const int32_t *tab, int j0, int end, int h,
-                                  int rowbytes, int esz) {
-    if (SD_ATT_PF_NEAR && j0 + 16 * SD_ATT_PF_NEAR < end)
-        prefetch_chunk(base, kv, tab, j0 + 16 * SD_ATT_PF_NEAR, end, h, rowbytes, esz, 0);
-    if (SD_ATT_PF_FAR && j0 + 16 * SD_ATT_PF_FAR < end)
-        prefetch_chunk(base, kv, tab, j0 + 16 * SD_ATT_PF_FAR, end, h, rowbytes, esz, 1);
-}
-
-/* Keys of pair p in the chunk from j0 (0: past its end); *shared: the chunk is whole, in one cache
- * block and below p's tree path, so the rows of the chunk read for all pairs serve it. */
-static inline int chunk_keys(const att_pair *p, int j0, int in_block, int *shared) {
-    const int nk = p->len - j0 < 16 ? p->len - j0 : 16;
-    *shared = nk == 16 && in_block && j0 + 16 <= p->tbase;
-    return nk > 0 ? nk : 0;
-}
-
-/* Attention for n pairs sharing kv head h, cache table tab and first key lo; scores: n * score_len floats.
- * Every pair's scores, softmax and weighted sums are computed by the same operations whichever pairs
- * share the call: keys in chunks of 16 from lo, dots16 per key, max, exp512, sum in 16-lane blocks,
- * then the values in key order (fp32 FMAs, the sums kept in registers within a chunk and in memory
- * between chunks, which stores and reloads fp32 exactly), times 1 / sum. */
+/* Attention for n pairs sharing kv head h, cache table tab and first key lo; scores: n * score_len
+ * floats (score_len >= the longest pair's len - lo + 16). */
 static inline __attribute__((always_inline)) void attend_pairs_t(
         const att_pair *pr, int n, const char *kbase, const char *vbase, const sd_kv *kv, const int32_t *tab,
         int h, int lo, int HD, float scale, float cap, int bf, float *scores, int score_len) {
@@ -291,13 +297,122 @@ static void attend_pairs(const att_pair *pr, int n, const char *kbase, const cha
 }
 
 #else
-/* AVX2: decoder_ops.c's attend() pair by pair (the same contract; no shared widening yet) */
+/* AVX2 (no AVX512F): the same structure with 8-lane vectors and each key's dot product as in
+ * decoder_ops.c's AVX2 helpers: one 8-lane FMA accumulation over q's HD/8 chunks in order, then hsum8,
+ * times scale (soft cap: cap * tanhf(s / cap)); exp256 in 8-lane blocks of keys from lo (the padding
+ * lanes -inf, so 0), their 8-lane sum and hsum8; the values in key order into 8-lane sums per 8
+ * output elements, times 1 / sum.  A key's score and a value element's sum are functions of the pair
+ * alone, so the chunking, the sharing of a chunk's rows between pairs and the prefetch change no bit
+ * (these are the bits of the earlier one-pair-at-a-time AVX2 code, too). */
 static void attend_pairs(const att_pair *pr, int n, const char *kbase, const char *vbase, const sd_kv *kv,
                          const int32_t *tab, int h, int lo, int HD, float scale, float cap, int bf,
                          float *scores, int score_len) {
-    (void)score_len;
-    for (int p = 0; p < n; p++)
-        attend(pr[p].q, kbase, vbase, kv, tab, pr[p].tbase, pr[p].tslots, h, lo, pr[p].len, HD, scale, cap, bf,
-               scores, pr[p].out);
+    const int C = HD / 8, esz = bf ? 2 : 4, rowbytes = HD * esz;   /* HD % 16 == 0, HD <= 256 */
+    float qf[SD_ATT_PAIRS][256] __attribute__((aligned(32)));
+    float of[SD_ATT_PAIRS][256] __attribute__((aligned(32)));
+    float mx[SD_ATT_PAIRS], invs[SD_ATT_PAIRS];
+    int maxlen = lo;
+    for (int p = 0; p < n; p++) {
+        for (int c = 0; c < C; c++) _mm256_store_ps(qf[p] + 8 * c, ld8(pr[p].q, 8 * c, bf));
+        mx[p] = -__builtin_inff();
+        if (pr[p].len > maxlen) maxlen = pr[p].len;
+    }
+    /* scores */
+    for (int j0 = lo; j0 < maxlen; j0 += 16) {
+        const int in_block = j0 % kv->block + 16 <= kv->block;
+        prefetch_ahead(kbase, kv, tab, j0, maxlen, h, rowbytes, esz);
+        const char *rows[16], *own[16];
+        int have_rows = 0;
+        for (int p = 0; p < n; p++) {
+            int shared;
+            const int nk = chunk_keys(&pr[p], j0, in_block, &shared);
+            if (!nk) continue;
+            const char *const *kp = rows;
+            if (shared) {
+                if (!have_rows) chunk_rows(kbase, kv, tab, j0, h, esz, rows);
+                have_rows = 1;
+            } else {
+                pair_rows(&pr[p], kbase, kv, tab, j0, nk, h, esz, own);
+                kp = own;
+            }
+            float *sc = scores + (size_t)p * score_len + (j0 - lo);
+            for (int i = 0; i < nk; i += 4) {             /* 4 keys at a time (rows past nk: zeros) */
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int c = 0; c < C; c++) {
+                    const __m256 qv = _mm256_load_ps(qf[p] + 8 * c);
+                    a0 = _mm256_fmadd_ps(qv, ld8(kp[i], 8 * c, bf), a0);
+                    a1 = _mm256_fmadd_ps(qv, ld8(kp[i + 1], 8 * c, bf), a1);
+                    a2 = _mm256_fmadd_ps(qv, ld8(kp[i + 2], 8 * c, bf), a2);
+                    a3 = _mm256_fmadd_ps(qv, ld8(kp[i + 3], 8 * c, bf), a3);
+                }
+                const float d[4] = {hsum8(a0) * scale, hsum8(a1) * scale, hsum8(a2) * scale, hsum8(a3) * scale};
+                for (int k = 0; k < 4 && i + k < nk; k++) {
+                    const float v = cap > 0.f ? cap * tanhf(d[k] / cap) : d[k];   /* Gemma 2's soft cap */
+                    sc[i + k] = v;
+                    mx[p] = v > mx[p] ? v : mx[p];
+                }
+            }
+        }
+    }
+    /* softmax weights */
+    for (int p = 0; p < n; p++) {
+        float *sc = scores + (size_t)p * score_len;
+        const int len = pr[p].len - lo;
+        for (int j = len; j < ((len + 7) & ~7); j++) sc[j] = -__builtin_inff();   /* pad: exp -> 0 below */
+        const __m256 mv = _mm256_set1_ps(mx[p]), ninf = _mm256_set1_ps(-__builtin_inff());
+        __m256 sum = _mm256_setzero_ps();
+        for (int j = 0; j < len; j += 8) {
+            const __m256 s = _mm256_loadu_ps(sc + j);
+            const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(s, mv)), _mm256_cmp_ps(s, ninf, _CMP_NEQ_OQ));
+            _mm256_storeu_ps(sc + j, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        invs[p] = 1.0f / hsum8(sum);
+        for (int c = 0; c < C; c++) _mm256_store_ps(of[p] + 8 * c, _mm256_setzero_ps());
+    }
+    /* weighted values, keys in order, 32 output elements at a time */
+    for (int j0 = lo; j0 < maxlen; j0 += 16) {
+        const int in_block = j0 % kv->block + 16 <= kv->block;
+        prefetch_ahead(vbase, kv, tab, j0, maxlen, h, rowbytes, esz);
+        const char *rows[16], *own[16];
+        int have_rows = 0;
+        for (int p = 0; p < n; p++) {
+            int shared;
+            const int nk = chunk_keys(&pr[p], j0, in_block, &shared);
+            if (!nk) continue;
+            const char *const *vp = rows;
+            if (shared) {
+                if (!have_rows) chunk_rows(vbase, kv, tab, j0, h, esz, rows);
+                have_rows = 1;
+            } else {
+                pair_rows(&pr[p], vbase, kv, tab, j0, nk, h, esz, own);
+                vp = own;
+            }
+            const float *w = scores + (size_t)p * score_len + (j0 - lo);
+            for (int c0 = 0; c0 < C; c0 += 4) {
+                const int cn = C - c0 < 4 ? C - c0 : 4;
+                __m256 o[4];
+                for (int c = 0; c < cn; c++) o[c] = _mm256_load_ps(of[p] + 8 * (c0 + c));
+                for (int i = 0; i < nk; i++) {
+                    const __m256 wv = _mm256_set1_ps(w[i]);
+                    for (int c = 0; c < cn; c++) o[c] = _mm256_fmadd_ps(wv, ld8(vp[i], 8 * (c0 + c), bf), o[c]);
+                }
+                for (int c = 0; c < cn; c++) _mm256_store_ps(of[p] + 8 * (c0 + c), o[c]);
+            }
+        }
+    }
+    for (int p = 0; p < n; p++) {
+        const __m256 iv = _mm256_set1_ps(invs[p]);
+        for (int c = 0; c < C; c++) {
+            const __m256 y = _mm256_mul_ps(_mm256_load_ps(of[p] + 8 * c), iv);
+            if (bf) {
+                const __m256i r = sd_bf16_round8(y);
+                _mm_storeu_si128((__m128i *)((bf16 *)pr[p].out + 8 * c),
+                                 _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+            } else {
+                _mm256_storeu_ps((float *)pr[p].out + 8 * c, y);
+            }
+        }
+    }
 }
 #endif
