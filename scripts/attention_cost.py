@@ -7,9 +7,9 @@ round in the same process, so machine noise hits both alike; the table gives the
 minimum of the single steps of each build.
 
 Usage: python scripts/attention_cost.py [--base main] [--ctx 300 1500] [--batch 1 8 32]
-                                        [--rounds 5] [--steps 10] [--shuffle] [--threads 1 --cputime]
---shuffle: the pool's free list is shuffled first, so a row's blocks lie scattered in memory as
-after hours of serving (default: a fresh pool, a row's blocks in ascending order).
+                                        [--rounds 5] [--steps 10] [--scatter] [--threads 1 --cputime]
+--scatter: the rows take their blocks one at a time in a random order, so a row's blocks lie
+scattered in the pool as when many requests grow at once (default: each row's blocks in order).
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--shuffle", action="store_true")
+    ap.add_argument("--scatter", action="store_true")
     ap.add_argument("--threads", type=int, help="torch / OpenMP threads (default: torch's)")
     ap.add_argument("--cputime", action="store_true",
                     help="time the CPU time of this thread, not the wall clock (with --threads 1: robust "
@@ -101,7 +101,7 @@ def main() -> None:
     print(f"specdecode from {Path(lin.__file__).resolve().parents[1]}")
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; model {c.num_layers} layers, "
           f"{c.num_heads} q / {c.num_kv_heads} kv heads, head_dim {c.head_dim}, {m.dtype}; "
-          f"paged block 16{', shuffled blocks' if args.shuffle else ''}")
+          f"paged block 16{', scattered blocks' if args.scatter else ''}")
     print(f"{'CPU' if args.cputime else 'wall'} ms per decode step: median (min) of {args.rounds} rounds x {args.steps} steps"
           + (f" (builds alternate: {' / '.join(libs)})" if len(libs) > 1 else ""))
     rng = random.Random(0)
@@ -111,14 +111,17 @@ def main() -> None:
         for B in args.batch:
             pc = PagedKVCache(c.num_layers, B + 1, c.num_kv_heads, c.head_dim, ctx + 64,
                               (B + 1) * (ctx // 16 + 6) + 2, 16, m.dtype, m.device)
-            if args.shuffle:
-                rng.shuffle(pc.free)
             for r in range(B):
                 pc.reserve(r, ctx + 40)
+            n = pc.blocks_for(ctx + 1)
+            if args.scatter:                           # rows take their blocks one at a time in random turns
+                turns = [r for r in range(B) for _ in range(n)]
+                rng.shuffle(turns)
+                for r in turns:
+                    pc._grow(r, (len(pc.tables[r]) + 1) * pc.block_size)
             prefill(fused, pc, text[:ctx])             # row 0: real keys / values, copied to the others
-            n = pc.blocks_for(ctx)
             for r in range(1, B):
-                pc._grow(r, ctx)
+                pc._grow(r, ctx + 1)
                 src, dst = torch.tensor(pc.tables[0][:n]), torch.tensor(pc.tables[r][:n])
                 for pool in pc.keys + pc.values:
                     pool[dst] = pool[src]
