@@ -1,6 +1,6 @@
 """Cost of one decode step at long contexts (attention), old kernels vs new, alternating.
 
-One decode step (1 token per row) of the embedded model through FusedDecoder.forward_rows on a
+One decode step (1 token per row; --tokens N: a verify pass of N) of the embedded model through FusedDecoder.forward_rows on a
 PagedKVCache (block 16) + the LM head, for several contexts and batch sizes.  With --base REF the
 kernels of git revision REF are compiled too (same flags) and the two builds alternate round by
 round in the same process, so machine noise hits both alike; the table gives the median and the
@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--scatter", action="store_true")
+    ap.add_argument("--tokens", type=int, default=1, help="tokens per row and pass (> 1: a verify pass)")
     ap.add_argument("--threads", type=int, help="torch / OpenMP threads (default: torch's)")
     ap.add_argument("--cputime", action="store_true",
                     help="time the CPU time of this thread, not the wall clock (with --threads 1: robust "
@@ -102,18 +103,18 @@ def main() -> None:
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; model {c.num_layers} layers, "
           f"{c.num_heads} q / {c.num_kv_heads} kv heads, head_dim {c.head_dim}, {m.dtype}; "
           f"paged block 16{', scattered blocks' if args.scatter else ''}")
-    print(f"{'CPU' if args.cputime else 'wall'} ms per decode step: median (min) of {args.rounds} rounds x {args.steps} steps"
+    print(f"{'CPU' if args.cputime else 'wall'} ms per {'decode step' if args.tokens == 1 else f'pass of {args.tokens} tokens per row'}: median (min) of {args.rounds} rounds x {args.steps} steps"
           + (f" (builds alternate: {' / '.join(libs)})" if len(libs) > 1 else ""))
     rng = random.Random(0)
     text = llm.tokenizer.encode(Path(__file__).resolve().parents[1].joinpath("README.md").read_text())
     text = (text * (max(args.ctx) // len(text) + 1))[:max(args.ctx)]
     for ctx in args.ctx:
         for B in args.batch:
-            pc = PagedKVCache(c.num_layers, B + 1, c.num_kv_heads, c.head_dim, ctx + 64,
-                              (B + 1) * (ctx // 16 + 6) + 2, 16, m.dtype, m.device)
+            pc = PagedKVCache(c.num_layers, B + 1, c.num_kv_heads, c.head_dim, ctx + 64 + args.tokens,
+                              (B + 1) * ((ctx + args.tokens) // 16 + 6) + 2, 16, m.dtype, m.device)
             for r in range(B):
-                pc.reserve(r, ctx + 40)
-            n = pc.blocks_for(ctx + 1)
+                pc.reserve(r, ctx + 40 + args.tokens)
+            n = pc.blocks_for(ctx + args.tokens)
             if args.scatter:                           # rows take their blocks one at a time in random turns
                 turns = [r for r in range(B) for _ in range(n)]
                 rng.shuffle(turns)
@@ -121,13 +122,14 @@ def main() -> None:
                     pc._grow(r, (len(pc.tables[r]) + 1) * pc.block_size)
             prefill(fused, pc, text[:ctx])             # row 0: real keys / values, copied to the others
             for r in range(1, B):
-                pc._grow(r, ctx + 1)
-                src, dst = torch.tensor(pc.tables[0][:n]), torch.tensor(pc.tables[r][:n])
+                pc._grow(r, ctx + args.tokens)
+                k = pc.blocks_for(ctx)
+                src, dst = torch.tensor(pc.tables[0][:k]), torch.tensor(pc.tables[r][:k])
                 for pool in pc.keys + pc.values:
                     pool[dst] = pool[src]
-            x = torch.full((B, 1), 100)
+            x = torch.full((B, args.tokens), 100)
             fb = ForwardBatch.chain(x, torch.tensor([ctx] * B), torch.arange(B))
-            none = torch.zeros(B, 1, dtype=torch.long)
+            none = torch.arange(args.tokens).repeat(B, 1)
             times = {name: [] for name in libs}
             for rnd in range(args.rounds):
                 for name, lib in libs.items():

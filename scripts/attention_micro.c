@@ -4,9 +4,11 @@
  *   gcc -O3 -march=native -fopenmp -std=gnu11 -ffp-contract=off -mamx-tile -mamx-bf16 -mamx-int8 \
  *       -Wno-psabi -I specdecode/fast scripts/attention_micro.c -o /tmp/am && /tmp/am CTX ROWS REPS [shuffle [rowmajor]]
  * HEADMAJOR=1: blocks laid out [kv head][key][head_dim] instead of [key][kv head][head_dim].
+ * G=8: 8 q heads per kv head (8 pairs per call, as a verify pass).
+ * LFLUSH=MB (THREADS=2): that many MB read between two layers' attention, as a step's weights.
  * FLUSH=1: 96 MB read between repetitions (the KV cache then comes from DRAM, as in a decode step
  * that streams the weights too).  THREADS=2: the decoder's split of (row, q head) units between 2 threads, REV=1: even threads
- * take their kv heads in reverse order.  (rowmajor: a row's kv heads one after the other, else a kv head's rows.)  Prints the minimum and median over REPS of one decode step's attention (all layers, kv heads and
+ * take their kv heads in reverse order, KVHSPLIT=1: whole kv heads per thread.  (rowmajor: a row's kv heads one after the other, else a kv head's rows.)  Prints the minimum and median over REPS of one decode step's attention (all layers, kv heads and
  * rows) in ms, and a checksum of the outputs. */
 #include "kernels.c"
 #include <stdio.h>
@@ -19,15 +21,22 @@ static double now(void) {
     clock_gettime(use_cputime ? CLOCK_THREAD_CPUTIME_ID : CLOCK_MONOTONIC, &t);
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
+/* this thread's share of a read of p[0..n) */
+static float sd_read_bw_part(const float *p, size_t n, int t, int nt) {
+    __m512 s = _mm512_setzero_ps();
+    for (size_t i = n * t / nt / 16 * 16; i < n * (t + 1) / nt / 16 * 16; i += 16) s = _mm512_add_ps(s, _mm512_loadu_ps(p + i));
+    return _mm512_reduce_add_ps(s);
+}
 static int cmp(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
 static uint16_t tobf(float f) { uint32_t u; memcpy(&u, &f, 4); return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16); }
 
 int main(int argc, char **argv) {
     const int ctx = argc > 1 ? atoi(argv[1]) : 1500, R = argc > 2 ? atoi(argv[2]) : 1, reps = argc > 3 ? atoi(argv[3]) : 50;
     const int shuffle = argc > 4 && atoi(argv[4]), rowmajor = argc > 5 && atoi(argv[5]);
-    const int L = getenv("LAYERS") ? atoi(getenv("LAYERS")) : 30, KVH = 3, G = 3, HD = 64, BS = 16, len = ctx + 1;
+    const int L = getenv("LAYERS") ? atoi(getenv("LAYERS")) : 30, KVH = 3, G = getenv("G") ? atoi(getenv("G")) : 3, HD = 64, BS = 16, len = ctx + 1;
     const int nb = (len + BS - 1) / BS, NB = R * nb + 1;
     const size_t blk = (size_t)BS * KVH * HD;
+    const float kscale = getenv("KSCALE") ? atof(getenv("KSCALE")) : 2.f;   /* keys uniform in +-kscale */
     uint16_t **K = malloc(sizeof(void *) * L), **V = malloc(sizeof(void *) * L);
     uint32_t seed = 1;
     for (int l = 0; l < L; l++) {
@@ -35,7 +44,7 @@ int main(int argc, char **argv) {
         K[l] = aligned_alloc(2u << 20, bytes); V[l] = aligned_alloc(2u << 20, bytes);
         if (getenv("HUGE")) { madvise(K[l], bytes, MADV_HUGEPAGE); madvise(V[l], bytes, MADV_HUGEPAGE); }
         for (size_t i = 0; i < NB * blk; i++) {
-            seed = seed * 1664525u + 1013904223u; K[l][i] = tobf(((int)(seed >> 9) - (1 << 22)) / (float)(1 << 22) * 2.f);
+            seed = seed * 1664525u + 1013904223u; K[l][i] = tobf(((int)(seed >> 9) - (1 << 22)) / (float)(1 << 22) * kscale);
             seed = seed * 1664525u + 1013904223u; V[l][i] = tobf(((int)(seed >> 9) - (1 << 22)) / (float)(1 << 22));
         }
     }
@@ -50,8 +59,11 @@ int main(int argc, char **argv) {
     float *scores = aligned_alloc(64, sizeof(float) * 2 * SD_ATT_PAIRS * (len + 32));
     reduce16_init();
     double *t = malloc(sizeof(double) * reps);
-    const int getenv_rev = getenv("REV") != NULL;
+    const int getenv_rev = getenv("REV") != NULL, getenv_kvh = getenv("KVHSPLIT") != NULL;
     use_cputime = getenv("CPUTIME") != NULL;
+    const size_t lflush_n = getenv("LFLUSH") ? (size_t)atoi(getenv("LFLUSH")) << 18 : 0;   /* MB per layer */
+    float *lflush = lflush_n ? malloc(lflush_n * L * sizeof(float)) : NULL;
+    for (size_t i = 0; i < lflush_n * L; i++) lflush[i] = 1.f;
     const int nth = getenv("THREADS") ? atoi(getenv("THREADS")) : 1;
     const size_t flush_n = getenv("FLUSH") ? (size_t)96 << 18 : 0;    /* 96 MB of floats read between reps */
     float *flush = flush_n ? malloc(flush_n * sizeof(float)) : NULL, sink = 0;
@@ -80,6 +92,7 @@ int main(int argc, char **argv) {
                 for (int l = 0; l < L; l++) {
                     int a, b;
                     range(R * H, t, nt, &a, &b);
+                    if (getenv_kvh) { range(KVH, t, nt, &a, &b); a *= per; b *= per; }   /* whole kv heads */
                     const int k0 = a / per, k1 = b > a ? (b - 1) / per : k0 - 1;
                     for (int s = 0; s <= k1 - k0; s++) {
                         const int kvh = getenv_rev && t % 2 == 0 ? k1 - s : k0 + s;
@@ -97,6 +110,11 @@ int main(int argc, char **argv) {
                                          0, HD, 0.125f, 0.f, 1, sc, len + 32);
                         }
                     }
+                    if (lflush) {      /* the layer's weights stream between two attention phases */
+#pragma omp barrier
+                        volatile float v = sd_read_bw_part(lflush + (size_t)l * lflush_n, lflush_n, t, nt);
+                        (void)v;
+                    }
 #pragma omp barrier
                 }
             }
@@ -107,7 +125,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < R * KVH * G * HD; i++) { uint32_t u = (uint32_t)out[i] << 16; float f; memcpy(&f, &u, 4); sum += f * (1 + i % 7); }
     qsort(t, reps, sizeof(double), cmp);
     if (sink == 1.f) printf(" ");
-    printf("ctx %d rows %d: min %.3f ms  median %.3f ms  (%.1f GB/s at min)  checksum %.6f\n", ctx, R, t[0], t[reps / 2],
+    printf("ctx %d rows %d: min %.4f ms  median %.4f ms  (%.1f GB/s at min)  checksum %.6f\n", ctx, R, t[0], t[reps / 2],
            (double)L * KVH * R * len * HD * 2 * 2 / t[0] / 1e6, sum);
     return 0;
 }

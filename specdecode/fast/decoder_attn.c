@@ -7,15 +7,16 @@
  * reading each row where the cache holds it (no copy), with a software prefetch through the block table.
  *
  * Per pair (AVX512):
- *   scores  each key's dot product with q: bf16, VDPBF16PS over 32 elements at a time into 16 lanes,
- *           then reduce16's fixed tree (q and k are bf16 values, so every product is exact and only
- *           the fp32 sums round); fp32, one FMA per 16 elements, then the same tree; times scale,
- *           soft cap;
+ *   scores  each key's dot product with q: bf16, VDPBF16PS into 4 lanes per pair, 4 pairs per vector
+ *           (dots16x4: q and k are bf16 values, so every product is exact and only the fp32 sums
+ *           round), then a fixed 4-lane tree; fp32, one FMA per 16 elements into 16 lanes, then
+ *           reduce16's fixed tree; times scale, soft cap;
  *   softmax max, exp512, the sum in 16-lane blocks of keys from lo;
  *   values  in key order, fp32 FMAs of the weights and the widened values (bf16 -> fp32 is exact),
  *           the sums in registers within a chunk and in memory between chunks (exact), times 1 / sum.
- * 16 keys cost ~32 VDPBF16PS + a 45-op reduction per pair for the scores and 64 FMAs for the values
- * (head_dim 64); bf16 -> fp32 widening of the values is 2 ops per 32 elements, shared by the pairs.
+ * For head_dim 64, 16 keys and 4 pairs cost 128 VDPBF16PS and a 48-op reduction for the scores (2 and
+ * 0.75 per pair and key; one lane per element and pair, reduced per key and pair, was 2 + 2.8) and
+ * 64 FMAs per pair for the values; widening the values is 2 ops per 32 elements, shared by the pairs.
  *
  * Batch invariance: a key's score is a function of q and that key only, the softmax and the value
  * sums run over the pair's keys lo..len-1 in a fixed order, so every output is bitwise that of the
@@ -128,6 +129,33 @@ static inline __m512 dots16(const __m512i *q, const char *const *kp, int HD, int
     return _mm512_permutexvar_ps(inv, reduce16(acc));
 }
 
+/* bf16 scores of up to 4 pairs at once (slots b = 0..3 of Qs) against the 16 keys at kp.  Qs[u]: the
+ * pairs' q elements 8u..8u+7, slot b in 128-bit block b (zeros for an empty slot).  Lane l of block b
+ * of key i's accumulator sums, over the HD/8 units u in order, dp_bf16's q[8u+2l+1] k[8u+2l+1] then
+ * q[8u+2l] k[8u+2l] (k's 8 elements broadcast to the 4 blocks); then (l0 + l2) + (l1 + l3), the same
+ * in-block operations in every block.  So slot b's scores are a function of its q and the keys alone,
+ * whatever the other slots hold.  S[b] = slot b's 16 scores, in key order. */
+static inline void dots16x4(const __m512i *Qs, const char *const *kp, int HD, __m512 S[4]) {
+    __m512 acc[16], t[8], v[4];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int u = 0; u < HD / 8; u++) {
+        const __m512i qv = Qs[u];
+        for (int i = 0; i < 16; i++)
+            acc[i] = dp_bf16(acc[i], qv, _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(kp[i] + 16 * u))));
+    }
+    for (int j = 0; j < 8; j++)      /* block: [a0+a2, a1+a3, c0+c2, c1+c3], a: key j, c: key j + 8 */
+        t[j] = _mm512_add_ps(_mm512_shuffle_ps(acc[j], acc[j + 8], 0x44), _mm512_shuffle_ps(acc[j], acc[j + 8], 0xee));
+    for (int j = 0; j < 4; j++)      /* block: the sums of keys j, j + 8, j + 4, j + 12 */
+        v[j] = _mm512_add_ps(_mm512_shuffle_ps(t[j], t[j + 4], 0x88), _mm512_shuffle_ps(t[j], t[j + 4], 0xdd));
+    const __m512 lo01 = _mm512_shuffle_f32x4(v[0], v[1], 0x44), hi01 = _mm512_shuffle_f32x4(v[0], v[1], 0xee);
+    const __m512 lo23 = _mm512_shuffle_f32x4(v[2], v[3], 0x44), hi23 = _mm512_shuffle_f32x4(v[2], v[3], 0xee);
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
+    S[0] = _mm512_permutexvar_ps(order, _mm512_shuffle_f32x4(lo01, lo23, 0x88));   /* block b of v[0..3] */
+    S[1] = _mm512_permutexvar_ps(order, _mm512_shuffle_f32x4(lo01, lo23, 0xdd));
+    S[2] = _mm512_permutexvar_ps(order, _mm512_shuffle_f32x4(hi01, hi23, 0x88));
+    S[3] = _mm512_permutexvar_ps(order, _mm512_shuffle_f32x4(hi01, hi23, 0xdd));
+}
+
 /* Value rows are summed 32 elements at a time: bf16 as its even elements (x << 16) and its odd ones
  * (x & 0xffff0000) in two fp32 vectors, fp32 as two plain vectors; an odd last 16 elements in one. */
 static inline void val32(const char *v, int u, int bf, __m512 *ev, __m512 *od) {
@@ -179,21 +207,35 @@ static void vsum_n(float (*of)[256], const float *const *w, const char *const *v
 #undef SD_VSUM
 }
 
+/* Pair p's raw dot products d of keys j0..j0+nk-1: times scale, soft cap, into its scores and max */
+static inline void score_out(__m512 d, int p, int nk, int j0, int lo, __m512 sv, float cap, float *scores,
+                             int score_len, __m512 *mx) {
+    __m512 s = _mm512_mul_ps(d, sv);
+    if (cap > 0.f) s = _mm512_mul_ps(_mm512_set1_ps(cap), tanh512(_mm512_div_ps(s, _mm512_set1_ps(cap))));
+    const __mmask16 m = lanes(nk);
+    _mm512_mask_storeu_ps(scores + (size_t)p * score_len + (j0 - lo), m, s);
+    mx[p] = _mm512_mask_max_ps(mx[p], m, mx[p], s);
+}
+
 /* Attention for n pairs sharing kv head h, cache table tab and first key lo; scores: n * score_len
  * floats (score_len >= the longest pair's len - lo + 16). */
 static inline __attribute__((always_inline)) void attend_pairs_t(
         const att_pair *pr, int n, const char *kbase, const char *vbase, const sd_kv *kv, const int32_t *tab,
         int h, int lo, int HD, float scale, float cap, int bf, float *scores, int score_len) {
     const int esz = bf ? 2 : 4, rowbytes = HD * esz;
-    __m512i qv[SD_ATT_PAIRS][16];
+    __m512i qv[SD_ATT_PAIRS][16];                  /* fp32: q */
+    __m512i qg[SD_ATT_PAIRS / 4][32], q1[SD_ATT_PAIRS][32];   /* bf16: pairs 4g..4g+3 in slots, pair p alone */
     float of[SD_ATT_PAIRS][256] __attribute__((aligned(64)));
     __m512 mx[SD_ATT_PAIRS];
     float invs[SD_ATT_PAIRS];
     int maxlen = lo;
     for (int p = 0; p < n; p++) {
         if (bf) {
-            for (int u = 0; u < HD / 32; u++) qv[p][u] = _mm512_loadu_si512((const bf16 *)pr[p].q + 32 * u);
-            if (HD % 32) qv[p][HD / 32] = _mm512_maskz_loadu_epi16(0xffff, (const bf16 *)pr[p].q + HD / 32 * 32);
+            for (int u = 0; u < HD / 8; u++) {
+                const __m128i x = _mm_loadu_si128((const __m128i *)((const bf16 *)pr[p].q + 8 * u));
+                q1[p][u] = _mm512_maskz_broadcast_i32x4(0x000f, x);
+                qg[p / 4][u] = p % 4 ? _mm512_mask_broadcast_i32x4(qg[p / 4][u], (__mmask16)(0x000f << 4 * (p % 4)), x) : q1[p][u];
+            }
         } else {
             for (int c = 0; c < HD / 16; c++) qv[p][c] = _mm512_castps_si512(_mm512_loadu_ps((const float *)pr[p].q + 16 * c));
         }
@@ -207,25 +249,35 @@ static inline __attribute__((always_inline)) void attend_pairs_t(
         const int in_block = j0 % kv->block + 16 <= kv->block;
         prefetch_ahead(kbase, kv, tab, j0, maxlen, h, rowbytes, esz);
         const char *rows[16], *own[16];
-        int have_rows = 0;
-        for (int p = 0; p < n; p++) {
-            int shared;
-            const int nk = chunk_keys(&pr[p], j0, in_block, &shared);
-            if (!nk) continue;
-            const char *const *kp = rows;
-            if (shared) {
+        int have_rows = 0, nk[SD_ATT_PAIRS], shared[SD_ATT_PAIRS];
+        for (int p = 0; p < n; p++) nk[p] = chunk_keys(&pr[p], j0, in_block, &shared[p]);
+        for (int g = 0; g < n; g += 4) {
+            const int gn = n - g < 4 ? n - g : 4;
+            int all = bf;                             /* bf16: the group's pairs all share the chunk */
+            for (int b = 0; b < gn; b++) all &= shared[g + b];
+            if (all) {
                 if (!have_rows) chunk_rows(kbase, kv, tab, j0, h, esz, rows);
                 have_rows = 1;
-            } else {
-                pair_rows(&pr[p], kbase, kv, tab, j0, nk, h, esz, own);
-                kp = own;
+                __m512 S[4];
+                dots16x4(qg[g / 4], rows, HD, S);
+                for (int b = 0; b < gn; b++) score_out(S[b], g + b, 16, j0, lo, sv, cap, scores, score_len, mx);
+                continue;
             }
-            __m512 s = _mm512_mul_ps(dots16(qv[p], kp, HD, bf, inv), sv);
-            if (cap > 0.f)
-                s = _mm512_mul_ps(_mm512_set1_ps(cap), tanh512(_mm512_div_ps(s, _mm512_set1_ps(cap))));
-            const __mmask16 m = lanes(nk);
-            _mm512_mask_storeu_ps(scores + (size_t)p * score_len + (j0 - lo), m, s);
-            mx[p] = _mm512_mask_max_ps(mx[p], m, mx[p], s);
+            for (int p = g; p < g + gn; p++) {        /* one pair at a time */
+                if (!nk[p]) continue;
+                const char *const *kp = rows;
+                if (shared[p]) {
+                    if (!have_rows) chunk_rows(kbase, kv, tab, j0, h, esz, rows);
+                    have_rows = 1;
+                } else {
+                    pair_rows(&pr[p], kbase, kv, tab, j0, nk[p], h, esz, own);
+                    kp = own;
+                }
+                __m512 S[4];
+                if (bf) dots16x4(q1[p], kp, HD, S);
+                else S[0] = dots16(qv[p], kp, HD, bf, inv);
+                score_out(S[0], p, nk[p], j0, lo, sv, cap, scores, score_len, mx);
+            }
         }
     }
     /* softmax weights */
