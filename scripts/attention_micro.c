@@ -4,6 +4,7 @@
  *   gcc -O3 -march=native -fopenmp -std=gnu11 -ffp-contract=off -mamx-tile -mamx-bf16 -mamx-int8 \
  *       -Wno-psabi -I specdecode/fast scripts/attention_micro.c -o /tmp/am && /tmp/am CTX ROWS REPS [shuffle [rowmajor]]
  * HEADMAJOR=1: blocks laid out [kv head][key][head_dim] instead of [key][kv head][head_dim].
+ * CHECK=1: layer 0's outputs against attention in double precision.
  * G=8: 8 q heads per kv head (8 pairs per call, as a verify pass).
  * LFLUSH=MB (THREADS=2): that many MB read between two layers' attention, as a step's weights.
  * FLUSH=1: 96 MB read between repetitions (the KV cache then comes from DRAM, as in a decode step
@@ -120,6 +121,51 @@ int main(int argc, char **argv) {
             }
         }
         t[it] = (now() - t0) * 1e3;
+    }
+    if (getenv("CHECK")) {     /* layer 0 against attention in double precision, rounded to bf16 once */
+        long miss = 0, total = 0;
+        double maxerr = 0, sumerr = 0;
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < KVH; h++)
+                for (int g = 0; g < G; g++) {
+                    const size_t o = ((size_t)(r * KVH + h) * G + g) * HD;
+                    att_pair pr = {q + o, out + o, len, 0x7fffffff, NULL};
+                    attend_pairs(&pr, 1, (const char *)K[0], (const char *)V[0], &kv, tables + (size_t)r * nb, h, 0, HD,
+                                 0.125f, 0.f, 1, scores, len + 32);
+                    double *sc = malloc(sizeof(double) * len), mxs = -1e300, den = 0;
+                    for (int j = 0; j < len; j++) {
+                        const uint16_t *kj = K[0] + kv_off(&kv, tables + (size_t)r * nb, j, h);
+                        double d = 0;
+                        for (int e = 0; e < HD; e++) {
+                            uint32_t a = (uint32_t)q[o + e] << 16, b = (uint32_t)kj[e] << 16;
+                            float fa, fb; memcpy(&fa, &a, 4); memcpy(&fb, &b, 4);
+                            d += (double)fa * fb;
+                        }
+                        sc[j] = d * 0.125;
+                        if (sc[j] > mxs) mxs = sc[j];
+                    }
+                    for (int j = 0; j < len; j++) { sc[j] = exp(sc[j] - mxs); den += sc[j]; }
+                    for (int e = 0; e < HD; e++) {
+                        double acc = 0;
+                        for (int j = 0; j < len; j++) {
+                            uint32_t b = (uint32_t)V[0][kv_off(&kv, tables + (size_t)r * nb, j, h) + e] << 16;
+                            float fb; memcpy(&fb, &b, 4);
+                            acc += sc[j] * fb;
+                        }
+                        const double ref = acc / den;
+                        uint32_t u = (uint32_t)out[o + e] << 16;
+                        float got; memcpy(&got, &u, 4);
+                        const double ulp = fabs(ref) > 0 ? ldexp(1.0, ilogb(ref) - 7) : 1e-45;
+                        const double err = fabs(got - ref) / ulp;    /* in bf16 ulps of the reference */
+                        miss += out[o + e] != tobf((float)ref);
+                        maxerr = err > maxerr ? err : maxerr;
+                        sumerr += err;
+                        total++;
+                    }
+                    free(sc);
+                }
+        printf("check vs double: %ld of %ld outputs differ from the rounded reference, error max %.3f mean %.4f bf16 ulp\n",
+               miss, total, maxerr, sumerr / total);
     }
     double sum = 0;
     for (int i = 0; i < R * KVH * G * HD; i++) { uint32_t u = (uint32_t)out[i] << 16; float f; memcpy(&f, &u, 4); sum += f * (1 + i % 7); }

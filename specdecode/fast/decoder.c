@@ -12,10 +12,10 @@
  *
  * Batch invariance: every token row is computed by the same instruction sequence whatever T is:
  *   - matmuls: per-row accumulators, fixed k order (amx_part / avx512bf16_part / fp32_part);
- *   - attention for row t: scores over keys 0..start+t in order, one 16-lane fp32 accumulator per
- *     dot product over head_dim chunks, max, exp, sum in 16-lane blocks of keys starting at key 0,
- *     weighted value sum in key order; no split of the key range across threads;
- *     several (row, head) pairs of one kv head share each chunk's reads (decoder_attn.c), never its sums;
+ *   - attention for row t: scores over keys 0..start+t, each key's dot product a fixed fp32 sum
+ *     of exact bf16 products (or fp32 FMAs), max, exp, sum in 16-lane blocks of keys starting at key
+ *     0, weighted value sum in key order; no split of the key range across threads; several (row,
+ *     head) pairs of one kv head share each chunk's reads (decoder_attn.c), never their sums;
  *   - rmsnorm / rope / silu: per row, fixed vector order.
  * Work is split between threads by output columns (matmuls) and by (row, head) units (attention),
  * which changes who computes a value, never how.
