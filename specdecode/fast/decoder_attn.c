@@ -77,12 +77,30 @@ static inline void prefetch_chunk(const char *base, const sd_kv *kv, const int32
             }
     }
 }
-static inline void prefetch_ahead(const char *base, const sd_kv *kv, const int32_t *tab, int j0, int end, int h,
-                                  int rowbytes, int esz) {
-    if (SD_ATT_PF_NEAR && j0 + 16 * SD_ATT_PF_NEAR < end)
-        prefetch_chunk(base, kv, tab, j0 + 16 * SD_ATT_PF_NEAR, end, h, rowbytes, esz, 0);
-    if (SD_ATT_PF_FAR && j0 + 16 * SD_ATT_PF_FAR < end)
-        prefetch_chunk(base, kv, tab, j0 + 16 * SD_ATT_PF_FAR, end, h, rowbytes, esz, 1);
+/* A call reads the keys, then the values, of kv head h for keys lo..end-1: one stream of 2 * nc chunks
+ * (c < nc: keys lo + 16 c.., else values lo + 16 (c - nc)..), prefetched as one, so the values' first
+ * chunks arrive while the last keys are scored, and a call's first chunks are asked for at once. */
+typedef struct {
+    const char *kbase, *vbase;
+    const sd_kv *kv;
+    const int32_t *tab;
+    int lo, end, nc, h, rowbytes, esz;
+} att_stream;
+
+static inline void stream_chunk(const att_stream *st, int c, int far) {
+    if (c >= 2 * st->nc) return;
+    const int v = c >= st->nc;
+    prefetch_chunk(v ? st->vbase : st->kbase, st->kv, st->tab, st->lo + 16 * (c - v * st->nc), st->end, st->h,
+                   st->rowbytes, st->esz, far);
+}
+/* at stream chunk c: chunk c + SD_ATT_PF_NEAR into L1, c + SD_ATT_PF_FAR into L2 (at c = 0, all before them too) */
+static inline void stream_ahead(const att_stream *st, int c) {
+    if (c == 0 && SD_ATT_PF_NEAR && SD_ATT_PF_FAR) {
+        for (int i = 1; i < SD_ATT_PF_NEAR; i++) stream_chunk(st, i, 0);
+        for (int i = SD_ATT_PF_NEAR + 1; i < SD_ATT_PF_FAR; i++) stream_chunk(st, i, 1);
+    }
+    if (SD_ATT_PF_NEAR) stream_chunk(st, c + SD_ATT_PF_NEAR, 0);
+    if (SD_ATT_PF_FAR) stream_chunk(st, c + SD_ATT_PF_FAR, 1);
 }
 
 /* Keys of pair p in the chunk from j0 (0: past its end); *shared: the chunk is whole, in one cache
@@ -244,10 +262,11 @@ static inline __attribute__((always_inline)) void attend_pairs_t(
     }
     const __m512i inv = _mm512_loadu_si512(reduce16_inv);
     const __m512 sv = _mm512_set1_ps(scale);
+    const att_stream st = {kbase, vbase, kv, tab, lo, maxlen, (maxlen - lo + 15) / 16, h, rowbytes, esz};
     /* scores */
     for (int j0 = lo; j0 < maxlen; j0 += 16) {
         const int in_block = j0 % kv->block + 16 <= kv->block;
-        prefetch_ahead(kbase, kv, tab, j0, maxlen, h, rowbytes, esz);
+        stream_ahead(&st, (j0 - lo) / 16);
         const char *rows[16], *own[16];
         int have_rows = 0, nk[SD_ATT_PAIRS], shared[SD_ATT_PAIRS];
         for (int p = 0; p < n; p++) nk[p] = chunk_keys(&pr[p], j0, in_block, &shared[p]);
@@ -298,7 +317,7 @@ static inline __attribute__((always_inline)) void attend_pairs_t(
     /* weighted values, keys in order */
     for (int j0 = lo; j0 < maxlen; j0 += 16) {
         const int in_block = j0 % kv->block + 16 <= kv->block;
-        prefetch_ahead(vbase, kv, tab, j0, maxlen, h, rowbytes, esz);
+        stream_ahead(&st, st.nc + (j0 - lo) / 16);
         const char *rows[16];
         const float *w[SD_ATT_PAIRS];
         int idx[SD_ATT_PAIRS], ns = 0;
@@ -369,10 +388,11 @@ static void attend_pairs(const att_pair *pr, int n, const char *kbase, const cha
         mx[p] = -__builtin_inff();
         if (pr[p].len > maxlen) maxlen = pr[p].len;
     }
+    const att_stream st = {kbase, vbase, kv, tab, lo, maxlen, (maxlen - lo + 15) / 16, h, rowbytes, esz};
     /* scores */
     for (int j0 = lo; j0 < maxlen; j0 += 16) {
         const int in_block = j0 % kv->block + 16 <= kv->block;
-        prefetch_ahead(kbase, kv, tab, j0, maxlen, h, rowbytes, esz);
+        stream_ahead(&st, (j0 - lo) / 16);
         const char *rows[16], *own[16];
         int have_rows = 0;
         for (int p = 0; p < n; p++) {
@@ -425,7 +445,7 @@ static void attend_pairs(const att_pair *pr, int n, const char *kbase, const cha
     /* weighted values, keys in order, 32 output elements at a time */
     for (int j0 = lo; j0 < maxlen; j0 += 16) {
         const int in_block = j0 % kv->block + 16 <= kv->block;
-        prefetch_ahead(vbase, kv, tab, j0, maxlen, h, rowbytes, esz);
+        stream_ahead(&st, st.nc + (j0 - lo) / 16);
         const char *rows[16], *own[16];
         int have_rows = 0;
         for (int p = 0; p < n; p++) {
