@@ -25,7 +25,7 @@
  * or one reaching into a tree's per-row path) are read for that pair alone, its rows past its end
  * replaced by zeros (the scores of those lanes are dropped, the values not read). */
 
-#define SD_ATT_PAIRS 8
+#define SD_ATT_PAIRS 8                 /* a multiple of 4 (dots16x4's groups) */
 
 typedef struct {
     const void *q;             /* [HD] model dtype (roped) */
@@ -37,8 +37,9 @@ typedef struct {
 /* Software prefetch of the keys (values) of kv head h, through the block table: into L1 two chunks
  * ahead and into L2 eight ahead (0: off).  Without it a row's blocks, scattered in a paged pool, are
  * read at a few GB/s.  scripts/attention_micro.c (one thread, SmolLM2-135M's shapes, 8 rows of 1500
- * keys, AMD EPYC Zen 4, CPU time, best of 4 alternating runs), blocks scattered / in order: none
- * 45.0 / 34.6 ms, L1 at 2 chunks 19.5 / 12.1, L1 at 4 17.4 / 10.8, L1 at 2 + L2 at 8 16.8 / 10.4. */
+ * keys, AMD EPYC family 26 (Zen 5), CPU time, best of 4 alternating runs, before the stream below),
+ * blocks scattered / in order: none 45.0 / 34.6 ms, L1 at 2 chunks 19.5 / 12.1, L1 at 4 17.4 / 10.8,
+ * L1 at 2 + L2 at 8 16.8 / 10.4. */
 #ifndef SD_ATT_PF_NEAR
 #define SD_ATT_PF_NEAR 2
 #endif
@@ -47,7 +48,6 @@ typedef struct {
 #endif
 
 static const float sd_zero_row[256] __attribute__((aligned(64)));   /* a key / value of zeros */
-
 
 /* Addresses of keys (or values) j0..j0+15: whole chunk in one block -> consecutive rows of the block */
 static inline void chunk_rows(const char *base, const sd_kv *kv, const int32_t *tab, int j0, int h, int esz,
