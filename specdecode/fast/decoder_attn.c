@@ -93,11 +93,12 @@ static inline void stream_chunk(const att_stream *st, int c, int far) {
     prefetch_chunk(v ? st->vbase : st->kbase, st->kv, st->tab, st->lo + 16 * (c - v * st->nc), st->end, st->h,
                    st->rowbytes, st->esz, far);
 }
-/* at stream chunk c: chunk c + SD_ATT_PF_NEAR into L1, c + SD_ATT_PF_FAR into L2 (at c = 0, all before them too) */
+/* at stream chunk c: chunk c + SD_ATT_PF_NEAR into L1, c + SD_ATT_PF_FAR into L2 (at the first chunk
+ * of the keys or of the values, all before them too: the values may be read by another call) */
 static inline void stream_ahead(const att_stream *st, int c) {
-    if (c == 0 && SD_ATT_PF_NEAR && SD_ATT_PF_FAR) {
-        for (int i = 1; i < SD_ATT_PF_NEAR; i++) stream_chunk(st, i, 0);
-        for (int i = SD_ATT_PF_NEAR + 1; i < SD_ATT_PF_FAR; i++) stream_chunk(st, i, 1);
+    if ((c == 0 || c == st->nc) && SD_ATT_PF_NEAR && SD_ATT_PF_FAR) {
+        for (int i = c + 1; i < c + SD_ATT_PF_NEAR; i++) stream_chunk(st, i, 0);
+        for (int i = c + SD_ATT_PF_NEAR + 1; i < c + SD_ATT_PF_FAR; i++) stream_chunk(st, i, 1);
     }
     if (SD_ATT_PF_NEAR) stream_chunk(st, c + SD_ATT_PF_NEAR, 0);
     if (SD_ATT_PF_FAR) stream_chunk(st, c + SD_ATT_PF_FAR, 1);
@@ -235,17 +236,16 @@ static inline void score_out(__m512 d, int p, int nk, int j0, int lo, __m512 sv,
     mx[p] = _mm512_mask_max_ps(mx[p], m, mx[p], s);
 }
 
-/* Attention for n pairs sharing kv head h, cache table tab and first key lo; scores: n * score_len
- * floats (score_len >= the longest pair's len - lo + 16). */
-static inline __attribute__((always_inline)) void attend_pairs_t(
+/* The scores of n pairs sharing kv head h, cache table tab and first key lo, then their softmax
+ * weights: pair p's exp(score - max) of keys lo..len-1 at scores[p * score_len + 0..len-lo-1], 1 / their
+ * sum at scores[p * score_len + len - lo] (score_len >= the longest pair's len - lo + 16). */
+static inline __attribute__((always_inline)) void att_scores_t(
         const att_pair *pr, int n, const char *kbase, const char *vbase, const sd_kv *kv, const int32_t *tab,
         int h, int lo, int HD, float scale, float cap, int bf, float *scores, int score_len) {
     const int esz = bf ? 2 : 4, rowbytes = HD * esz;
     __m512i qv[SD_ATT_PAIRS][16];                  /* fp32: q */
     __m512i qg[SD_ATT_PAIRS / 4][32], q1[SD_ATT_PAIRS][32];   /* bf16: pairs 4g..4g+3 in slots, pair p alone */
-    float of[SD_ATT_PAIRS][256] __attribute__((aligned(64)));
     __m512 mx[SD_ATT_PAIRS];
-    float invs[SD_ATT_PAIRS];
     int maxlen = lo;
     for (int p = 0; p < n; p++) {
         if (bf) {
@@ -311,9 +311,22 @@ static inline __attribute__((always_inline)) void attend_pairs_t(
             _mm512_mask_storeu_ps(sc + j, m, e);
             sum = _mm512_add_ps(sum, e);
         }
-        invs[p] = 1.0f / _mm512_reduce_add_ps(sum);
-        for (int c = 0; c < HD; c += 16) _mm512_store_ps(of[p] + c, _mm512_setzero_ps());
+        sc[pr[p].len - lo] = 1.0f / _mm512_reduce_add_ps(sum);
     }
+}
+
+/* out of n pairs = their values weighted by att_scores_t's weights, in key order, times 1 / sum */
+static inline __attribute__((always_inline)) void att_values_t(
+        const att_pair *pr, int n, const char *kbase, const char *vbase, const sd_kv *kv, const int32_t *tab,
+        int h, int lo, int HD, int bf, const float *scores, int score_len) {
+    const int esz = bf ? 2 : 4, rowbytes = HD * esz;
+    float of[SD_ATT_PAIRS][256] __attribute__((aligned(64)));
+    int maxlen = lo;
+    for (int p = 0; p < n; p++) {
+        for (int c = 0; c < HD; c += 16) _mm512_store_ps(of[p] + c, _mm512_setzero_ps());
+        if (pr[p].len > maxlen) maxlen = pr[p].len;
+    }
+    const att_stream st = {kbase, vbase, kv, tab, lo, maxlen, (maxlen - lo + 15) / 16, h, rowbytes, esz};
     /* weighted values, keys in order */
     for (int j0 = lo; j0 < maxlen; j0 += 16) {
         const int in_block = j0 % kv->block + 16 <= kv->block;
@@ -344,7 +357,7 @@ static inline __attribute__((always_inline)) void attend_pairs_t(
     const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
     for (int p = 0; p < n; p++) {
-        const __m512 iv = _mm512_set1_ps(invs[p]);
+        const __m512 iv = _mm512_set1_ps(scores[(size_t)p * score_len + pr[p].len - lo]);
         int u = 0;
         for (; u + 32 <= HD; u += 32) {
             __m512 a = _mm512_mul_ps(_mm512_load_ps(of[p] + u), iv), b = _mm512_mul_ps(_mm512_load_ps(of[p] + u + 16), iv);
@@ -360,11 +373,16 @@ static inline __attribute__((always_inline)) void attend_pairs_t(
     }
 }
 
-static void attend_pairs(const att_pair *pr, int n, const char *kbase, const char *vbase, const sd_kv *kv,
-                         const int32_t *tab, int h, int lo, int HD, float scale, float cap, int bf,
-                         float *scores, int score_len) {
-    if (bf) attend_pairs_t(pr, n, kbase, vbase, kv, tab, h, lo, HD, scale, cap, 1, scores, score_len);
-    else attend_pairs_t(pr, n, kbase, vbase, kv, tab, h, lo, HD, scale, cap, 0, scores, score_len);
+static void attend_scores(const att_pair *pr, int n, const char *kbase, const char *vbase, const sd_kv *kv,
+                          const int32_t *tab, int h, int lo, int HD, float scale, float cap, int bf,
+                          float *scores, int score_len) {
+    if (bf) att_scores_t(pr, n, kbase, vbase, kv, tab, h, lo, HD, scale, cap, 1, scores, score_len);
+    else att_scores_t(pr, n, kbase, vbase, kv, tab, h, lo, HD, scale, cap, 0, scores, score_len);
+}
+static void attend_values(const att_pair *pr, int n, const char *kbase, const char *vbase, const sd_kv *kv,
+                          const int32_t *tab, int h, int lo, int HD, int bf, const float *scores, int score_len) {
+    if (bf) att_values_t(pr, n, kbase, vbase, kv, tab, h, lo, HD, 1, scores, score_len);
+    else att_values_t(pr, n, kbase, vbase, kv, tab, h, lo, HD, 0, scores, score_len);
 }
 
 #else
@@ -375,13 +393,12 @@ static void attend_pairs(const att_pair *pr, int n, const char *kbase, const cha
  * output elements, times 1 / sum.  A key's score and a value element's sum are functions of the pair
  * alone, so the chunking, the sharing of a chunk's rows between pairs and the prefetch change no bit
  * (these are the bits of the earlier one-pair-at-a-time AVX2 code, too). */
-static void attend_pairs(const att_pair *pr, int n, const char *kbase, const char *vbase, const sd_kv *kv,
-                         const int32_t *tab, int h, int lo, int HD, float scale, float cap, int bf,
-                         float *scores, int score_len) {
+static void attend_scores(const att_pair *pr, int n, const char *kbase, const char *vbase, const sd_kv *kv,
+                          const int32_t *tab, int h, int lo, int HD, float scale, float cap, int bf,
+                          float *scores, int score_len) {
     const int C = HD / 8, esz = bf ? 2 : 4, rowbytes = HD * esz;   /* HD % 16 == 0, HD <= 256 */
     float qf[SD_ATT_PAIRS][256] __attribute__((aligned(32)));
-    float of[SD_ATT_PAIRS][256] __attribute__((aligned(32)));
-    float mx[SD_ATT_PAIRS], invs[SD_ATT_PAIRS];
+    float mx[SD_ATT_PAIRS];
     int maxlen = lo;
     for (int p = 0; p < n; p++) {
         for (int c = 0; c < C; c++) _mm256_store_ps(qf[p] + 8 * c, ld8(pr[p].q, 8 * c, bf));
@@ -439,9 +456,20 @@ static void attend_pairs(const att_pair *pr, int n, const char *kbase, const cha
             _mm256_storeu_ps(sc + j, e);
             sum = _mm256_add_ps(sum, e);
         }
-        invs[p] = 1.0f / hsum8(sum);
-        for (int c = 0; c < C; c++) _mm256_store_ps(of[p] + 8 * c, _mm256_setzero_ps());
+        sc[len] = 1.0f / hsum8(sum);
     }
+}
+
+static void attend_values(const att_pair *pr, int n, const char *kbase, const char *vbase, const sd_kv *kv,
+                          const int32_t *tab, int h, int lo, int HD, int bf, const float *scores, int score_len) {
+    const int C = HD / 8, esz = bf ? 2 : 4, rowbytes = HD * esz;
+    float of[SD_ATT_PAIRS][256] __attribute__((aligned(32)));
+    int maxlen = lo;
+    for (int p = 0; p < n; p++) {
+        for (int c = 0; c < C; c++) _mm256_store_ps(of[p] + 8 * c, _mm256_setzero_ps());
+        if (pr[p].len > maxlen) maxlen = pr[p].len;
+    }
+    const att_stream st = {kbase, vbase, kv, tab, lo, maxlen, (maxlen - lo + 15) / 16, h, rowbytes, esz};
     /* weighted values, keys in order, 32 output elements at a time */
     for (int j0 = lo; j0 < maxlen; j0 += 16) {
         const int in_block = j0 % kv->block + 16 <= kv->block;
@@ -474,7 +502,7 @@ static void attend_pairs(const att_pair *pr, int n, const char *kbase, const cha
         }
     }
     for (int p = 0; p < n; p++) {
-        const __m256 iv = _mm256_set1_ps(invs[p]);
+        const __m256 iv = _mm256_set1_ps(scores[(size_t)p * score_len + pr[p].len - lo]);
         for (int c = 0; c < C; c++) {
             const __m256 y = _mm256_mul_ps(_mm256_load_ps(of[p] + 8 * c), iv);
             if (bf) {
@@ -488,3 +516,11 @@ static void attend_pairs(const att_pair *pr, int n, const char *kbase, const cha
     }
 }
 #endif
+
+/* Both halves in one call: the attention of n pairs (the usual schedule, decoder.c) */
+static void attend_pairs(const att_pair *pr, int n, const char *kbase, const char *vbase, const sd_kv *kv,
+                         const int32_t *tab, int h, int lo, int HD, float scale, float cap, int bf,
+                         float *scores, int score_len) {
+    attend_scores(pr, n, kbase, vbase, kv, tab, h, lo, HD, scale, cap, bf, scores, score_len);
+    attend_values(pr, n, kbase, vbase, kv, tab, h, lo, HD, bf, scores, score_len);
+}
