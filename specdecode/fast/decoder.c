@@ -302,20 +302,12 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
             if (split) {
                 attention_split(md, kv, pos, row_base, path, T, win, l, kl, vl, t, nt, scores, score_len, ready);
             } else {
-                /* split evenly between threads.  A kv head split between threads t and t + 1 (t even)
-                 * is the last of t's range and the first of t + 1's: t takes its kv heads last to
-                 * first, so that the two read that head's keys and values at about the same time */
-                range(T * H, t, nt, &a, &b);
-                const int per = T * grp, k0 = a / per, k1 = b > a ? (b - 1) / per : k0 - 1;
-                for (int s = 0; s <= k1 - k0; s++) {
-                    const int kvh = t % 2 == 0 ? k1 - s : k0 + s;
-                    const int ub = b < (kvh + 1) * per ? b : (kvh + 1) * per;
-                    for (int u = a > kvh * per ? a : kvh * per; u < ub;) {
-                        att_batch bt;
-                        u = att_next(md, kv, pos, row_base, path, T, win, u, ub, &bt);
-                        attend_pairs(bt.pr, bt.n, kl, vl, kv, bt.tab, bt.kvh, bt.lo, HD, md->scale, md->attn_softcap,
-                                     bf, sc, score_len);
-                    }
+                range(T * H, t, nt, &a, &b);              /* split evenly between threads */
+                for (int u = a; u < b;) {
+                    att_batch bt;
+                    u = att_next(md, kv, pos, row_base, path, T, win, u, b, &bt);
+                    attend_pairs(bt.pr, bt.n, kl, vl, kv, bt.tab, bt.kvh, bt.lo, HD, md->scale, md->attn_softcap, bf,
+                                 sc, score_len);
                 }
             }
 #pragma omp barrier
