@@ -1,16 +1,21 @@
-/* Attention kernel alone (attend_pairs of specdecode/fast/decoder_attn.c), single thread, on a
- * synthetic paged bf16 cache shaped like SmolLM2-135M (30 layers, 3 kv heads x 3 q heads, head_dim 64,
- * block 16).  Built against a kernels.c source tree:
+/* Attention kernel alone (attend_pairs of specdecode/fast/decoder_attn.c) on a synthetic paged bf16
+ * cache shaped like SmolLM2-135M (30 layers, 3 kv heads x 3 q heads, head_dim 64, block 16), random
+ * keys and values.  Built against a kernels.c source tree (e.g. another revision's, to compare):
  *   gcc -O3 -march=native -fopenmp -std=gnu11 -ffp-contract=off -mamx-tile -mamx-bf16 -mamx-int8 \
- *       -Wno-psabi -I specdecode/fast scripts/attention_micro.c -o /tmp/am && /tmp/am CTX ROWS REPS [shuffle [rowmajor]]
- * HEADMAJOR=1: blocks laid out [kv head][key][head_dim] instead of [key][kv head][head_dim].
- * CHECK=1: layer 0's outputs against attention in double precision.
- * G=8: 8 q heads per kv head (8 pairs per call, as a verify pass).
- * LFLUSH=MB (THREADS=2): that many MB read between two layers' attention, as a step's weights.
- * FLUSH=1: 96 MB read between repetitions (the KV cache then comes from DRAM, as in a decode step
- * that streams the weights too).  THREADS=2: the decoder's split of (row, q head) units between 2 threads, REV=1: even threads
- * take their kv heads in reverse order, KVHSPLIT=1: whole kv heads per thread.  (rowmajor: a row's kv heads one after the other, else a kv head's rows.)  Prints the minimum and median over REPS of one decode step's attention (all layers, kv heads and
- * rows) in ms, and a checksum of the outputs. */
+ *       -Wno-psabi -I specdecode/fast scripts/attention_micro.c -o /tmp/am -lm
+ *   /tmp/am CTX ROWS REPS [scatter [rowmajor]]
+ * Prints the minimum and median over REPS of one decode step's attention (all layers, kv heads and
+ * rows) in ms, and a checksum of the outputs.  scatter=1: the rows' blocks in a random order in the
+ * pool; rowmajor=1: a row's kv heads one after the other (else a kv head's rows).  Environment:
+ *   CPUTIME=1   this thread's CPU time instead of the wall clock (one thread: robust to a busy host)
+ *   FLUSH=1     96 MB read between repetitions (the cache then comes from DRAM, as in a decode step
+ *               that streams the weights too)
+ *   THREADS=2   two threads, the decoder's plain split of the (row, q head) units (not attention_split)
+ *   LAYERS=1    one layer (with CTX 1500 it stays in L2: the compute alone)
+ *   G=8         8 q heads per kv head (8 pairs per call, as in a verify pass)
+ *   KSCALE=x    keys uniform in +-x (default 2)
+ *   HUGE=1      the pool on 2 MB pages;  HEADMAJOR=1  blocks [kv head][key][head_dim]
+ *   CHECK=1     layer 0's outputs against attention in double precision */
 #include "kernels.c"
 #include <stdio.h>
 #include <time.h>
@@ -21,12 +26,6 @@ static double now(void) {
     struct timespec t;
     clock_gettime(use_cputime ? CLOCK_THREAD_CPUTIME_ID : CLOCK_MONOTONIC, &t);
     return t.tv_sec + t.tv_nsec * 1e-9;
-}
-/* this thread's share of a read of p[0..n) */
-static float sd_read_bw_part(const float *p, size_t n, int t, int nt) {
-    __m512 s = _mm512_setzero_ps();
-    for (size_t i = n * t / nt / 16 * 16; i < n * (t + 1) / nt / 16 * 16; i += 16) s = _mm512_add_ps(s, _mm512_loadu_ps(p + i));
-    return _mm512_reduce_add_ps(s);
 }
 static int cmp(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
 static uint16_t tobf(float f) { uint32_t u; memcpy(&u, &f, 4); return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16); }
@@ -60,11 +59,7 @@ int main(int argc, char **argv) {
     float *scores = aligned_alloc(64, sizeof(float) * 2 * SD_ATT_PAIRS * (len + 32));
     reduce16_init();
     double *t = malloc(sizeof(double) * reps);
-    const int getenv_rev = getenv("REV") != NULL, getenv_kvh = getenv("KVHSPLIT") != NULL;
     use_cputime = getenv("CPUTIME") != NULL;
-    const size_t lflush_n = getenv("LFLUSH") ? (size_t)atoi(getenv("LFLUSH")) << 18 : 0;   /* MB per layer */
-    float *lflush = lflush_n ? malloc(lflush_n * L * sizeof(float)) : NULL;
-    for (size_t i = 0; i < lflush_n * L; i++) lflush[i] = 1.f;
     const int nth = getenv("THREADS") ? atoi(getenv("THREADS")) : 1;
     const size_t flush_n = getenv("FLUSH") ? (size_t)96 << 18 : 0;    /* 96 MB of floats read between reps */
     float *flush = flush_n ? malloc(flush_n * sizeof(float)) : NULL, sink = 0;
@@ -85,7 +80,7 @@ int main(int argc, char **argv) {
                                  0.125f, 0.f, 1, scores, len + 32);
                 }
         } else {
-            /* the decoder's split (decoder.c): (row, q head) units kv-head-major, an even range per thread */
+            /* the decoder's plain split (decoder.c): (row, q head) units kv-head-major, an even range per thread */
 #pragma omp parallel num_threads(nth)
             {
                 const int t = omp_get_thread_num(), nt = omp_get_num_threads(), H = KVH * G, per = R * G;
@@ -93,10 +88,9 @@ int main(int argc, char **argv) {
                 for (int l = 0; l < L; l++) {
                     int a, b;
                     range(R * H, t, nt, &a, &b);
-                    if (getenv_kvh) { range(KVH, t, nt, &a, &b); a *= per; b *= per; }   /* whole kv heads */
                     const int k0 = a / per, k1 = b > a ? (b - 1) / per : k0 - 1;
                     for (int s = 0; s <= k1 - k0; s++) {
-                        const int kvh = getenv_rev && t % 2 == 0 ? k1 - s : k0 + s;
+                        const int kvh = k0 + s;
                         const int sa = a > kvh * per ? a : kvh * per, sb = b < (kvh + 1) * per ? b : (kvh + 1) * per;
                         for (int u = sa; u < sb;) {
                             att_pair pr[SD_ATT_PAIRS];
@@ -110,11 +104,6 @@ int main(int argc, char **argv) {
                             attend_pairs(pr, n, (const char *)K[l], (const char *)V[l], &kv, tables + (size_t)r0 * nb, kvh,
                                          0, HD, 0.125f, 0.f, 1, sc, len + 32);
                         }
-                    }
-                    if (lflush) {      /* the layer's weights stream between two attention phases */
-#pragma omp barrier
-                        volatile float v = sd_read_bw_part(lflush + (size_t)l * lflush_n, lflush_n, t, nt);
-                        (void)v;
                     }
 #pragma omp barrier
                 }
