@@ -227,6 +227,52 @@ def test_fused_batched_and_paged_rows_equal_batch_one(tiny_models, odd_model, wi
         assert torch.equal(sub, logits[:, [3, 0]])
 
 
+@pytest.fixture(scope="session")
+def long_models(tmp_path_factory) -> dict:
+    """Llama with head_dim 64 and GQA 3:1 (SmolLM2-135M's attention shape), and with head_dim 48
+    (one 32-element unit and a half one in the attention kernels)."""
+    root = tmp_path_factory.mktemp("long")
+    return {"llama_hd64": make_model(root / "llama_hd64", "llama", seed=7, hidden=192, heads=3, kv_heads=1),
+            "llama_hd48": make_model(root / "llama_hd48", "llama", seed=8, hidden=96, heads=2, kv_heads=1)}
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("arch", ["llama_hd64", "llama_hd48"])
+def test_long_rows_on_scattered_blocks_equal_rows_alone(long_models, arch, dtype):
+    """Rows of different lengths (90..250 keys: up to 16 cache blocks, past the attention's prefetch
+    distance) in one pass over a paged cache whose blocks interleave in the pool (prefilled turn by
+    turn), a decode step and then a 6-token block per row, give each row the logits and hidden
+    states of the same tokens run alone at batch 1 on a contiguous cache."""
+    from specdecode.serve.paged_cache import PagedKVCache
+    _skip_if_unsupported(dtype)
+    model = _load(long_models[arch], dtype)
+    c = model.config
+    gen = torch.Generator().manual_seed(4)
+    lengths = (250, 133, 201, 90)
+    prompts = [torch.randint(0, model.vocab_size, (n,), generator=gen) for n in lengths]
+    none = torch.zeros(1, 0, dtype=torch.long)
+    cache = PagedKVCache(c.num_layers, 5, c.num_kv_heads, c.head_dim, 256, 80, 16, model.dtype)
+    rows = torch.tensor([4, 0, 2, 1])
+    for r in rows.tolist():
+        cache.reserve(r, 256)
+    for s0 in range(0, max(lengths) - 7, 37):          # 37 tokens of each row in turn
+        for r, p in zip(rows.tolist(), prompts):
+            if s0 < len(p) - 7:
+                model.forward(p[None, s0:min(s0 + 37, len(p) - 7)], cache, torch.tensor([s0]), rows=torch.tensor([r]),
+                              logit_index=none)
+    starts = torch.tensor([n - 7 for n in lengths])
+    step = _with_hidden(model, torch.stack([p[-7:-6] for p in prompts]), cache, starts, rows)
+    block = _with_hidden(model, torch.stack([p[-6:] for p in prompts]), cache, starts + 1, rows)
+    for i, p in enumerate(prompts):
+        alone = model.new_cache(1, 256)
+        model.forward(p[None, :-7], alone, 0, logit_index=none)
+        for (logits, hidden), ref in ((step, _with_hidden(model, p[None, -7:-6], alone, len(p) - 7)),
+                                      (block, _with_hidden(model, p[None, -6:], alone, len(p) - 6))):
+            assert torch.equal(logits[i], ref[0][0]), (i, logits.shape)
+            assert torch.equal(hidden[i], ref[1][0]), (i, logits.shape)
+
+
 @needs_native
 def test_large_passes_stay_in_the_fused_decoder(tiny_models):
     """However many token rows a pass has (a batched verify of 40 rows x 8, a long prompt), it runs

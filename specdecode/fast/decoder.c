@@ -12,10 +12,10 @@
  *
  * Batch invariance: every token row is computed by the same instruction sequence whatever T is:
  *   - matmuls: per-row accumulators, fixed k order (amx_part / avx512bf16_part / fp32_part);
- *   - attention for row t: scores over keys 0..start+t in order, one 16-lane fp32 accumulator per
- *     dot product over head_dim chunks, max, exp, sum in 16-lane blocks of keys starting at key 0,
- *     weighted value sum in key order; no split of the key range across threads;
- *     several (row, head) pairs of one kv head share each chunk's reads (decoder_attn.c), never its sums;
+ *   - attention for row t: scores over keys 0..start+t, each key's dot product a fixed fp32 sum
+ *     of exact bf16 products (or fp32 FMAs), max, exp, sum in 16-lane blocks of keys starting at key
+ *     0, weighted value sum in key order; no split of the key range across threads; several (row,
+ *     head) pairs of one kv head share each chunk's reads (decoder_attn.c), never their sums;
  *   - rmsnorm / rope / silu: per row, fixed vector order.
  * Work is split between threads by output columns (matmuls) and by (row, head) units (attention),
  * which changes who computes a value, never how.
@@ -128,6 +128,82 @@ static void sublayer_out(const sd_model *md, const void *x, int K, const void *W
 #pragma omp barrier
 }
 
+/* A batch of attention pairs: units u (row r, q head h) in kv-head-major order, u = kvh * T * grp +
+ * r * grp + (h % grp), consecutive, of one kv head, one cache table and one first key lo. */
+typedef struct {
+    att_pair pr[SD_ATT_PAIRS];
+    int n, kvh, lo, u0;
+    const int32_t *tab;
+} att_batch;
+
+/* The batch starting at unit u (units below ub, at most SD_ATT_PAIRS); returns the unit after it */
+static int att_next(const sd_model *md, const sd_kv *kv, const int32_t *pos, const int32_t *row_base,
+                    int32_t (*path)[64], int T, int win, int u, int ub, att_batch *bt) {
+    const int bf = md->is_bf16, esz = bf ? 2 : 4, HD = md->HD, grp = md->H / md->KVH, per = T * grp;
+    const int r0 = u % per / grp;
+    bt->kvh = u / per;
+    bt->u0 = u;
+    bt->tab = kv->tables + (size_t)r0 * kv->table_width;
+    bt->lo = win > 0 && pos[r0] + 1 > win ? pos[r0] + 1 - win : 0;
+    if (ub > (bt->kvh + 1) * per) ub = (bt->kvh + 1) * per;
+    for (bt->n = 0; u < ub && bt->n < SD_ATT_PAIRS; u++) {
+        const int r = u % per / grp, h = bt->kvh * grp + u % grp;
+        const int lo = win > 0 && pos[r] + 1 > win ? pos[r] + 1 - win : 0;
+        const int32_t *tab = kv->tables + (size_t)r * kv->table_width;
+        if (lo != bt->lo || (tab != bt->tab && memcmp(tab, bt->tab, sizeof(int32_t) * kv->table_width))) break;
+        bt->pr[bt->n++] = (att_pair){(const char *)md->q + ((size_t)r * md->H * HD + (size_t)h * HD) * esz,
+                                     (char *)md->att + ((size_t)r * md->Qp + (size_t)h * HD) * esz, pos[r] + 1,
+                                     row_base[r], path[r]};
+    }
+    return u;
+}
+
+/* Attention when an even split of the units would divide a batch between two threads, which would
+ * then both read its kv head (decode at batch 1: 9 q heads over 3 kv heads on 2 threads), and the
+ * scores of all units fit the scratch (T * H <= nthreads * SD_ATT_PAIRS).  Each batch is two items, its
+ * scores (reading the keys) and its values (reading the values), and the items of all batches in order
+ * are split evenly between the threads: at batch 1, thread 0 takes kv head 0 and kv head 1's scores,
+ * thread 1 kv head 1's values and kv head 2, so each reads half the cache and no byte twice.  A
+ * batch's scores live at its units' own place in the scratch; a thread that owns the values of a
+ * batch whose scores are on the thread before it does them last, after waiting for that thread's
+ * flag, which the thread before raises first thing.  The items are computed as in attend_pairs, so
+ * the bits do not depend on the schedule. */
+#define SD_SPLIT_MAX 512              /* batches */
+static void attention_split(const sd_model *md, const sd_kv *kv, const int32_t *pos, const int32_t *row_base,
+                            int32_t (*path)[64], int T, int win, int l, const char *kl, const char *vl, int t,
+                            int nt, float *scores, int score_len, int *ready) {
+    const int bf = md->is_bf16, HD = md->HD, units = T * md->H;
+    int starts[SD_SPLIT_MAX + 1], G = 0;
+    for (int u = 0; u < units && G < SD_SPLIT_MAX; G++) {        /* the batches, as every thread sees them */
+        att_batch bt;
+        starts[G] = u;
+        u = att_next(md, kv, pos, row_base, path, T, win, u, units, &bt);
+    }
+    starts[G] = units;
+    int i0, i1;
+    range(2 * G, t, nt, &i0, &i1);
+    /* item i: batch i / 2, its scores (i even) or values (i odd) */
+#define SD_ITEM(i) do {                                                                                  \
+        att_batch bt;                                                                                   \
+        att_next(md, kv, pos, row_base, path, T, win, starts[(i) / 2], starts[(i) / 2 + 1], &bt);       \
+        float *sc = scores + (size_t)bt.u0 * score_len;                                                 \
+        if ((i) % 2 == 0) {                                                                             \
+            attend_scores(bt.pr, bt.n, kl, vl, kv, bt.tab, bt.kvh, bt.lo, HD, md->scale, md->attn_softcap, \
+                          bf, sc, score_len);                                                           \
+            __atomic_store_n(&ready[(i) / 2], l + 1, __ATOMIC_RELEASE);                                  \
+        } else {                                                                                        \
+            while (__atomic_load_n(&ready[(i) / 2], __ATOMIC_ACQUIRE) < l + 1) _mm_pause();              \
+            attend_values(bt.pr, bt.n, kl, vl, kv, bt.tab, bt.kvh, bt.lo, HD, bf, sc, score_len);       \
+        }                                                                                               \
+    } while (0)
+    const int first = i1 > i0 && (i1 - 1) % 2 == 0 && i1 < 2 * G;     /* scores whose values are on t + 1 */
+    const int last = i1 > i0 && i0 % 2 == 1;                           /* values whose scores are on t - 1 */
+    if (first) SD_ITEM(i1 - 1);
+    for (int i = i0 + last; i < i1 - first; i++) SD_ITEM(i);
+    if (last) SD_ITEM(i0);
+#undef SD_ITEM
+}
+
 /* General form: token rows r = 0..T-1 (T <= SD_MAX_T), row r is token tokens[r] at RoPE position
  * pos[r] of its own sequence, written to cache slot slot[r] (NULL: slot = pos), whose cache is
  * addressed through kv->tables + r * kv->table_width; rows of one sequence come in slot order.
@@ -159,6 +235,17 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
     char *hid = md->hid, *xn = md->xn, *qkv = md->qkv, *qb = md->q, *att = md->att, *gu = md->gu, *act = md->act;
     const int mode_out = bf ? OUT_BF16 : OUT_F32, wbf = bf && !md->norm_f32;
     reduce16_init();
+    /* the split schedule (attention_split) where an even split of the units divides a batch of one
+     * kv head and one row between two threads */
+    int split = 0, ready[SD_SPLIT_MAX];
+    if (nthreads > 1 && T * H <= nthreads * SD_ATT_PAIRS && T * H <= SD_SPLIT_MAX) {
+        for (int t = 1; t < nthreads; t++) {
+            int a, b;
+            range(T * H, t, nthreads, &a, &b);
+            split |= a > 0 && a < T * H && (a - 1) / grp == a / grp;
+        }
+        memset(ready, 0, sizeof ready);
+    }
 
 #pragma omp parallel num_threads(nthreads)
     {
@@ -210,24 +297,18 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
                     memcpy(vl + kv_off(kv, tab, row_slot[r], h - H - KVH) * esz, src, (size_t)HD * esz);
             }
 #pragma omp barrier
-            /* (row, q head) pairs in kv-head-major order, split evenly between threads; each thread
-             * runs its share in batches that read one kv head through one cache table (decoder_attn.c) */
-            range(T * H, t, nt, &a, &b);
-            for (int u = a; u < b;) {
-                att_pair pr[SD_ATT_PAIRS];
-                const int kvh = u / (T * grp), r0 = u % (T * grp) / grp;
-                const int32_t *tab0 = kv->tables + (size_t)r0 * kv->table_width;
-                const int lo0 = win > 0 && pos[r0] + 1 > win ? pos[r0] + 1 - win : 0;
-                int n = 0;
-                for (; u < b && n < SD_ATT_PAIRS && u / (T * grp) == kvh; u++) {
-                    const int r = u % (T * grp) / grp, h = kvh * grp + u % grp;
-                    const int lo = win > 0 && pos[r] + 1 > win ? pos[r] + 1 - win : 0;
-                    const int32_t *tab = kv->tables + (size_t)r * kv->table_width;
-                    if (lo != lo0 || (tab != tab0 && memcmp(tab, tab0, sizeof(int32_t) * kv->table_width))) break;
-                    pr[n++] = (att_pair){qb + ((size_t)r * QS + (size_t)h * HD) * esz,
-                                         att + ((size_t)r * md->Qp + (size_t)h * HD) * esz, pos[r] + 1, row_base[r], path[r]};
+            /* (row, q head) pairs in kv-head-major order, in batches that read one kv head through one
+             * cache table (decoder_attn.c) */
+            if (split) {
+                attention_split(md, kv, pos, row_base, path, T, win, l, kl, vl, t, nt, scores, score_len, ready);
+            } else {
+                range(T * H, t, nt, &a, &b);              /* split evenly between threads */
+                for (int u = a; u < b;) {
+                    att_batch bt;
+                    u = att_next(md, kv, pos, row_base, path, T, win, u, b, &bt);
+                    attend_pairs(bt.pr, bt.n, kl, vl, kv, bt.tab, bt.kvh, bt.lo, HD, md->scale, md->attn_softcap, bf,
+                                 sc, score_len);
                 }
-                attend_pairs(pr, n, kl, vl, kv, tab0, kvh, lo0, HD, md->scale, md->attn_softcap, bf, sc, score_len);
             }
 #pragma omp barrier
             sublayer_out(md, att, md->Qp, md->o_w[l], md->o_q ? md->o_q[l] : NULL,

@@ -1,6 +1,6 @@
 /*
  * specdecode/fast/decoder_ops.c -- the per-row pieces of the fused decoder (included by decoder.c):
- * dtype <-> fp32 vector helpers, exp / tanh, RMSNorm, RoPE and one (row, head) of attention.  Each is
+ * dtype <-> fp32 vector helpers, exp / tanh, RMSNorm, RoPE and the AVX2 helpers of attention.  Each is
  * elementwise or a fixed-order reduction over one row, so a row's result never depends on the others.
  */
 
@@ -111,19 +111,15 @@ static void reduce16_init(void) {
  * tbase + i (i = 0, 1, ...) is the i-th node on the row's path, at slot tslots[i]. */
 #define KEY_SLOT(j) ((j) < tbase ? (j) : tslots[(j) - tbase])
 
-/* Attention for one query row and one q head over logical keys/values lo..len-1 of kv head h
- * (addressed through kv/tab from the layer bases kbase/vbase, KEY_SLOT mapping a logical key to its
- * cache slot; model dtype), q [HD] (model dtype), out [HD]; scores soft-capped when cap > 0.  scores: scratch of >= len - lo + 16 floats.
- * Keys go in chunks of 16 starting at key lo (0, or the first key of a sliding window: a function of
- * the row's position only), so logical key j's dot product always takes slot (j - lo) % 16 of the
- * same tree, whatever the cache layout and wherever a tree put the key: a tree node's row is
- * computed exactly as the same path verified as a chain.  With AVX512 this contract is kept by
- * attend_pairs (decoder_attn.c), which runs several (row, head) pairs of one kv head at once. */
+/* Attention (decoder_attn.c) for one query row and one q head runs over logical keys/values lo..len-1
+ * of kv head h, addressed through the cache table with KEY_SLOT mapping a logical key to its cache
+ * slot.  Keys go in chunks of 16 starting at key lo (0, or the first key of a sliding window: a
+ * function of the row's position only), and each key's score is a function of q and that key alone,
+ * wherever the cache or a tree put it: a tree node's row is computed exactly as the same path
+ * verified as a chain. */
 #if !defined(__AVX512F__)
-/* AVX2 (no AVX512F): the same contract with 8-lane vectors (SIMDe's 512-bit emulation spills 32
- * accumulators here and was ~10x slower).  Logical key j's dot product is one 8-lane accumulation
- * over q's HD/8 chunks in order, then a fixed horizontal sum: a function of (q, key j) only, so the
- * batch invariance argument above holds unchanged. */
+/* AVX2 (no AVX512F) helpers of that attention, 8 lanes (SIMDe's 512-bit emulation spills 32
+ * accumulators there and was ~10x slower). */
 static inline __m256 ld8(const void *p, size_t i, int bf) {
     if (bf) return _mm256_castsi256_ps(_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const bf16 *)p + i))), 16));
@@ -154,71 +150,5 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, bias), 23)));
 }
 
-static void attend(const void *q, const char *kbase, const char *vbase, const sd_kv *kv, const int32_t *tab,
-                   int tbase, const int32_t *tslots,
-                   int h, int lo, int len, int HD, float scale, float cap, int bf, float *scores, void *out) {
-    const int C = HD / 8;                  /* HD % 16 == 0, HD <= 256 */
-    const int esz = bf ? 2 : 4;
-    float qf[256] __attribute__((aligned(32)));
-    for (int c = 0; c < C; c++) _mm256_store_ps(qf + 8 * c, ld8(q, 8 * c, bf));
-    const int n = len - lo;
-    int j = 0;
-    for (; j + 4 <= n; j += 4) {           /* 4 keys at a time: 4 independent accumulations */
-        const char *k0 = kbase + kv_off(kv, tab, KEY_SLOT(lo + j), h) * esz;
-        const char *k1 = kbase + kv_off(kv, tab, KEY_SLOT(lo + j + 1), h) * esz;
-        const char *k2 = kbase + kv_off(kv, tab, KEY_SLOT(lo + j + 2), h) * esz;
-        const char *k3 = kbase + kv_off(kv, tab, KEY_SLOT(lo + j + 3), h) * esz;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int c = 0; c < C; c++) {
-            const __m256 qv = _mm256_load_ps(qf + 8 * c);
-            a0 = _mm256_fmadd_ps(qv, ld8(k0, 8 * c, bf), a0);
-            a1 = _mm256_fmadd_ps(qv, ld8(k1, 8 * c, bf), a1);
-            a2 = _mm256_fmadd_ps(qv, ld8(k2, 8 * c, bf), a2);
-            a3 = _mm256_fmadd_ps(qv, ld8(k3, 8 * c, bf), a3);
-        }
-        scores[j] = hsum8(a0) * scale; scores[j + 1] = hsum8(a1) * scale;
-        scores[j + 2] = hsum8(a2) * scale; scores[j + 3] = hsum8(a3) * scale;
-    }
-    for (; j < n; j++) {
-        const char *kj = kbase + kv_off(kv, tab, KEY_SLOT(lo + j), h) * esz;
-        __m256 a = _mm256_setzero_ps();
-        for (int c = 0; c < C; c++) a = _mm256_fmadd_ps(_mm256_load_ps(qf + 8 * c), ld8(kj, 8 * c, bf), a);
-        scores[j] = hsum8(a) * scale;
-    }
-    float mx = -__builtin_inff();
-    for (j = 0; j < n; j++) {
-        if (cap > 0.f) scores[j] = cap * tanhf(scores[j] / cap);      /* Gemma 2's soft cap */
-        mx = scores[j] > mx ? scores[j] : mx;
-    }
-    for (j = n; j < ((n + 7) & ~7); j++) scores[j] = -__builtin_inff();   /* pad: exp -> 0 below */
-    const __m256 mv = _mm256_set1_ps(mx);
-    __m256 sum = _mm256_setzero_ps();
-    for (j = 0; j < n; j += 8) {
-        const __m256 live = _mm256_cmp_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(-__builtin_inff()), _CMP_NEQ_OQ);
-        __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mv)), live);
-        _mm256_storeu_ps(scores + j, p);
-        sum = _mm256_add_ps(sum, p);
-    }
-    const __m256 invs = _mm256_set1_ps(1.0f / hsum8(sum));
-    for (int c0 = 0; c0 < C; c0 += 4) {   /* 32 output dims at a time, keys in order */
-        const int cn = C - c0 < 4 ? C - c0 : 4;
-        __m256 o[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (j = 0; j < n; j++) {
-            const __m256 p = _mm256_set1_ps(scores[j]);
-            const char *vj = vbase + kv_off(kv, tab, KEY_SLOT(lo + j), h) * esz;
-            for (int c = 0; c < cn; c++) o[c] = _mm256_fmadd_ps(p, ld8(vj, 8 * (c0 + c), bf), o[c]);
-        }
-        for (int c = 0; c < cn; c++) {
-            const __m256 y = _mm256_mul_ps(o[c], invs);
-            if (bf) {
-                const __m256i r = sd_bf16_round8(y);
-                _mm_storeu_si128((__m128i *)((bf16 *)out + 8 * (c0 + c)),
-                                 _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-            } else {
-                _mm256_storeu_ps((float *)out + 8 * (c0 + c), y);
-            }
-        }
-    }
-}
 #endif
 

@@ -37,6 +37,18 @@ from .block_pool import BlockPool, chain_hashes
 SCRATCH = 0          # block 0: target of padding writes, never owned by a row
 
 
+def _pool(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed pool tensor, on the CPU on 2 MB pages where the kernel grants them (madvise, as packed
+    weights get: fast/linear.weight_empty). A decode step reads each row's blocks, scattered over the
+    pool; with 4 KB pages every block costs TLB misses. SmolLM2-135M, 1500 tokens per row, scattered
+    blocks, 2 threads of an AMD EPYC family 26 (Zen 5), alternating: 8 rows 13.4 -> 12.8 ms per step,
+    32 rows 51.9 -> 48.3 ms."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    from ..fast.linear import weight_empty
+    return weight_empty(math.prod(shape), dtype).view(shape).zero_()
+
+
 class CacheFull(RuntimeError):
     """A reservation does not fit in the free blocks (the scheduler checks `can_reserve` first)."""
 
@@ -51,8 +63,8 @@ class PagedKVCache:
         if num_rows < 1 or max_len < 1:
             raise ValueError(f"num_rows and max_len must be >= 1, got {num_rows} and {max_len}")
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.keys = [_pool(shape, dtype, device) for _ in range(num_layers)]
+        self.values = [_pool(shape, dtype, device) for _ in range(num_layers)]
         self.block_size, self.num_blocks, self.max_len = block_size, num_blocks, max_len
         self.batch_size = num_rows                 # number of rows (KVCache naming)
         self.device = torch.device(device)
