@@ -17,7 +17,7 @@ def drive(tuner, steps, seconds_per_row):
 
 def test_the_tuner_follows_a_machine_that_becomes_busy_and_idle_again():
     calls = []
-    tuner = ThreadTuner(max_threads=2, period=10, trial=4, set_threads=calls.append)
+    tuner = ThreadTuner(max_threads=2, period=10, max_period=20, trial=4, set_threads=calls.append)
     idle = {2: 1.0, 1: 1.6}.get            # idle: 2 threads faster
     busy = {2: 2.5, 1: 1.7}.get            # another process on a core: 1 thread faster
     drive(tuner, 40, idle)
@@ -29,10 +29,11 @@ def test_the_tuner_follows_a_machine_that_becomes_busy_and_idle_again():
     assert ThreadTuner(max_threads=1).active is False
 
 
-def test_noise_within_the_margin_does_not_switch():
-    tuner = ThreadTuner(max_threads=2, period=8, trial=4, set_threads=lambda n: None)
-    drive(tuner, 100, {2: 1.0, 1: 0.97}.get)
+def test_noise_within_the_margin_does_not_switch_and_lost_trials_back_off():
+    tuner = ThreadTuner(max_threads=2, period=8, max_period=64, trial=4, set_threads=lambda n: None)
+    drive(tuner, 300, {2: 1.0, 1: 0.97}.get)
     assert tuner.current == 2 and tuner.switches == 0
+    assert tuner.interval == 64 and tuner.trials <= 8          # 8, 16, 32, 64, 64, ...: few trials
 
 
 def test_answers_do_not_depend_on_the_thread_count(tiny_models):
@@ -43,7 +44,7 @@ def test_answers_do_not_depend_on_the_thread_count(tiny_models):
         params = [SamplingParams(max_tokens=120, ignore_eos=True),
                   SamplingParams(max_tokens=120, ignore_eos=True, temperature=0.9, seed=4)]
         want = [o.token_ids for o in llm.generate([prompt, prompt], params)]
-        llm.threads = ThreadTuner(max_threads=2, period=3, trial=2)      # trials every few steps
+        llm.threads = ThreadTuner(max_threads=2, period=3, max_period=3, trial=2)      # trials every few steps
         got = [o.token_ids for o in llm.generate([prompt, prompt], params)]
         assert got == want and llm.threads.steps > 20
     finally:
