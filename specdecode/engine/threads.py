@@ -11,7 +11,7 @@ steps: the trial's median time per pass row (its first step, which wakes the oth
 out) is compared with that of the steps just before it (adjacent steps: the same batch, much the
 same draft sizes), and the faster count is kept, the current one winning ties within `margin`.
 Trials cost time when they lose (on an idle machine a 1-thread step is ~1.6x a 2-thread one), so
-the wait between them doubles after each lost trial (from `period` up to `max_period` steps:
+the wait between them doubles after each lost trial (from `period`, 64, up to `max_period`, 512 steps:
 under 2% of an idle machine's time) and goes back to `period` after a switch. A machine that
 becomes busy, or idle again, is followed within `max_period` steps (a few seconds).
 """
@@ -24,7 +24,7 @@ import torch
 
 
 class ThreadTuner:
-    def __init__(self, max_threads: int | None = None, period: int = 32, max_period: int = 512, trial: int = 4,
+    def __init__(self, max_threads: int | None = None, period: int = 64, max_period: int = 512, trial: int = 3,
                  margin: float = 0.05, set_threads=torch.set_num_threads) -> None:
         self.max_threads = max_threads or torch.get_num_threads()
         self.choices = sorted({self.max_threads, max(1, self.max_threads // 2)}, reverse=True)
