@@ -312,7 +312,7 @@ BAD_PARAMS = [
     ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", 2.0), ("max_tokens", True),
     ("stop", [""]), ("stop", ["a"] * 17), ("stop", [1]),
     ("stop", 5), ("ignore_eos", "yes"), ("structured", {"type": "object"}), ("structured", "json"),
-    ("logprobs", 21), ("logprobs", -1), ("logprobs", True),
+    ("logprobs", 21), ("logprobs", -1), ("logprobs", True), ("prediction", ""), ("prediction", 3),
 ]
 
 

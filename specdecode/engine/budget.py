@@ -16,7 +16,8 @@ which form a tree). Every verified step therefore tells what every smaller size 
 emitted: the accepted path cut at the first node >= b. Sizes above the largest run so far are
 explored one level at a time (every `explore_every` steps, or right after a step that accepted
 every drafted node, the next size above the best), and
-while plain decoding wins a small size is probed every `probe_every` steps. A drafter without
+while plain decoding wins a small size is probed every `probe_every` steps (unless shadows, below,
+measure the sizes: a probe of a batch of many sequences costs several plain steps). A drafter without
 per-request state (lookup, suffix, recycle) keeps drafting while plain decoding runs ("shadow"
 drafts, one per sequence at a time, never verified): each is scored against the tokens the
 sequence then emits, so a size that starts to pay is found without paying for a probe; a lookup
@@ -99,6 +100,8 @@ class DraftBudget:
     explore_every: int = 8                  # steps between explorations of the next larger size
     probe_every: int = 16                   # steps between probes while plain decoding wins
     draft_cost: float | None = None         # prior seconds per drafted node (None: measured only)
+    shadowed: bool = False                  # the engine scores shadow drafts while plain decoding runs (a
+                                            # stateless drafter): they measure every size for free, so no probes
     span: int = 0                           # a copying drafter's sizes past max_size: tried only right after a
                                             # step that accepted every node (a long copy), kept while they pay
     levels: list[int] = field(init=False)
@@ -121,12 +124,13 @@ class DraftBudget:
         self.levels = sorted({x for x in LEVELS if x <= top} | {self.max_size, top})
         self.gain = {0: 1.0}
         self.nodes = {0: 0.0}
-        self.size = min(self.levels, key=lambda x: abs(x - 4))   # start at a modest size
-        if self.draft_cost is not None:   # ... or where the prior cost says, for a drafter that pays to try
-            sizes = [s for s in self.levels if 0 < s <= 4] or [self.size]
-            self.size = max(sizes, key=lambda s: (expected_tokens(PRIOR_ACCEPTANCE, s) / self.step_seconds(s), -s))
-            if not self.could_pay(self.size, PRIOR_ACCEPTANCE):   # not even that pays: plain, and probes
-                self.size = 0                                     # only where a size still could
+        # start at the modest size (at most 4) that the prior acceptance predicts fastest, at the costs
+        # known (the batch's verify rows; a drafter that pays to try, its prior cost); plain decoding where
+        # none pays (a batch of many sequences, whose every verify row costs nearly a step)
+        sizes = [s for s in self.levels if 0 < s <= 4] or [min(self.levels[1:], default=0)]
+        self.size = max(sizes, key=lambda s: (expected_tokens(PRIOR_ACCEPTANCE, s) / self.step_seconds(s), -s))
+        if not self.could_pay(self.size, PRIOR_ACCEPTANCE):   # not even that pays: plain, and probes
+            self.size = 0                                     # only where a size still could
 
     @property
     def draft_time_known(self) -> bool:
@@ -137,9 +141,8 @@ class DraftBudget:
         """Could drafting at `size` beat plain decoding if drafts were accepted at `acceptance` per
         position (1.0: all of them), at the drafting cost known so far? (A drafter whose tokens cost
         nearly a target step cannot: the 135M model's layer-skip draft keeps 27 of its 30 layers.)
-        Always True before a cost is known."""
-        if not self.draft_time_known:
-            return True
+        Drafting costs nothing until its cost is known (a prior or a measurement): verification alone
+        decides then."""
         return expected_tokens(acceptance, size) / self.step_seconds(size) >= MARGIN / self.step_seconds(0)
 
     # ------------------------------------------------------------------ the model
@@ -166,7 +169,7 @@ class DraftBudget:
         # ties go to the larger size: a drafter that proposes nothing at a size costs little there
         # (lookup drafters often have no match), and drafting keeps its gains measured; plain
         # decoding keeps a MARGIN
-        return max((s for s in self.levels if s in self.gain),
+        return max((s for s in self.levels if s in self.gain and (s == 0 or self.could_pay(s))),
                    key=lambda s: (round(self.gain[s] / self.step_seconds(s) / (MARGIN if s else 1.0), 9), s))
 
     # ------------------------------------------------------------------ each step
@@ -178,15 +181,15 @@ class DraftBudget:
         if len(self.gain) == 1 and self.size > 0:     # no draft measured yet: the starting size
             pass
         elif best == 0:               # plain decoding wins: now and then probe a small size that could pay
-            probe = self.steps % self.probe_every == 0 and larger
+            probe = not self.shadowed and self.steps % self.probe_every == 0 and larger
             self.size = larger[min(1, len(larger) - 1)] if probe else 0
             if self.size and not self.could_pay(self.size, PROBE_ACCEPTANCE if self.draft_cost is not None else 1.0):
                 self.size = 0
-        elif self.all_accepted and [s for s in self.levels if s > max(best, self.size)]:
+        elif self.all_accepted and [s for s in self.levels if s > max(best, self.size) and self.could_pay(s)]:
             # hill climbing: after a step whose drafts were all accepted, the next size above it (past
-            # max_size too: a long copy goes on growing while it is accepted whole)
-            self.size = next(s for s in self.levels if s > max(best, self.size))
-        elif self.steps % self.explore_every == 0 and [s for s in larger if s <= self.max_size]:
+            # max_size too: a long copy goes on growing while it is accepted whole) that could pay
+            self.size = next(s for s in self.levels if s > max(best, self.size) and self.could_pay(s))
+        elif self.steps % self.explore_every == 0 and [s for s in larger if s <= self.max_size and self.could_pay(s)]:
             self.size = larger[0]   # now and then the next larger size up to max_size (its gain is then known)
         else:
             self.size = best

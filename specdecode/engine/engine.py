@@ -152,7 +152,7 @@ class SpecEngine:
         if adaptive:                            # after the drafter's prefill, which may refine its cost
             caps = self.drafter.capabilities
             draft_cost = caps.relative_cost * self.cost_curve[1] if caps.has_state else None
-            budget = self.budget = DraftBudget(self.k, curve, draft_cost=draft_cost,
+            budget = self.budget = DraftBudget(self.k, curve, draft_cost=draft_cost, shadowed=not caps.has_state,
                                                span=self.span if self.span > self.k else 0)
         shadows = ShadowDrafts() if budget is not None and not self.drafter.capabilities.has_state else None
         prefill_done = time.perf_counter()
