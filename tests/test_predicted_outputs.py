@@ -56,7 +56,7 @@ def test_a_row_doubles_its_draft_while_it_copies():
     row.streak = 2
     assert row.size() == 16
     row.streak = 9
-    assert row.size() == 32
+    assert row.size() == 32 and row.size(batch=2) == 4      # alone only
     assert RowPolicy(k=4).size() == 4
 
 

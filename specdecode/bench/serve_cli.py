@@ -270,7 +270,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     extra = check(args)
     prompts = load_prompts(args)
     out = Path(args.out)
-    server = LocalServer(serve_args(args), out / "server.log", args.server_timeout) if args.url is None else None
+    own = serve_args(args)
+    if args.compare_speculation and "--no-prefix-cache" not in own:
+        # the arms send the same prompts one after another: with the prefix cache the later arms would
+        # skip the prefill the first one paid (a --url server: run it with its prefix cache off)
+        own.append("--no-prefix-cache")
+    server = LocalServer(own, out / "server.log", args.server_timeout) if args.url is None else None
     try:
         if server is not None:
             print(f"bench serve: starting `specdecode serve {shlex.join(server.serve_args)}`", file=sys.stderr,

@@ -114,7 +114,8 @@ def markdown(results: dict) -> str:
              f"{cfg['max_tokens']}, temperature {cfg['temperature']:g}"
              + ("; ignore_eos" if cfg["ignore_eos"] else "") + ".",
              f"SLOs for goodput: TTFT {cfg['slo_ttft_ms'] or '–'} ms, TPOT {cfg['slo_tpot_ms'] or '–'} ms. "
-             "Times in ms as p50 / p99; TPOT = (latency - TTFT) / (tokens - 1); ITL = gap between streamed chunks.",
+             "Times in ms as p50 / p99; TPOT = (latency - TTFT) / (tokens - 1); ITL = gap between streamed chunks."
+             + (f" Server arguments: `{' '.join(results['server']['args'])}`." if results["server"].get("args") else ""),
              "", "| load | speculation | requests | failed | req/s | output tok/s | goodput req/s | TTFT ms | TPOT ms "
              "| ITL ms | tokens/step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for level in results["levels"]:

@@ -13,13 +13,15 @@ were measured, a prior from the drafter's relative cost is used. Speculation pay
 E > r: a request stays on while E >= r * (1 + margin) and comes back on at E >= r * (1 +
 margin) * (1 + hysteresis).
 
-Long copies: a row of a copying drafter (lookups, a predicted output) doubles its draft after
-each step whose drafts were all accepted, up to its span, and goes back to k at a rejection.
+Long copies: a row of a copying drafter (lookups, a predicted output) that decodes alone doubles
+its draft after each step whose drafts were all accepted, up to its span, and goes back to k at a
+rejection (in a batch every row's drafts lengthen the pass all rows wait for: k is the cap).
 
 Switching off:
 * request ("low_acceptance"): its own alpha gives E below the bar;
-* batch ("batch_cost"): at batch size B >= 2 the pooled alpha of the rows that speculate gives
-  E below the bar, i.e. verifying B rows' drafts costs more than they save;
+* batch ("batch_cost"): at batch size B >= 2 the batch's gain, tokens per row and step with every
+  row counted (B + accepted drafts) / B, is below the bar: verifying the rows' drafts lengthens the
+  pass all B rows wait for more than they save;
 * batch ("batch_size"): more rows than `max_batch_size` (a fixed limit, off by default).
 
 Calibration: the first step at a batch size, and one in `recalibrate_every` after, is plain
@@ -67,9 +69,10 @@ class RowPolicy:
     span: int = 0                  # a copying drafter's longest draft (0: k); reached by doubling k after each
     streak: int = 0                # step whose drafts were all accepted (a long copy), back to k at a rejection
 
-    def size(self) -> int:
-        """Drafts of the next speculating step: k, doubled per fully accepted step up to span."""
-        return min(self.span, self.k << min(self.streak, 8)) if self.span > self.k else self.k
+    def size(self, batch: int = 1) -> int:
+        """Drafts of the next speculating step: k, doubled per fully accepted step up to span when the
+        row decodes alone (in a batch every row's drafts lengthen the pass all rows wait for)."""
+        return min(self.span, self.k << min(self.streak, 8)) if self.span > self.k and batch == 1 else self.k
 
     @property
     def alpha(self) -> float:
@@ -114,6 +117,7 @@ class SpeculationPolicy:
         self.batch_probing = False
         self.batch_observations = 0
         self.batch_alpha, self.batch_k = 0.0, 0   # pooled acceptance and k when switched off for cost
+        self.batch_gain = 1.0                     # tokens per row and speculative step (moving average)
         self.calibrating = False
 
     # ---------------------------------------------------------------- costs
@@ -121,6 +125,10 @@ class SpeculationPolicy:
         """r(B, k): a speculative step's time over a plain step's time."""
         if self.measured(batch, k):
             return self.costs.spec[(batch, k)] / self.costs.plain[batch]
+        known = [j for j in range(1, k) if self.measured(batch, j)]
+        if known:                                       # the nearest size measured at this batch, scaled
+            j = max(known)                              # to k (each draft row costs about the same)
+            return 1.0 + (self.costs.spec[(batch, j)] / self.costs.plain[batch] - 1.0) * k / j
         return 1.0 + k * (self.draft_cost + 0.03)       # prior: drafting + a little verify overhead
 
     def measured(self, batch: int, k: int) -> bool:
@@ -167,13 +175,13 @@ class SpeculationPolicy:
             if r.mode == OFF or r.k == 0:
                 ks.append(0)
             elif r.mode == ON:
-                ks.append(r.size())
+                ks.append(r.size(batch))
             elif self.calibrating:
                 ks.append(0)
             elif not self.batch_on:
                 ks.append(r.k if self.batch_probing and r.on else 0)
             elif r.on:
-                ks.append(r.size())
+                ks.append(r.size(batch))
             elif not self.shadow and r.steps_off >= r.probe_wait:
                 r.probing = True
                 decisions.append(Decision("request", "probe", "periodic"))
@@ -216,7 +224,8 @@ class SpeculationPolicy:
                     else:
                         r.steps_off = 0
                         r.probe_wait = min(2 * r.probe_wait, self.max_probe_interval)
-        self._observe_batch(batch, kmax, pooled_s, pooled_t, decisions)
+        gain = (batch + sum(accepted)) / batch         # tokens per row and step, every row counted
+        self._observe_batch(batch, kmax, pooled_s, pooled_t, gain, decisions)
         return decisions
 
     def observe_shadow(self, row: RowPolicy, batch: int, drafted: int, matched: int) -> list[Decision]:
@@ -227,20 +236,26 @@ class SpeculationPolicy:
             self._row_on(row, "acceptance_recovered", decisions)
         return decisions
 
-    def _observe_batch(self, batch: int, kmax: int, successes: float, trials: float,
+    def _observe_batch(self, batch: int, kmax: int, successes: float, trials: float, gain: float,
                        decisions: list[Decision]) -> None:
+        """A step's pooled acceptance and its gain: tokens per row (every row, drafting or not). The
+        batch pays when its gain beats the step's cost ratio: a row's drafts lengthen the pass every
+        row waits for, so a row whose own drafts pay alone may not pay in a batch."""
         if trials == 0:
             if not self.batch_on:
                 self.batch_steps_off = 0 if self.batch_probing else self.batch_steps_off + 1
             return
         alpha = successes / trials
+        self.batch_gain = gain if self.batch_observations == 0 else \
+            self.decay * self.batch_gain + (1 - self.decay) * gain
         if self.batch_on and batch >= 2:
             self.batch_observations += 1
-            if self.batch_observations >= self.min_observations and not self.pays(alpha, batch, kmax, False):
+            if self.batch_observations >= self.min_observations and \
+                    self.batch_gain < self.bar(batch, kmax, turning_on=False):
                 self._batch_off(batch, "batch_cost", decisions)
                 self.batch_alpha, self.batch_k = alpha, kmax
         elif self.batch_probing:
-            if self.pays(alpha, batch, kmax, turning_on=True):
+            if gain >= self.bar(batch, kmax, turning_on=True):
                 self._batch_on_again("probe", decisions)
             else:
                 self.batch_steps_off = 0
