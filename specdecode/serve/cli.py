@@ -17,8 +17,8 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=positive_int("--port", 0, 65535), default=8000, help="default 8000")
     g.add_argument("--served-model-name", default=None, help="model name in the API (default: --model as given)")
-    g.add_argument("--max-batch-size", type=positive_int("--max-batch-size", 1, 1024), default=8,
-                   help="requests decoded together (default 8)")
+    g.add_argument("--max-batch-size", type=positive_int("--max-batch-size", 1, 1024), default=16,
+                   help="requests decoded together (default 16)")
     g.add_argument("--max-queue", type=positive_int("--max-queue", 1), default=64,
                    help="requests waiting for a row in the batch; more get HTTP 429 (default 64)")
     g.add_argument("--max-model-len", type=positive_int("--max-model-len", 2), default=None,
@@ -29,7 +29,10 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--block-size", type=positive_int("--block-size", 1, 1024), default=16,
                    help="tokens per KV cache block (default 16)")
     g.add_argument("--num-blocks", type=positive_int("--num-blocks", 2), default=0,
-                   help="KV blocks per model (default: a full batch at --max-model-len)")
+                   help="KV blocks per model (default: a full batch at --max-model-len, at most --kv-cache-gb)")
+    g.add_argument("--kv-cache-gb", type=number("--kv-cache-gb"), default=4.0,
+                   help="the default KV pool's bound, target and draft together (default 4; requests reserve "
+                        "their prompt + max_tokens, so the full batch of ordinary requests still fits)")
     g.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk", 1), default=256,
                    help="most prompt tokens prefilled between two decode steps (default 256)")
     g.add_argument("--prefill-stall-ms", type=number("--prefill-stall-ms"), default=100.0,
@@ -106,7 +109,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            "cache in memory")
         from .ray_cli import serve_on_ray
         return serve_on_ray(args)
-    config = ServeConfig(max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+    config = ServeConfig(max_batch_size=args.max_batch_size, max_queue=args.max_queue, kv_cache_gb=args.kv_cache_gb,
                          max_model_len=args.max_model_len, block_size=args.block_size, num_blocks=args.num_blocks,
                          prefill_chunk=args.prefill_chunk, prefill_stall_ms=args.prefill_stall_ms,
                          num_speculative_tokens=args.k,

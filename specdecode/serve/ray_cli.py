@@ -21,6 +21,7 @@ def ray_spec(args: argparse.Namespace) -> dict:
     if args.device not in (None, "cpu"):
         raise CliError(f"--replicas runs CPU engine replicas; --device {args.device} is not supported with Ray")
     config = dict(max_batch_size=args.max_batch_size, max_queue=args.max_queue, max_model_len=args.max_model_len,
+                  kv_cache_gb=args.kv_cache_gb,
                   block_size=args.block_size, num_blocks=args.num_blocks, prefill_chunk=args.prefill_chunk,
                   prefill_stall_ms=args.prefill_stall_ms,
                   num_speculative_tokens=args.k, spec_max_batch_size=args.spec_max_batch_size,

@@ -29,6 +29,7 @@ from typing import Callable
 from ..engine.engine import MAX_CHAIN, SPAN
 from ..drafters.prediction import prediction_usage
 from ..engine.sequence import attach_prediction
+from ..footprint import kv_bytes_per_token
 from ..params import ParamError, SamplingParams
 from ..tree import MAX_TREE_NODES
 from .batch import BatchEngine, ServeSequence
@@ -42,11 +43,12 @@ _ids = itertools.count(1)
 
 @dataclass
 class ServeConfig:
-    max_batch_size: int = 8
+    max_batch_size: int = 16
     max_queue: int = 64
     max_model_len: int | None = None     # None: the target's context
     block_size: int = 16
-    num_blocks: int = 0                  # 0: enough for max_batch_size rows of max_model_len tokens
+    num_blocks: int = 0                  # 0: max_batch_size rows of max_model_len tokens, at most kv_cache_gb
+    kv_cache_gb: float = 4.0             # the default pool's bound (target + draft), as vLLM's CPU KV space
     prefill_chunk: int = 256
     prefill_stall_ms: float = 100.0      # 0: always prefill_chunk tokens per pass
     num_speculative_tokens: int = 5      # default k of a request
@@ -82,14 +84,25 @@ class ServeConfig:
         if isinstance(self.prefix_cache_dir_bytes, bool) or not isinstance(self.prefix_cache_dir_bytes, int) \
                 or self.prefix_cache_dir_bytes < 0:
             raise ParamError(f"prefix_cache_dir_bytes must be an integer >= 0, got {self.prefix_cache_dir_bytes!r}")
+        if isinstance(self.kv_cache_gb, bool) or not isinstance(self.kv_cache_gb, (int, float)) \
+                or not 0 < self.kv_cache_gb <= 1e6:
+            raise ParamError(f"kv_cache_gb must be a number of GB in (0, 1e6], got {self.kv_cache_gb!r}")
         if not self.health_timeout > 0:
             raise ParamError(f"health_timeout must be > 0 seconds, got {self.health_timeout}")
 
-    def blocks(self, context: int) -> int:
-        """KV blocks per cache: --num-blocks, or enough for a full batch at the full context
-        (plus the scratch block)."""
+    def blocks(self, context: int, token_bytes: int = 0) -> int:
+        """KV blocks per cache: --num-blocks, or enough for a full batch at the full context, but
+        no more than kv_cache_gb holds at `token_bytes` per token (target + draft), and at least one
+        request of the whole context (plus the scratch block). Requests reserve their prompt and
+        max_tokens, so a pool smaller than the full batch at the full context still runs the full
+        batch of ordinary requests."""
         per_row = -(-(context + 1) // self.block_size)
-        return self.num_blocks or self.max_batch_size * per_row + 1
+        if self.num_blocks:
+            return self.num_blocks
+        full = self.max_batch_size * per_row
+        if token_bytes:
+            full = min(full, max(per_row, int(self.kv_cache_gb * 2**30 // (token_bytes * self.block_size))))
+        return full + 1
 
 
 @dataclass
@@ -142,7 +155,9 @@ class Scheduler:
         self.target = target
         self.context = config.max_model_len or target.model.max_len
         rows = config.max_batch_size
-        num_blocks = config.blocks(self.context)
+        draft = drafter.draft_model() if drafter is not None else None
+        num_blocks = config.blocks(self.context, kv_bytes_per_token(target.model)
+                                   + kv_bytes_per_token(draft.model if draft is not None else None))
         # one row more than the batch: the engine then always passes explicit rows to the model
         # (its batch-1 fused path needs a contiguous cache)
         self.max_k = MAX_TREE_NODES if drafter is not None and drafter.capabilities.drafts_trees else MAX_CHAIN

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 from ..models.config import ModelError
+from ..footprint import kv_bytes_per_token
 from .memory import available_bytes, check_memory, plan_memory, weights_bytes
 from ..engine.engine import MAX_CHAIN
 from .protocol import MAX_K, ServeContext
@@ -38,7 +39,9 @@ def build_state(llm, config: ServeConfig, check_budget: bool = True, available: 
         raise ModelError(f"--max-model-len {context} exceeds the target's context of {target.model.max_len} tokens")
     if draft is not None and context > draft.max_len:
         raise ModelError(f"--max-model-len {context} exceeds the draft's context of {draft.max_len} tokens")
-    plan = plan_memory(target.model, draft, config.blocks(context), config.block_size, config.max_batch_size,
+    plan = plan_memory(target.model, draft, config.blocks(context, kv_bytes_per_token(target.model)
+                                                          + kv_bytes_per_token(draft)),
+                       config.block_size, config.max_batch_size,
                        MAX_K if drafter is not None and drafter.capabilities.drafts_trees else MAX_CHAIN,
                        config.prefill_chunk, context)
     if check_budget:
