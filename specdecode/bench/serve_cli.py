@@ -193,7 +193,8 @@ def plan(args: argparse.Namespace) -> list[dict]:
     levels = []
     shapes = ([("concurrency", c) for c in args.concurrency or [1, 4, 16]] if args.rate is None
               else [("rate", r) for r in args.rate])
-    for kind, value in shapes:
+    start = 0          # each level (and round) takes the next prompts: a server's prefix cache, or a
+    for kind, value in shapes:     # peer's last-prompt cache, never finds a later level's prompts cached
         total = args.num_requests or (max(8, 4 * value) if kind == "concurrency" else 32)
         steps = []
         for i in range(rounds):
@@ -204,7 +205,8 @@ def plan(args: argparse.Namespace) -> list[dict]:
             for arm in order:
                 steps.append({"round": i, "arm": arm, "requests": None if args.duration else count,
                               "seconds": args.duration / rounds if args.duration else None,
-                              "offset": i * max(count, 1), "seed": args.seed + i})
+                              "offset": start + i * max(count, 1), "seed": args.seed + i})
+        start += max(total, 1)
         label = f"concurrency {value}" if kind == "concurrency" else f"rate {value:g}/s"
         levels.append({"load": label, "kind": kind, "value": value, "arms": arms, "steps": steps})
     return levels
