@@ -220,7 +220,7 @@ async def run_level(url: str, level: dict, prompts, workload: Workload, args, pi
             gate = asyncio.Semaphore(min(conc or args.warmup, args.warmup))
 
             async def warm(i: int) -> None:
-                prompt, arm = prompts[i % len(prompts)], level["arms"][i % len(level["arms"])]
+                prompt, arm = prompts[-1 - i % len(prompts)], level["arms"][i % len(level["arms"])]   # not measured
                 async with gate:
                     await send(client, prompt, workload, Record(prompt.task, prompt.id, arm, -1), time.perf_counter())
             await asyncio.gather(*(warm(i) for i in range(args.warmup)))
