@@ -6,9 +6,11 @@ over all of them. Greedy, `--max-tokens` tokens per answer (EOS ignored), prefil
     python scripts/serve_overhead.py                                   # embedded model, 6 prompts x 2 rounds
     python scripts/serve_overhead.py --model qwen2.5-coder-1.5b-q4_k_m.gguf --max-tokens 128
 
-Arms: offline / server / server-stream, each plain (k = 0; `speculate: false`) and speculative
+Arms: offline / server / server-stream / server-stream-raw, each plain (k = 0; `speculate: false`) and speculative
 (the default drafter; the server's automatic policy). Prints median tok/s per arm and the ratio of
 each server arm to the offline arm of the same kind; `--json FILE` keeps every measurement.
+`server-stream-raw` reads the same stream with httpx, line by line, without parsing the chunks: the
+server's streaming cost without the openai client's (pydantic per chunk), which shares the cores.
 """
 from __future__ import annotations
 
@@ -68,6 +70,18 @@ def main() -> int:
             assert len(out.token_ids) == args.max_tokens
             return args.max_tokens / (time.perf_counter() - started)
 
+        import httpx
+        raw = httpx.Client(base_url=server.url, timeout=600)
+
+        def served_raw(prompt: str, spec: bool) -> float:
+            body = dict(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
+                        temperature=0, stream=True, ignore_eos=True, **({} if spec else {"speculate": False}))
+            started = time.perf_counter()
+            with raw.stream("POST", "/v1/chat/completions", json=body) as response:
+                lines = [line for line in response.iter_lines() if line]
+            assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2].replace(" ", "")
+            return args.max_tokens / (time.perf_counter() - started)
+
         def served(prompt: str, spec: bool, stream: bool) -> float:
             body = dict(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
                         temperature=0, extra_body={"ignore_eos": True, **({} if spec else {"speculate": False})})
@@ -83,7 +97,8 @@ def main() -> int:
         arms = {f"{name}-{kind}": fn for kind in kinds for name, fn in (
             ("offline", lambda p, s=kind == "spec": offline(p, s)),
             ("server", lambda p, s=kind == "spec": served(p, s, False)),
-            ("server-stream", lambda p, s=kind == "spec": served(p, s, True)))}
+            ("server-stream", lambda p, s=kind == "spec": served(p, s, True)),
+            ("server-stream-raw", lambda p, s=kind == "spec": served_raw(p, s)))}
         for fn in arms.values():                       # warm-up: caches, compiled kernels, cost curves
             fn(prompts[0])
         rates: dict[str, list[float]] = {a: [] for a in arms}

@@ -186,3 +186,25 @@ def test_streamed_text_never_shows_a_stop_string(stop):
                 break
         sent += stream.finish(end)
         assert sent == text[:end], (step, sent)
+
+
+def test_held_tokens_post_one_merged_event_then_the_last():
+    """A non-streamed choice's sink keeps its tokens on the engine thread: nothing is posted per
+    step; at the end one Tokens event with every id, kind and logprob in order, then the final event."""
+    from specdecode.serve.app import HeldTokens
+    from specdecode.serve.scheduler import Failed, Finished, Tokens
+    posted = []
+    sink = HeldTokens(posted.append)
+    sink(Tokens([1, 2], ["accepted", "bonus"], [-0.1, -0.2]))
+    sink(Tokens([3], ["recovered"], [-0.3]))
+    assert posted == []
+    done = Finished("stop", None, {}, {})
+    sink(done)
+    assert [type(e) for e in posted] == [Tokens, Finished] and posted[1] is done
+    assert (posted[0].ids, posted[0].kinds, posted[0].logprobs) == ([1, 2, 3], ["accepted", "bonus", "recovered"],
+                                                                    [-0.1, -0.2, -0.3])
+    posted.clear()
+    failing = HeldTokens(posted.append)
+    failing(Tokens([7], ["bonus"], None))
+    failing(Failed(500, "boom"))                 # an error after some tokens: the tokens first, then it
+    assert [type(e) for e in posted] == [Tokens, Failed] and posted[0].logprobs is None

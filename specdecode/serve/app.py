@@ -15,6 +15,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -71,6 +72,31 @@ class Mailbox:
             items, self.items, self.scheduled = self.items, [], False
         for queue, item in items:
             queue.put_nowait(item)
+
+
+class HeldTokens:
+    """The sink of a non-streamed choice: its tokens are kept on the engine thread, merged, and
+    posted with its last event, so the event loop is woken once per answer instead of once per
+    step (on a 2-core machine each wake-up takes a core from the engine's pass)."""
+
+    def __init__(self, post: Callable[[object], None]) -> None:
+        self.post, self.held = post, None
+
+    def __call__(self, event) -> None:
+        if isinstance(event, Tokens):
+            if self.held is None:
+                self.held = Tokens(list(event.ids), list(event.kinds),
+                                   None if event.logprobs is None else list(event.logprobs))
+            else:
+                self.held.ids += event.ids
+                self.held.kinds += event.kinds
+                if self.held.logprobs is not None:
+                    self.held.logprobs += event.logprobs or []
+            return
+        if self.held is not None:
+            self.post(self.held)
+            self.held = None
+        self.post(event)
 
 
 class TextStream:
@@ -145,7 +171,8 @@ class Generation:
         params = parsed.params
         if index and params.seed is not None:
             params = dataclasses.replace(params, seed=(params.seed + index) % 2**63)
-        self.request = Request(parsed.prompt_ids, params, lambda event: mailbox.post(queue, (self, event)),
+        post = lambda event: mailbox.post(queue, (self, event))         # noqa: E731
+        self.request = Request(parsed.prompt_ids, params, post if parsed.stream else HeldTokens(post),
                                parsed.speculate, parsed.num_speculative_tokens, after=after)
         tools = parsed.tools             # tools/: the calls are parsed out of the text as it comes
         self.tools = ToolParser(tools.fmt, [f["name"] for f in tools.functions()]) if tools is not None else None
