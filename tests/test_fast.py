@@ -343,3 +343,19 @@ def test_kernels_compile_for_avx2_cpus(tmp_path):
     r = subprocess.run(["gcc", *flags, str(linear._SRC), "-o", str(tmp_path / "k.so")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_quantized_kernels_prefetch_on_intel_and_zen5_only(monkeypatch):
+    """The software prefetch distance (a build flag; results are the same bits either way): Intel and
+    AMD family 26+ (Zen 5) default to 2048 bytes, Zen 4 and older AMD to 0, SPECDECODE_QPREFETCH wins."""
+    from specdecode.fast import linear
+    monkeypatch.delenv("SPECDECODE_QPREFETCH", raising=False)
+    for vendor, family, expected in (("GenuineIntel", "6", 2048), ("AuthenticAMD", "26", 2048),
+                                     ("AuthenticAMD", "25", 0), ("AuthenticAMD", "23", 0), ("", "", 0)):
+        info = {"vendor_id": vendor, "cpu family": family}
+        monkeypatch.setattr(linear, "_cpuinfo", lambda field, info=info: info.get(field, ""))
+        assert linear._qprefetch_bytes() == expected, (vendor, family)
+    monkeypatch.setenv("SPECDECODE_QPREFETCH", "512")
+    assert linear._qprefetch_bytes() == 512
+    monkeypatch.setenv("SPECDECODE_QPREFETCH", "0")
+    assert linear._qprefetch_bytes() == 0

@@ -123,20 +123,27 @@ def kernel_plan(flags: set[str] | None = None) -> dict:
 
 
 # Software prefetch (PREFETCHT2, this many bytes ahead of each weight block) in the quantized kernels,
-# on Intel CPUs only.  2-core Sapphire Rapids, scripts/verify_cost.py, 0 -> 2048 alternating, three
-# rounds: SmolLM2-135M Q4_1 at context 300, 1 / 4 / 8 rows 5.9-6.4 -> 4.9-5.2 / 7.9-9.0 -> 6.3-6.7 /
-# 10.4-12.0 -> 9.0-9.3 ms; Qwen2.5-Coder-1.5B Q4_K_M at 256, 5 rows 72.5-72.9 -> 62.1-65.7 ms (1 row
-# unchanged).  On AMD Zen 4 an earlier PREFETCHT0 build was slower than the hardware prefetcher alone
-# (1.5B step 43 -> 31 ms without), so other vendors keep 0.
-QPREFETCH_INTEL = 2048
+# on Intel CPUs and AMD Zen 5 (family 26) and later.  2-core Sapphire Rapids, scripts/verify_cost.py,
+# 0 -> 2048 alternating, three rounds: SmolLM2-135M Q4_1 at context 300, 1 / 4 / 8 rows 5.9-6.4 ->
+# 4.9-5.2 / 7.9-9.0 -> 6.3-6.7 / 10.4-12.0 -> 9.0-9.3 ms; Qwen2.5-Coder-1.5B Q4_K_M at 256, 5 rows
+# 72.5-72.9 -> 62.1-65.7 ms (1 row unchanged).  2-core AMD EPYC family 26 (Zen 5), the 1.5B at 800,
+# two alternations each: 1 / 6 / 8 / 16 / 32 / 64 rows 21.9-22.2 -> 16.7-17.4, 42.9-43.3 -> 34.6-34.8,
+# 60.8-60.9 -> 39.6, 100.3-100.5 -> 69.2-69.4, 154.1-154.6 -> 128.0-128.6, 271.0-271.8 -> 251.4-253.1
+# ms (the 135M, whose weights sit largely in cache: unchanged).  On AMD Zen 4 (family 25) an earlier
+# PREFETCHT0 build was slower than the hardware prefetcher alone (1.5B step 43 -> 31 ms without) and
+# PREFETCHT2 is unmeasured there, so Zen 4 and older AMD cores keep 0.
+QPREFETCH_BYTES = 2048
 
 
 def _qprefetch_bytes() -> int:
     """How far ahead the quantized kernels prefetch weights (0 = not at all): SPECDECODE_QPREFETCH,
-    by default QPREFETCH_INTEL on Intel CPUs and 0 elsewhere."""
+    by default QPREFETCH_BYTES on Intel CPUs and AMD family 26 (Zen 5) or later, 0 elsewhere."""
     value = os.environ.get("SPECDECODE_QPREFETCH")
     if value is None:
-        return QPREFETCH_INTEL if _cpuinfo("vendor_id") == "GenuineIntel" else 0
+        vendor, family = _cpuinfo("vendor_id"), _cpuinfo("cpu family")
+        if vendor == "GenuineIntel" or (vendor == "AuthenticAMD" and family.isdigit() and int(family) >= 26):
+            return QPREFETCH_BYTES
+        return 0
     return int(value) if value.isdigit() else 0
 
 
