@@ -50,11 +50,34 @@ def test_a_drafter_that_proposes_nothing_gives_way_to_plain_decoding():
     """No match (no nodes) gains nothing and looking costs time: plain decoding (drafting must be
     predicted MARGIN faster); a stateless drafter's shadow drafts keep measuring it (next test)."""
     budget = DraftBudget(16, CURVE, decay=0.5)
+    sizes = []
     for _ in range(10):
         size = budget.next_size()
+        sizes.append(size)
         budget.observe(size, [0], [[]], verify_seconds=interpolate(CURVE, 1), draft_seconds=0.02 if size else 0.0,
                        pending=1)
-    assert budget.best() == 0 and budget.draft_per_step > 0.01
+    assert budget.best() == 0 and budget.draft_per_step > 0.0
+    assert sum(1 for s in sizes if s) <= 2           # the prior of a size is taken at what it proposed: nothing
+
+
+def test_short_lookups_do_not_reach_span_sizes():
+    """A copying drafter (span 32) whose lookups propose 5 tokens that are never accepted: the sizes
+    above 5 tie with 5 (or win on a lucky step) but are never chosen without a climb, so no step
+    verifies a 32-token lookup on no evidence; and a size's prior follows what it proposed."""
+    budget = DraftBudget(5, CURVE, decay=0.7, span=32, shadowed=True)
+    chosen = []
+    for step in range(200):
+        size = budget.next_size()
+        chosen.append(size)
+        if size:
+            accepted = [0] if step % 17 == 0 else []          # now and then one token
+            budget.observe(size, [min(size, 5)], [accepted], verify_seconds=interpolate(CURVE, 1 + min(size, 5)),
+                           draft_seconds=0.0, pending=1)
+        else:
+            budget.observe(0, [0], [[]], verify_seconds=interpolate(CURVE, 1), draft_seconds=0.0, pending=1)
+            budget.observe_shadow(5, 1 if step % 17 == 0 else 0)
+    assert max(chosen) <= 5, sorted(set(chosen))
+    assert budget.nodes[32] <= 5.0 + 1e-9
 
 
 def test_extra_rows_cost_what_the_steps_measure():

@@ -168,8 +168,12 @@ class DraftBudget:
         """The size with the most tokens per second among those measured."""
         # ties go to the larger size: a drafter that proposes nothing at a size costs little there
         # (lookup drafters often have no match), and drafting keeps its gains measured; plain
-        # decoding keeps a MARGIN
-        return max((s for s in self.levels if s in self.gain and (s == 0 or self.could_pay(s))),
+        # decoding keeps a MARGIN. Sizes past max_size (a copying drafter's span) only up to the size
+        # a climb has reached: where a lookup's drafts are short every size above them ties (or wins
+        # on one lucky step), and choosing 32 there verifies the next long lookup whole (32 rows:
+        # several plain steps) on no evidence of a long copy
+        cap = max(self.max_size, self.size)
+        return max((s for s in self.levels if s in self.gain and s <= cap and (s == 0 or self.could_pay(s))),
                    key=lambda s: (round(self.gain[s] / self.step_seconds(s) / (MARGIN if s else 1.0), 9), s))
 
     # ------------------------------------------------------------------ each step
@@ -250,10 +254,14 @@ class DraftBudget:
     def _update(self, size: int, emitted: float, proposed: float) -> None:
         """Moving averages of a size's tokens and nodes per step. The first observation is blended
         with an optimistic prior (drafting at that size 20% faster than plain decoding, at most every
-        node accepted), so one unlucky step does not switch speculation off."""
-        if size not in self.gain:        # (never more than a step can emit: size + 1 tokens)
-            self.nodes[size] = float(size)
-            self.gain[size] = min(PRIOR * self.step_seconds(size) / self.step_seconds(0), size + 1.0)
+        node accepted), so one unlucky step does not switch speculation off. The prior is taken at
+        the nodes the first observation proposed, not at the size: a lookup that proposes 5 tokens
+        at size 32 would otherwise start with the gain of 32 accepted nodes, whose cost then falls
+        toward 5 nodes faster than the gain falls toward what was accepted, and that size is chosen
+        (a 32-row pass costs several plain steps) where nothing is accepted."""
+        if size not in self.gain:        # (never more than a step can emit: proposed + 1 tokens)
+            self.nodes[size] = float(proposed)
+            self.gain[size] = min(PRIOR * self.step_seconds(size) / self.step_seconds(0), proposed + 1.0)
         self.gain[size] = self.decay * self.gain[size] + (1 - self.decay) * emitted
         self.nodes[size] = self.decay * self.nodes[size] + (1 - self.decay) * proposed
 
