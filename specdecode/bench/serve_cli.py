@@ -144,6 +144,20 @@ def check_url(args: argparse.Namespace, command: str) -> None:
         raise CliError(f"{flag} applies only when {command} starts its own server: drop --url or {flag}")
 
 
+def extra_body(args: argparse.Namespace) -> dict:
+    """The --extra-body object ({} without one; CliError unless it is a JSON object)."""
+    from ..cli_common import CliError
+    if args.extra_body is None:
+        return {}
+    try:
+        extra = json.loads(args.extra_body)
+    except ValueError as exc:
+        raise CliError(f"--extra-body must be a JSON object: {exc}") from None
+    if not isinstance(extra, dict):
+        raise CliError(f"--extra-body must be a JSON object, got {type(extra).__name__}")
+    return extra
+
+
 def check(args: argparse.Namespace) -> dict:
     """Cross-option checks; returns the --extra-body object."""
     from ..cli_common import CliError
@@ -154,15 +168,7 @@ def check(args: argparse.Namespace) -> dict:
         raise CliError("--max-concurrency applies only with --rate")
     if args.temperature < 0:
         raise CliError(f"--temperature must be >= 0, got {args.temperature:g}")
-    if args.extra_body is None:
-        return {}
-    try:
-        extra = json.loads(args.extra_body)
-    except ValueError as exc:
-        raise CliError(f"--extra-body must be a JSON object: {exc}") from None
-    if not isinstance(extra, dict):
-        raise CliError(f"--extra-body must be a JSON object, got {type(extra).__name__}")
-    return extra
+    return extra_body(args)
 
 
 def load_prompts(args: argparse.Namespace) -> list[datasets.Prompt]:

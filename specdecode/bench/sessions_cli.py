@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import shlex
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from .serve_cli import _positive_float, check_url, serve_args
+from .serve_cli import _positive_float, check_url, extra_body, serve_args
 from .serve_load import first_model
 from .serve_server import LocalServer, ServerError
 from .sessions_data import KINDS, SessionDataError, load, select
@@ -128,15 +127,7 @@ def check(args: argparse.Namespace) -> dict:
         raise CliError(f"--temperature must be >= 0, got {args.temperature:g}")
     if args.prediction and "edit" not in args.kinds:
         raise CliError("--prediction applies to edit sessions: add edit to --kinds")
-    if args.extra_body is None:
-        return {}
-    try:
-        extra = json.loads(args.extra_body)
-    except ValueError as exc:
-        raise CliError(f"--extra-body must be a JSON object: {exc}") from None
-    if not isinstance(extra, dict):
-        raise CliError(f"--extra-body must be a JSON object, got {type(extra).__name__}")
-    return extra
+    return extra_body(args)
 
 
 def load_sessions(args: argparse.Namespace):
