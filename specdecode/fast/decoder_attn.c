@@ -111,6 +111,19 @@ static inline int chunk_keys(const att_pair *p, int j0, int in_block, int *share
     *shared = nk == 16 && in_block && j0 + 16 <= p->tbase;
     return nk > 0 ? nk : 0;
 }
+/* The rows of keys (or values) pair p reads in the chunk from j0 (nk of them): the chunk's rows shared
+ * by the pairs (`rows`, made on first use: *have_rows) or, where it is not shared, its own in `own`. */
+static inline const char *const *pair_chunk(const att_pair *p, int shared, int nk, const char *base, const sd_kv *kv,
+                                            const int32_t *tab, int j0, int h, int esz, const char **rows,
+                                            int *have_rows, const char **own) {
+    if (shared) {
+        if (!*have_rows) chunk_rows(base, kv, tab, j0, h, esz, rows);
+        *have_rows = 1;
+        return rows;
+    }
+    pair_rows(p, base, kv, tab, j0, nk, h, esz, own);
+    return own;
+}
 
 #if defined(__AVX512F__)
 /* One bf16 dot-product step on 16 fp32 lanes: lane l += q[2l+1] k[2l+1], then += q[2l] k[2l] (exact
@@ -284,14 +297,8 @@ static inline __attribute__((always_inline)) void att_scores_t(
             }
             for (int p = g; p < g + gn; p++) {        /* one pair at a time */
                 if (!nk[p]) continue;
-                const char *const *kp = rows;
-                if (shared[p]) {
-                    if (!have_rows) chunk_rows(kbase, kv, tab, j0, h, esz, rows);
-                    have_rows = 1;
-                } else {
-                    pair_rows(&pr[p], kbase, kv, tab, j0, nk[p], h, esz, own);
-                    kp = own;
-                }
+                const char *const *kp = pair_chunk(&pr[p], shared[p], nk[p], kbase, kv, tab, j0, h, esz, rows,
+                                                   &have_rows, own);
                 __m512 S[4];
                 if (bf) dots16x4(q1[p], kp, HD, S);
                 else S[0] = dots16(qv[p], kp, HD, bf, inv);
@@ -416,14 +423,7 @@ static void attend_scores(const att_pair *pr, int n, const char *kbase, const ch
             int shared;
             const int nk = chunk_keys(&pr[p], j0, in_block, &shared);
             if (!nk) continue;
-            const char *const *kp = rows;
-            if (shared) {
-                if (!have_rows) chunk_rows(kbase, kv, tab, j0, h, esz, rows);
-                have_rows = 1;
-            } else {
-                pair_rows(&pr[p], kbase, kv, tab, j0, nk, h, esz, own);
-                kp = own;
-            }
+            const char *const *kp = pair_chunk(&pr[p], shared, nk, kbase, kv, tab, j0, h, esz, rows, &have_rows, own);
             float *sc = scores + (size_t)p * score_len + (j0 - lo);
             for (int i = 0; i < nk; i += 4) {             /* 4 keys at a time (rows past nk: zeros) */
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -480,14 +480,7 @@ static void attend_values(const att_pair *pr, int n, const char *kbase, const ch
             int shared;
             const int nk = chunk_keys(&pr[p], j0, in_block, &shared);
             if (!nk) continue;
-            const char *const *vp = rows;
-            if (shared) {
-                if (!have_rows) chunk_rows(vbase, kv, tab, j0, h, esz, rows);
-                have_rows = 1;
-            } else {
-                pair_rows(&pr[p], vbase, kv, tab, j0, nk, h, esz, own);
-                vp = own;
-            }
+            const char *const *vp = pair_chunk(&pr[p], shared, nk, vbase, kv, tab, j0, h, esz, rows, &have_rows, own);
             const float *w = scores + (size_t)p * score_len + (j0 - lo);
             for (int c0 = 0; c0 < C; c0 += 4) {
                 const int cn = C - c0 < 4 ? C - c0 : 4;
