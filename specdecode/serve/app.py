@@ -85,13 +85,9 @@ class HeldTokens:
     def __call__(self, event) -> None:
         if isinstance(event, Tokens):
             if self.held is None:
-                self.held = Tokens(list(event.ids), list(event.kinds),
-                                   None if event.logprobs is None else list(event.logprobs))
+                self.held = event.copy()
             else:
-                self.held.ids += event.ids
-                self.held.kinds += event.kinds
-                if self.held.logprobs is not None:
-                    self.held.logprobs += event.logprobs or []
+                self.held.extend(event)
             return
         if self.held is not None:
             self.post(self.held)
@@ -273,14 +269,10 @@ def merge_tokens(items: list) -> list:
     out, last = [], {}
     for gen, event in items:
         if isinstance(event, Tokens) and gen in last:
-            merged = last[gen]
-            merged.ids += event.ids
-            merged.kinds += event.kinds
-            if merged.logprobs is not None:
-                merged.logprobs += event.logprobs or []
+            last[gen].extend(event)
             continue
         if isinstance(event, Tokens):
-            event = Tokens(list(event.ids), list(event.kinds), None if event.logprobs is None else list(event.logprobs))
+            event = event.copy()
             last[gen] = event
         else:
             last.pop(gen, None)

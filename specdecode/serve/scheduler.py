@@ -111,6 +111,16 @@ class Tokens:
     kinds: list[str]          # "accepted" | "recovered" | "bonus" | "forced", one per id
     logprobs: list | None = None   # per id (token, logprob, [(token, logprob)] top N) when asked
 
+    def copy(self) -> "Tokens":
+        return Tokens(list(self.ids), list(self.kinds), None if self.logprobs is None else list(self.logprobs))
+
+    def extend(self, later: "Tokens") -> None:
+        """Append a later event's tokens of the same choice (several steps as one)."""
+        self.ids += later.ids
+        self.kinds += later.kinds
+        if self.logprobs is not None:
+            self.logprobs += later.logprobs or []
+
 
 @dataclass
 class Finished:
