@@ -67,7 +67,19 @@ def test_a_long_prompt_is_prefilled_in_small_passes_while_another_request_decode
         passes.append((sum(n for _, n in chunks), len(sched.running)))
         return inner(chunks)
     sched.engine.prefill = recording
-    first_token = threading.Event()
+    first_token, long_sent = threading.Event(), threading.Event()
+    submit, step = sched.submit, sched.engine.step
+
+    def submitting(request):
+        submit(request)
+        if len(request.prompt_ids) > 64:
+            long_sent.set()
+
+    def stepping(*args, **kwargs):          # the short request waits for the long one to arrive
+        if first_token.is_set():            # (a fast machine would finish its 60 tokens first)
+            long_sent.wait(60)
+        return step(*args, **kwargs)
+    sched.submit, sched.engine.step = submitting, stepping
 
     async def run(url):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
