@@ -128,6 +128,7 @@ class LLM:
         self.adaptive = adaptive
         self.cost_curve: dict[int, float] | None = None     # measured by the first adaptive engine
         self.batch_curves: dict[int, dict[int, float]] = {}  # ... and per batch size of a batch call
+        self.budgets: dict = {}                             # each k's last draft budget (the next call's start)
         self.tokenizer = self.target.tokenizer
         self.prefix_store = self._prefix_store(prefix_cache)
         # passes on fewer threads where that measures faster (another process busy on a core)
@@ -136,7 +137,8 @@ class LLM:
     def engine(self, num_speculative_tokens: int | None = None) -> SpecEngine:
         k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         return SpecEngine(self.target, self.drafter, k, adaptive=self.adaptive, cost_curve=self.cost_curve,
-                          prefix_store=self.prefix_store, threads=self.threads, batch_curves=self.batch_curves)
+                          prefix_store=self.prefix_store, threads=self.threads, batch_curves=self.batch_curves,
+                          budgets=self.budgets)
 
     def _prefix_store(self, prefix_cache) -> PrefixStore | None:
         if isinstance(prefix_cache, bool):

@@ -177,3 +177,72 @@ def test_a_draft_models_prior_cost_grows_with_the_context_and_prior_gains_are_po
     costly = DraftBudget(8, CURVE, draft_cost=5.0)
     costly._update(2, 1.0, 2.0)
     assert costly.gain[2] <= 0.7 * 3.0 + 0.3 * 1.0 + 1e-9
+
+
+def test_probes_that_fail_back_off_and_one_that_pays_restores_the_pace():
+    """A drafter with state (a trained head, a draft model) pays for each probe: while probes keep
+    failing the wait between them doubles (16, 32, 64, ... up to max_probe_every); a probe whose
+    drafts are accepted makes drafting win and the pace goes back to probe_every."""
+    budget = DraftBudget(8, CURVE, decay=0.5, probe_every=4, max_probe_every=16, draft_cost=0.05)
+    probes = []
+    for step in range(120):
+        size = budget.next_size()
+        if size:
+            probes.append(step)
+        budget.observe(size, [size], [[]], verify_seconds=interpolate(CURVE, 1 + size),
+                       draft_seconds=0.05 * size, pending=1)
+    gaps = [b - a for a, b in zip(probes[1:], probes[2:])]
+    assert gaps[:3] == [4, 8, 16], probes               # doubling, capped at 16
+    assert all(g == 16 for g in gaps[3:])
+    assert budget.probe_interval == 16
+    while budget.next_size() == 0:                     # the next probe is accepted whole
+        budget.observe(0, [0], [[]], verify_seconds=1.0, draft_seconds=0.0, pending=1)
+    size = budget.size
+    budget.observe(size, [size], [list(range(size))], verify_seconds=interpolate(CURVE, 1 + size),
+                   draft_seconds=0.05 * size, pending=1)
+    budget.next_size()
+    assert budget.best() > 0 and budget.probe_interval == 4
+
+
+def test_a_later_call_starts_from_what_the_earlier_one_measured():
+    """A drafter that did not pay in an earlier call starts plain in the next one (no starting
+    size, no probe before 2 * probe_every steps); one that paid starts at its best size; a budget
+    with nothing measured, or of another kind (shadowed or not), passes nothing on."""
+    poor = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05)
+    for _ in range(60):
+        size = poor.next_size()
+        poor.observe(size, [size], [[]], verify_seconds=interpolate(CURVE, 1 + size),
+                     draft_seconds=0.05 * size, pending=1)
+    assert poor.best() == 0 and poor.probe_interval > 4
+    later = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05)
+    assert later.size > 0                                   # the prior: start drafting
+    later.carry(poor)
+    assert later.probe_interval == poor.probe_interval and later.draft_measured
+    sizes = [later.next_size() for _ in range(8)]
+    first = sizes.index(next(s for s in sizes if s))         # plain, the first probe after 4 to 8 steps
+    assert 4 <= first + 1 <= 8 and not any(sizes[:first])
+
+    good = DraftBudget(8, CURVE, decay=0.5, explore_every=2)
+    for _ in range(30):
+        size = good.next_size()
+        good.observe(size, [size], [list(range(size))], verify_seconds=interpolate(CURVE, 1 + size),
+                     draft_seconds=0.0, pending=1)
+    fresh = DraftBudget(8, CURVE)
+    fresh.carry(good)
+    assert fresh.next_size() == good.best() == 8
+    untouched = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05)
+    untouched.carry(DraftBudget(8, CURVE))                  # nothing measured
+    untouched.carry(DraftBudget(8, CURVE, shadowed=True))
+    assert untouched.gain == {0: 1.0} and untouched.size > 0
+
+
+def test_a_probe_after_plain_steps_counts_its_catch_up_as_one_node():
+    """A drafter with state drafting after plain steps first reads the tokens since (one batched
+    pass): that time is one more node, so a probe after a long wait does not make every later
+    node look dear (could_pay would then rule out probes for good)."""
+    budget = DraftBudget(8, CURVE, decay=0.0, draft_cost=0.05)
+    budget.observe(0, [0], [[]], verify_seconds=1.0, draft_seconds=0.0, pending=1)
+    budget.observe(2, [2], [[]], verify_seconds=1.05, draft_seconds=0.15, pending=1)   # catch-up + 2 nodes
+    assert abs(budget.node_seconds() - 0.05) < 1e-9
+    budget.observe(2, [2], [[]], verify_seconds=1.05, draft_seconds=0.1, pending=1)    # right after: 2 nodes
+    assert abs(budget.node_seconds() - 0.05) < 1e-9

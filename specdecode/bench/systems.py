@@ -79,6 +79,7 @@ class SpecdecodeSystem(System):
         self.structured = Structured("json_schema", json_schema) if json_schema is not None else None
         self.adaptive = adaptive              # None: the engine's default (adaptive)
         self.cost_curves: dict[int, dict[int, float]] = {}   # k -> forward-cost curve (adaptive tree sizes)
+        self.budgets: dict[tuple, dict] = {}   # (method, k) -> its draft budgets, carried from prompt to prompt
         self.drafter_path = drafter_path
         self.drafter_options = dict(drafter_options or {})    # given to the drafters that take them
         self.drafters: dict[tuple[str, int], object] = {}     # (method, k) -> its own drafter
@@ -116,7 +117,8 @@ class SpecdecodeSystem(System):
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed,
                                 structured=structured_for(schema, self.structured))
         engine = SpecEngine(self.llm.target, self.drafter(cell.method, cell.k), cell.k, adaptive=self.adaptive,
-                            cost_curve=self.cost_curves.get(cell.k))
+                            cost_curve=self.cost_curves.get(cell.k),
+                            budgets=self.budgets.setdefault((cell.method, cell.k), {}))   # as one LLM's calls
         if engine.adaptive and engine.cost_curve is None:     # measured once per k, outside the timed run
             engine.prepare_cost_curve(len(prompt_ids) + max_tokens)
             self.cost_curves[cell.k] = engine.cost_curve

@@ -16,8 +16,10 @@ which form a tree). Every verified step therefore tells what every smaller size 
 emitted: the accepted path cut at the first node >= b. Sizes above the largest run so far are
 explored one level at a time (every `explore_every` steps, or right after a step that accepted
 every drafted node, the next size above the best), and
-while plain decoding wins a small size is probed every `probe_every` steps (unless shadows, below,
-measure the sizes: a probe of a batch of many sequences costs several plain steps). A drafter without
+while plain decoding wins a small size is probed after `probe_every` steps, the wait doubling after
+each probe that does not make drafting win (up to `max_probe_every`: a trained head that is rarely
+right cost 6-11% in probes every 16 steps), unless shadows, below, measure the sizes (a probe of a
+batch of many sequences costs several plain steps). A drafter without
 per-request state (lookup, suffix, recycle) keeps drafting while plain decoding runs ("shadow"
 drafts, one per sequence at a time, never verified): each is scored against the tokens the
 sequence then emits, so a size that starts to pay is found without paying for a probe; a lookup
@@ -98,7 +100,8 @@ class DraftBudget:
     curve: dict[int, float]                 # rows of one sequence's pass -> forward seconds
     decay: float = 0.7                      # weight of the past in the moving averages
     explore_every: int = 8                  # steps between explorations of the next larger size
-    probe_every: int = 16                   # steps between probes while plain decoding wins
+    probe_every: int = 16                   # steps between probes while plain decoding wins; doubled
+    max_probe_every: int = 256              # after each probe that did not pay, up to max_probe_every
     draft_cost: float | None = None         # prior seconds per drafted node (None: measured only)
     shadowed: bool = False                  # the engine scores shadow drafts while plain decoding runs (a
                                             # stateless drafter): they measure every size for free, so no probes
@@ -117,6 +120,10 @@ class DraftBudget:
     all_accepted: bool = field(init=False, default=False)   # the last step accepted every drafted node
     size: int = field(init=False)
     steps: int = field(init=False, default=0)
+    probe_interval: int = field(init=False, default=0)   # steps between probes now (probe_every, doubled ...)
+    probe_wait: int = field(init=False, default=0)       # plain steps until the next probe
+    probed: bool = field(init=False, default=False)      # the last step was a probe
+    last_size: int = field(init=False, default=0)        # the size of the last step observed
     chosen: list[int] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -124,6 +131,7 @@ class DraftBudget:
         self.levels = sorted({x for x in LEVELS if x <= top} | {self.max_size, top})
         self.gain = {0: 1.0}
         self.nodes = {0: 0.0}
+        self.probe_interval = self.probe_wait = self.probe_every
         # start at the modest size (at most 4) that the prior acceptance predicts fastest, at the costs
         # known (the batch's verify rows; a drafter that pays to try, its prior cost); plain decoding where
         # none pays (a batch of many sequences, whose every verify row costs nearly a step)
@@ -131,6 +139,26 @@ class DraftBudget:
         self.size = max(sizes, key=lambda s: (expected_tokens(PRIOR_ACCEPTANCE, s) / self.step_seconds(s), -s))
         if not self.could_pay(self.size, PRIOR_ACCEPTANCE):   # not even that pays: plain, and probes
             self.size = 0                                     # only where a size still could
+
+    def carry(self, earlier: "DraftBudget | None") -> None:
+        """Start from what an earlier call of the same drafter measured (its gains per size, the
+        drafting and pass-time corrections, its probing pace) instead of the priors: a drafter whose
+        drafts did not pay there starts plain here, and a drafter that pays to try (a trained head,
+        a draft model) is probed at the pace it had reached, not from scratch with every request (a
+        head right ~4% of the time lost 5-8% of a 128-token answer to its starting size and first
+        probes). A new request may differ: its first probe comes after probe_every to 2 * probe_every
+        steps (the pace's remaining wait, bounded; a first probe also catches the drafter up on the prompt)."""
+        if earlier is None or earlier.shadowed != self.shadowed or len(earlier.gain) == 1:
+            return
+        for size in self.levels:
+            if size in earlier.gain:
+                self.gain[size], self.nodes[size] = earlier.gain[size], earlier.nodes[size]
+        self.scale, self.row_scale = earlier.scale, earlier.row_scale
+        self.draft_per_node, self.draft_per_step = earlier.draft_per_node, earlier.draft_per_step
+        self.draft_measured, self.shadow_seconds = earlier.draft_measured, earlier.shadow_seconds
+        self.probe_interval = earlier.probe_interval
+        self.probe_wait = min(max(earlier.probe_wait, self.probe_every), 2 * self.probe_every)
+        self.size = self.best()
 
     @property
     def draft_time_known(self) -> bool:
@@ -182,13 +210,18 @@ class DraftBudget:
         self.steps += 1
         best = self.best()
         larger = [s for s in self.levels if s > best]
+        if self.probed:               # a probe that did not make drafting win: probe half as often
+            self.probe_interval = self.probe_every if best else min(2 * self.probe_interval, self.max_probe_every)
+            self.probed, self.probe_wait = False, self.probe_interval
         if len(self.gain) == 1 and self.size > 0:     # no draft measured yet: the starting size
             pass
         elif best == 0:               # plain decoding wins: now and then probe a small size that could pay
-            probe = not self.shadowed and self.steps % self.probe_every == 0 and larger
+            self.probe_wait -= 1
+            probe = not self.shadowed and self.probe_wait <= 0 and larger
             self.size = larger[min(1, len(larger) - 1)] if probe else 0
             if self.size and not self.could_pay(self.size, PROBE_ACCEPTANCE if self.draft_cost is not None else 1.0):
                 self.size = 0
+            self.probed = self.size > 0
         elif self.all_accepted and [s for s in self.levels if s > max(best, self.size) and self.could_pay(s)]:
             # hill climbing: after a step whose drafts were all accepted, the next size above it (past
             # max_size too: a long copy goes on growing while it is accepted whole) that could pay
@@ -238,10 +271,15 @@ class DraftBudget:
         if size > 0 and not nodes:      # looked for drafts and found none: the cost of looking
             self.draft_per_step = self.decay * self.draft_per_step + (1 - self.decay) * draft_seconds / batch
         if nodes:
-            per_node = max(draft_seconds - self.draft_per_step * batch, 0.0) / nodes
+            # a drafter with state drafting after plain steps first catches up on the tokens since
+            # (one batched pass of its model): counted as one more node, not as dearer nodes (a
+            # probe after 200 plain steps would otherwise close the door on later probes for good)
+            catch_up = batch if self.draft_cost is not None and self.last_size == 0 else 0
+            per_node = max(draft_seconds - self.draft_per_step * batch, 0.0) / (nodes + catch_up)
             past = self.decay if self.draft_time_known else 0.0          # no zero prior
             self.draft_per_node = past * self.node_seconds() + (1 - past) * per_node
             self.draft_measured = True
+        self.last_size = size
         if size == 0:
             return
         for s in self.levels:

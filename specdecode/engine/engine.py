@@ -85,7 +85,8 @@ class SpecEngine:
     def __init__(self, target, drafter: Drafter | None = None, num_speculative_tokens: int = 5,
                  runner: ModelRunner | None = None, adaptive: bool | None = None,
                  cost_curve: dict[int, float] | None = None, prefix_store=None,
-                 threads: ThreadTuner | None = None, batch_curves: dict | None = None) -> None:
+                 threads: ThreadTuner | None = None, batch_curves: dict | None = None,
+                 budgets: dict | None = None) -> None:
         check_num_speculative_tokens(num_speculative_tokens, drafter)
         trees = drafter is not None and drafter.capabilities.drafts_trees
         if trees and not target.model.supports_trees:
@@ -108,6 +109,8 @@ class SpecEngine:
         self.cost_curve = cost_curve              # forward seconds against rows (measured on first use)
         self.batch_curves: dict[int, dict[int, float]] = batch_curves if batch_curves is not None else {}
         self.budget: DraftBudget | None = None    # the last generate's (its chosen sizes, gains)
+        self.budgets: dict[int, DraftBudget] = budgets if budgets is not None else {}   # k -> the last
+                                                  # call's budget, where the next call starts (carry)
         self.prefix_store = prefix_store          # earlier calls' blocks (prefix_store.py), or None
         self.threads = threads                    # threads per pass from measured step times (threads.py)
 
@@ -154,6 +157,8 @@ class SpecEngine:
             draft_cost = caps.relative_cost * self.cost_curve[1] if caps.has_state else None
             budget = self.budget = DraftBudget(self.k, curve, draft_cost=draft_cost, shadowed=not caps.has_state,
                                                span=self.span if self.span > self.k else 0)
+            budget.carry(self.budgets.get(self.k))
+            self.budgets[self.k] = budget
         shadows = ShadowDrafts() if budget is not None and not self.drafter.capabilities.has_state else None
         prefill_done = time.perf_counter()
         for s in seqs:
