@@ -207,7 +207,8 @@ def test_probes_that_fail_back_off_and_one_that_pays_restores_the_pace():
 def test_a_later_call_starts_from_what_the_earlier_one_measured():
     """A drafter that did not pay in an earlier call starts plain in the next one (no starting
     size, no probe before 2 * probe_every steps); one that paid starts at its best size; a budget
-    with nothing measured, or of another kind (shadowed or not), passes nothing on."""
+    with nothing measured, of another kind (shadowed or not), or of a short call (fewer than
+    CARRY_MIN_STEPS steps) passes nothing on."""
     poor = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05)
     for _ in range(60):
         size = poor.next_size()
@@ -223,7 +224,7 @@ def test_a_later_call_starts_from_what_the_earlier_one_measured():
     assert 4 <= first + 1 <= 8 and not any(sizes[:first])
 
     good = DraftBudget(8, CURVE, decay=0.5, explore_every=2)
-    for _ in range(30):
+    for _ in range(40):
         size = good.next_size()
         good.observe(size, [size], [list(range(size))], verify_seconds=interpolate(CURVE, 1 + size),
                      draft_seconds=0.0, pending=1)
@@ -233,6 +234,11 @@ def test_a_later_call_starts_from_what_the_earlier_one_measured():
     untouched = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05)
     untouched.carry(DraftBudget(8, CURVE))                  # nothing measured
     untouched.carry(DraftBudget(8, CURVE, shadowed=True))
+    short = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05)     # a warm-up: 8 steps, whose
+    for _ in range(8):                                                          # times hold one-time costs
+        size = short.next_size()
+        short.observe(size, [size], [[]], verify_seconds=5.0, draft_seconds=5.0 * size, pending=1)
+    untouched.carry(short)
     assert untouched.gain == {0: 1.0} and untouched.size > 0
 
 

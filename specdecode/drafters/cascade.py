@@ -27,7 +27,7 @@ import torch
 from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterError, DrafterState
 from .registry import register
 from .eagle import EagleDrafter
-from .model import ModelDrafter
+from .model import DRAFT_CONTEXT, ModelDrafter
 from .ngram import NgramDrafter, predicted
 from .suffix import SuffixDrafter
 
@@ -40,7 +40,7 @@ class CascadeDrafter(Drafter):
 
     def __init__(self, target, draft=None, drafter_path=None, fast: bool = True, ngram_min: int = 3,
                  ngram_max: int = 5, min_confidence: float | None = None, draft_confidence: float = 0.4,
-                 draft_context: int = 0, head_vocab: int = 0, head_rank: str = "freq",
+                 draft_context: int = DRAFT_CONTEXT, head_vocab: int = 0, head_rank: str = "freq",
                  lookup: str | None = None, lookup_min_tokens: int = 0, **_: object) -> None:
         self.ngram = NgramDrafter(target, ngram_min, ngram_max)      # validates the sizes
         lookup = lookup if lookup is not None else ("suffix" if draft is not None else "ngram")

@@ -50,6 +50,7 @@ SHADOW_SHARE = 0.02     # at most this share of plain decoding's time goes to sh
                         # up drafts that are only scored): a costly lookup shadows every few steps
 PROBE_ACCEPTANCE = 0.9  # a drafter that pays to try is probed only where drafts accepted this often would pay:
                         # a probe after plain steps first feeds it every token since (a catch-up pass)
+CARRY_MIN_STEPS = 32    # a call carries what it measured to the next (`carry`) only after this many steps
 MARGIN = 1.05           # drafting must be predicted this much faster than plain decoding to be chosen:
                         # what the model leaves out (bookkeeping of a longer step) and its noise are
                         # a few percent, and a lookup drafter's gains near break-even are mostly noise
@@ -146,9 +147,12 @@ class DraftBudget:
         drafts did not pay there starts plain here, and a drafter that pays to try (a trained head,
         a draft model) is probed at the pace it had reached, not from scratch with every request (a
         head right ~4% of the time lost 5-8% of a 128-token answer to its starting size and first
-        probes). A new request may differ: its first probe comes after probe_every to 2 * probe_every
+        probes). Only a call of CARRY_MIN_STEPS steps or more is carried: a short first call's times
+        include one-time costs (a draft model's weights read from disk) that would rule drafting out
+        (a bench's 8-token warm-up left the 1.5B / 0.5B pair drafting nothing). A new request may differ: its first probe comes after probe_every to 2 * probe_every
         steps (the pace's remaining wait, bounded; a first probe also catches the drafter up on the prompt)."""
-        if earlier is None or earlier.shadowed != self.shadowed or len(earlier.gain) == 1:
+        if earlier is None or earlier.steps < CARRY_MIN_STEPS or earlier.shadowed != self.shadowed \
+                or len(earlier.gain) == 1:
             return
         for size in self.levels:
             if size in earlier.gain:
