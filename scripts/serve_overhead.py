@@ -45,6 +45,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--arms", default="plain,spec")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="an option for the server, e.g. --serve-arg=--stream-interval-ms=0 (repeatable)")
     args = ap.parse_args()
 
     from openai import OpenAI
@@ -58,7 +60,7 @@ def main() -> int:
     prompts = PROMPTS[:args.prompts]
     kinds = args.arms.split(",")
     # the prompts repeat round after round: both sides prefill them in full (no prefix caches)
-    with LocalServer(serve_args + ["--log-level", "warning", "--no-prefix-cache"],
+    with LocalServer(serve_args + args.serve_arg + ["--log-level", "warning", "--no-prefix-cache"],
                      Path(tempfile.mkdtemp()) / "server.log") as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
@@ -110,7 +112,7 @@ def main() -> int:
                     rates[name].append(arms[name](prompt))
     median = {a: statistics.median(v) for a, v in rates.items()}
     print(f"{cpu_name()}, {llm.target.name}, {len(prompts)} prompts x {args.rounds} rounds, "
-          f"{args.max_tokens} tokens, one request at a time")
+          f"{args.max_tokens} tokens, one request at a time, server options {args.serve_arg or 'default'}")
     print(f"{'arm':<22}{'median tok/s':>14}{'min':>8}{'max':>8}{'/ offline':>11}")
     for name, values in rates.items():
         kind = name.rsplit("-", 1)[1]

@@ -208,3 +208,30 @@ def test_held_tokens_post_one_merged_event_then_the_last():
     failing(Tokens([7], ["bonus"], None))
     failing(Failed(500, "boom"))                 # an error after some tokens: the tokens first, then it
     assert [type(e) for e in posted] == [Tokens, Failed] and posted[0].logprobs is None
+
+
+def test_paced_tokens_send_the_first_at_once_then_at_most_every_interval(monkeypatch):
+    """A streamed choice's sink: the first tokens go at once (time to first token), later ones
+    are merged until `interval` has passed since the last post, and what is held goes before the
+    final event; ids, kinds and logprobs in order."""
+    import specdecode.serve.app as app
+    from specdecode.serve.scheduler import Finished, Tokens
+    now = [100.0]
+    monkeypatch.setattr(app.time, "monotonic", lambda: now[0])
+    posted = []
+    sink = app.PacedTokens(posted.append, interval=0.02)
+    sink(Tokens([1], ["bonus"], [-0.1]))
+    assert [e.ids for e in posted] == [[1]]                       # at once
+    for t, token in ((0.005, 2), (0.010, 3), (0.019, 4)):
+        now[0] = 100.0 + t
+        sink(Tokens([token], ["accepted"], [-0.2]))
+    assert len(posted) == 1                                      # within 20 ms: held
+    now[0] = 100.021
+    sink(Tokens([5], ["recovered"], [-0.3]))
+    assert posted[1].ids == [2, 3, 4, 5] and posted[1].kinds == ["accepted"] * 3 + ["recovered"]
+    assert posted[1].logprobs == [-0.2, -0.2, -0.2, -0.3]
+    now[0] = 100.025
+    sink(Tokens([6], ["bonus"], None))
+    done = Finished("length", None, {}, {})
+    sink(done)
+    assert [e.ids for e in posted[2:3]] == [[6]] and posted[3] is done and len(posted) == 4

@@ -118,7 +118,8 @@ class SpecdecodeSystem(System):
                                 structured=structured_for(schema, self.structured))
         engine = SpecEngine(self.llm.target, self.drafter(cell.method, cell.k), cell.k, adaptive=self.adaptive,
                             cost_curve=self.cost_curves.get(cell.k),
-                            budgets=self.budgets.setdefault((cell.method, cell.k), {}))   # as one LLM's calls
+                            budgets=self.budgets.setdefault((cell.method, cell.k), {}),   # as one LLM's calls
+                            threads=self.llm.threads)
         if engine.adaptive and engine.cost_curve is None:     # measured once per k, outside the timed run
             engine.prepare_cost_curve(len(prompt_ids) + max_tokens)
             self.cost_curves[cell.k] = engine.cost_curve

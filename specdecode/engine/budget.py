@@ -142,16 +142,17 @@ class DraftBudget:
             self.size = 0                                     # only where a size still could
 
     def carry(self, earlier: "DraftBudget | None") -> None:
-        """Start from what an earlier call of the same drafter measured (its gains per size, the
-        drafting and pass-time corrections, its probing pace) instead of the priors: a drafter whose
-        drafts did not pay there starts plain here, and a drafter that pays to try (a trained head,
-        a draft model) is probed at the pace it had reached, not from scratch with every request (a
-        head right ~4% of the time lost 5-8% of a 128-token answer to its starting size and first
-        probes). Only a call of CARRY_MIN_STEPS steps or more is carried: a short first call's times
-        include one-time costs (a draft model's weights read from disk) that would rule drafting out
-        (a bench's 8-token warm-up left the 1.5B / 0.5B pair drafting nothing). A new request may differ: its first probe comes after probe_every to 2 * probe_every
-        steps (the pace's remaining wait, bounded; a first probe also catches the drafter up on the prompt)."""
-        if earlier is None or earlier.steps < CARRY_MIN_STEPS or earlier.shadowed != self.shadowed \
+        """Start from what an earlier call of the same drafter with state (a trained head, a draft
+        model) measured: its gains per size, the drafting and pass-time corrections, its probing
+        pace. Such a drafter pays for every try, and started from the priors with every request a
+        head right ~4% of the time lost 5-8% of a 128-token answer to its first sizes and probes;
+        carried, it starts plain where it did not pay, and a new request's first probe comes after
+        probe_every to 2 * probe_every steps. Not carried: a drafter without state (its shadow
+        drafts measure every size at no cost from the first plain step), a request with a
+        prediction (the engine: news the earlier call did not have), and a call of fewer than
+        CARRY_MIN_STEPS steps, whose times include one-time costs (a bench's 8-token warm-up, a
+        draft model's weights first read from disk, left the 1.5B / 0.5B pair drafting nothing)."""
+        if earlier is None or earlier.steps < CARRY_MIN_STEPS or self.shadowed or earlier.shadowed \
                 or len(earlier.gain) == 1:
             return
         for size in self.levels:

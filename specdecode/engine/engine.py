@@ -157,7 +157,8 @@ class SpecEngine:
             draft_cost = caps.relative_cost * self.cost_curve[1] if caps.has_state else None
             budget = self.budget = DraftBudget(self.k, curve, draft_cost=draft_cost, shadowed=not caps.has_state,
                                                span=self.span if self.span > self.k else 0)
-            budget.carry(self.budgets.get(self.k))
+            if not any(p.prediction is not None for p in params):    # a prediction is news: the prior
+                budget.carry(self.budgets.get(self.k))
             self.budgets[self.k] = budget
         shadows = ShadowDrafts() if budget is not None and not self.drafter.capabilities.has_state else None
         prefill_done = time.perf_counter()

@@ -95,6 +95,25 @@ class HeldTokens:
         self.post(event)
 
 
+class PacedTokens(HeldTokens):
+    """The sink of a streamed choice: its first tokens are posted at once (the time to first
+    token), later ones merged and posted at most every `interval` seconds (at the step that
+    reaches it), and whatever is held goes before its last event. One chunk per step would cost
+    the server a wake-up, a detokenization and an SSE event, and the client a parse, per step."""
+
+    def __init__(self, post: Callable[[object], None], interval: float) -> None:
+        self.post, self.held = post, None
+        self.interval, self.last = interval, None
+
+    def __call__(self, event) -> None:
+        super().__call__(event)
+        if self.held is not None:
+            now = time.monotonic()
+            if self.last is None or now - self.last >= self.interval:
+                self.post(self.held)
+                self.held, self.last = None, now
+
+
 class TextStream:
     """Incremental detokenization: text deltas that never split a UTF-8 character and never
     show text that may still turn out to be part of a stop string. Each token is decoded once,
@@ -168,7 +187,7 @@ class Generation:
         if index and params.seed is not None:
             params = dataclasses.replace(params, seed=(params.seed + index) % 2**63)
         post = lambda event: mailbox.post(queue, (self, event))         # noqa: E731
-        self.request = Request(parsed.prompt_ids, params, post if parsed.stream else HeldTokens(post),
+        self.request = Request(parsed.prompt_ids, params, self._sink(post, state.scheduler.config.stream_interval_ms),
                                parsed.speculate, parsed.num_speculative_tokens, after=after)
         tools = parsed.tools             # tools/: the calls are parsed out of the text as it comes
         self.tools = ToolParser(tools.fmt, [f["name"] for f in tools.functions()]) if tools is not None else None
@@ -178,6 +197,17 @@ class Generation:
         self._text_template: tuple[str, str] | None = None
         self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+
+    def _sink(self, post: Callable[[object], None], interval_ms: float):
+        """Where the engine's events for this choice go: held to its end (not streamed), paced
+        (streamed text), or each step's as it comes (a stream whose chunks are steps: token ids or
+        kinds asked for, or --stream-interval-ms 0)."""
+        p = self.parsed
+        if not p.stream:
+            return HeldTokens(post)
+        if p.return_token_kinds or p.return_token_ids or not interval_ms:
+            return post
+        return PacedTokens(post, interval_ms / 1000)
 
     def logprobs(self, lps: list | None, offset: int = 0) -> dict | None:
         """OpenAI's logprobs object for these tokens: chat `{"content": [...]}`, completions the

@@ -10,6 +10,7 @@ import sys
 def add_serve_parser(sub) -> None:
     from ..cli_common import add_model_options, number, positive_int
     from .auth import DEFAULT_MAX_BODY_BYTES
+    from .protocol import STREAM_INTERVAL_MS
     p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching, per-request "
                                      "speculation, Prometheus metrics and a live dashboard at /")
     add_model_options(p)
@@ -38,6 +39,9 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--prefill-stall-ms", type=number("--prefill-stall-ms"), default=100.0,
                    help="while requests decode, prefill chunks are sized from their measured cost to stall "
                         "them about this long (default 100; 0: always --prefill-chunk tokens)")
+    g.add_argument("--stream-interval-ms", type=number("--stream-interval-ms"), default=STREAM_INTERVAL_MS,
+                   help=f"a stream's tokens are sent at most this often, merged (default {STREAM_INTERVAL_MS:g}; its "
+                        f"first tokens at once; 0: a chunk per engine step)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not reuse the KV cache of earlier requests' prompts (on by default: a prompt that "
                         "starts like an earlier one, e.g. a chat's next turn, is prefilled only after that start)")
@@ -117,7 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          served_model_name=args.served_model_name, prefix_cache=args.prefix_cache,
                          prefix_cache_blocks=args.prefix_cache_blocks, prefix_cache_dir=args.prefix_cache_dir,
                          prefix_cache_dir_bytes=int(args.prefix_cache_dir_size * 2**30),
-                         max_tokens_default=args.max_tokens_default)
+                         max_tokens_default=args.max_tokens_default, stream_interval_ms=args.stream_interval_ms)
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
               dtype=args.dtype, device=args.device, threads=args.threads, fast=not args.eager,
               weights=args.weights, draft_dtype=args.draft_dtype, **drafter_options(args))

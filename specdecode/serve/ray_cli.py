@@ -27,7 +27,7 @@ def ray_spec(args: argparse.Namespace) -> dict:
                   num_speculative_tokens=args.k, spec_max_batch_size=args.spec_max_batch_size,
                   health_timeout=args.health_timeout, served_model_name=args.served_model_name,
                   prefix_cache=args.prefix_cache, prefix_cache_blocks=args.prefix_cache_blocks,
-                  max_tokens_default=args.max_tokens_default)
+                  max_tokens_default=args.max_tokens_default, stream_interval_ms=args.stream_interval_ms)
     ServeConfig(**config)                         # ParamError here rather than in every replica
     llm = dict(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
                dtype=args.dtype, device="cpu", threads=args.threads, fast=not args.eager, weights=args.weights,

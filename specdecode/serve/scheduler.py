@@ -36,6 +36,7 @@ from .batch import BatchEngine, ServeSequence
 from .metrics import ServeMetrics
 from .policy import AUTO, OFF, ON, RowPolicy, SpeculationPolicy
 from .prefill import PrefillBudget
+from .protocol import STREAM_INTERVAL_MS
 
 log = logging.getLogger("specdecode.serve")
 _ids = itertools.count(1)
@@ -60,6 +61,7 @@ class ServeConfig:
     prefix_cache_dir: str | None = None      # hot prefixes kept on disk across restarts (prefix_disk.py)
     prefix_cache_dir_bytes: int = 4 * 2**30  # the directory's size bound
     max_tokens_default: int = 2048       # max_tokens of a request that gives none (at most the rest of the context)
+    stream_interval_ms: float = STREAM_INTERVAL_MS   # a stream's chunks at most this often (its first at once)
 
     def __post_init__(self) -> None:
         for name, low, high in (("max_batch_size", 1, 1024), ("max_queue", 1, 1_000_000), ("block_size", 1, 1024),
@@ -84,6 +86,10 @@ class ServeConfig:
         if isinstance(self.prefix_cache_dir_bytes, bool) or not isinstance(self.prefix_cache_dir_bytes, int) \
                 or self.prefix_cache_dir_bytes < 0:
             raise ParamError(f"prefix_cache_dir_bytes must be an integer >= 0, got {self.prefix_cache_dir_bytes!r}")
+        if isinstance(self.stream_interval_ms, bool) or not isinstance(self.stream_interval_ms, (int, float)) \
+                or not 0 <= self.stream_interval_ms <= 10_000:
+            raise ParamError(f"stream_interval_ms must be a number of milliseconds in [0, 10000], "
+                             f"got {self.stream_interval_ms!r}")
         if isinstance(self.kv_cache_gb, bool) or not isinstance(self.kv_cache_gb, (int, float)) \
                 or not 0 < self.kv_cache_gb <= 1e6:
             raise ParamError(f"kv_cache_gb must be a number of GB in (0, 1e6], got {self.kv_cache_gb!r}")
