@@ -1,6 +1,8 @@
 """One `LLM.generate` call of many requests, plain against speculative, alternating: the offline
 batch where speculation used to lose (issue 35). Six held-out-style prompts (chat, summary,
-translation, code, QA, RAG) x --copies requests, greedy, --max-tokens each.
+translation, code, QA, RAG) x --copies requests, greedy, --max-tokens each. `LLM.generate` runs a
+call of 4 or more requests through the server's scheduler (continuous batching, serve/offline.py);
+the "lockstep" arms run the same call on the offline engine's fixed batch (`LLM.engine().generate`).
 
     python scripts/batch_speed.py                     # embedded model, native weights, 24 requests
     python scripts/batch_speed.py --dtype bf16 --rounds 3
@@ -33,6 +35,7 @@ def main() -> int:
     ap.add_argument("--copies", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--lockstep", action="store_true", help="also the same calls on the lockstep engine")
     args = ap.parse_args()
     from specdecode import LLM, SamplingParams
     from specdecode.fast.linear import cpu_label
@@ -40,20 +43,32 @@ def main() -> int:
     prompts = [[{"role": "user", "content": p}] for p in PROMPTS] * args.copies
     params = SamplingParams(max_tokens=args.max_tokens)
     llm.generate(prompts, params, chat=True)                            # warm-up: curves, kernels
-    rates: dict[str, list[float]] = {"plain": [], "speculative": []}
+    ids = [llm.encode(p, chat=True) for p in prompts]
+
+    def run(arm: str) -> list[list[int]]:
+        k = 0 if arm.endswith("plain") else None
+        if arm.startswith("lockstep"):
+            return [s.output_ids for s in llm.engine(k).generate(ids, [params] * len(ids))]
+        return [o.token_ids for o in llm.generate(ids, params, num_speculative_tokens=k)]
+    names = ["plain", "speculative"] + (["lockstep-plain", "lockstep-speculative"] if args.lockstep else [])
+    rates: dict[str, list[float]] = {a: [] for a in names}
     same = True
     for r in range(args.rounds):
         outs = {}
-        for arm in (("plain", "speculative") if r % 2 == 0 else ("speculative", "plain")):
+        for arm in names[r % len(names):] + names[:r % len(names)]:
             started = time.perf_counter()
-            out = llm.generate(prompts, params, chat=True, num_speculative_tokens=0 if arm == "plain" else None)
-            rates[arm].append(sum(len(o.token_ids) for o in out) / (time.perf_counter() - started))
-            outs[arm] = [o.token_ids for o in out]
-        same = same and outs["plain"] == outs["speculative"]
-    plain, spec = statistics.median(rates["plain"]), statistics.median(rates["speculative"])
+            outs[arm] = run(arm)
+            rates[arm].append(sum(map(len, outs[arm])) / (time.perf_counter() - started))
+        same = same and all(o == outs["plain"] for o in outs.values())
+    median = {a: statistics.median(v) for a, v in rates.items()}
     print(f"{cpu_label()}; {llm.target.name} ({llm.target.weights_kind}), method {llm.method}; {len(prompts)} requests "
-          f"in one call, {args.max_tokens} tokens, {args.rounds} rounds: plain {plain:.1f} tok/s, speculative "
-          f"{spec:.1f} tok/s = {spec / plain:.2f}x; identical outputs: {same}")
+          f"in one call, {args.max_tokens} tokens, {args.rounds} rounds: plain {median['plain']:.1f} tok/s, speculative "
+          f"{median['speculative']:.1f} tok/s = {median['speculative'] / median['plain']:.2f}x; identical outputs: {same}")
+    if args.lockstep:
+        print(f"lockstep (the offline engine's fixed batch): plain {median['lockstep-plain']:.1f} tok/s, speculative "
+              f"{median['lockstep-speculative']:.1f} tok/s; continuous / lockstep plain "
+              f"{median['plain'] / median['lockstep-plain']:.2f}x, speculative "
+              f"{median['speculative'] / median['lockstep-speculative']:.2f}x")
     return 0
 
 

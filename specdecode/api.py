@@ -15,6 +15,7 @@ from .engine.threads import ThreadTuner
 from .models.dtypes import canonical_dtype
 from .models.loader import LoadedModel, default_draft_dtype, load_model
 from .params import ParamError, SamplingParams
+from .serve.offline import OfflineBatches, suits as offline_suits
 
 PREFIX_CACHE_BYTES = 512 * 2**20     # LLM's default bound on cached prefix blocks (prefix_cache=True)
 
@@ -133,6 +134,7 @@ class LLM:
         self.prefix_store = self._prefix_store(prefix_cache)
         # passes on fewer threads where that measures faster (another process busy on a core)
         self.threads = ThreadTuner() if self.target.model.device.type == "cpu" else None
+        self.offline = OfflineBatches(self)                  # calls of many prompts (serve/offline.py)
 
     def engine(self, num_speculative_tokens: int | None = None) -> SpecEngine:
         k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
@@ -187,9 +189,13 @@ class LLM:
             raise ParamError(f"got {len(params)} sampling_params for {len(prompt_list)} prompts")
         ids = [list(p) if isinstance(p, (list, tuple)) and (not p or isinstance(p[0], int)) else self.encode(p, chat)
                for p in prompt_list]   # an empty list is an empty prompt (ParamError), not an empty chat
-        engine = self.engine(num_speculative_tokens)
-        seqs = engine.generate(ids, params, on_tokens)
-        self.cost_curve = engine.cost_curve
+        seqs = None
+        if offline_suits(self, ids, params, on_tokens):   # many prompts: continuous batching (serve/offline.py)
+            seqs = self.offline.generate(ids, params, num_speculative_tokens)
+        if seqs is None:
+            engine = self.engine(num_speculative_tokens)
+            seqs = engine.generate(ids, params, on_tokens)
+            self.cost_curve = engine.cost_curve
         outputs = []
         for prompt, s in zip(prompt_list, seqs):
             stats = s.stats.as_dict(s.num_output)

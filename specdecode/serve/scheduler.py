@@ -134,6 +134,7 @@ class Finished:
     stop_text_index: int | None
     usage: dict
     speculation: dict
+    sequence: object = field(default=None, repr=False, compare=False)   # the finished ServeSequence (offline.py)
 
 
 @dataclass
@@ -304,6 +305,14 @@ class Scheduler:
             for disk in self.disks:                  # what the caches hold, for the next start
                 disk.note_all()
             self._persist(limit=None)
+
+    def run_until_idle(self) -> None:
+        """Run iterations on the calling thread until nothing is queued or running (an offline
+        batch: offline.py); the loop of `run` for a caller that submitted all its requests."""
+        while self.in_flight():
+            with self.gate:
+                self._iteration(set())
+            self.metrics.sample()
 
     def _persist(self, limit: int | None) -> bool:
         """Write up to `limit` blocks per disk cache (serve --prefix-cache-dir); True if more wait."""
@@ -523,7 +532,7 @@ class Scheduler:
                               "on_at_end": s.policy.mode == ON or (s.policy.mode == AUTO and s.policy.on),
                               "steps": st.steps, "drafted_tokens": st.drafted, "accepted_tokens": st.accepted,
                               "acceptance_rate": round(st.acceptance_rate, 4),
-                              "mean_accepted_length": round(st.mean_accepted_length, 4)})
+                              "mean_accepted_length": round(st.mean_accepted_length, 4)}, s)
         if event is not None:
             s.request.sink(event)
         if not s.request.internal:
