@@ -35,7 +35,14 @@ Switching back on (the draft's cache catches up by itself, see `drafters/model.p
 * the batch: when it shrinks below the size it was switched off at ("batch_size_dropped"),
   unless the step costs measured at the new size say the acceptance it was switched off with
   does not pay there either (then the new size is the threshold), or after a probe step whose
-  pooled acceptance pays again ("probe").
+  pooled acceptance pays again ("probe"); probed only at sizes where drafts accepted PROBE_ALPHA of
+  the time would pay (at 24 rows of the embedded model a step of 5 drafts per row cost 4.4 plain steps).
+
+A batch that grows to a size whose costs (measured, or estimated as below) say its rows' pooled
+acceptance (PROBE_ALPHA before it is known) cannot pay is switched off before its step ("batch_cost").
+Costs at a batch size not measured yet: the nearest measured size's cost per draft row, scaled up
+by the size ratio for a larger batch (a pass of more rows is more bound by arithmetic), rather than
+the one-row prior: a batch that grew from 11 to 16 rows speculated once at 3.8 plain steps.
 """
 from __future__ import annotations
 
@@ -44,6 +51,7 @@ from dataclasses import dataclass, field
 from ..engine.acceptance import expected_tokens
 
 AUTO, ON, OFF = "auto", "on", "off"
+PROBE_ALPHA = 0.9       # the batch is probed only at sizes where drafts accepted this often would pay
 
 
 @dataclass
@@ -129,7 +137,12 @@ class SpeculationPolicy:
         if known:                                       # the nearest size measured at this batch, scaled
             j = max(known)                              # to k (each draft row costs about the same)
             return 1.0 + (self.costs.spec[(batch, j)] / self.costs.plain[batch] - 1.0) * k / j
-        return 1.0 + k * (self.draft_cost + 0.03)       # prior: drafting + a little verify overhead
+        other = [(b, j) for b, j in self.costs.spec if self.measured(b, j)]
+        if other:   # another batch size measured: its cost per draft row, scaled up for a larger batch (a
+            b, j = min(other, key=lambda bj: (abs(bj[0] - batch), -bj[0]))   # pass of more rows is more
+            per_row = (self.costs.spec[(b, j)] / self.costs.plain[b] - 1.0) / j   # bound by arithmetic:
+            return 1.0 + k * per_row * max(1.0, batch / b)    # at 16 rows a draft row cost 0.56 of a step,
+        return 1.0 + k * (self.draft_cost + 0.03)       # at 1 row 0.03); prior: drafting + a little verify
 
     def measured(self, batch: int, k: int) -> bool:
         """Both step costs at this batch size and k were measured (not the prior)."""
@@ -158,10 +171,22 @@ class SpeculationPolicy:
                 self.batch_off_at = batch     # measured not to pay at this size either: stay off
             else:
                 self._batch_on_again("batch_size_dropped", decisions)
+        auto = [r for r in rows if r.mode == AUTO and r.k > 0]
+        if self.batch_on and batch >= 2 and auto:      # the costs at this size say it cannot pay: off now,
+            trials = sum(r.trials for r in auto)       # not after steps that cost several plain ones each
+            alpha = sum(r.successes for r in auto) / trials if trials >= self.min_observations else PROBE_ALPHA
+            k = max(r.k for r in auto)
+            if not self.pays(alpha, batch, k, turning_on=False):
+                self._batch_off(batch, "batch_cost", decisions)
+                self.batch_alpha, self.batch_k = alpha, k
         self.batch_probing = False
         if not self.batch_on and self.batch_reason == "batch_cost" and self.batch_steps_off >= self.batch_probe_wait:
-            self.batch_probing = True
-            decisions.append(Decision("batch", "probe", "periodic"))
+            if self.pays(PROBE_ALPHA, batch, self.batch_k, turning_on=True):
+                self.batch_probing = True
+                decisions.append(Decision("batch", "probe", "periodic"))
+            else:               # not even drafts accepted PROBE_ALPHA of the time would pay at this size:
+                self.batch_steps_off = 0        # a probe (a step of k drafts per row) costs several plain steps
+                self.batch_probe_wait = min(2 * self.batch_probe_wait, self.max_probe_interval)
         # a plain step now and then measures the plain cost at this batch size
         age = self.costs.plain_age.get(batch)
         self.calibrating = (self.batch_on and any(r.mode == AUTO and r.k > 0 for r in rows)
