@@ -6,6 +6,7 @@ the "lockstep" arms run the same call on the offline engine's fixed batch (`LLM.
 
     python scripts/batch_speed.py                     # embedded model, native weights, 24 requests
     python scripts/batch_speed.py --dtype bf16 --rounds 3
+    python scripts/batch_speed.py --spec-bench 64 --max-tokens 64 --lockstep   # ragged: Spec-Bench prompts
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--lockstep", action="store_true", help="also the same calls on the lockstep engine")
+    ap.add_argument("--spec-bench", type=int, default=0, metavar="N",
+                    help="instead: the first N prompts of the six Spec-Bench tasks, taken in turn (ragged lengths)")
     args = ap.parse_args()
     from specdecode import LLM, SamplingParams
     from specdecode.fast.linear import cpu_label
@@ -44,6 +47,11 @@ def main() -> int:
     params = SamplingParams(max_tokens=args.max_tokens)
     llm.generate(prompts, params, chat=True)                            # warm-up: curves, kernels
     ids = [llm.encode(p, chat=True) for p in prompts]
+    if args.spec_bench:
+        from specdecode.bench.workload import interleave, select
+        tasks = ["multi_turn", "summarization", "translation", "qa", "math_reasoning", "rag"]
+        chosen, _ = select(llm, tasks, -(-args.spec_bench // len(tasks)), args.max_tokens, 40)
+        ids = [list(p.ids) for p in interleave(chosen)][:args.spec_bench]
 
     def run(arm: str) -> list[list[int]]:
         k = 0 if arm.endswith("plain") else None
@@ -61,7 +69,9 @@ def main() -> int:
             rates[arm].append(sum(map(len, outs[arm])) / (time.perf_counter() - started))
         same = same and all(o == outs["plain"] for o in outs.values())
     median = {a: statistics.median(v) for a, v in rates.items()}
-    print(f"{cpu_label()}; {llm.target.name} ({llm.target.weights_kind}), method {llm.method}; {len(prompts)} requests "
+    lengths = sorted(map(len, ids))
+    print(f"{cpu_label()}; {llm.target.name} ({llm.target.weights_kind}), method {llm.method}; {len(ids)} requests "
+          f"(prompts of {lengths[0]}-{lengths[-1]} tokens) "
           f"in one call, {args.max_tokens} tokens, {args.rounds} rounds: plain {median['plain']:.1f} tok/s, speculative "
           f"{median['speculative']:.1f} tok/s = {median['speculative'] / median['plain']:.2f}x; identical outputs: {same}")
     if args.lockstep:
