@@ -68,3 +68,17 @@ def test_a_request_that_does_not_fit_is_refused_by_name(tiny_models):
     context = llm.target.model.max_len
     with pytest.raises(ParamError, match="exceeds the model's context"):
         llm.generate(prompts, SamplingParams(max_tokens=context))
+
+
+def test_a_call_whose_kv_pool_does_not_fit_runs_as_one_fixed_batch(tiny_models, monkeypatch):
+    import specdecode.serve.server as server
+    llm = LLM(model=str(tiny_models["llama"]), dtype="fp32", progress=False)
+    prompts = ragged(llm.tokenizer)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    monkeypatch.setattr(server, "available_bytes", lambda: 1)          # no memory to spare
+    got = llm.generate(prompts, params)
+    assert llm.offline.scheduler is None and llm.offline.refused is None     # not built; tried again later
+    assert [o.token_ids for o in got] == [s.output_ids for s in llm.engine().generate(prompts, [params] * 6)]
+    monkeypatch.undo()
+    llm.generate(prompts, params)
+    assert llm.offline.scheduler is not None

@@ -42,7 +42,8 @@ def suits(llm, prompts: list[list[int]], params: list[SamplingParams], on_tokens
 
 class OfflineBatches:
     """One LLM's scheduler for its offline calls (built lazily, rebuilt when a call needs more
-    context than it was sized for, or when the server path cannot take the model: then None)."""
+    context than it was sized for). None where the server path cannot take the model, or the KV pool
+    a call needs does not fit the free memory: the caller then runs the fixed batch."""
 
     def __init__(self, llm) -> None:
         self.llm = llm
@@ -54,6 +55,7 @@ class OfflineBatches:
         if self.scheduler is not None and context <= self.context:
             return self.scheduler
         from ..models.config import ModelError
+        from .memory import MemoryBudgetError
         from .server import build_state
         llm = self.llm
         config = ServeConfig(max_batch_size=ROWS, max_queue=1_000_000, max_model_len=context,
@@ -61,8 +63,10 @@ class OfflineBatches:
                              prefix_cache=llm.prefix_store is not None)
         try:
             self.scheduler = build_state(llm, config).scheduler
-        except ModelError as exc:
+        except ModelError as exc:          # this model cannot run there: never again
             self.refused = str(exc)
+            return None
+        except MemoryBudgetError:          # this call's KV pool does not fit the free memory: this call not
             return None
         self.context = context
         return self.scheduler
