@@ -156,10 +156,13 @@ class RecycleDrafter(Drafter):
         top = topk_ids.detach().cpu().numpy().astype(np.int32)                    # [B, n+1, K']
         k = min(self.k, top.shape[2])
         root = np.array([s.token_ids[-1] for s in seqs], dtype=np.int64)          # [B]
-        tokens = proposal.tokens.cpu().numpy().astype(np.int64)[:, :top.shape[1] - 1]   # [B, n]
-        live = np.arange(tokens.shape[1])[None, :] < proposal.num_tokens.cpu().numpy()[:, None]   # [B, n]
-        keys = np.concatenate([root, tokens[live]])                                # [B + nodes]
-        rows = np.concatenate([top[:, 0, :k], top[:, 1:tokens.shape[1] + 1, :k][live]])   # [B + nodes, k]
+        if proposal.k == 0:         # a plain step (most steps where recycling does not pay): the roots only
+            keys, rows = root, top[:, 0, :k].copy()                                # [B], [B, k]
+        else:
+            tokens = proposal.tokens.cpu().numpy().astype(np.int64)[:, :top.shape[1] - 1]   # [B, n]
+            live = np.arange(tokens.shape[1])[None, :] < proposal.num_tokens.cpu().numpy()[:, None]   # [B, n]
+            keys = np.concatenate([root, tokens[live]])                            # [B + nodes]
+            rows = np.concatenate([top[:, 0, :k], top[:, 1:tokens.shape[1] + 1, :k][live]])   # [B + nodes, k]
         if keys.size == 0:
             return
         srt = np.sort(rows, axis=1)
