@@ -235,3 +235,11 @@ def test_paced_tokens_send_the_first_at_once_then_at_most_every_interval(monkeyp
     done = Finished("length", None, {}, {})
     sink(done)
     assert [e.ids for e in posted[2:3]] == [[6]] and posted[3] is done and len(posted) == 4
+
+
+@pytest.mark.parametrize("bad", [-1, 10_001, "20", True, float("nan")])
+def test_bad_stream_interval_is_refused_by_name(bad):
+    from specdecode.params import ParamError
+    from specdecode.serve.scheduler import ServeConfig
+    with pytest.raises(ParamError, match=r"stream_interval_ms must be a number of milliseconds in \[0, 10000\]"):
+        ServeConfig(stream_interval_ms=bad)
