@@ -62,12 +62,19 @@ def test_calls_the_scheduler_does_not_take(tiny_models):
     assert not offline.suits(pair, prompts, greedy, None)
 
 
-def test_a_request_that_does_not_fit_is_refused_by_name(tiny_models):
+def test_a_bad_request_is_refused_by_name_as_in_the_fixed_batch(tiny_models):
+    """The scheduler's calls are checked as the fixed batch's: a prompt that does not fit, an empty
+    one, token ids outside the vocabulary (these once reached the native kernels: a crash)."""
     llm = LLM(model=str(tiny_models["llama"]), dtype="fp32", progress=False)
     prompts = ragged(llm.tokenizer)
-    context = llm.target.model.max_len
+    context, vocab = llm.target.model.max_len, llm.target.model.vocab_size
     with pytest.raises(ParamError, match="exceeds the model's context"):
         llm.generate(prompts, SamplingParams(max_tokens=context))
+    with pytest.raises(ParamError, match="prompt 5 is empty"):
+        llm.generate(prompts[:5] + [[]], SamplingParams(max_tokens=4))
+    with pytest.raises(ParamError, match=r"prompt 5 has token ids outside the vocabulary"):
+        llm.generate(prompts[:5] + [[1, vocab + 7]], SamplingParams(max_tokens=4))
+    assert llm.offline.scheduler is None                     # refused before anything ran
 
 
 def test_a_call_whose_kv_pool_does_not_fit_runs_as_one_fixed_batch(tiny_models, monkeypatch):

@@ -81,6 +81,22 @@ def check_room(prompt_tokens: int, max_tokens: int, context: int, name: str = "m
                          f"{context} tokens")
 
 
+def check_requests(prompts: list[list[int]], params: list[SamplingParams], model) -> None:
+    """ParamError naming the prompt unless each is non-empty, its token ids are in the model's
+    vocabulary and it fits the context with its max_tokens, and each SamplingParams' token ids
+    (logit bias, ...) are in the vocabulary. Every offline call's requests pass here (the fixed
+    batch's and the scheduler's, serve/offline.py)."""
+    context, vocab = model.max_len, model.vocab_size
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        if not prompt:
+            raise ParamError(f"prompt {i} is empty: at least one token is required")
+        check_room(len(prompt), p.max_tokens, context)
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ParamError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        p.validate_vocab(vocab)
+
+
 class SpecEngine:
     def __init__(self, target, drafter: Drafter | None = None, num_speculative_tokens: int = 5,
                  runner: ModelRunner | None = None, adaptive: bool | None = None,
@@ -118,16 +134,7 @@ class SpecEngine:
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
                  on_tokens: StreamCallback | None = None) -> list[Sequence]:
         """Run every prompt to completion as one batch; returns the finished sequences."""
-        context = self.model.max_len
-        vocab = self.model.vocab_size
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            if not prompt:
-                raise ParamError(f"prompt {i} is empty: at least one token is required")
-            check_room(len(prompt), p.max_tokens, context)
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ParamError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-            p.validate_vocab(vocab)
+        check_requests(prompts, params, self.model)
         device = self.model.device
         seqs = [Sequence(i, prompt, p, self.target.eos_token_ids, row=i, device=device)
                 for i, (prompt, p) in enumerate(zip(prompts, params))]

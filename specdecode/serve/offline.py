@@ -76,10 +76,9 @@ class OfflineBatches:
         model cannot run through the scheduler (the caller uses the lockstep engine)."""
         if self.refused is not None:
             return None
-        from ..engine.engine import check_room
+        from ..engine.engine import check_requests
+        check_requests(prompts, params, self.llm.target.model)      # as the fixed batch checks them
         context_limit = self.llm.target.model.max_len
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            check_room(len(prompt), p.max_tokens, context_limit)
         need = max(len(prompt) + p.max_tokens for prompt, p in zip(prompts, params))
         sched = self._scheduler(min(context_limit, max(need, self.context)))
         if sched is None:
