@@ -189,7 +189,7 @@ class SpeculationPolicy:
                 self.batch_probe_wait = min(2 * self.batch_probe_wait, self.max_probe_interval)
         # a plain step now and then measures the plain cost at this batch size
         age = self.costs.plain_age.get(batch)
-        self.calibrating = (self.batch_on and any(r.mode == AUTO and r.k > 0 for r in rows)
+        self.calibrating = (self.batch_on and bool(auto)
                             and not any(r.mode == ON and r.k > 0 for r in rows)     # a forced row drafts anyway
                             and (age is None or age >= self.recalibrate_every))
         if self.calibrating:
