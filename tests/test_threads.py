@@ -36,6 +36,30 @@ def test_noise_within_the_margin_does_not_switch_and_lost_trials_back_off():
     assert tuner.interval == 64 and tuner.trials <= 8          # 8, 16, 32, 64, 64, ...: few trials
 
 
+def test_a_trial_compares_passes_of_the_same_size_only():
+    """A pass of 8 rows costs ~1.5 one-row steps: per row it is cheap on either count. Steps of one row
+    on 2 threads, then a trial on 1 thread whose steps are 8-row passes, must not take 1 thread
+    (the old per-row comparison across sizes did, and the server then ran on one thread)."""
+    cost = {(2, 1): 1.0, (1, 1): 1.6, (2, 8): 1.5, (1, 8): 2.4}      # seconds per pass: 1 thread slower
+    tuner = ThreadTuner(max_threads=2, period=10, max_period=40, trial=3, set_threads=lambda n: None)
+    for step in range(200):
+        tuner.before()
+        rows = 8 if tuner.running == 1 or step % 5 == 0 else 1      # the trial's steps happen to be large
+        tuner.after(cost[tuner.running, rows], rows)
+    assert tuner.current == 2 and tuner.switches == 0 and tuner.trials >= 3
+
+
+def test_a_trial_without_same_size_steps_runs_longer_then_decides():
+    tuner = ThreadTuner(max_threads=2, period=10, max_period=40, trial=3, set_threads=lambda n: None)
+    sizes = iter([1] * 9 + [16, 16, 16, 1, 1, 1] + [1] * 100)       # the trial starts on unseen sizes
+    cost = {2: 1.0, 1: 0.5}                                          # 1 thread is faster (a busy core)
+    for _ in range(30):
+        tuner.before()
+        rows = next(sizes)
+        tuner.after(cost[tuner.running] * rows, rows)
+    assert tuner.current == 1 and tuner.switches == 1
+
+
 def test_answers_do_not_depend_on_the_thread_count(tiny_models):
     threads = torch.get_num_threads()
     try:

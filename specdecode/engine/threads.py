@@ -7,20 +7,32 @@ descheduled for whole time slices and every barrier waits for it: on a 2-core AM
 busy loop on one core the embedded model decoded 92-180 tok/s on 2 threads and 132-243 on 1.
 
 The tuner runs the steps on the current count and now and then tries the other one for `trial`
-steps: the trial's median time per pass row (its first step, which wakes the other threads, left
-out) is compared with that of the steps just before it (adjacent steps: the same batch, much the
-same draft sizes), and the faster count is kept, the current one winning ties within `margin`.
-Trials cost time when they lose (on an idle machine a 1-thread step is ~1.6x a 2-thread one), so
-the wait between them doubles after each lost trial (from `period`, 64, up to `max_period`, 512 steps:
-under 2% of an idle machine's time) and goes back to `period` after a switch. A machine that
-becomes busy, or idle again, is followed within `max_period` steps (a few seconds).
+steps (its first step, which wakes the other threads, left out). A trial step is compared only with
+steps of the same size run on the current count within the last `period` steps: a pass's cost is far
+from proportional to its rows (a verify pass of 8 rows costs ~1.5 steps of one row), and with
+adaptive drafting adjacent steps differ in size, so a time per row taken across sizes would let a
+trial of large passes "win" against steps of one row (it did: the server then prefilled and decoded
+on one thread for dozens of steps, 1.7x slower). Sizes are matched in buckets (exact up to 8 rows,
+then within a quarter); a trial step without a match extends the trial, up to 4 x `trial` steps. The
+trial's count is kept when the median of its time-per-row ratios to the matched steps is below
+1 / (1 + `margin`), else the current count stays. Trials cost time when they lose (on an idle machine
+a 1-thread step is ~1.6x a 2-thread one), so the wait between them doubles after each lost trial
+(from `period`, 64, up to `max_period`, 512 steps: under 2% of an idle machine's time) and goes back
+to `period` after a switch. A machine that becomes busy, or idle again, is followed within
+`max_period` steps (a few seconds).
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from statistics import median
 
 import torch
+
+
+def size_bucket(rows: int) -> int:
+    """Pass sizes compared with each other: exact up to 8 rows, then ranges a quarter wide."""
+    return rows if rows <= 8 else 8 + round(4 * math.log2(rows / 8))
 
 
 class ThreadTuner:
@@ -32,11 +44,13 @@ class ThreadTuner:
         self.set_threads = set_threads
         self.current = self.max_threads           # the chosen count
         self.running = self.max_threads           # the count the next step runs on
-        self.recent: deque[float] = deque(maxlen=trial)   # seconds per row of the last steps on `current`
-        self.trying: list[float] = []             # ... of the trial's steps
+        # size bucket -> (step, seconds per row) of the last steps of that size on `current`
+        self.recent: dict[int, deque[tuple[int, float]]] = {}
+        self.trying: list[tuple[int, float]] = []  # (size bucket, seconds per row) of the trial's steps
         self.interval = period                    # steps between trials (doubles after each lost trial)
         self.wait = period                        # steps until the next trial
         self.trial_left = 0
+        self.trial_steps = 0                      # steps the current trial has run
         self.steps = self.trials = self.switches = 0
 
     @property
@@ -51,6 +65,7 @@ class ThreadTuner:
         self.wait -= 1
         if self.trial_left == 0 and self.wait <= 0:
             self.trial_left = self.trial
+            self.trial_steps = 0
             self.trials += 1
             self._run(next(c for c in self.choices if c != self.current))
 
@@ -59,26 +74,43 @@ class ThreadTuner:
         `seconds` (drafting and verification)."""
         if not self.active or rows <= 0 or seconds <= 0:
             return
-        per_row = seconds / rows
+        entry = (size_bucket(rows), seconds / rows)
         if self.trial_left == 0:
-            self.recent.append(per_row)
+            self.recent.setdefault(entry[0], deque(maxlen=self.trial)).append((self.steps, entry[1]))
             return
-        if self.trial_left < self.trial:          # the trial's first step pays for waking the other count
-            self.trying.append(per_row)
+        if self.trial_steps > 0:                  # the trial's first step pays for waking the other count
+            self.trying.append(entry)
+        self.trial_steps += 1
         self.trial_left -= 1
+        ratios = self._ratios()
+        if self.trial_left == 0 and len(ratios) < self.trial - 1 and self.trial_steps < 4 * self.trial:
+            self.trial_left = 1                   # too few steps of a size seen before: one more
         if self.trial_left:
             return
-        before = self.recent
-        if before and median(self.trying) * (1 + self.margin) < median(before):   # the trial's count is faster
+        if ratios and median(ratios) * (1 + self.margin) < 1:   # the trial's count is faster
             self.current = self.running
             self.switches += 1
-            self.recent = deque(self.trying, maxlen=self.trial)
+            self.recent = {}
+            for step, (bucket, per_row) in enumerate(self.trying):
+                self.recent.setdefault(bucket, deque(maxlen=self.trial)).append((self.steps - len(self.trying) + step,
+                                                                                 per_row))
             self.interval = self.period
         else:
             self.interval = min(2 * self.interval, self.max_period)
         self.wait = self.interval
         self.trying = []
         self._run(self.current)
+
+    def _ratios(self) -> list[float]:
+        """The trial steps' times per row over those of same-size steps on the current count in the
+        `period` steps before the trial."""
+        oldest = self.steps - self.trial_steps - self.period
+        ratios = []
+        for bucket, per_row in self.trying:
+            same = [t for step, t in self.recent.get(bucket, ()) if step >= oldest]
+            if same:
+                ratios.append(per_row / median(same))
+        return ratios
 
     def _run(self, threads: int) -> None:
         if threads != self.running:
