@@ -2,7 +2,7 @@
 # Serving against peers, one server after another on the same cores (never two at once):
 # vLLM's CPU server and specdecode on the embedded model, llama.cpp's server and specdecode on the
 # 1.5B Q4_K_M file, each measured by `specdecode bench serve --url` at concurrency 1, 4 and 16
-# (64 tokens, Spec-Bench prompts, each level its own prompts) after a warm-up run.
+# (64 tokens, Spec-Bench prompts, each level its own prompts) after a warm-up run on HumanEval prompts.
 #
 #   VLLM_PY=/path/to/vllm-venv/bin/python LLAMACPP_PY=/path/to/llamacpp-venv/bin/python \
 #       bash scripts/serve_peers.sh [OUT_DIR]
@@ -21,7 +21,9 @@ LOGS=$(mktemp -d)
 wait_up() { for _ in $(seq 1 150); do sleep 2; curl -s "localhost:$1/v1/models" > /dev/null 2>&1 && return 0; done; return 1; }
 stop() { kill "$1" 2> /dev/null; wait "$1" 2> /dev/null; sleep 3; }
 bench() {  # port, out dir, extra args
-    "$SD" bench serve --url "http://127.0.0.1:$1" --concurrency 1 --max-tokens 16 --num-requests 4 --out "$LOGS/warm" > /dev/null 2>&1
+    # warm-up on other prompts (HumanEval): no measured prompt is in a server's cache beforehand
+    "$SD" bench serve --url "http://127.0.0.1:$1" --tasks humaneval --concurrency 1 --max-tokens 16 --num-requests 4 \
+        --out "$LOGS/warm" > /dev/null 2>&1
     "$SD" bench serve --url "http://127.0.0.1:$1" --concurrency 1,4,16 --max-tokens 64 $3 --out "$2" 2>&1 | grep -E "^\| concurrency"
 }
 echo "CPU: $(.venv/bin/python -c 'from specdecode.fast.linear import cpu_label; print(cpu_label())')"
