@@ -126,6 +126,7 @@ class DraftBudget:
     probed: bool = field(init=False, default=False)      # the last step was a probe
     last_size: int = field(init=False, default=0)        # the size of the last step observed
     chosen: list[int] = field(init=False, default_factory=list)
+    _at: dict[float, float] = field(init=False, default_factory=dict, repr=False)   # rows -> curve seconds
 
     def __post_init__(self) -> None:
         top = max(self.max_size, self.span)
@@ -194,8 +195,15 @@ class DraftBudget:
 
     def pass_seconds(self, rows: float) -> float:
         """Predicted seconds of one sequence's target pass (and verification) over `rows` rows."""
-        one = interpolate(self.curve, 1.0)
-        return self.scale * (one + self.row_scale * (interpolate(self.curve, rows) - one))
+        one = self._curve_at(1.0)
+        return self.scale * (one + self.row_scale * (self._curve_at(rows) - one))
+
+    def _curve_at(self, rows: float) -> float:
+        """interpolate(curve, rows), remembered: every step asks it for each size (the curve is fixed)."""
+        seconds = self._at.get(rows)
+        if seconds is None:
+            seconds = self._at[rows] = interpolate(self.curve, rows)
+        return seconds
 
     def best(self) -> int:
         """The size with the most tokens per second among those measured."""
@@ -265,8 +273,8 @@ class DraftBudget:
         self.all_accepted = size > 0 and sum(num_nodes) > 0 and all(
             len(path) == n for path, n in zip(accepted_nodes, num_nodes))
         rows = pending + max(num_nodes + [0])
-        one = interpolate(self.curve, 1.0)
-        extra = interpolate(self.curve, rows) - one
+        one = self._curve_at(1.0)
+        extra = self._curve_at(rows) - one
         if extra <= 0.02 * one:       # a one-row pass (or as good as): the base cost
             self.scale = self.decay * self.scale + (1 - self.decay) * (verify_seconds / batch / max(one + extra, 1e-9))
         else:                         # what the rows past the first cost here
