@@ -193,8 +193,11 @@ def test_metrics_and_stats(server, client):
                  "time_per_output_token_seconds_bucket", "num_requests_running", "num_requests_waiting",
                  "generation_tokens_total", "generation_tokens_per_second", "num_requests_speculating",
                  'memory_weights_bytes{model="target"}', 'kv_cache_used_bytes{model="target"}',
-                 'kv_cache_capacity_bytes{model="draft"}', 'request_success_total{finished_reason="length"}']:
+                 'kv_cache_capacity_bytes{model="draft"}', 'request_success_total{finished_reason="length"}',
+                 "engine_thread_switches_total"]:
         assert "\nspecdecode:" + name in text, name
+    threads = next(line for line in text.splitlines() if line.startswith("specdecode:engine_threads "))
+    assert float(threads.split()[1]) >= 1          # the thread count the steps run on
     stats = httpx.get(server.url + "/api/stats", timeout=10).json()
     assert set(stats) >= {"model", "method", "uptime_s", "requests", "speculation", "throughput_tokens_per_s",
                           "memory", "history"}

@@ -80,6 +80,11 @@ class ServeMetrics:
         self.failed = Counter(P + "request_failed", "Requests ended by an internal error", registry=r)
         self.aborted = Counter(P + "request_aborted", "Requests aborted (client gone)", registry=r)
         self.steps = Counter(P + "engine_steps", "Batched verification steps", registry=r)
+        self.threads = Gauge(P + "engine_threads", "Threads the engine's passes run on (the thread tuner's choice)",
+                             registry=r)
+        self.thread_switches = Counter(P + "engine_thread_switches",
+                                       "Thread count changes after a trial measured the other count faster",
+                                       registry=r)
         self.weights = Gauge(P + "memory_weights_bytes", "Bytes of model weights", ["model"], registry=r)
         self.kv_used = Gauge(P + "kv_cache_used_bytes", "KV cache bytes in allocated blocks", ["model"], registry=r)
         self.kv_capacity = Gauge(P + "kv_cache_capacity_bytes", "KV cache pool bytes", ["model"], registry=r)
@@ -98,6 +103,7 @@ class ServeMetrics:
         self.rate_points: deque[tuple[float, int]] = deque()
         self.history: deque[dict] = deque(maxlen=HISTORY_LEN)
         self._last_sample = (time.monotonic(), dict(self.totals))
+        self._thread_switches = 0
 
     # ------------------------------------------------------------ engine thread
     def record_step(self, drafted: list[int], accepted: list[int], emitted: list[int],
@@ -168,6 +174,14 @@ class ServeMetrics:
                 "t": round(time.time(), 3)}
         with self.lock:
             self.last_tree = tree
+
+    def record_threads(self, tuner) -> None:
+        """The thread tuner's choice and its switches so far (engine/threads.py)."""
+        self.threads.set(tuner.current)
+        new = tuner.switches - self._thread_switches
+        if new > 0:
+            self.thread_switches.inc(new)
+            self._thread_switches = tuner.switches
 
     def record_decisions(self, decisions) -> None:
         for d in decisions:

@@ -450,6 +450,8 @@ class Scheduler:
                                  seqs[0].stats.verify_seconds - before[0][4], nodes=report.num_nodes)
         self._record_tree(seqs, report)
         self.metrics.record_decisions(decisions)
+        if self.engine.loop.threads is not None:
+            self.metrics.record_threads(self.engine.loop.threads)
         for s in seqs:
             if s.finished:
                 self._end(s, s.finish_reason, None)
