@@ -1,0 +1,65 @@
+"""Each drafting method against plain decoding, per prompt, arms alternating (one process).
+
+    python scripts/method_ab.py --methods eagle,recycle,medusa [--rounds 3] [--model PATH] [--max-tokens 128]
+
+One generation per cell (what `specdecode bench` runs) moves by +-5-10% on a 2-core host whose
+speed drifts; here every prompt runs plain and each method `--rounds` times, in an order that
+alternates between rounds and prompts, and the per-prompt ratio is of the medians. The prompts are
+the bench's six held-out kinds: the first Spec-Bench prompt of multi_turn, summarization,
+translation, qa and rag, and HumanEval/0. Each method's LLM keeps its draft budgets between calls,
+as a long-running process does. Prints per method the ratio over all six prompts (sum of plain
+medians / sum of the method's), each prompt's, and whether every output equals plain decoding's.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from specdecode import LLM, SamplingParams
+from specdecode.datasets import humaneval, spec_bench
+from specdecode.fast.linear import cpu_label
+
+TASKS = ("multi_turn", "summarization", "translation", "humaneval", "qa", "rag")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--methods", required=True, help="comma-separated drafting methods (as `generate --method`)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=128)
+    args = p.parse_args()
+    if args.rounds < 1 or args.max_tokens < 1:
+        raise SystemExit(f"--rounds and --max-tokens must be >= 1, got {args.rounds} / {args.max_tokens}")
+    bench = spec_bench()
+    prompts = [humaneval()[0] if t == "humaneval" else next(q for q in bench if q.task == t) for t in TASKS]
+    methods = [m for m in args.methods.split(",") if m]
+    llms = {"plain": LLM(args.model, progress=False, prefix_cache=False)}
+    for m in methods:
+        llms[m] = LLM(args.model, method=m, progress=False, prefix_cache=False)
+    for llm in llms.values():                                  # first-call costs (kernels, buffers)
+        llm.generate("Hello there", SamplingParams(max_tokens=8), chat=True)
+    params = SamplingParams(max_tokens=args.max_tokens)
+    times: dict[tuple[str, int], list[float]] = {(m, i): [] for m in llms for i in range(len(prompts))}
+    outputs: dict[tuple[str, int], list[int]] = {}
+    for r in range(args.rounds):
+        for i, prompt in enumerate(prompts):
+            order = list(llms) if (r + i) % 2 == 0 else list(llms)[::-1]
+            for m in order:
+                started = time.perf_counter()
+                out = llms[m].generate(prompt.text, params, chat=prompt.chat,
+                                       num_speculative_tokens=0 if m == "plain" else None)[0]
+                times[m, i].append(time.perf_counter() - started)
+                outputs[m, i] = out.token_ids
+    plain = [statistics.median(times["plain", i]) for i in range(len(prompts))]
+    print(f"{cpu_label()}, {args.rounds} rounds, {args.max_tokens} tokens; x plain (medians)")
+    for m in methods:
+        mine = [statistics.median(times[m, i]) for i in range(len(prompts))]
+        same = all(outputs[m, i] == outputs["plain", i] for i in range(len(prompts)))
+        cells = " ".join(f"{t}:{a / b:.2f}" for t, a, b in zip(TASKS, plain, mine))
+        print(f"{m:11s} all {sum(plain) / sum(mine):.3f}  {cells}  identical: {'yes' if same else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()
