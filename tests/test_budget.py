@@ -117,6 +117,31 @@ def test_shadow_drafts_bring_speculation_back():
     assert budget.best() >= 4
 
 
+def test_a_tree_shadow_credits_each_size_with_the_path_nodes_it_holds():
+    """A tree's first nodes are mostly siblings: a tree of s nodes can accept only the main path's
+    nodes below s. A shadow tree whose main path is nodes 0, 3, 6 and came true whole credits sizes
+    1-3 with one token, 4-6 with two, 7+ with three (a chain of s tokens would have s)."""
+    from types import SimpleNamespace
+
+    from specdecode.drafters.base import DraftProposal
+    from specdecode.engine.budget import ShadowDrafts
+
+    # root children 10, 11, 12 (nodes 0-2); children of node 0: 20, 21, 22 (3-5); of node 3: 30, 31 (6, 7)
+    tree = [(10, -1), (11, -1), (12, -1), (20, 0), (21, 0), (22, 0), (30, 3), (31, 3)]
+    proposal = DraftProposal.from_trees([tree])
+    assert proposal.main_path_nodes(0) == [0, 3, 6] and proposal.main_path(0) == [10, 20, 30]
+    budget = DraftBudget(8, CURVE, decay=0.0)           # decay 0: the gains are the last observation
+    seq = SimpleNamespace(row=0, token_ids=[1, 2, 3], finished=False)
+    shadows = ShadowDrafts()
+    shadows.propose(SimpleNamespace(propose=lambda seqs, ks: proposal), [seq], 8)
+    seq.token_ids += [10, 20, 30, 40]
+    shadows.score([seq], budget)
+    assert {s: budget.gain[s] for s in (1, 2, 3, 4, 6, 8)} == {1: 2.0, 2: 2.0, 3: 2.0, 4: 3.0, 6: 3.0, 8: 4.0}
+    chain = DraftBudget(8, CURVE, decay=0.0)
+    chain.observe_shadow(4, 3)                          # a chain: s tokens at size s
+    assert {s: chain.gain[s] for s in (1, 2, 3, 4)} == {1: 2.0, 2: 3.0, 3: 4.0, 4: 4.0}
+
+
 def test_a_costly_drafter_starts_small_and_its_draft_time_has_no_zero_prior():
     """A drafter with state starts at the size its prior cost predicts best (a draft token at 0.45
     of a step: size 1; nearly free: larger); without a prior, the first measured drafting time is

@@ -76,14 +76,19 @@ class DraftProposal:
     def main_path(self, row: int) -> list[int]:
         """Tokens of row `row` along its first branch (node 0, then each node's first child): a
         chain's whole draft."""
+        tokens = self.tokens[row, :int(self.num_tokens[row])].tolist()
+        return [tokens[i] for i in self.main_path_nodes(row)]
+
+    def main_path_nodes(self, row: int) -> list[int]:
+        """Node indices of row `row`'s first branch (a chain: 0, 1, ...). A tree's first s nodes hold
+        only the branch's nodes below s: what a tree of s nodes could accept along it."""
         n = int(self.num_tokens[row])
         if self.parents is None:
-            return self.tokens[row, :n].tolist()
-        parents, tokens = self.parents[row, :n].tolist(), self.tokens[row, :n].tolist()
+            return list(range(n))
         path, last = [], -1
-        for i, p in enumerate(parents):
+        for i, p in enumerate(self.parents[row, :n].tolist()):
             if p == last:
-                path.append(tokens[i])
+                path.append(i)
                 last = i
         return path
 
