@@ -1,5 +1,6 @@
 """EAGLE-style drafter: lossless with any head (even an untrained one), batched and alone; the
 saved format records its target and warns on a mismatch; bad drafter paths give clear errors."""
+import dataclasses
 import json
 import warnings
 
@@ -222,3 +223,31 @@ def test_cascade_with_a_draft_model_greedy_equals_plain(tiny_models):
               dtype="fp32", progress=False, ngram_min=2, ngram_max=4, adaptive=False, head_vocab=64)
     assert llm.drafter.draft_model() is not None and llm.drafter.capabilities.relative_cost > 0.05
     assert_cascade_greedy_equals_plain(llm)
+
+
+def test_cascade_takes_a_lookup_where_it_is_predicted_to_give_more(tiny_models):
+    """Lookup path or draft model, per row: the expected accepted tokens of each from its measured
+    acceptance, the model's less its drafting time. A costly draft loses to a shorter path than a
+    nearly free one; a source that keeps being right (or wrong) moves the choice; lookup_min_tokens
+    keeps a fixed length threshold."""
+    from specdecode.drafters.base import DraftProposal
+
+    llm = LLM(model=str(tiny_models["llama"]), draft=str(tiny_models["llama_draft"]), method="cascade",
+              dtype="fp32", progress=False)
+    cascade = llm.drafter
+    cost = cascade.head.capabilities.relative_cost
+    shortest = next(n for n in range(1, 6) if cascade.lookup_pays(n, 5))     # at the priors (0.8 vs 0.6)
+    cascade.head.capabilities = dataclasses.replace(cascade.head.capabilities, relative_cost=0.0)
+    assert next(n for n in range(1, 6) if cascade.lookup_pays(n, 5)) >= shortest
+    cascade.head.capabilities = dataclasses.replace(cascade.head.capabilities, relative_cost=0.5)
+    assert cascade.lookup_pays(1, 5)                     # 5 draft tokens at half a step each cannot pay
+    cascade.head.capabilities = dataclasses.replace(cascade.head.capabilities, relative_cost=cost)
+    before = cascade.acceptance("lookup", 4)
+    lookup_row = DraftProposal.from_lists([[1, 2, 3, 4]])           # no step_state: a lookup row
+    for _ in range(20):
+        cascade.commit([], lookup_row, [0])                         # every lookup draft rejected
+    assert cascade.acceptance("lookup", 4) < 0.2 < before
+    cascade.head.capabilities = dataclasses.replace(cascade.head.capabilities, relative_cost=0.01)
+    assert not cascade.lookup_pays(4, 5)                 # a nearly free model right 60% of the time
+    cascade.lookup_min_tokens = 3
+    assert cascade.lookup_pays(3, 5) and not cascade.lookup_pays(2, 5)
