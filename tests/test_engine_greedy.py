@@ -130,3 +130,33 @@ def test_cascade_suffix_lookup_keeps_greedy_outputs(tiny_models):
         LLM(model=target, draft=target, dtype="fp32", progress=False, method="cascade", lookup="trie")
     with pytest.raises(Exception, match="lookup_min_tokens"):
         LLM(model=target, draft=target, dtype="fp32", progress=False, method="cascade", lookup_min_tokens=-1)
+
+
+def test_a_next_call_keeps_the_draft_entries_of_the_same_first_tokens(tiny_models):
+    """LLM.generate's draft cache outlives the call: the next prompt's tokens that the last call's
+    row already holds at the same positions (a chat's next turn) are not prefilled again, the rest
+    are; with a self-draft every draft is still accepted (the kept entries are right), and the
+    output is the target's own."""
+    target = str(tiny_models["llama"])
+    llm = LLM(model=target, draft=target, dtype="fp32", progress=False, adaptive=False, method="model")
+    plain = LLM(model=target, dtype="fp32", progress=False, method="ngram")
+    drafter, fed = llm.drafter, []
+    inner = drafter.model.run
+
+    def counting(fb, cache, *args, **kwargs):
+        fed.append(fb.tokens.shape[1])
+        return inner(fb, cache, *args, **kwargs)
+    drafter.model.run = counting
+    first = llm.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    out = llm.generate(first, params, num_speculative_tokens=3)[0]
+    turn = first + out.token_ids + llm.tokenizer.encode(" and then")       # the next turn
+    fed.clear()
+    drafter.prefill, prefill = None, drafter.prefill                      # the prefill's own passes only
+    drafter.prefill = lambda seqs: (fed.append("prefill"), prefill(seqs))
+    again = llm.generate(turn, params, num_speculative_tokens=3)[0]
+    kept = len(first) + len(out.token_ids) - 1       # the last call's row: its text but the last token
+    assert fed[0] == "prefill" and fed[1] <= len(turn) - 1 - kept + 1     # only the new tokens
+    assert again.token_ids == plain.generate(turn, params, num_speculative_tokens=0)[0].token_ids
+    assert again.stats["acceptance_rate"] == 1.0
+    llm.generate([first, turn], params, num_speculative_tokens=3)         # a batch of 2: a new cache

@@ -77,6 +77,12 @@ class ModelDrafter(Drafter):
         self.draft = draft                    # LoadedModel
         self.model = draft.model
         self.cache = None
+        # what the last call's draft cache holds, for the next call's prompts (`prepare` / `prefill`):
+        # (its cache, {row: (text, offset, length)}); a chat's next turn starts with the same tokens
+        self._kept: tuple | None = None
+        self._reuse: dict[int, tuple[list[int], int, int]] = {}
+        self._texts: dict[int, list[int]] = {}     # row -> its sequence's token list (grows in place)
+        self._own_cache = False
         # Same tokenizer, but the embedding tables may be padded to different sizes (e.g.
         # Qwen2.5-0.5B: 151936 rows, Qwen2.5-7B: 152064): draft logits are cut / padded with
         # -inf to the target's size so draft and target distributions share one vocabulary.
@@ -112,17 +118,55 @@ class ModelDrafter(Drafter):
         if max_len > self.model.max_len + 64:
             raise ModelError(f"draft {self.draft.name} has a context of {self.model.max_len} tokens, "
                              f"fewer than the {max_len} this batch needs")
-        self.cache = self.model.new_cache(batch_size, max_len)
-        self.offset = {}
+        kept, self._kept = self._kept, None
+        if kept is not None and kept[0].batch_size == batch_size:   # the last call's entries, matched
+            old, self._reuse = kept                                  # in `prefill`
+            if old.max_len >= max_len:
+                self.cache = old
+            else:                                                    # a longer call: a larger cache
+                self.cache = self.model.new_cache(batch_size, max_len)
+                upto = max((length for _, _, length in self._reuse.values()), default=0)
+                for src, dst in zip(old.keys + old.values, self.cache.keys + self.cache.values):
+                    dst[:, :, :upto] = src[:, :, :upto]
+            for row in range(batch_size):
+                self.cache.truncate(row, 0)
+        else:
+            self.cache, self._reuse = self.model.new_cache(batch_size, max_len), {}
+        self.offset, self._texts, self._own_cache = {}, {}, True
         return ContiguousState(self.cache)
 
     def use_draft_cache(self, cache) -> DrafterState:
         self.cache = cache            # e.g. the server's paged cache: the same interface as KVCache
         self.offset, self.draft_context = {}, 0     # the server prefills the whole prompt into it
+        self._own_cache, self._kept, self._reuse = False, None, {}
         return cache
 
     def close(self) -> None:
-        self.cache = None
+        if self._own_cache and self.cache is not None:   # kept for the next call (LLM.generate's turns)
+            self._kept = (self.cache, {row: (text, self.offset.get(row, 0), self.cache.lengths[row])
+                                       for row, text in self._texts.items()})
+        self.cache, self._texts, self._reuse = None, {}, {}
+
+    def _reuse_prefix(self, s) -> None:
+        """Keep the entries of row s.row that the last call left for the same tokens at the same
+        positions, so that only the rest of the prompt is prefilled. With draft_context the row
+        keeps the last call's window start while the prompt is within twice the window from it
+        (a chat's turns then reuse their history; the draft then reads up to twice the window of a
+        prompt)."""
+        self._texts[s.row] = s.token_ids
+        old = self._reuse.pop(s.row, None)
+        n = len(s.token_ids)
+        if old is None or (self.draft_context and not n - 2 * self.draft_context <= old[1] < n):
+            return
+        text, offset, length = old
+        same = 0
+        for a, b in zip(text[offset:offset + length], s.token_ids[offset:n - 1]):
+            if a != b:
+                break
+            same += 1
+        if same:
+            self.offset[s.row] = offset
+            self.cache.truncate(s.row, same)
 
     def _offsets(self, seqs) -> list[int]:
         """Per sequence, the index of the token in its draft cache row's slot 0 (draft_context)."""
@@ -144,7 +188,10 @@ class ModelDrafter(Drafter):
 
     @torch.inference_mode()
     def prefill(self, seqs) -> None:
-        """The prompts (all but their last token) into the draft cache in one ragged pass, no logits."""
+        """The prompts (all but their last token) into the draft cache in one ragged pass, no logits:
+        what the last call left for the same first tokens is kept (`_reuse_prefix`)."""
+        for s in seqs:
+            self._reuse_prefix(s)
         offsets = self._offsets(seqs)
         feed = [s.token_ids[off + self.cache.lengths[s.row]:len(s.token_ids) - 1] for s, off in zip(seqs, offsets)]
         if not any(feed):
