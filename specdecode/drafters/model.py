@@ -142,7 +142,9 @@ class ModelDrafter(Drafter):
         return cache
 
     def close(self) -> None:
-        if self._own_cache and self.cache is not None:   # kept for the next call (LLM.generate's turns)
+        # kept for the next call (LLM.generate's turns), for one sequence only: a batch's rows would keep
+        # their whole KV alive between calls for little (its next prompts rarely share their rows' text)
+        if self._own_cache and self.cache is not None and self.cache.batch_size == 1:
             self._kept = (self.cache, {row: (text, self.offset.get(row, 0), self.cache.lengths[row])
                                        for row, text in self._texts.items()})
         self.cache, self._texts, self._reuse = None, {}, {}
