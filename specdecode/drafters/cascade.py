@@ -141,11 +141,15 @@ class CascadeDrafter(Drafter):
         out.step_state = step_state
         return out
 
+    @staticmethod
+    def _source(source: str, length: int) -> str:
+        """The key of `head`, or of a `lookup` path of `length` tokens (its length bucket)."""
+        return source if source != "lookup" else f"lookup{max(n for n in LENGTHS if n <= max(length, 1))}"
+
     def acceptance(self, source: str, length: int = 1) -> float:
         """Measured acceptance per token of `head` drafts, or of `lookup` paths of about `length`
         tokens (from the priors at first)."""
-        if source == "lookup":
-            source = f"lookup{max(n for n in LENGTHS if n <= max(length, 1))}"
+        source = self._source(source, length)
         return self.hits[source] / self.tries[source]
 
     def lookup_pays(self, length: int, k: int) -> bool:
@@ -158,8 +162,7 @@ class CascadeDrafter(Drafter):
         return lookup >= head
 
     def _record(self, source: str, drafted: int, accepted: int) -> None:
-        if source == "lookup":
-            source = f"lookup{max(n for n in LENGTHS if n <= drafted)}"
+        source = self._source(source, drafted)
         self.hits[source] = DECAY * self.hits[source] + accepted
         self.tries[source] = DECAY * self.tries[source] + accepted + (1 if accepted < drafted else 0)
 
