@@ -46,7 +46,7 @@ class ThreadTuner:
         self.running = self.max_threads           # the count the next step runs on
         # size bucket -> (step, seconds per row) of the last steps of that size on `current`
         self.recent: dict[int, deque[tuple[int, float]]] = {}
-        self.trying: list[tuple[int, float]] = []  # (size bucket, seconds per row) of the trial's steps
+        self.trying: list[tuple[int, int, float]] = []  # (step, size bucket, seconds per row) of the trial's
         self.interval = period                    # steps between trials (doubles after each lost trial)
         self.wait = period                        # steps until the next trial
         self.trial_left = 0
@@ -74,9 +74,9 @@ class ThreadTuner:
         `seconds` (drafting and verification)."""
         if not self.active or rows <= 0 or seconds <= 0:
             return
-        entry = (size_bucket(rows), seconds / rows)
+        entry = (self.steps, size_bucket(rows), seconds / rows)
         if self.trial_left == 0:
-            self.recent.setdefault(entry[0], deque(maxlen=self.trial)).append((self.steps, entry[1]))
+            self._remember(*entry)
             return
         if self.trial_steps > 0:                  # the trial's first step pays for waking the other count
             self.trying.append(entry)
@@ -91,9 +91,8 @@ class ThreadTuner:
             self.current = self.running
             self.switches += 1
             self.recent = {}
-            for step, (bucket, per_row) in enumerate(self.trying):
-                self.recent.setdefault(bucket, deque(maxlen=self.trial)).append((self.steps - len(self.trying) + step,
-                                                                                 per_row))
+            for step, bucket, per_row in self.trying:
+                self._remember(step, bucket, per_row)
             self.interval = self.period
         else:
             self.interval = min(2 * self.interval, self.max_period)
@@ -101,12 +100,16 @@ class ThreadTuner:
         self.trying = []
         self._run(self.current)
 
+    def _remember(self, step: int, bucket: int, per_row: float) -> None:
+        """A step on the current count: the reference for trial steps of its size."""
+        self.recent.setdefault(bucket, deque(maxlen=self.trial)).append((step, per_row))
+
     def _ratios(self) -> list[float]:
         """The trial steps' times per row over those of same-size steps on the current count in the
         `period` steps before the trial."""
         oldest = self.steps - self.trial_steps - self.period
         ratios = []
-        for bucket, per_row in self.trying:
+        for _, bucket, per_row in self.trying:
             same = [t for step, t in self.recent.get(bucket, ()) if step >= oldest]
             if same:
                 ratios.append(per_row / median(same))
