@@ -359,3 +359,20 @@ def test_quantized_kernels_prefetch_on_intel_and_zen5_only(monkeypatch):
     assert linear._qprefetch_bytes() == 512
     monkeypatch.setenv("SPECDECODE_QPREFETCH", "0")
     assert linear._qprefetch_bytes() == 0
+
+
+@needs_native
+def test_native_top_k_equals_torch_topk():
+    """The native top-k (token recycling's every-step read) returns torch.topk's indices, best
+    first, on rows of any width (tails of < 16 values); -1 past a row's values above -inf; other
+    dtypes go to torch.topk."""
+    from specdecode.fast import top_k_indices
+    gen = torch.Generator().manual_seed(0)
+    for shape, k in (((1, 1, 49152), 8), ((2, 6, 1000), 5), ((3, 37), 1), ((1, 7), 7), ((4, 64), 64)):
+        x = torch.randn(*shape, generator=gen)
+        assert torch.equal(top_k_indices(x, k), x.topk(k, dim=-1).indices)
+    masked = torch.full((1, 40), float("-inf"))
+    masked[0, 33], masked[0, 5] = 1.0, 2.0
+    assert top_k_indices(masked, 4).tolist() == [[5, 33, -1, -1]]
+    half = torch.randn(2, 300, generator=gen).to(torch.bfloat16)
+    assert torch.equal(top_k_indices(half, 3), half.topk(3, dim=-1).indices)

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from ..drafters.base import DraftProposal, Drafter, DrafterState
+from ..fast import top_k_indices
 from ..forward import ForwardBatch
 from ..sampling import probs_from_logits, transform_logits
 from ..structured import allowed_masks, lazy_rows, mask_greedy
@@ -167,8 +168,7 @@ class ModelRunner:
                 transformed = transformed.clone()
             mask_greedy(seqs, proposal, lazy, transformed, target_tokens)
         if self.drafter is not None and self.drafter.capabilities.needs_target_topk:
-            self.drafter.observe_topk(seqs, proposal,
-                                      transformed.topk(self.drafter.capabilities.needs_target_topk, dim=-1).indices)
+            self.drafter.observe_topk(seqs, proposal, top_k_indices(transformed, self.drafter.capabilities.needs_target_topk))
         probs = None if all_greedy else probs_from_logits(transformed, [s.params for s in seqs])   # [B, k+1, vocab]
         # log-probabilities as reported to users: log-softmax of the transformed logits (greedy
         # rows at temperature 1), only when some row asked for them

@@ -5,13 +5,16 @@ is the reference path kept for tests (`--eager`, `LLM(fast=False)`).
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 
 from .linear import PackedLinear, available, reason, self_check
 from .quant import QuantLinear, QuantWeight
 
 __all__ = ["PackedLinear", "QuantLinear", "QuantWeight", "available", "reason", "self_check", "make_linear",
-           "fused_decoder"]
+           "fused_decoder", "top_k_indices"]
 
 
 def make_linear(weight, bias: torch.Tensor | None = None):
@@ -30,3 +33,32 @@ def fused_decoder(model):
 
 
 make_linear.fused_decoder = fused_decoder
+
+
+def top_k_indices(values: torch.Tensor,          # [..., n] float32 (a step's logits)
+                  k: int) -> torch.Tensor:       # -> [..., k] int64, best first
+    """Indices of the k largest values along the last dimension, best first: the native scan on a
+    contiguous float32 CPU tensor (~5 us for a 49k vocabulary where torch.topk takes 50-90; a
+    tie keeps the lower index first, -1 where a row has fewer than k values above -inf), else
+    torch.topk. Token recycling reads the target's top-k at every step, also where it does not
+    draft."""
+    topk = _topk_fn() if values.device.type == "cpu" else None
+    if topk is None or values.dtype != torch.float32 or not 1 <= k <= 64 or k > values.shape[-1] \
+            or not values.is_contiguous():
+        return values.topk(k, dim=-1).indices
+    out = torch.empty(*values.shape[:-1], k, dtype=torch.int64)
+    topk(values.data_ptr(), values.numel() // values.shape[-1], values.shape[-1], k, out.data_ptr())
+    return out
+
+
+@functools.cache
+def _topk_fn():
+    """The native top-k (argument types declared once), or None without the kernels."""
+    from .linear import _load
+    lib = _load()["lib"]
+    if lib is None:
+        return None
+    fn = lib.sd_topk_f32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = None
+    return fn
