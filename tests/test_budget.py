@@ -130,14 +130,14 @@ def test_a_tree_shadow_credits_each_size_with_the_path_nodes_it_holds():
     tree = [(10, -1), (11, -1), (12, -1), (20, 0), (21, 0), (22, 0), (30, 3), (31, 3)]
     proposal = DraftProposal.from_trees([tree])
     assert proposal.main_path_nodes(0) == [0, 3, 6] and proposal.main_path(0) == [10, 20, 30]
-    budget = DraftBudget(8, CURVE, decay=0.0)           # decay 0: the gains are the last observation
+    budget = DraftBudget(8, CURVE, decay=0.0, shadow_decay=0.0)   # decay 0: the gains are the last observation
     seq = SimpleNamespace(row=0, token_ids=[1, 2, 3], finished=False)
     shadows = ShadowDrafts()
     shadows.propose(SimpleNamespace(propose=lambda seqs, ks: proposal), [seq], 8)
     seq.token_ids += [10, 20, 30, 40]
     shadows.score([seq], budget)
     assert {s: budget.gain[s] for s in (1, 2, 3, 4, 6, 8)} == {1: 2.0, 2: 2.0, 3: 2.0, 4: 3.0, 6: 3.0, 8: 4.0}
-    chain = DraftBudget(8, CURVE, decay=0.0)
+    chain = DraftBudget(8, CURVE, decay=0.0, shadow_decay=0.0)
     chain.observe_shadow(4, 3)                          # a chain: s tokens at size s
     assert {s: chain.gain[s] for s in (1, 2, 3, 4)} == {1: 2.0, 2: 3.0, 3: 4.0, 4: 4.0}
 
@@ -208,7 +208,8 @@ def test_probes_that_fail_back_off_and_one_that_pays_restores_the_pace():
     """A drafter with state (a trained head, a draft model) pays for each probe: while probes keep
     failing the wait between them doubles (16, 32, 64, ... up to max_probe_every); a probe whose
     drafts are accepted makes drafting win and the pace goes back to probe_every."""
-    budget = DraftBudget(8, CURVE, decay=0.5, probe_every=4, max_probe_every=16, draft_cost=0.05)
+    budget = DraftBudget(8, CURVE, decay=0.5, probe_every=4, max_probe_every=16, draft_cost=0.05,
+                         probe_share=1.0)                # (the floor of costly probes: the next test)
     probes = []
     for step in range(120):
         size = budget.next_size()
@@ -229,18 +230,39 @@ def test_probes_that_fail_back_off_and_one_that_pays_restores_the_pace():
     assert budget.best() > 0 and budget.probe_interval == 4
 
 
+def test_costly_probes_come_no_more_often_than_their_share_allows():
+    """A probe that costs 1.5 plain steps more than the plain step it replaces (a head's catch-up
+    on the tokens since its last draft) is spaced so that failed probes take at most probe_share
+    of plain decoding's time: 1.5 / 0.02 = 75 steps, in this call and in the next (carried)."""
+    budget = DraftBudget(8, CURVE, decay=0.5, probe_every=4, max_probe_every=16, draft_cost=0.05)
+    probes = []
+    for step in range(400):
+        size = budget.next_size()
+        if size:
+            probes.append(step)
+            budget.observe(size, [size], [[]], verify_seconds=interpolate(CURVE, 1), draft_seconds=1.5, pending=1)
+        else:
+            budget.observe(0, [0], [[]], verify_seconds=interpolate(CURVE, 1), draft_seconds=0.0, pending=1)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps and all(g == 75 for g in gaps[1:]), probes
+    later = DraftBudget(8, CURVE, decay=0.5, probe_every=4, max_probe_every=16, draft_cost=0.05)
+    later.carry(budget)
+    sizes = [later.next_size() for _ in range(80)]
+    assert sizes.index(next(s for s in sizes if s)) + 1 == 75
+
+
 def test_a_later_call_starts_from_what_the_earlier_one_measured():
     """A drafter that did not pay in an earlier call starts plain in the next one (no starting
     size, no probe before 2 * probe_every steps); one that paid starts at its best size; a budget
     with nothing measured, of another kind (shadowed or not), or of a short call (fewer than
     CARRY_MIN_STEPS steps) passes nothing on."""
-    poor = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05)
+    poor = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05, probe_share=1.0)
     for _ in range(60):
         size = poor.next_size()
         poor.observe(size, [size], [[]], verify_seconds=interpolate(CURVE, 1 + size),
                      draft_seconds=0.05 * size, pending=1)
     assert poor.best() == 0 and poor.probe_interval > 4
-    later = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05)
+    later = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05, probe_share=1.0)
     assert later.size > 0                                   # the prior: start drafting
     later.carry(poor)
     assert later.probe_interval == poor.probe_interval and later.draft_measured
@@ -277,3 +299,25 @@ def test_a_probe_after_plain_steps_counts_its_catch_up_as_one_node():
     assert abs(budget.node_seconds() - 0.05) < 1e-9
     budget.observe(2, [2], [[]], verify_seconds=1.05, draft_seconds=0.1, pending=1)    # right after: 2 nodes
     assert abs(budget.node_seconds() - 0.05) < 1e-9
+
+
+def test_one_lucky_shadow_does_not_start_drafting_but_a_run_of_them_does():
+    """Shadows cost nothing, so their evidence is averaged over ~10 (SHADOW_DECAY): where one
+    shadow in ten has its first token right (size 1 buys 0.1 token a step for 0.1 of a step's
+    cost, less than MARGIN asks), a lucky one does not make size 1 win (with a real step's 0.7 it
+    did, and the steps it started accepted nothing); a run of shadows that come true does."""
+    curve = {1: 1.0, 2: 1.1, 4: 1.4, 8: 2.2}
+    budget = DraftBudget(4, curve, shadowed=True)
+    for step in range(40):                               # every shadow wrong: plain decoding
+        budget.observe_shadow(4, 0)
+    assert budget.best() == 0
+    budget.observe_shadow(4, 1)                          # a lucky first token
+    assert budget.best() == 0
+    old = DraftBudget(4, curve, shadowed=True, shadow_decay=0.7)
+    for step in range(40):
+        old.observe_shadow(4, 0)
+    old.observe_shadow(4, 1)
+    assert old.best() > 0                                # what a real step's average did with it
+    for step in range(3):                                # the text starts to repeat itself
+        budget.observe_shadow(4, 4)
+    assert budget.best() == 4

@@ -48,9 +48,19 @@ PRIOR = 1.2             # a size not yet measured is assumed to decode this much
 PRIOR_ACCEPTANCE = 0.7  # per position: the starting size of a drafter that pays for what it tries
 SHADOW_SHARE = 0.02     # at most this share of plain decoding's time goes to shadow drafts (looking
                         # up drafts that are only scored): a costly lookup shadows every few steps
+PROBE_SHARE = 0.02      # at most this share of plain decoding's time goes to probes that fail (a drafter that pays
+                        # to try): a probe after plain steps first feeds the drafter every token since, and a
+                        # trained head's probe of one or two nodes cost 1-2 plain steps on the embedded model
 PROBE_ACCEPTANCE = 0.9  # a drafter that pays to try is probed only where drafts accepted this often would pay:
                         # a probe after plain steps first feeds it every token since (a catch-up pass)
 CARRY_MIN_STEPS = 32    # a call carries what it measured to the next (`carry`) only after this many steps
+SHADOW_DECAY = 0.9      # weight of the past when a shadow draft is scored: shadows cost nothing, so their
+                        # evidence is averaged over ~10 of them (a real step's 0.7, ~3): with 0.7 one shadow
+                        # whose first token came true where one in ten does (a chat answer) made size 1 look
+                        # like it paid, and every such shadow started steps that accepted nothing (3-5% of
+                        # plain decoding's speed on the embedded model's answers)
+BEST_KEPT = 8           # steps a computed best size is kept while nothing it depends on but the pass-time
+                        # corrections changes
 MARGIN = 1.05           # drafting must be predicted this much faster than plain decoding to be chosen:
                         # what the model leaves out (bookkeeping of a longer step) and its noise are
                         # a few percent, and a lookup drafter's gains near break-even are mostly noise
@@ -100,9 +110,11 @@ class DraftBudget:
     max_size: int
     curve: dict[int, float]                 # rows of one sequence's pass -> forward seconds
     decay: float = 0.7                      # weight of the past in the moving averages
+    shadow_decay: float = SHADOW_DECAY      # ... of those that shadow drafts update
     explore_every: int = 8                  # steps between explorations of the next larger size
     probe_every: int = 16                   # steps between probes while plain decoding wins; doubled
     max_probe_every: int = 256              # after each probe that did not pay, up to max_probe_every
+    probe_share: float = PROBE_SHARE        # and never more often than probes' measured cost allows
     draft_cost: float | None = None         # prior seconds per drafted node (None: measured only)
     shadowed: bool = False                  # the engine scores shadow drafts while plain decoding runs (a
                                             # stateless drafter): they measure every size for free, so no probes
@@ -116,6 +128,7 @@ class DraftBudget:
     draft_per_node: float = field(init=False, default=0.0)   # measured drafting seconds per node (node_seconds())
     draft_per_step: float = field(init=False, default=0.0)   # drafting seconds of a step that drafts nothing
     shadow_seconds: float = field(init=False, default=0.0)   # seconds of one shadow draft (measured)
+    probe_seconds: float = field(init=False, default=0.0)    # what a probe step costs over a plain step (measured)
     plain_steps: int = field(init=False, default=0)
     draft_measured: bool = field(init=False, default=False)     # draft_per_node holds a measurement
     all_accepted: bool = field(init=False, default=False)   # the last step accepted every drafted node
@@ -127,6 +140,7 @@ class DraftBudget:
     last_size: int = field(init=False, default=0)        # the size of the last step observed
     chosen: list[int] = field(init=False, default_factory=list)
     _at: dict[float, float] = field(init=False, default_factory=dict, repr=False)   # rows -> curve seconds
+    _best: tuple | None = field(init=False, default=None, repr=False)   # (best(), its step, its cap), see best()
 
     def __post_init__(self) -> None:
         top = max(self.max_size, self.span)
@@ -162,8 +176,9 @@ class DraftBudget:
         self.scale, self.row_scale = earlier.scale, earlier.row_scale
         self.draft_per_node, self.draft_per_step = earlier.draft_per_node, earlier.draft_per_step
         self.draft_measured, self.shadow_seconds = earlier.draft_measured, earlier.shadow_seconds
-        self.probe_interval = earlier.probe_interval
-        self.probe_wait = min(max(earlier.probe_wait, self.probe_every), 2 * self.probe_every)
+        self.probe_interval, self.probe_seconds = earlier.probe_interval, earlier.probe_seconds
+        self.probe_wait = max(min(max(earlier.probe_wait, self.probe_every), 2 * self.probe_every), self.probe_floor())
+        self._best = None
         self.size = self.best()
 
     @property
@@ -213,9 +228,25 @@ class DraftBudget:
         # a climb has reached: where a lookup's drafts are short every size above them ties (or wins
         # on one lucky step), and choosing 32 there verifies the next long lookup whole (32 rows:
         # several plain steps) on no evidence of a long copy
+        # Every step asks this (~25 us for the 13 sizes of a copying drafter): the answer is kept until
+        # a gain or a drafting cost changes (_update, a drafting step) or BEST_KEPT steps pass (the pass
+        # time corrections of plain steps drift slowly); each size's step time is computed once
         cap = max(self.max_size, self.size)
-        return max((s for s in self.levels if s in self.gain and s <= cap and (s == 0 or self.could_pay(s))),
-                   key=lambda s: (round(self.gain[s] / self.step_seconds(s) / (MARGIN if s else 1.0), 9), s))
+        if self._best is not None and self._best[2] == cap and self.steps - self._best[1] < BEST_KEPT:
+            return self._best[0]
+        plain = self.step_seconds(0)
+        best, best_key = 0, (round(self.gain[0] / plain, 9), 0)
+        for s in self.levels:
+            if s == 0 or s > cap or s not in self.gain:
+                continue
+            seconds = self.step_seconds(s)
+            if (s + 1) / seconds < MARGIN / plain:          # could_pay(s): not even if every draft came true
+                continue
+            key = (round(self.gain[s] / seconds / MARGIN, 9), s)
+            if key > best_key:
+                best, best_key = s, key
+        self._best = (best, self.steps, cap)
+        return best
 
     # ------------------------------------------------------------------ each step
     def next_size(self) -> int:
@@ -225,7 +256,7 @@ class DraftBudget:
         larger = [s for s in self.levels if s > best]
         if self.probed:               # a probe that did not make drafting win: probe half as often
             self.probe_interval = self.probe_every if best else min(2 * self.probe_interval, self.max_probe_every)
-            self.probed, self.probe_wait = False, self.probe_interval
+            self.probed, self.probe_wait = False, max(self.probe_interval, self.probe_floor())
         if len(self.gain) == 1 and self.size > 0:     # no draft measured yet: the starting size
             pass
         elif best == 0:               # plain decoding wins: now and then probe a small size that could pay
@@ -245,6 +276,12 @@ class DraftBudget:
             self.size = best
         self.chosen.append(self.size)
         return self.size
+
+    def probe_floor(self) -> int:
+        """The fewest plain steps between two probes at which failed probes cost at most
+        probe_share of plain decoding's time (their measured cost): a cheap probe keeps the pace
+        of probe_every, a costly one (a head's catch-up, a draft model's) comes less often."""
+        return math.ceil(self.probe_seconds / (self.probe_share * self.step_seconds(0)))
 
     def shadow_due(self) -> bool:
         """Should this plain step draft a shadow? Every plain step while shadows are cheap; every
@@ -266,7 +303,7 @@ class DraftBudget:
             if s == 0:
                 continue
             hits = matched if nodes is None else sum(1 for node in nodes[:matched] if node < s)
-            self._update(s, 1.0 + min(hits, s), float(min(proposed, s)))
+            self._update(s, 1.0 + min(hits, s), float(min(proposed, s)), self.shadow_decay)
 
     def observe(self, size: int, num_nodes: list[int], accepted_nodes: list[list[int]],
                 verify_seconds: float, draft_seconds: float, pending: float) -> None:
@@ -286,6 +323,8 @@ class DraftBudget:
             added = (verify_seconds / batch / self.scale - one) / extra
             self.row_scale = self.decay * self.row_scale + (1 - self.decay) * min(max(added, 0.25), 8.0)
         nodes = sum(num_nodes)
+        if size > 0:
+            self._best = None
         if size > 0 and not nodes:      # looked for drafts and found none: the cost of looking
             self.draft_per_step = self.decay * self.draft_per_step + (1 - self.decay) * draft_seconds / batch
         if nodes:
@@ -298,6 +337,10 @@ class DraftBudget:
             self.draft_per_node = past * self.node_seconds() + (1 - past) * per_node
             self.draft_measured = True
         self.last_size = size
+        if self.probed and size > 0:     # what this probe cost over the plain step it replaced
+            extra = max((draft_seconds + verify_seconds) / batch - self.step_seconds(0), 0.0)
+            self.probe_seconds = extra if not self.probe_seconds else \
+                self.decay * self.probe_seconds + (1 - self.decay) * extra
         if size == 0:
             return
         for s in self.levels:
@@ -307,7 +350,7 @@ class DraftBudget:
             proposed = sum(min(n, s) for n in num_nodes) / batch
             self._update(s, emitted, proposed)
 
-    def _update(self, size: int, emitted: float, proposed: float) -> None:
+    def _update(self, size: int, emitted: float, proposed: float, decay: float | None = None) -> None:
         """Moving averages of a size's tokens and nodes per step. The first observation is blended
         with an optimistic prior (drafting at that size 20% faster than plain decoding, at most every
         node accepted), so one unlucky step does not switch speculation off. The prior is taken at
@@ -315,11 +358,13 @@ class DraftBudget:
         at size 32 would otherwise start with the gain of 32 accepted nodes, whose cost then falls
         toward 5 nodes faster than the gain falls toward what was accepted, and that size is chosen
         (a 32-row pass costs several plain steps) where nothing is accepted."""
+        self._best = None
         if size not in self.gain:        # (never more than a step can emit: proposed + 1 tokens)
             self.nodes[size] = float(proposed)
             self.gain[size] = min(PRIOR * self.step_seconds(size) / self.step_seconds(0), proposed + 1.0)
-        self.gain[size] = self.decay * self.gain[size] + (1 - self.decay) * emitted
-        self.nodes[size] = self.decay * self.nodes[size] + (1 - self.decay) * proposed
+        past = self.decay if decay is None else decay
+        self.gain[size] = past * self.gain[size] + (1 - past) * emitted
+        self.nodes[size] = past * self.nodes[size] + (1 - past) * proposed
 
 
 class ShadowDrafts:
