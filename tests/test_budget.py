@@ -233,10 +233,10 @@ def test_probes_that_fail_back_off_and_one_that_pays_restores_the_pace():
 def test_costly_probes_come_no_more_often_than_their_share_allows():
     """A probe that costs 1.5 plain steps more than the plain step it replaces (a head's catch-up
     on the tokens since its last draft) is spaced so that failed probes take at most probe_share
-    of plain decoding's time: 1.5 / 0.02 = 75 steps, in this call and in the next (carried)."""
+    of plain decoding's time: 1.5 / 0.01 = 150 steps, in this call and across calls (carried)."""
     budget = DraftBudget(8, CURVE, decay=0.5, probe_every=4, max_probe_every=16, draft_cost=0.05)
     probes = []
-    for step in range(400):
+    for step in range(800):
         size = budget.next_size()
         if size:
             probes.append(step)
@@ -244,18 +244,19 @@ def test_costly_probes_come_no_more_often_than_their_share_allows():
         else:
             budget.observe(0, [0], [[]], verify_seconds=interpolate(CURVE, 1), draft_seconds=0.0, pending=1)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps and all(g == 75 for g in gaps[1:]), probes
+    assert gaps and all(g == 150 for g in gaps[1:]), probes
     later = DraftBudget(8, CURVE, decay=0.5, probe_every=4, max_probe_every=16, draft_cost=0.05)
-    later.carry(budget)
-    sizes = [later.next_size() for _ in range(80)]
-    assert sizes.index(next(s for s in sizes if s)) + 1 == 75
+    later.carry(budget)                                  # the wait goes on across calls
+    sizes = [later.next_size() for _ in range(160)]
+    assert (800 - probes[-1] - 1) + sizes.index(next(s for s in sizes if s)) + 1 == 150
 
 
 def test_a_later_call_starts_from_what_the_earlier_one_measured():
     """A drafter that did not pay in an earlier call starts plain in the next one (no starting
     size, no probe before 2 * probe_every steps); one that paid starts at its best size; a budget
     with nothing measured, of another kind (shadowed or not), or of a short call (fewer than
-    CARRY_MIN_STEPS steps) passes nothing on."""
+    CARRY_MIN_STEPS steps) passes nothing on of its own: the call after a short one starts from what
+    the short one started from."""
     poor = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05, probe_share=1.0)
     for _ in range(60):
         size = poor.next_size()
@@ -287,6 +288,15 @@ def test_a_later_call_starts_from_what_the_earlier_one_measured():
         short.observe(size, [size], [[]], verify_seconds=5.0, draft_seconds=5.0 * size, pending=1)
     untouched.carry(short)
     assert untouched.gain == {0: 1.0} and untouched.size > 0
+    after_short = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05, probe_share=1.0)
+    after_short.carry(poor)                                 # a short call between two others ...
+    for _ in range(8):
+        size = after_short.next_size()
+        after_short.observe(size, [size], [[]], verify_seconds=5.0, draft_seconds=5.0 * size, pending=1)
+    next_one = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05, probe_share=1.0)
+    next_one.carry(after_short)                             # ... passes on what it started from
+    assert next_one.size == 0 and next_one.probe_interval == poor.probe_interval
+    assert next_one.origin is poor and poor.origin is None
 
 
 def test_a_probe_after_plain_steps_counts_its_catch_up_as_one_node():

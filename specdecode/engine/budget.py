@@ -46,9 +46,10 @@ from .acceptance import expected_tokens
 LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PRIOR = 1.2             # a size not yet measured is assumed to decode this much faster than plain
 PRIOR_ACCEPTANCE = 0.7  # per position: the starting size of a drafter that pays for what it tries
-SHADOW_SHARE = 0.02     # at most this share of plain decoding's time goes to shadow drafts (looking
-                        # up drafts that are only scored): a costly lookup shadows every few steps
-PROBE_SHARE = 0.02      # at most this share of plain decoding's time goes to probes that fail (a drafter that pays
+SHADOW_SHARE = 0.01     # at most this share of plain decoding's time goes to shadow drafts (looking up
+                        # drafts that are only scored, and scoring them): a costly lookup shadows every few
+                        # steps (the embedded model's ngram shadows cost ~50 us of a 2.4 ms step: every third)
+PROBE_SHARE = 0.01      # at most this share of plain decoding's time goes to probes that fail (a drafter that pays
                         # to try): a probe after plain steps first feeds the drafter every token since, and a
                         # trained head's probe of one or two nodes cost 1-2 plain steps on the embedded model
 PROBE_ACCEPTANCE = 0.9  # a drafter that pays to try is probed only where drafts accepted this often would pay:
@@ -140,6 +141,7 @@ class DraftBudget:
     last_size: int = field(init=False, default=0)        # the size of the last step observed
     chosen: list[int] = field(init=False, default_factory=list)
     _at: dict[float, float] = field(init=False, default_factory=dict, repr=False)   # rows -> curve seconds
+    origin: "DraftBudget | None" = field(init=False, default=None, repr=False)   # the budget carried from
     _best: tuple | None = field(init=False, default=None, repr=False)   # (best(), its step, its cap), see best()
 
     def __post_init__(self) -> None:
@@ -162,14 +164,20 @@ class DraftBudget:
         pace. Such a drafter pays for every try, and started from the priors with every request a
         head right ~4% of the time lost 5-8% of a 128-token answer to its first sizes and probes;
         carried, it starts plain where it did not pay, and a new request's first probe comes after
-        probe_every to 2 * probe_every steps. Not carried: a drafter without state (its shadow
+        probe_every to 2 * probe_every steps, or where probes are costly when the earlier call's wait
+        ends (probe_floor: otherwise requests shorter than the floor would never probe). Not carried: a drafter without state (its shadow
         drafts measure every size at no cost from the first plain step), a request with a
         prediction (the engine: news the earlier call did not have), and a call of fewer than
         CARRY_MIN_STEPS steps, whose times include one-time costs (a bench's 8-token warm-up, a
-        draft model's weights first read from disk, left the 1.5B / 0.5B pair drafting nothing)."""
-        if earlier is None or earlier.steps < CARRY_MIN_STEPS or self.shadowed or earlier.shadowed \
-                or len(earlier.gain) == 1:
+        draft model's weights first read from disk, left the 1.5B / 0.5B pair drafting nothing):
+        the call after such a short one starts from what the short one started from (a 30-token
+        answer between two others made the next start from the priors, drafting from its first
+        step with a head that had not paid for a hundred steps)."""
+        while earlier is not None and earlier.steps < CARRY_MIN_STEPS:
+            earlier = earlier.origin
+        if earlier is None or self.shadowed or earlier.shadowed or len(earlier.gain) == 1:
             return
+        self.origin, earlier.origin = earlier, None      # (a chain of at most two budgets)
         for size in self.levels:
             if size in earlier.gain:
                 self.gain[size], self.nodes[size] = earlier.gain[size], earlier.nodes[size]
@@ -177,7 +185,9 @@ class DraftBudget:
         self.draft_per_node, self.draft_per_step = earlier.draft_per_node, earlier.draft_per_step
         self.draft_measured, self.shadow_seconds = earlier.draft_measured, earlier.shadow_seconds
         self.probe_interval, self.probe_seconds = earlier.probe_interval, earlier.probe_seconds
-        self.probe_wait = max(min(max(earlier.probe_wait, self.probe_every), 2 * self.probe_every), self.probe_floor())
+        # the wait goes on where the earlier call left it: capped at 2 * probe_every (a new request may be
+        # one where the drafter pays), but not below what the probes' cost allows (probe_floor)
+        self.probe_wait = max(self.probe_every, min(earlier.probe_wait, max(2 * self.probe_every, self.probe_floor())))
         self._best = None
         self.size = self.best()
 
@@ -353,7 +363,9 @@ class DraftBudget:
     def _update(self, size: int, emitted: float, proposed: float, decay: float | None = None) -> None:
         """Moving averages of a size's tokens and nodes per step. The first observation is blended
         with an optimistic prior (drafting at that size 20% faster than plain decoding, at most every
-        node accepted), so one unlucky step does not switch speculation off. The prior is taken at
+        node accepted), so one unlucky step does not switch speculation off; a shadowed drafter's
+        prior is break-even (as fast as plain decoding: its shadows measure every size at no cost,
+        and with their slow average an optimistic prior chose sizes no draft had supported). The prior is taken at
         the nodes the first observation proposed, not at the size: a lookup that proposes 5 tokens
         at size 32 would otherwise start with the gain of 32 accepted nodes, whose cost then falls
         toward 5 nodes faster than the gain falls toward what was accepted, and that size is chosen
@@ -361,24 +373,33 @@ class DraftBudget:
         self._best = None
         if size not in self.gain:        # (never more than a step can emit: proposed + 1 tokens)
             self.nodes[size] = float(proposed)
-            self.gain[size] = min(PRIOR * self.step_seconds(size) / self.step_seconds(0), proposed + 1.0)
+            prior = 1.0 if self.shadowed else PRIOR     # shadows explore for free: no optimism, break-even
+            self.gain[size] = min(prior * self.step_seconds(size) / self.step_seconds(0), proposed + 1.0)
         past = self.decay if decay is None else decay
         self.gain[size] = past * self.gain[size] + (1 - past) * emitted
         self.nodes[size] = past * self.nodes[size] + (1 - past) * proposed
 
 
 class ShadowDrafts:
-    """Drafts of a stateless drafter made while plain decoding runs, scored against what follows."""
+    """Drafts of a stateless drafter made while plain decoding runs, scored against what follows.
+    What a shadow costs, its draft and its scoring (`spent`), is reported to the budget when it is
+    scored (DraftBudget.observe_shadow_cost), which spaces shadows by it."""
 
     def __init__(self) -> None:
         # row -> (length when drafted, main path tokens, their node indices, nodes proposed)
         self.pending: dict[int, tuple[int, list[int], list[int], int]] = {}
+        self.spent = 0.0         # seconds drafting and scoring the shadows since the last one was scored
 
     def propose(self, drafter, seqs, k: int) -> None:
         """Draft for the sequences with no shadow pending (scored along their main path)."""
         fresh = [s for s in seqs if s.row not in self.pending]
         if not fresh or k <= 0:
             return
+        started = time.perf_counter()
+        self._propose(drafter, fresh, k)
+        self.spent += time.perf_counter() - started
+
+    def _propose(self, drafter, fresh, k: int) -> None:
         proposal = drafter.propose(fresh, [k] * len(fresh))
         for b, s in enumerate(fresh):
             nodes = proposal.main_path_nodes(b)
@@ -390,6 +411,9 @@ class ShadowDrafts:
     def score(self, seqs, budget: DraftBudget) -> None:
         """Score every shadow whose outcome is known: a mismatch, its whole length emitted, or
         the sequence finished."""
+        if not self.pending:
+            return
+        started, scored = time.perf_counter(), 0
         for s in seqs:
             if s.row not in self.pending:
                 continue
@@ -399,3 +423,8 @@ class ShadowDrafts:
             if matched < len(out) or len(out) >= len(path) or s.finished:
                 budget.observe_shadow(proposed, matched, nodes)
                 del self.pending[s.row]
+                scored += 1
+        self.spent += time.perf_counter() - started
+        if scored:
+            budget.observe_shadow_cost(self.spent / scored)
+            self.spent = 0.0

@@ -178,9 +178,7 @@ class SpecEngine:
                     continue
                 size = budget.next_size()
                 if size == 0 and shadows is not None and budget.shadow_due():   # plain step: a free
-                    t_shadow = time.perf_counter()                              # drafter drafts aside
-                    shadows.propose(self.drafter, running, self.k)
-                    budget.observe_shadow_cost(time.perf_counter() - t_shadow)
+                    shadows.propose(self.drafter, running, self.k)              # drafter drafts aside
                 pending = sum(len(s.token_ids) - self.runner.cache.lengths[s.row] for s in running) / len(running)
                 report = self.step(running, [draft_room(s, size, batch.context) for s in running], on_tokens)
                 budget.observe(size, report.num_nodes, report.accepted_nodes, report.verify_seconds,
