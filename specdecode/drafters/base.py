@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
-from ..tree import chain_parents
-from ..tree import validate as validate_tree
+from ..tree import MAX_TREE_NODES, chain_parents
 
 if TYPE_CHECKING:
     from ..engine.sequence import Sequence
@@ -92,6 +91,24 @@ class DraftProposal:
                 last = i
         return path
 
+    def main_paths(self) -> list[tuple[list[int], list[int]]]:
+        """Per row (main_path_nodes, main_path), converting each tensor once (shadow drafts read
+        every row's path at plain steps, where a few tensor reads per row cost ~30 us)."""
+        counts, tokens = self.num_tokens.tolist(), self.tokens.tolist()
+        parents = self.parents.tolist() if self.parents is not None else None
+        paths = []
+        for row, n in enumerate(counts):
+            if parents is None:
+                nodes = list(range(n))
+            else:
+                nodes, last = [], -1
+                for i, p in enumerate(parents[row][:n]):
+                    if p == last:
+                        nodes.append(i)
+                        last = i
+            paths.append((nodes, [tokens[row][i] for i in nodes]))
+        return paths
+
     @staticmethod
     def empty(batch: int) -> "DraftProposal":
         return DraftProposal(torch.zeros(batch, 0, dtype=torch.long), torch.zeros(batch, dtype=torch.long), None)
@@ -129,15 +146,19 @@ class DraftProposal:
         """Point-mass tree proposal from per-row lists of (token, parent) nodes in topological
         order (parent -1: the root). Raises ValueError on a malformed tree."""
         n = max((len(t) for t in trees), default=0)
-        tokens = torch.zeros(len(trees), n, dtype=torch.long)
-        parents = chain_parents(len(trees), n)
-        for row, nodes in enumerate(trees):
-            if nodes:
-                tokens[row, :len(nodes)] = torch.tensor([t for t, _ in nodes], dtype=torch.long)
-                parents[row, :len(nodes)] = torch.tensor([p for _, p in nodes], dtype=torch.long)
-        num_tokens = torch.tensor([len(t) for t in trees], dtype=torch.long)
-        validate_tree(parents, num_tokens)
-        return DraftProposal(tokens, num_tokens, None, parents=parents)
+        if n > MAX_TREE_NODES:
+            raise ValueError(f"a draft tree has at most {MAX_TREE_NODES} nodes per row, got {n}")
+        for row, nodes in enumerate(trees):      # tree.validate's check, on the lists (tree drafters
+            for i, (_, p) in enumerate(nodes):   # propose at every step; tensor checks cost ~15 us)
+                if not -1 <= p < i:
+                    raise ValueError(f"draft tree row {row}: node {i} has parent {p} "
+                                     f"(must be -1 or an earlier node, 0..{i - 1})")
+        # padding: token 0, chain parents (as chain_parents)
+        tokens = [[t for t, _ in nodes] + [0] * (n - len(nodes)) for nodes in trees]
+        parents = [[p for _, p in nodes] + list(range(len(nodes) - 1, n - 1)) for nodes in trees]
+        return DraftProposal(torch.tensor(tokens, dtype=torch.long).reshape(len(trees), n),
+                             torch.tensor([len(t) for t in trees], dtype=torch.long), None,
+                             parents=torch.tensor(parents, dtype=torch.long).reshape(len(trees), n))
 
 
 @dataclass(frozen=True)

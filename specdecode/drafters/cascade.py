@@ -101,6 +101,8 @@ class CascadeDrafter(Drafter):
         return self.head.use_draft_cache(cache)
 
     def prefill(self, seqs) -> None:
+        if self.suffix is not None:
+            self.suffix.prefill(seqs)
         self.head.prefill(seqs)
 
     def close(self) -> None:

@@ -182,6 +182,12 @@ class NgramDrafter(Drafter):
                 return found
         return list(token_ids[start:start + k]) if n else []
 
+    def prefill(self, seqs) -> None:
+        """Index each prompt now (prefill time), not in the first draft (a one-time cost there
+        made drafting look dear to the draft budget)."""
+        for s in seqs:
+            self.index(s).match(s.token_ids)
+
     def index(self, seq) -> NgramIndex:
         """The sequence's n-gram index (kept while the sequence lives)."""
         found = self.indexes.get(seq)
