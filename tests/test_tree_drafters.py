@@ -266,3 +266,47 @@ def test_ngram_index_equals_the_scan():
             seq = seq + [rng.randint(0, 4) for _ in range(rng.randint(0, 3))]
         for other in ([9] + seq[1:], seq[:5], seq):
             assert index.match(other) == latest_match(np.asarray(other), lo, hi)
+
+
+def test_small_drafts_element_by_element_equal_the_array_paths(monkeypatch):
+    """Suffix and recycle draft a few occurrences / nodes in plain Python (cheap right after a
+    target pass); the trees are exactly those of their numpy paths."""
+    import random
+
+    from specdecode.drafters import recycle as recycle_mod
+    from specdecode.drafters import suffix as suffix_mod
+
+    rng = random.Random(1)
+    suffix = suffix_mod.SuffixDrafter(None)
+    for _ in range(3):
+        suffix.glob.add([rng.randrange(12) for _ in range(150)])
+    for trial in range(60):
+        loc = suffix_mod.LocalIndex()
+        vocab = rng.choice([5, 20, 50])
+        loc.extend([rng.randrange(vocab) for _ in range(rng.randrange(2, 200))])
+        for budget in (1, 5, 32):
+            monkeypatch.setattr(suffix_mod, "SMALL_OCCURRENCES", 0)
+            arrays = suffix.draft(loc, budget)
+            monkeypatch.setattr(suffix_mod, "SMALL_OCCURRENCES", 10 ** 9)
+            assert suffix.draft(loc, budget) == arrays
+
+    class Seq:
+        def __init__(self, token: int) -> None:
+            self.token_ids = [token]
+
+    recycle = recycle_mod.RecycleDrafter(None)
+    recycle._grow(300)
+    for _ in range(2000):
+        row = rng.sample(range(300), 8)
+        cut = rng.randrange(9)
+        recycle.table[rng.randrange(300)] = row[:cut] + [-1] * (8 - cut)
+    seqs = [Seq(rng.randrange(300)) for _ in range(5)]
+    recycle.warmed.update(seqs)
+    for n in (1, 3, 8, 24):
+        sizes = [rng.randrange(n + 1) for _ in seqs[1:]] + [n]
+        monkeypatch.setattr(recycle_mod, "SMALL_FILL", 0)
+        arrays = recycle.propose(seqs, sizes)
+        monkeypatch.setattr(recycle_mod, "SMALL_FILL", 10 ** 9)
+        small = recycle.propose(seqs, sizes)
+        assert torch.equal(small.tokens, arrays.tokens) and torch.equal(small.parents, arrays.parents)
+        assert torch.equal(small.num_tokens, arrays.num_tokens)
