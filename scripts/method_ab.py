@@ -3,8 +3,9 @@
     python scripts/method_ab.py --methods eagle,recycle,medusa [--rounds 3] [--model PATH] [--max-tokens 128]
 
 One generation per cell (what `specdecode bench` runs) moves by +-5-10% on a 2-core host whose
-speed drifts; here every prompt runs plain and each method `--rounds` times, in an order that
-alternates between rounds and prompts, and the per-prompt ratio is of the medians. The prompts are
+speed drifts; here every prompt runs each method `--rounds` times between two plain runs, in an
+order that alternates between rounds and prompts, and the per-prompt ratio is the median over
+rounds of each method's time against the mean of the plain runs around it. The prompts are
 the bench's six held-out kinds: the first Spec-Bench prompt of multi_turn, summarization,
 translation, qa and rag, and HumanEval/0. Each method's LLM keeps its draft budgets between calls,
 as a long-running process does. Prints per method the ratio over all six prompts (sum of plain
@@ -63,21 +64,33 @@ def main() -> None:
         drafter = system.drafter(m, cells[m].k)
         memory[m] = drafter.memory() if drafter is not None else None
     times: dict[tuple[str, int], list[float]] = {(m, i): [] for m in cells for i in range(len(prompts))}
+    ratios: dict[tuple[str, int], list[float]] = {(m, i): [] for m in methods for i in range(len(prompts))}
     outputs: dict[tuple[str, int], list[int]] = {}
     for r in range(args.rounds):
         for i in range(len(prompts)):
-            order = list(cells) if (r + i) % 2 == 0 else list(cells)[::-1]
-            for m in order:
-                got = run(m, ids[i])
-                times[m, i].append(got["seconds"])
-                outputs[m, i] = got["token_ids"]
+            # plain runs first and last, the methods between (order alternating): each method's
+            # ratio is to the mean of the two plain runs around it, so that a drift of the host's
+            # speed within the round (+-5-10% here) moves both sides alike
+            order = methods if (r + i) % 2 == 0 else methods[::-1]
+            before = run("plain", ids[i])
+            got = {m: run(m, ids[i]) for m in order}
+            after = run("plain", ids[i])
+            baseline = (before["seconds"] + after["seconds"]) / 2
+            times["plain", i].append(baseline)
+            outputs["plain", i] = after["token_ids"]
+            for m in methods:
+                times[m, i].append(got[m]["seconds"])
+                ratios[m, i].append(baseline / got[m]["seconds"])
+                outputs[m, i] = got[m]["token_ids"]
     plain = [statistics.median(times["plain", i]) for i in range(len(prompts))]
-    print(f"{cpu_label()}, {args.rounds} rounds, {args.max_tokens} tokens; x plain (medians)")
+    print(f"{cpu_label()}, {args.rounds} rounds, {args.max_tokens} tokens; x plain (all: sum of plain medians / sum "
+          f"of the method's; per prompt: median over rounds of the ratio to the plain runs around it)")
     for m in methods:
         mine = [statistics.median(times[m, i]) for i in range(len(prompts))]
         same = all(outputs[m, i] == outputs["plain", i] for i in range(len(prompts)))
-        cells = " ".join(f"{t}:{a / b:.2f}" for t, a, b in zip(TASKS, plain, mine))
-        print(f"{m:11s} all {sum(plain) / sum(mine):.3f}  {cells}  identical: {'yes' if same else 'NO'}")
+        per = [statistics.median(ratios[m, i]) for i in range(len(prompts))]
+        cells = " ".join(f"{t}:{x:.2f}" for t, x in zip(TASKS, per))
+        print(f"{m:11s} all {sum(plain) / sum(mine):.3f}  min {min(per):.2f}  {cells}  identical: {'yes' if same else 'NO'}")
 
 
 if __name__ == "__main__":
