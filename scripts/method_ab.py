@@ -1,6 +1,7 @@
 """Each drafting method against plain decoding, per prompt, arms alternating (one process).
 
     python scripts/method_ab.py --methods eagle,recycle,medusa [--rounds 3] [--model PATH] [--max-tokens 128]
+    python scripts/method_ab.py --methods cascade --model TARGET.gguf --draft DRAFT.gguf   # a pair
 
 One generation per cell (what `specdecode bench` runs) moves by +-5-10% on a 2-core host whose
 speed drifts; here every prompt runs each method `--rounds` times between two plain runs, in an
@@ -36,6 +37,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--methods", required=True, help="comma-separated drafting methods (as `generate --method`)")
     p.add_argument("--model", default=None)
+    p.add_argument("--draft", default=None, help="a draft model (the pair's default method: cascade)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
     args = p.parse_args()
@@ -44,7 +46,7 @@ def main() -> None:
     bench = spec_bench()
     prompts = [humaneval()[0] if t == "humaneval" else next(q for q in bench if q.task == t) for t in TASKS]
     methods = [m for m in args.methods.split(",") if m]
-    llm = LLM(args.model, method="none", num_speculative_tokens=0, progress=False, prefix_cache=False)
+    llm = LLM(args.model, draft=args.draft, method="none", num_speculative_tokens=0, progress=False, prefix_cache=False)
     system = SpecdecodeSystem(llm)
     for m in methods:
         if not system.supports(m):
