@@ -149,61 +149,53 @@ def continuations(hay: np.ndarray, ends: np.ndarray, depth: int, limit: int) -> 
 def grow_tree(cont: np.ndarray,        # [E, D] continuations, rows oldest first, -1 = none
               budget: int, min_prob: float) -> list[tuple[int, int]]:
     """Best-first tree of at most `budget` (token, parent) nodes by estimated path probability."""
-    nodes: list[tuple[int, int]] = []
-    heap: list = []                    # (-probability, tiebreak, parent node, token, rows, depth)
-    tiebreak = itertools.count()       # equal probabilities: first pushed (more frequent, more recent) first
-    depth_max = cont.shape[1]
-
-    def push_children(rows: np.ndarray, d: int, prob: float, parent: int) -> None:
+    def children(rows: np.ndarray, d: int) -> tuple[list, int]:
         col = cont[rows, d]
         rows, col = rows[col >= 0], col[col >= 0]
         if len(rows) and (len(rows) == 1 or (col == col[0]).all()):   # one continuation (the usual case)
-            groups = [(col[0], rows, len(rows))]
-        elif len(rows):
-            uniq, inv, counts = np.unique(col, return_inverse=True, return_counts=True)
-            last = np.empty(len(uniq), dtype=np.int64)
-            last[inv] = rows                                             # rows ascend: the latest wins
-            groups = [(uniq[g], rows[inv == g], counts[g]) for g in np.lexsort((-last, -counts))]
-        else:
-            return
-        for token, sub, count in groups:
-            p = prob * count / len(rows)
-            if p < min_prob:
-                break                                                    # counts descend
-            heapq.heappush(heap, (-p, next(tiebreak), parent, int(token), sub, d + 1))
+            return [(int(col[0]), rows, len(rows))], len(rows)
+        if not len(rows):
+            return [], 0
+        uniq, inv, counts = np.unique(col, return_inverse=True, return_counts=True)
+        last = np.empty(len(uniq), dtype=np.int64)
+        last[inv] = rows                                                 # rows ascend: the latest wins
+        return [(int(uniq[g]), rows[inv == g], counts[g]) for g in np.lexsort((-last, -counts))], len(rows)
 
-    push_children(np.arange(len(cont)), 0, 1.0, -1)
-    while heap and len(nodes) < budget:
-        neg, _, parent, token, rows, d = heapq.heappop(heap)
-        nodes.append((token, parent))
-        if d < depth_max:
-            push_children(rows, d, -neg, len(nodes) - 1)
-    return nodes
+    return _best_first(children, np.arange(len(cont)), cont.shape[1], budget, min_prob)
 
 
 def grow_tree_lists(cont: list[list[int]],   # [E][D] continuations, rows oldest first, -1 = none
                     depth_max: int, budget: int, min_prob: float) -> list[tuple[int, int]]:
     """grow_tree on Python lists (a few occurrences): the same nodes in the same order."""
-    nodes: list[tuple[int, int]] = []
-    heap: list = []
-    tiebreak = itertools.count()
-
-    def push_children(rows: list[int], d: int, prob: float, parent: int) -> None:
+    def children(rows: list[int], d: int) -> tuple[list, int]:
         rows = [r for r in rows if cont[r][d] >= 0]
-        if not rows:
-            return
         by_token: dict[int, list[int]] = {}
         for r in rows:
             by_token.setdefault(cont[r][d], []).append(r)
         # count descending, then the latest occurrence first (grow_tree's lexsort)
-        for token, sub in sorted(by_token.items(), key=lambda kv: (-len(kv[1]), -kv[1][-1])):
-            p = prob * len(sub) / len(rows)
+        ordered = sorted(by_token.items(), key=lambda kv: (-len(kv[1]), -kv[1][-1]))
+        return [(token, sub, len(sub)) for token, sub in ordered], len(rows)
+
+    return _best_first(children, list(range(len(cont))), depth_max, budget, min_prob)
+
+
+def _best_first(children, rows, depth_max: int, budget: int, min_prob: float) -> list[tuple[int, int]]:
+    """The tree both grow_trees build: `children(rows, d)` groups the occurrences `rows` by their
+    token at depth d ((token, its rows, count) by count, then recency; and how many continue)."""
+    nodes: list[tuple[int, int]] = []
+    heap: list = []                    # (-probability, tiebreak, parent node, token, rows, depth)
+    tiebreak = itertools.count()       # equal probabilities: first pushed (more frequent, more recent) first
+
+    def push_children(rows, d: int, prob: float, parent: int) -> None:
+        groups, total = children(rows, d)
+        for token, sub, count in groups:
+            p = prob * count / total
             if p < min_prob:
-                break
+                break                                                    # counts descend
             heapq.heappush(heap, (-p, next(tiebreak), parent, token, sub, d + 1))
 
     if depth_max:
-        push_children(list(range(len(cont))), 0, 1.0, -1)
+        push_children(rows, 0, 1.0, -1)
     while heap and len(nodes) < budget:
         neg, _, parent, token, rows, d = heapq.heappop(heap)
         nodes.append((token, parent))
