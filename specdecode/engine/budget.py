@@ -18,12 +18,14 @@ explored one level at a time (every `explore_every` steps, or right after a step
 every drafted node, the next size above the best), and
 while plain decoding wins a small size is probed after `probe_every` steps, the wait doubling after
 each probe that does not make drafting win (up to `max_probe_every`: a trained head that is rarely
-right cost 6-11% in probes every 16 steps), unless shadows, below, measure the sizes (a probe of a
+right cost 6-11% in probes every 16 steps) and never more often than the probes' measured cost allows
+(`probe_floor`, PROBE_SHARE of plain decoding), unless shadows, below, measure the sizes (a probe of a
 batch of many sequences costs several plain steps). A drafter without
 per-request state (lookup, suffix, recycle) keeps drafting while plain decoding runs ("shadow"
 drafts, one per sequence at a time, never verified): each is scored against the tokens the
 sequence then emits, so a size that starts to pay is found without paying for a probe; a lookup
-that costs more than SHADOW_SHARE of a plain step shadows only every few plain steps. Per size, gains are exponential moving averages.
+that costs more than SHADOW_SHARE of a plain step (its draft and its scoring) shadows only every few
+plain steps. Per size, gains are exponential moving averages (a shadow's over ~10, SHADOW_DECAY).
 A drafter with state (a draft model) pays for every size it tries, so its first size is the one
 its prior cost (`draft_cost`: seconds per drafted token, from the weights it reads) predicts best
 at an acceptance of PRIOR_ACCEPTANCE per position, rather than a fixed one; the drafting time per
@@ -161,8 +163,9 @@ class DraftBudget:
         head right ~4% of the time lost 5-8% of a 128-token answer to its first sizes and probes;
         carried, it starts plain where it did not pay, and a new request's first probe comes after
         probe_every to 2 * probe_every steps, or where costly probes keep failing when the earlier
-        call's wait ends (probe_floor; otherwise requests shorter than the floor would never probe). Not carried: a drafter without state (its shadow
-        drafts measure every size at no cost from the first plain step), a request with a
+        call's wait ends (probe_floor; otherwise requests shorter than the floor would never probe).
+        Not carried: a drafter without state (its shadow drafts measure every size at no cost from
+        the first plain step), a request with a
         prediction (the engine: news the earlier call did not have), and a call of fewer than
         CARRY_MIN_STEPS steps, whose times include one-time costs (a bench's 8-token warm-up, a
         draft model's weights first read from disk, left the 1.5B / 0.5B pair drafting nothing). The
