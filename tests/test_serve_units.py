@@ -243,3 +243,33 @@ def test_bad_stream_interval_is_refused_by_name(bad):
     from specdecode.serve.scheduler import ServeConfig
     with pytest.raises(ParamError, match=r"stream_interval_ms must be a number of milliseconds in \[0, 10000\]"):
         ServeConfig(stream_interval_ms=bad)
+
+
+def test_server_shadow_drafts_are_one_call_and_take_a_bounded_share():
+    """The server drafts the shadows of all switched-off rows in one propose call, and only every
+    n-th step where they cost more than SHADOW_SHARE of a step (a call per row per step cost 24
+    rows ~5% of their steps)."""
+    from types import SimpleNamespace as NS
+
+    from specdecode.drafters.base import DraftProposal
+    from specdecode.engine.budget import SHADOW_SHARE
+    from specdecode.serve.policy import RowPolicy
+    from specdecode.serve.scheduler import Scheduler
+
+    calls = []
+
+    def propose(seqs, rooms):
+        calls.append(len(seqs))
+        return DraftProposal.from_lists([[7, 8, 9][:room] for room in rooms])
+
+    rows = [NS(policy=RowPolicy(k=3), k_now=0, params=NS(max_tokens=50), num_output=i) for i in range(4)]
+    sched = NS(policy=NS(shadow=True, batch_on=False), inner_drafter=NS(propose=propose),
+               shadow_seconds=0.0, step_seconds=0.0, shadow_steps=0, shadowed_now=False)
+    Scheduler._shadow_drafts(sched, rows)
+    assert calls == [4] and [r.policy.shadow for r in rows] == [(i, [7, 8, 9]) for i in range(4)]
+    sched.step_seconds, sched.shadow_seconds = 1.0, 3 * SHADOW_SHARE           # three steps' share a shadow
+    for step in range(12):
+        for r in rows:
+            r.policy.shadow = None
+        Scheduler._shadow_drafts(sched, rows)
+    assert calls[1:] == [4] * 4                                               # every third step
