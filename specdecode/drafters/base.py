@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
-from ..tree import MAX_TREE_NODES, chain_parents
+from ..tree import chain_parents, validate_lists
 
 if TYPE_CHECKING:
     from ..engine.sequence import Sequence
@@ -82,14 +82,7 @@ class DraftProposal:
         """Node indices of row `row`'s first branch (a chain: 0, 1, ...). A tree's first s nodes hold
         only the branch's nodes below s: what a tree of s nodes could accept along it."""
         n = int(self.num_tokens[row])
-        if self.parents is None:
-            return list(range(n))
-        path, last = [], -1
-        for i, p in enumerate(self.parents[row, :n].tolist()):
-            if p == last:
-                path.append(i)
-                last = i
-        return path
+        return first_branch(None if self.parents is None else self.parents[row, :n].tolist(), n)
 
     def main_paths(self) -> list[tuple[list[int], list[int]]]:
         """Per row (main_path_nodes, main_path), converting each tensor once (shadow drafts read
@@ -98,14 +91,7 @@ class DraftProposal:
         parents = self.parents.tolist() if self.parents is not None else None
         paths = []
         for row, n in enumerate(counts):
-            if parents is None:
-                nodes = list(range(n))
-            else:
-                nodes, last = [], -1
-                for i, p in enumerate(parents[row][:n]):
-                    if p == last:
-                        nodes.append(i)
-                        last = i
+            nodes = first_branch(None if parents is None else parents[row][:n], n)
             paths.append((nodes, [tokens[row][i] for i in nodes]))
         return paths
 
@@ -146,19 +132,26 @@ class DraftProposal:
         """Point-mass tree proposal from per-row lists of (token, parent) nodes in topological
         order (parent -1: the root). Raises ValueError on a malformed tree."""
         n = max((len(t) for t in trees), default=0)
-        if n > MAX_TREE_NODES:
-            raise ValueError(f"a draft tree has at most {MAX_TREE_NODES} nodes per row, got {n}")
-        for row, nodes in enumerate(trees):      # tree.validate's check, on the lists (tree drafters
-            for i, (_, p) in enumerate(nodes):   # propose at every step; tensor checks cost ~15 us)
-                if not -1 <= p < i:
-                    raise ValueError(f"draft tree row {row}: node {i} has parent {p} "
-                                     f"(must be -1 or an earlier node, 0..{i - 1})")
+        validate_lists([[p for _, p in nodes] for nodes in trees])
         # padding: token 0, chain parents (as chain_parents)
         tokens = [[t for t, _ in nodes] + [0] * (n - len(nodes)) for nodes in trees]
         parents = [[p for _, p in nodes] + list(range(len(nodes) - 1, n - 1)) for nodes in trees]
         return DraftProposal(torch.tensor(tokens, dtype=torch.long).reshape(len(trees), n),
                              torch.tensor([len(t) for t in trees], dtype=torch.long), None,
                              parents=torch.tensor(parents, dtype=torch.long).reshape(len(trees), n))
+
+
+def first_branch(parents: list[int] | None, n: int) -> list[int]:
+    """Node indices of a row's first branch among its n nodes (node 0, then each node's first
+    child), from the row's parents (None: a chain, 0 .. n-1)."""
+    if parents is None:
+        return list(range(n))
+    path, last = [], -1
+    for i, p in enumerate(parents[:n]):
+        if p == last:
+            path.append(i)
+            last = i
+    return path
 
 
 @dataclass(frozen=True)

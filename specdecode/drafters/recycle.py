@@ -184,12 +184,7 @@ class RecycleDrafter(Drafter):
                     toks[i], where[i] = t, len(nodes)
                     nodes.append((t, -1 if p < 0 else where[p]))
             rows.append(nodes)
-        width = max(len(nodes) for nodes in rows)
-        tokens = [[t for t, _ in nodes] + [0] * (width - len(nodes)) for nodes in rows]
-        parents = [[q for _, q in nodes] + list(range(len(nodes) - 1, width - 1)) for nodes in rows]
-        return DraftProposal(torch.tensor(tokens, dtype=torch.long).reshape(len(rows), width),
-                             torch.tensor([len(nodes) for nodes in rows], dtype=torch.long), None,
-                             parents=torch.tensor(parents, dtype=torch.long).reshape(len(rows), width))
+        return DraftProposal.from_trees(rows)
 
     def observe_topk(self, seqs, proposal, topk_ids):
         """Overwrite the rows of the root and of every drafted node with the target's top-K."""

@@ -95,6 +95,13 @@ def measure_cost_curve(model, cache, max_rows: int, repeats: int = 3, batch: int
     return curve
 
 
+def shadow_period(shadow_seconds: float, step_seconds: float) -> int:
+    """Steps between shadow drafts that cost `shadow_seconds` each (drafts and scoring), so that
+    they take at most SHADOW_SHARE of steps of `step_seconds` (1: every step; the offline budget
+    and the server's scheduler)."""
+    return max(1, math.ceil(shadow_seconds / (SHADOW_SHARE * step_seconds))) if step_seconds > 0 else 1
+
+
 def interpolate(curve: dict[int, float], rows: float) -> float:
     points = sorted(curve.items())
     if rows <= points[0][0]:
@@ -292,8 +299,7 @@ class DraftBudget:
         """Should this plain step draft a shadow? Every plain step while shadows are cheap; every
         n-th step when one costs more than SHADOW_SHARE of a plain step."""
         self.plain_steps += 1
-        period = max(1, math.ceil(self.shadow_seconds / (SHADOW_SHARE * self.pass_seconds(1.0))))
-        return self.plain_steps % period == 0
+        return self.plain_steps % shadow_period(self.shadow_seconds, self.pass_seconds(1.0)) == 0
 
     def observe_shadow_cost(self, seconds: float) -> None:
         self.shadow_seconds = seconds if not self.shadow_seconds else self.decay * self.shadow_seconds + (1 - self.decay) * seconds
@@ -392,15 +398,12 @@ class ShadowDrafts:
         if not fresh or k <= 0:
             return
         started = time.perf_counter()
-        self._propose(drafter, fresh, k)
-        self.spent += time.perf_counter() - started
-
-    def _propose(self, drafter, fresh, k: int) -> None:
         proposal = drafter.propose(fresh, [k] * len(fresh))
         counts = proposal.num_tokens.tolist()
         for s, (nodes, path), count in zip(fresh, proposal.main_paths(), counts):
             if nodes:
                 self.pending[s.row] = (len(s.token_ids), path, nodes, count)
+        self.spent += time.perf_counter() - started
 
     def score(self, seqs, budget: DraftBudget) -> None:
         """Score every shadow whose outcome is known: a mismatch, its whole length emitted, or

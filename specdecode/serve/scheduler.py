@@ -20,14 +20,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..engine.budget import SHADOW_SHARE
+from ..engine.budget import shadow_period
 from ..engine.engine import MAX_CHAIN, SPAN
 from ..drafters.prediction import prediction_usage
 from ..engine.sequence import attach_prediction
@@ -197,7 +196,7 @@ class Scheduler:
         self.policy = SpeculationPolicy(shadow=caps is not None and not caps.has_state,
                                         draft_cost=caps.relative_cost if caps is not None else 0.01,
                                         max_batch_size=config.spec_max_batch_size)
-        # shadow drafts take at most SHADOW_SHARE of the steps' time (as the offline budget's): their
+        # shadow drafts take at most SHADOW_SHARE of the steps' time (budget.shadow_period): their
         # seconds (drafts + scoring) and a step's, moving averages; shadows every `period` steps
         self.shadow_seconds = self.step_seconds = 0.0
         self.shadow_steps = 0
@@ -515,8 +514,7 @@ class Scheduler:
         if not fresh:
             return
         self.shadow_steps += 1
-        period = math.ceil(self.shadow_seconds / (SHADOW_SHARE * self.step_seconds)) if self.step_seconds else 1
-        if self.shadow_steps % max(1, period):
+        if self.shadow_steps % shadow_period(self.shadow_seconds, self.step_seconds):
             return
         self.shadowed_now = True
         for s, (_, draft) in zip(fresh, self.inner_drafter.propose(fresh, rooms).main_paths()):
