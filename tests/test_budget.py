@@ -251,6 +251,24 @@ def test_costly_probes_come_no_more_often_than_their_share_allows():
     assert (800 - probes[-1] - 1) + sizes.index(next(s for s in sizes if s)) + 1 == 150
 
 
+def test_the_first_probe_after_a_failed_start_waits_for_what_a_probe_is_predicted_to_cost():
+    """A drafter that pays to try and whose starting size fails: its first probe comes no sooner
+    than a probe's predicted cost (its size's step over a plain one, plus a catch-up node) allows
+    at probe_share, not after probe_every plain steps."""
+    budget = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.1)
+    sizes = []
+    for _ in range(400):
+        size = budget.next_size()
+        sizes.append(size)
+        budget.observe(size, [size], [[]], verify_seconds=interpolate(CURVE, 1 + size),
+                       draft_seconds=0.1 * size, pending=1)
+    start = next(i for i, s in enumerate(sizes) if s == 0)                  # the start stopped paying here
+    first_probe = next(i for i, s in enumerate(sizes) if i > start and s)
+    # size 2's step over plain (0.175 of the curve, two nodes) and a catch-up node, at ~0.08 s a node
+    # measured: ~0.42 s; failed probes at most 1% of plain decoding: one per ~42 plain steps
+    assert 38 <= first_probe - start + 1 <= 48, sizes[:60]
+
+
 def test_a_later_call_starts_from_what_the_earlier_one_measured():
     """A drafter that did not pay in an earlier call starts plain in the next one (no starting
     size, no probe before 2 * probe_every steps); one that paid starts at its best size; a budget

@@ -37,7 +37,7 @@ def llms(tiny_models):
     return {
         "ngram": LLM(model=target, method="ngram", **opts),
         "model": LLM(model=target, draft=str(tiny_models["llama_draft"]), method="model", **opts),
-        "self": LLM(model=target, draft=target, method="model", **opts),
+        "self": LLM(model=target, draft=target, method="model", draft_confidence=0.0, **opts),   # full chains
     }
 
 

@@ -22,7 +22,7 @@ def run(llm, k, prompts=PROMPTS, max_tokens=40):
 def test_greedy_equality(tiny_models, arch, method):
     draft = {"ngram": None, "model": tiny_models[arch + "_draft"], "self": tiny_models[arch]}[method]
     llm = LLM(model=str(tiny_models[arch]), draft=str(draft) if draft else None, dtype="fp32", progress=False, adaptive=False,
-              method="ngram" if method == "ngram" else "model")
+              method="ngram" if method == "ngram" else "model", **({"draft_confidence": 0.0} if method == "self" else {}))
     plain = run(llm, 0)
     for k in (1, 3, 5):
         spec = run(llm, k)
@@ -43,13 +43,27 @@ def test_self_draft_mean_accepted_length_is_k_plus_1(tiny_models):
     # method="model": the draft model alone (the default cascade would rather take free lookups than a
     # draft that costs a whole target step per token, as a self-draft does)
     llm = LLM(model=str(tiny_models["llama"]), draft=str(tiny_models["llama"]), dtype="fp32", progress=False,
-              adaptive=False, method="model")
+              adaptive=False, method="model", draft_confidence=0.0)      # full chains: the random model is unsure
     k = 4
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=5 * (k + 1), ignore_eos=True),
                        num_speculative_tokens=k)[0]
     assert out.stats["acceptance_rate"] == 1.0
     assert out.stats["mean_accepted_length"] == k + 1
     assert out.stats["steps"] == 5
+
+
+def test_a_greedy_row_stops_drafting_after_a_token_its_draft_is_unsure_of(tiny_models):
+    """draft_confidence reads the draft's softmax for greedy rows too (their sampling distribution
+    is one-hot): a self-draft whose every token is accepted still stops its chain after a token
+    below the threshold, and the output stays the target's."""
+    target = str(tiny_models["llama"])
+    opts = dict(dtype="fp32", progress=False, adaptive=False, method="model")
+    plain = run(LLM(model=target, dtype="fp32", progress=False, method="ngram"), 0)
+    always = run(LLM(model=target, draft=target, draft_confidence=0.0, **opts), 4)
+    gated = run(LLM(model=target, draft=target, draft_confidence=0.9, **opts), 4)   # the random model is unsure
+    assert [s.token_ids for s in gated] == [s.token_ids for s in always] == [s.token_ids for s in plain]
+    assert sum(s.stats["drafted_tokens"] for s in gated) < sum(s.stats["drafted_tokens"] for s in always)
+    assert all(s.stats["acceptance_rate"] == 1.0 for s in gated)
 
 
 def test_draft_context_window_keeps_greedy_outputs(tiny_models):
@@ -60,7 +74,7 @@ def test_draft_context_window_keeps_greedy_outputs(tiny_models):
     plain = run(LLM(model=target, dtype="fp32", progress=False, method="ngram"), 0)
     for adaptive in (False, True):
         llm = LLM(model=target, draft=target, dtype="fp32", progress=False, adaptive=adaptive, method="model",
-                  draft_context=8)
+                  draft_context=8, draft_confidence=0.0)
         drafter, filled = llm.drafter, []
         inner = drafter.propose
 
@@ -77,7 +91,8 @@ def test_draft_context_window_keeps_greedy_outputs(tiny_models):
         assert drafter.draft_context == 8 and max(drafter.offset.values()) > 0       # the prompts were cut
         assert filled and max(filled) <= 4          # the cache holds the window's text (+ the drafts) only
     # the self-draft no longer sees the whole text: fewer of its drafts are the target's
-    whole = run(LLM(model=target, draft=target, dtype="fp32", progress=False, adaptive=False, method="model"), 4)
+    whole = run(LLM(model=target, draft=target, dtype="fp32", progress=False, adaptive=False, method="model",
+                    draft_confidence=0.0), 4)
     assert spec[0].stats["acceptance_rate"] <= whole[0].stats["acceptance_rate"] == 1.0
     for bad in (-1, 1.5, True, 1 << 21):
         with pytest.raises(DrafterError, match=r"draft_context must be 0 \(the whole context\) or a number of tokens"):

@@ -60,7 +60,7 @@ def test_greedy_self_draft_accepts_everything(smollm2):
     prompts = [encode(smollm2, p) for p in spec_bench_prompts()[:4]]
     params = [SamplingParams(max_tokens=24, ignore_eos=True)] * len(prompts)
     plain = SpecEngine(smollm2, None, 0).generate(prompts, params)
-    spec = SpecEngine(smollm2, ModelDrafter(smollm2, draft=smollm2), 3, adaptive=False).generate(prompts, params)
+    spec = SpecEngine(smollm2, ModelDrafter(smollm2, draft=smollm2, draft_confidence=0.0), 3, adaptive=False).generate(prompts, params)
     for a, b in zip(plain, spec):
         assert a.output_ids == b.output_ids
         assert b.stats.acceptance_rate == 1.0

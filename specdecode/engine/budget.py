@@ -269,6 +269,8 @@ class DraftBudget:
         if self.probed:               # a probe that did not make drafting win: probe half as often
             self.probe_interval = self.probe_every if best else min(2 * self.probe_interval, self.max_probe_every)
             self.probed, self.probe_wait = False, max(self.probe_interval, self.probe_floor())
+        elif best == 0 and self.last_size > 0:    # drafting (the starting size) stopped paying: the first
+            self.probe_wait = max(self.probe_wait, self.probe_floor())        # probe waits for the floor too
         if len(self.gain) == 1 and self.size > 0:     # no draft measured yet: the starting size
             pass
         elif best == 0:               # plain decoding wins: now and then probe a small size that could pay
@@ -291,9 +293,17 @@ class DraftBudget:
 
     def probe_floor(self) -> int:
         """The fewest plain steps between two probes at which failed probes cost at most
-        probe_share of plain decoding's time (their measured cost): a cheap probe keeps the pace
-        of probe_every, a costly one (a head's catch-up, a draft model's) comes less often."""
-        return math.ceil(self.probe_seconds / (self.probe_share * self.step_seconds(0)))
+        probe_share of plain decoding's time (their measured cost; before any probe, what the
+        budget predicts a probe costs a drafter that pays to try: its size's step over a plain
+        one, plus a catch-up node): a cheap probe keeps the pace of probe_every, a costly one (a
+        head's catch-up, a draft model's) comes less often. The 1.5B / 0.5B pair's probe (one
+        draft-model token and a row, ~0.5 of a plain step) 16 steps after the starting size failed
+        had cost a short translation answer 2%."""
+        seconds = self.probe_seconds
+        if not seconds and self.draft_time_known and self.draft_cost is not None and len(self.levels) > 1:
+            size = self.levels[min(2, len(self.levels) - 1)]          # what next_size probes from plain
+            seconds = self.step_seconds(size) - self.step_seconds(0) + self.node_seconds()
+        return math.ceil(seconds / (self.probe_share * self.step_seconds(0)))
 
     def shadow_due(self) -> bool:
         """Should this plain step draft a shadow? Every plain step while shadows are cheap; every
