@@ -39,6 +39,7 @@ def test_adapter_note_and_greedy_equality(tiny_gpt2, capsys):
 
 def test_adapter_self_draft(tiny_gpt2):
     llm = LLM(model=str(tiny_gpt2), draft=str(tiny_gpt2), num_speculative_tokens=3, dtype="fp32", progress=False,
-              adaptive=False)          # a draft as costly as the target: the budget would never draft
+              method="model", adaptive=False)   # the draft model alone (the cascade adds lookups); a draft as
+                                                # costly as the target: the budget would never draft
     out = llm.generate("1 2 3 4", SamplingParams(max_tokens=12, ignore_eos=True))[0]
     assert out.stats["acceptance_rate"] == 1.0

@@ -129,6 +129,34 @@ def test_the_draft_model_reads_the_prompt_during_prefill(tiny_models):
     assert max(widths["forward"]) <= 2                 # proposals: the unseen bonus (+ last draft), then drafts
 
 
+def test_under_a_draft_budget_the_draft_model_reads_the_prompt_before_its_first_draft(tiny_models, monkeypatch):
+    """prefill_when_drafting: with a draft budget, the draft model reads the text only right before
+    the first step that drafts (all of it but the last token, in one pass timed as prefill), so a
+    request the budget never drafts for never pays for that pass."""
+    from specdecode.engine import budget as budget_module
+    llm = LLM(model=str(tiny_models["llama"]), draft=str(tiny_models["llama_draft"]), dtype="fp32", progress=False,
+              method="model")
+    plain = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=20, ignore_eos=True), num_speculative_tokens=0)
+    model = llm.drafter.model
+    widths, run_ = [], model.run
+
+    def run(fb, cache, **kw):
+        widths.append(fb.tokens.shape[1])
+        return run_(fb, cache, **kw)
+    model.run = run
+    sizes = iter([0] * 5 + [2] * 100)                  # plain for five steps, then drafts
+    monkeypatch.setattr(budget_module.DraftBudget, "next_size", lambda self: next(sizes))
+    spec = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=20, ignore_eos=True), num_speculative_tokens=3)
+    assert spec[0].token_ids == plain[0].token_ids
+    assert widths[0] == len(llm.tokenizer.encode(PROMPTS[0])) + 5 - 1     # the prompt and five tokens, once,
+    assert max(widths[1:]) <= 2                                           # then drafting passes only
+    assert spec[0].stats["drafted_tokens"] > 0
+    widths.clear()
+    monkeypatch.setattr(budget_module.DraftBudget, "next_size", lambda self: 0)
+    spec = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=20, ignore_eos=True), num_speculative_tokens=3)
+    assert spec[0].token_ids == plain[0].token_ids and widths == []            # never drafted: never read
+
+
 def test_cascade_suffix_lookup_keeps_greedy_outputs(tiny_models):
     """The cascade over a draft model with suffix-index lookup (long repeats) in front: outputs equal
     plain decoding, and both kinds of steps occur on a text that repeats itself."""

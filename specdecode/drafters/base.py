@@ -171,6 +171,9 @@ class DrafterCapabilities:
     copies: bool = False                # drafts continue earlier text (lookups, a predicted output): when a
                                         # step's drafts are all accepted the next may draft past k (SPAN)
     drafts_predictions: bool = False    # drafts from a request's predicted output (SamplingParams.prediction)
+    prefill_when_drafting: bool = False   # prefill() only reads the prompts (a draft model's cache) and may
+                                        # wait: the engine's draft budget calls it before the first step that
+                                        # drafts (a request the budget never drafts for never pays for it)
     commit_reads_nodes: bool = False    # commit() reads node indices of the proposal its propose() returned,
                                         # so the engine may not renumber them (a grammar trimming forbidden
                                         # drafts, structured.trim_drafts); drafters with state never are
@@ -241,7 +244,9 @@ class Drafter(ABC):
     def prefill(self, seqs: list["Sequence"]) -> None:
         """Called once after the target's prefill of `seqs` (counted as prefill time, not
         drafting): a drafter with a model of its own reads the prompts here, so that drafting
-        steps time only drafting. Each row's last prompt token is still to come."""
+        steps time only drafting. Each row's last prompt token is still to come. With
+        `prefill_when_drafting`, the engine may call it later, right before the first step that
+        drafts (the sequences then hold the tokens emitted since: all but the last are read)."""
 
     @abstractmethod
     def propose(self, seqs: list["Sequence"], max_tokens: list[int]) -> DraftProposal:

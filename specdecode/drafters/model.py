@@ -52,7 +52,8 @@ def check_same_tokenizer(target, draft) -> None:
 
 @register("model")
 class ModelDrafter(Drafter):
-    capabilities = DrafterCapabilities(has_state=True, relative_cost=1.0)   # refined per instance
+    capabilities = DrafterCapabilities(has_state=True, relative_cost=1.0,    # refined per instance
+                                       prefill_when_drafting=True)
     draft_context = 0                         # 0: the draft reads the whole context (subclasses too)
     head_rows = None                          # None: the draft's whole LM head (subclasses too)
 

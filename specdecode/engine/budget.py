@@ -57,6 +57,10 @@ PROBE_SHARE = 0.01      # at most this share of plain decoding's time goes to pr
 PROBE_ACCEPTANCE = 0.9  # a drafter that pays to try is probed only where drafts accepted this often would pay:
                         # a probe after plain steps first feeds it every token since (a catch-up pass)
 CARRY_MIN_STEPS = 32    # a call carries what it measured to the next (`carry`) only after this many steps
+CARRIED_WEIGHT = 0.3    # a size's gain carried from an earlier call weighs this much against the new call's first
+                        # step at that size: another request's acceptance is weak evidence about this one (the
+                        # 1.5B / 0.5B pair drafted a short translation answer at the size a summary had paid
+                        # at, step after step, 0.86x plain)
 SHADOW_DECAY = 0.9      # weight of the past when a shadow draft is scored: shadows cost nothing, so their
                         # evidence is averaged over ~10 of them (a real step's 0.7, ~3): with 0.7 one shadow
                         # whose first token came true where one in ten does (a chat answer) made size 1 look
@@ -147,6 +151,8 @@ class DraftBudget:
     probed: bool = field(init=False, default=False)      # the last step was a probe
     last_size: int = field(init=False, default=0)        # the size of the last step observed
     chosen: list[int] = field(init=False, default_factory=list)
+    carried: set[int] = field(init=False, default_factory=set)   # sizes whose gain an earlier call measured,
+                                                                 # not yet observed in this one
     _at: dict[float, float] = field(init=False, default_factory=dict, repr=False)   # rows -> curve seconds
 
     def __post_init__(self) -> None:
@@ -184,6 +190,7 @@ class DraftBudget:
         for size in self.levels:
             if size in earlier.gain:
                 self.gain[size], self.nodes[size] = earlier.gain[size], earlier.nodes[size]
+                self.carried.add(size)
         self.scale, self.row_scale = earlier.scale, earlier.row_scale
         self.draft_per_node, self.draft_per_step = earlier.draft_per_node, earlier.draft_per_step
         self.draft_measured, self.shadow_seconds = earlier.draft_measured, earlier.shadow_seconds
@@ -367,7 +374,8 @@ class DraftBudget:
                 continue
             emitted = sum(1 + sum(1 for node in path if node < s) for path in accepted_nodes) / batch
             proposed = sum(min(n, s) for n in num_nodes) / batch
-            self._update(s, emitted, proposed)
+            self._update(s, emitted, proposed, CARRIED_WEIGHT if s in self.carried else None)
+            self.carried.discard(s)
 
     def _update(self, size: int, emitted: float, proposed: float, decay: float | None = None) -> None:
         """Moving averages of a size's tokens and nodes per step. The first observation is blended
