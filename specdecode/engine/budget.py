@@ -193,10 +193,6 @@ class DraftBudget:
                 self.carried.add(size)
         self.scale, self.row_scale = earlier.scale, earlier.row_scale
         self.draft_per_node, self.draft_per_step = earlier.draft_per_node, earlier.draft_per_step
-        if self.draft_cost is not None:      # at least the prior: a cascade's cost per node averages its draft
-            # model's nodes with free lookup nodes, and a summary's lookups then made the 0.5B draft look
-            # free to the next request (a short translation drafted 5 at a time, step after step)
-            self.draft_per_node = max(self.draft_per_node, self.draft_cost * earlier.scale)
         self.draft_measured, self.shadow_seconds = earlier.draft_measured, earlier.shadow_seconds
         self.probe_interval, self.probe_seconds = earlier.probe_interval, earlier.probe_seconds
         # the wait goes on where the earlier call left it, capped at 2 * probe_every (a new request may be
