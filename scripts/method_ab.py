@@ -2,6 +2,7 @@
 
     python scripts/method_ab.py --methods eagle,recycle,medusa [--rounds 3] [--model PATH] [--max-tokens 128]
     python scripts/method_ab.py --methods cascade --model TARGET.gguf --draft DRAFT.gguf   # a pair
+    python scripts/method_ab.py --methods eagle --trace      # + a line per call (sizes chosen per step: 0 = plain)
 
 One generation per cell (what `specdecode bench` runs) moves by +-5-10% on a 2-core host whose
 speed drifts; here every prompt runs each method `--rounds` times between two plain runs, in an
@@ -40,6 +41,8 @@ def main() -> None:
     p.add_argument("--draft", default=None, help="a draft model (the pair's default method: cascade)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--trace", action="store_true", help="a line per method call: its ratio, steps, drafts, times "
+                                                        "and the draft size its budget chose at each step")
     args = p.parse_args()
     if args.rounds < 1 or args.max_tokens < 1:
         raise SystemExit(f"--rounds and --max-tokens must be >= 1, got {args.rounds} / {args.max_tokens}")
@@ -59,6 +62,13 @@ def main() -> None:
         if memory.get(m) is not None:                      # what the drafter knew before the rounds
             system.drafter(m, cells[m].k).restore(memory[m])
         return system.run(cells[m], prompt_ids, args.max_tokens, 0.0, 0)
+
+    def trace(r: int, task: str, m: str, got: dict, baseline: float) -> None:
+        budget = system.budgets.get((m, cells[m].k), {}).get(cells[m].k)
+        sizes = "".join(str(min(x, 9)) for x in budget.chosen[-got["steps"]:]) if budget is not None else "-"
+        print(f"r{r} {task:13s} {m} x{baseline / got['seconds']:.2f} steps {got['steps']} drafted {got['drafted']} "
+              f"accepted {got['accepted']} ms: draft {got['draft_s'] * 1e3:.0f} verify {got['verify_s'] * 1e3:.0f} "
+              f"prefill {got['prefill_s'] * 1e3:.0f} plain {baseline * 1e3:.0f} | sizes {sizes}", flush=True)
 
     memory: dict[str, object] = {}
     for m in cells:                                        # first-call costs (cost curve, kernels)
@@ -81,6 +91,8 @@ def main() -> None:
             times["plain", i].append(baseline)
             outputs["plain", i] = after["token_ids"]
             for m in methods:
+                if args.trace:
+                    trace(r, TASKS[i], m, got[m], baseline)
                 times[m, i].append(got[m]["seconds"])
                 ratios[m, i].append(baseline / got[m]["seconds"])
                 outputs[m, i] = got[m]["token_ids"]
