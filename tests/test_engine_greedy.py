@@ -155,6 +155,10 @@ def test_under_a_draft_budget_the_draft_model_reads_the_prompt_before_its_first_
     monkeypatch.setattr(budget_module.DraftBudget, "next_size", lambda self: 0)
     spec = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=20, ignore_eos=True), num_speculative_tokens=3)
     assert spec[0].token_ids == plain[0].token_ids and widths == []            # never drafted: never read
+    sizes = iter([0] * 5 + [2] * 100)     # a third call: the row the first call left, kept through the second
+    monkeypatch.setattr(budget_module.DraftBudget, "next_size", lambda self: next(sizes))
+    spec = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=20, ignore_eos=True), num_speculative_tokens=3)
+    assert spec[0].token_ids == plain[0].token_ids and widths and max(widths) <= 2       # nothing read again
 
 
 def test_cascade_suffix_lookup_keeps_greedy_outputs(tiny_models):

@@ -150,8 +150,10 @@ class ModelDrafter(Drafter):
         # kept for the next call (LLM.generate's turns), for one sequence only: a batch's rows would keep
         # their whole KV alive between calls for little (its next prompts rarely share their rows' text)
         if self._own_cache and self.cache is not None and self.cache.batch_size == 1:
-            self._kept = (self.cache, {row: (text, self.offset.get(row, 0), self.cache.lengths[row])
-                                       for row, text in self._texts.items()})
+            entries = dict(self._reuse)      # a row this call never read (it never drafted) holds what it held
+            entries.update({row: (text, self.offset.get(row, 0), self.cache.lengths[row])
+                            for row, text in self._texts.items()})
+            self._kept = (self.cache, entries)
         self.cache, self._texts, self._reuse = None, {}, {}
 
     def _reuse_prefix(self, s) -> None:
