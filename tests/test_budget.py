@@ -329,6 +329,27 @@ def test_a_carried_gain_is_weak_evidence_about_the_new_request():
         assert abs(later.gain[size] - expected) < 1e-9
 
 
+def test_a_step_that_drafts_fewer_than_its_size_allows_tells_every_larger_size_known():
+    """A step whose rows proposed fewer nodes than the size allowed (a short lookup match, a chain
+    stopped where the draft was unsure): every larger size would have drafted the same, so the
+    larger sizes already known learn from it; sizes never seen are not created by it."""
+    budget = DraftBudget(8, CURVE, decay=0.5, explore_every=2)
+    for _ in range(40):                                     # long drafts, all accepted: sizes up to 8 known
+        size = budget.next_size()
+        budget.observe(size, [size], [list(range(size))], verify_seconds=interpolate(CURVE, 1 + size),
+                       draft_seconds=0.0, pending=1)
+    assert budget.gain[8] > 8.0
+    known = set(budget.gain)
+    budget.observe(4, [1], [[]], verify_seconds=interpolate(CURVE, 2), draft_seconds=0.0, pending=1)
+    assert budget.gain[8] < 5.0 and abs(budget.nodes[8] - (0.5 * 8 + 0.5 * 1)) < 1e-9   # one node, rejected
+    assert set(budget.gain) == known
+    full = DraftBudget(8, CURVE, decay=0.5, explore_every=2)
+    full.gain, full.nodes = dict(budget.gain), dict(budget.nodes)
+    before = full.gain[8]
+    full.observe(4, [4], [[]], verify_seconds=interpolate(CURVE, 5), draft_seconds=0.0, pending=1)
+    assert full.gain[8] == before                            # four of four allowed: larger sizes unknown
+
+
 def test_a_probe_after_plain_steps_counts_its_catch_up_as_one_node():
     """A drafter with state drafting after plain steps first reads the tokens since (one batched
     pass): that time is one more node, so a probe after a long wait does not make every later

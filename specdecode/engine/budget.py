@@ -369,8 +369,13 @@ class DraftBudget:
                 self.decay * self.probe_seconds + (1 - self.decay) * extra
         if size == 0:
             return
+        # a step whose every row proposed fewer nodes than the size allowed (a lookup's short match, a
+        # draft model's chain stopped where it was unsure) tells what every larger size would have
+        # drafted too: the same. Known larger sizes learn it (else a size carried from another request
+        # keeps that request's gain while this one's steps, at smaller sizes, say otherwise)
+        short = max(num_nodes) < size
         for s in self.levels:
-            if s == 0 or s > size:
+            if s == 0 or (s > size and not (short and s in self.gain)):
                 continue
             emitted = sum(1 + sum(1 for node in path if node < s) for path in accepted_nodes) / batch
             proposed = sum(min(n, s) for n in num_nodes) / batch
