@@ -13,7 +13,8 @@ hundred tokens of context one more row costs ~0.2 of a step, twice what the star
 Gain at size b: tokens emitted per step. Drafters order nodes best-first, so the draft of a
 smaller budget is a prefix of the one proposed (a chain's first tokens; a tree's first nodes,
 which form a tree). Every verified step therefore tells what every smaller size would have
-emitted: the accepted path cut at the first node >= b. Sizes above the largest run so far are
+emitted: the accepted path cut at the first node >= b; and a step whose rows proposed fewer nodes than
+its size allowed, what every larger size would have: the same. Sizes above the largest run so far are
 explored one level at a time (every `explore_every` steps, or right after a step that accepted
 every drafted node, the next size above the best), and
 while plain decoding wins a small size is probed after `probe_every` steps, the wait doubling after
@@ -171,8 +172,8 @@ class DraftBudget:
 
     def carry(self, earlier: "DraftBudget | None") -> None:
         """Start from what an earlier call of the same drafter with state (a trained head, a draft
-        model) measured: its gains per size, the drafting and pass-time corrections, its probing
-        pace. Such a drafter pays for every try, and started from the priors with every request a
+        model) measured: its gains per size (each weighing CARRIED_WEIGHT against this call's first
+        step at that size), the drafting and pass-time corrections, its probing pace. Such a drafter pays for every try, and started from the priors with every request a
         head right ~4% of the time lost 5-8% of a 128-token answer to its first sizes and probes;
         carried, it starts plain where it did not pay, and a new request's first probe comes after
         probe_every to 2 * probe_every steps, or where costly probes keep failing when the earlier
