@@ -173,8 +173,9 @@ class DraftBudget:
     def carry(self, earlier: "DraftBudget | None") -> None:
         """Start from what an earlier call of the same drafter with state (a trained head, a draft
         model) measured: its gains per size (each weighing CARRIED_WEIGHT against this call's first
-        step at that size), the drafting and pass-time corrections, its probing pace. Such a drafter pays for every try, and started from the priors with every request a
-        head right ~4% of the time lost 5-8% of a 128-token answer to its first sizes and probes;
+        step at that size), the drafting and pass-time corrections, its probing pace. Such a
+        drafter pays for every try, and started from the priors with every request a head right
+        ~4% of the time lost 5-8% of a 128-token answer to its first sizes and probes;
         carried, it starts plain where it did not pay, and a new request's first probe comes after
         probe_every to 2 * probe_every steps, or where costly probes keep failing when the earlier
         call's wait ends (probe_floor; otherwise requests shorter than the floor would never probe).
@@ -284,7 +285,7 @@ class DraftBudget:
         elif best == 0:               # plain decoding wins: now and then probe a small size that could pay
             self.probe_wait -= 1
             probe = not self.shadowed and self.probe_wait <= 0 and larger
-            self.size = larger[min(1, len(larger) - 1)] if probe else 0
+            self.size = self.probe_size() if probe else 0
             if self.size and not self.could_pay(self.size, PROBE_ACCEPTANCE if self.draft_cost is not None else 1.0):
                 self.size = 0
             self.probed = self.size > 0
@@ -308,10 +309,13 @@ class DraftBudget:
         draft-model token and a row, ~0.5 of a plain step) 16 steps after the starting size failed
         had cost a short translation answer 2%."""
         seconds = self.probe_seconds
-        if not seconds and self.draft_time_known and self.draft_cost is not None and len(self.levels) > 1:
-            size = self.levels[min(2, len(self.levels) - 1)]          # what next_size probes from plain
-            seconds = self.step_seconds(size) - self.step_seconds(0) + self.node_seconds()
+        if not seconds and self.draft_cost is not None and len(self.levels) > 1:
+            seconds = self.step_seconds(self.probe_size()) - self.step_seconds(0) + self.node_seconds()
         return math.ceil(seconds / (self.probe_share * self.step_seconds(0)))
+
+    def probe_size(self) -> int:
+        """The size a probe from plain decoding drafts: the second level above 0 (or the first)."""
+        return self.levels[min(2, len(self.levels) - 1)]
 
     def shadow_due(self) -> bool:
         """Should this plain step draft a shadow? Every plain step while shadows are cheap; every

@@ -160,8 +160,8 @@ class SpecEngine:
         # a draft model reads the prompts (prefill time, not drafting); under a draft budget, only
         # before the first step that drafts: a request it never drafts for never pays for it (the
         # 1.5B / 0.5B pair's 0.5B read a 56-token prompt in ~40 ms, 9% of an 18-token answer)
-        drafter_prefill = self.drafter is not None and not (adaptive and self.drafter.capabilities.prefill_when_drafting)
-        if drafter_prefill:
+        drafter_read = self.drafter is None or not (adaptive and self.drafter.capabilities.prefill_when_drafting)
+        if self.drafter is not None and drafter_read:
             self.drafter.prefill(seqs)
         if adaptive:                            # after the drafter's prefill, which may refine its cost
             caps = self.drafter.capabilities
@@ -181,9 +181,9 @@ class SpecEngine:
                     self.step(running, batch.room(running), on_tokens)
                     continue
                 size = budget.next_size()
-                if size > 0 and not drafter_prefill:            # the first step that drafts: the prompts first
+                if size > 0 and not drafter_read:               # the first step that drafts: the prompts first
                     self._late_prefill(running)
-                    drafter_prefill = True
+                    drafter_read = True
                 if size == 0 and shadows is not None and budget.shadow_due():   # plain step: a free
                     shadows.propose(self.drafter, running, self.k)              # drafter drafts aside
                 pending = sum(len(s.token_ids) - self.runner.cache.lengths[s.row] for s in running) / len(running)
