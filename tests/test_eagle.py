@@ -251,3 +251,40 @@ def test_cascade_takes_a_lookup_where_it_is_predicted_to_give_more(tiny_models):
     assert not cascade.lookup_pays(4, 5)                 # a nearly free model right 60% of the time
     cascade.lookup_min_tokens = 3
     assert cascade.lookup_pays(3, 5) and not cascade.lookup_pays(2, 5)
+
+
+def test_a_long_catch_up_computes_only_the_window_and_never_reads_before_it(tiny_models, heads):
+    """A head far behind (a whole prompt) computes only its last `catch_up_window` slots, and no
+    later pass attends to the slots it skipped: whatever they hold, the drafts are the same; greedy
+    output stays plain decoding's, batched with rows of other lengths and alone."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=3)
+    plain = LLM(model=str(tiny_models["llama"]), dtype="fp32", progress=False, method="none")
+    llm = LLM(model=str(tiny_models["llama"]), method="eagle", drafter_path=str(heads["llama"]), dtype="fp32",
+              progress=False, adaptive=False, catch_up_window=3)
+    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    assert [o.token_ids for o in llm.generate(PROMPTS, params, num_speculative_tokens=4)] == expected
+    assert llm.generate([PROMPTS[0]], params, num_speculative_tokens=4)[0].token_ids == expected[0]
+    assert all(len(o.token_ids) == 30 for o in llm.generate(PROMPTS, sampled, num_speculative_tokens=4))
+    from specdecode.engine.sequence import Sequence
+    from specdecode.forward import ForwardBatch
+    drafter, model = llm.drafter, llm.target.model
+    widths, original = [], drafter._pass
+
+    def spy(rows, starts, tokens, features, fb=None):
+        widths.append(tokens.shape[1])
+        return original(rows, starts, tokens, features, fb)
+    drafter._pass = spy
+    ids = llm.encode(PROMPTS[0], False)
+    hidden = model.run(ForwardBatch.chain(torch.tensor([ids]), 0), model.new_cache(1, len(ids)))   # [1, L, D]
+    drafts = []
+    for fill in (0.0, 1e4):      # what the skipped slots hold: zeros, or values that would swamp any output
+        drafter.prepare(1, 128)
+        for cache in (drafter.cache.keys[0], drafter.cache.values[0]):
+            cache.fill_(fill)
+        seq = Sequence(0, ids, params, (), row=0)
+        drafter.observe([seq], [0], hidden)
+        widths.clear()
+        drafts.append(drafter.propose([seq], [4]).tokens.tolist())
+        assert widths[0] == 3 < len(ids) - 1 and int(drafter.head_from[0]) == len(ids) - 4
+    assert drafts[0] == drafts[1]
