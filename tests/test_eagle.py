@@ -288,3 +288,25 @@ def test_a_long_catch_up_computes_only_the_window_and_never_reads_before_it(tiny
         drafts.append(drafter.propose([seq], [4]).tokens.tolist())
         assert widths[0] == 3 < len(ids) - 1 and int(drafter.head_from[0]) == len(ids) - 4
     assert drafts[0] == drafts[1]
+
+
+def test_the_one_row_pass_equals_the_general_pass(tiny_models, heads):
+    """A single row's chain takes `_pass_one` (a view of its cache, no mask at one slot): its
+    predicted features equal the general pass's (copied rows, a mask over every slot), at a
+    catch-up after a window and at one slot."""
+    from specdecode.forward import ForwardBatch
+    llm = LLM(model=str(tiny_models["llama"]), method="eagle", drafter_path=str(heads["llama"]), dtype="fp32",
+              progress=False, adaptive=False)
+    drafter = llm.drafter
+    drafter.prepare(2, 64)
+    torch.manual_seed(1)
+    drafter.head_from[1] = 3                 # slots 0-2 never computed: both passes must ignore them
+    drafter.cache.keys[0].normal_()
+    drafter.cache.values[0].normal_()
+    rows = torch.tensor([1])
+    for start, num in ((3, 6), (9, 1), (10, 1)):
+        tokens = torch.randint(0, llm.target.model.vocab_size, (1, num))
+        features = torch.randn(1, num, llm.target.model.config.hidden_size)
+        general = drafter._pass(rows, [start], tokens, features, ForwardBatch.chain(tokens, torch.tensor([start]), rows))
+        one = drafter._pass(rows, [start], tokens, features)
+        torch.testing.assert_close(one, general)
