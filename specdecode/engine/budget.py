@@ -154,6 +154,8 @@ class DraftBudget:
     chosen: list[int] = field(init=False, default_factory=list)
     carried: set[int] = field(init=False, default_factory=set)   # sizes whose gain an earlier call measured,
                                                                  # not yet observed in this one
+    seasoned: bool = field(init=False, default=False)   # carried from a call of CARRY_MIN_STEPS steps or more
+                                                        # (directly or through shorter calls): past one-time costs
     _at: dict[float, float] = field(init=False, default_factory=dict, repr=False)   # rows -> curve seconds
 
     def __post_init__(self) -> None:
@@ -186,9 +188,10 @@ class DraftBudget:
         draft model's weights first read from disk, left the 1.5B / 0.5B pair drafting nothing). The
         call after a short one starts from the priors again: the pair then drafts a code answer from
         its first step (1.37x plain; carried from the call before the short one, 0.92-0.97x)."""
-        if earlier is None or earlier.steps < CARRY_MIN_STEPS or self.shadowed or earlier.shadowed \
-                or len(earlier.gain) == 1:
+        if earlier is None or (earlier.steps < CARRY_MIN_STEPS and not earlier.seasoned) or self.shadowed \
+                or earlier.shadowed or len(earlier.gain) == 1:
             return
+        self.seasoned = True
         for size in self.levels:
             if size in earlier.gain:
                 self.gain[size], self.nodes[size] = earlier.gain[size], earlier.nodes[size]
