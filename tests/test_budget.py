@@ -271,7 +271,7 @@ def test_the_first_probe_after_a_failed_start_waits_for_what_a_probe_is_predicte
 
 def test_a_later_call_starts_from_what_the_earlier_one_measured():
     """A drafter that did not pay in an earlier call starts plain in the next one (no starting
-    size, no probe before 2 * probe_every steps); one that paid starts at its best size; a budget
+    size; its probes' pace goes on); one that paid starts at its best size; a budget
     with nothing measured, of another kind (shadowed or not), or of a short call (fewer than
     CARRY_MIN_STEPS steps) passes nothing on."""
     poor = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05, probe_share=1.0)
@@ -284,9 +284,13 @@ def test_a_later_call_starts_from_what_the_earlier_one_measured():
     assert later.size > 0                                   # the prior: start drafting
     later.carry(poor)
     assert later.probe_interval == poor.probe_interval and later.draft_measured
-    sizes = [later.next_size() for _ in range(8)]
-    first = sizes.index(next(s for s in sizes if s))         # plain, the first probe after 4 to 8 steps
-    assert 4 <= first + 1 <= 8 and not any(sizes[:first])
+    # probes kept failing (the interval doubled past 2 * probe_every): the wait runs on from where the
+    # earlier call left it, at most the probes' cost floor (here 2 * probe_every: probe_share 1)
+    wait = min(poor.probe_wait, max(8, later.probe_floor()))
+    assert later.probe_wait == wait
+    sizes = [later.next_size() for _ in range(9)]
+    first = sizes.index(next(s for s in sizes if s))         # plain until then
+    assert first == max(wait, 1) - 1 and not any(sizes[:first])
 
     good = DraftBudget(8, CURVE, decay=0.5, explore_every=2)
     for _ in range(40):
