@@ -204,6 +204,7 @@ def test_eagle2_reads_the_features_of_the_accepted_path(tiny_models, heads):
     original = drafter.propose
 
     def spy(seqs, max_tokens):
+        drafter.pending.flush()          # what propose reads first
         for s in seqs:
             ids = torch.tensor([s.token_ids])
             reference = model.run(ForwardBatch.chain(ids, 0), model.new_cache(1, ids.shape[1]))[0]   # [L, D]
@@ -310,3 +311,35 @@ def test_the_one_row_pass_equals_the_general_pass(tiny_models, heads):
         general = drafter._pass(rows, [start], tokens, features, ForwardBatch.chain(tokens, torch.tensor([start]), rows))
         one = drafter._pass(rows, [start], tokens, features)
         torch.testing.assert_close(one, general)
+
+
+def test_pending_features_are_written_as_the_passes_wrote_them():
+    """PendingFeatures keeps the passes' outputs and writes them when read: after any sequence of
+    passes (runs of single positions, verify passes that rewrite earlier positions, a row reset to
+    a new prompt), every position within `keep` of a row's newest equals what writing each pass at
+    once gives."""
+    from specdecode.drafters.eagle import PendingFeatures
+    torch.manual_seed(0)
+    keep, dim = 6, 3
+    eager = torch.zeros(2, 64, dim)
+    lazy = PendingFeatures(torch.zeros(2, 64, dim), keep)
+    newest = [0, 0]
+    for step in range(300):
+        row = step % 3 % 2
+        if step % 97 == 5:
+            start, width = 0, 9                                  # a new prompt in the row
+        elif step % 7 == 0:
+            start, width = max(0, newest[row] - 3), 4            # a verify pass: back over rejected drafts
+        else:
+            start, width = newest[row], 1                        # a plain step
+        if start + width > 64:
+            start, width = 0, 9
+        hidden = torch.randn(width, dim)
+        eager[row, start:start + width] = hidden
+        lazy.add(row, start, hidden)
+        newest[row] = start + width
+        if step % 13 == 0:                                       # a propose reads them
+            lazy.flush()
+            for r in range(2):
+                low = max(0, newest[r] - keep)
+                assert torch.equal(lazy.features[r, low:newest[r]], eager[r, low:newest[r]]), step
