@@ -320,7 +320,7 @@ def test_pending_features_are_written_as_the_passes_wrote_them():
     once gives."""
     from specdecode.drafters.eagle import PendingFeatures
     torch.manual_seed(0)
-    keep, dim = 6, 3
+    keep, dim = 4, 3
     eager = torch.zeros(2, 64, dim)
     lazy = PendingFeatures(torch.zeros(2, 64, dim), keep)
     newest = [0, 0]
@@ -328,7 +328,7 @@ def test_pending_features_are_written_as_the_passes_wrote_them():
         row = step % 3 % 2
         if step % 97 == 5:
             start, width = 0, 9                                  # a new prompt in the row
-        elif step % 7 == 0:
+        elif step % 29 == 0:
             start, width = max(0, newest[row] - 3), 4            # a verify pass: back over rejected drafts
         else:
             start, width = newest[row], 1                        # a plain step
@@ -338,7 +338,7 @@ def test_pending_features_are_written_as_the_passes_wrote_them():
         eager[row, start:start + width] = hidden
         lazy.add(row, start, hidden)
         newest[row] = start + width
-        if step % 13 == 0:                                       # a propose reads them
+        if step % 37 == 0:                                       # a propose reads them
             lazy.flush()
             for r in range(2):
                 low = max(0, newest[r] - keep)
