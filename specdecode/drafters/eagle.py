@@ -128,6 +128,8 @@ class EagleDrafter(Drafter):
         self.cos, self.sin = rope_tables(self.config, model.max_len + 64, self.dtype, self.device)
         self.cache = None
         self.features = None
+        self.head_from: torch.Tensor | None = None      # [rows] first head slot a catch-up computed
+        self.pending: PendingFeatures | None = None     # features not yet written into `features`
 
     # ------------------------------------------------------------------ state
     def prepare(self, batch_size: int, max_len: int) -> DrafterState:
@@ -137,7 +139,7 @@ class EagleDrafter(Drafter):
         # pass (of 0.7), float32's 0.04 ms; the cache is one layer
         self.cache = KVCache(1, batch_size, c.num_kv_heads, c.head_dim, max_len + room, torch.float32, self.device)
         self.features = torch.zeros(batch_size, max_len, c.hidden_size, dtype=self.dtype, device=self.device)
-        self.head_from = torch.zeros(batch_size, dtype=torch.long)    # [rows] first head slot computed
+        self.head_from = torch.zeros(batch_size, dtype=torch.long)
         self.pending = PendingFeatures(self.features, self.catch_up_window + MAX_TREE_DEPTH + 2)
         return ContiguousState(self.cache, self.features)
 
