@@ -206,12 +206,12 @@ class DraftBudget:
         self.draft_per_node, self.draft_per_step = earlier.draft_per_node, earlier.draft_per_step
         self.draft_measured, self.shadow_seconds = earlier.draft_measured, earlier.shadow_seconds
         self.probe_interval, self.probe_seconds = earlier.probe_interval, earlier.probe_seconds
-        # the wait goes on where the earlier call left it, capped at 2 * probe_every (a new request may be
-        # one where the drafter pays); where probes keep failing (their interval has doubled past that),
-        # capped only by what the probes' cost allows (probe_floor: a head's probes of 5-30 ms on the
-        # embedded model, every request, cost it 3-5%; the pair's probes pay on code and come early)
+        # the wait goes on where the earlier call left it, between probe_every and 2 * probe_every (a new
+        # request may be one where the drafter pays); where probes keep failing (their interval has
+        # doubled past that), with no lower bound and capped only by what the probes' cost allows
+        # (probe_floor: a head's probes of 5-30 ms on the embedded model, every request, cost it 3-5%)
         cap = 2 * self.probe_every
-        if earlier.probe_interval > cap:        # probes keep failing: their pace runs on across calls
+        if earlier.probe_interval > cap:
             self.probe_wait = min(earlier.probe_wait, max(cap, self.probe_floor()))
         else:
             self.probe_wait = max(self.probe_every, min(earlier.probe_wait, cap))
