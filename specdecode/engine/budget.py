@@ -58,10 +58,10 @@ PROBE_SHARE = 0.01      # at most this share of plain decoding's time goes to pr
 PROBE_ACCEPTANCE = 0.9  # a drafter that pays to try is probed only where drafts accepted this often would pay:
                         # a probe after plain steps first feeds it every token since (a catch-up pass)
 CARRY_MIN_STEPS = 32    # a call carries what it measured to the next (`carry`) only after this many steps
-CARRIED_WEIGHT = 0.3    # a size's gain carried from an earlier call weighs this much against the new call's first
+CARRIED_WEIGHT = 0.1    # a size's gain carried from an earlier call weighs this much against the new call's first
                         # step at that size: another request's acceptance is weak evidence about this one (the
                         # 1.5B / 0.5B pair drafted a short translation answer at the size a summary had paid
-                        # at, step after step, 0.86x plain)
+                        # at, step after step, 0.86x plain; at 0.3 still three steps at 5, at 0.1 one or two)
 SHADOW_DECAY = 0.9      # weight of the past when a shadow draft is scored: shadows cost nothing, so their
                         # evidence is averaged over ~10 of them (a real step's 0.7, ~3): with 0.7 one shadow
                         # whose first token came true where one in ten does (a chat answer) made size 1 look
