@@ -30,45 +30,12 @@ from ..sampling import probs_from_logits, sample, transform_logits
 from ..tree import walk_path
 from .base import ContiguousState, DraftProposal, Drafter, DrafterCapabilities, DrafterError, DrafterState
 from .dynamic_tree import Candidates, expand, select_nodes
+from .features import PendingFeatures
 from .registry import register
 
 MAX_TREE_TOPK = 16     # children per expanded node (and frontier width) of a dynamic tree
 MAX_TREE_DEPTH = 16    # head passes per tree (its depth); the head-cache tree mask also needs (depth-1)*topk < 64
 CATCH_UP_WINDOW = 64   # a catch-up of more slots computes only the last this many (see `catch_up_window`)
-
-
-class PendingFeatures:
-    """Target features not yet copied into the drafter's [rows, max_len, D] `features`: `observe`
-    follows every target pass, and copying one row's feature there took ~16 us a plain step (0.6% of
-    the embedded model's step). Per row, a run of consecutive positions is kept as the pass outputs
-    themselves and written by one copy when the drafter reads (`flush`), or when a pass writes
-    elsewhere in the row (earlier positions again: later writes win, as they would have). A run keeps
-    only its last `keep` positions: the head never reads a feature further back than its catch-up
-    window."""
-
-    def __init__(self, features: torch.Tensor, keep: int) -> None:    # features: [rows, max_len, D]
-        self.features, self.keep = features, keep
-        self.runs: dict[int, list] = {}        # row -> [first position, pieces [T_i, D], end position]
-
-    def add(self, row: int, start: int, hidden: torch.Tensor) -> None:    # hidden: [T, D]
-        run = self.runs.get(row)
-        if run is not None and start == run[2]:
-            run[1].append(hidden)
-            run[2] += hidden.shape[0]
-            if len(run[1]) > 2 * self.keep:    # a long run of plain steps: the last `keep` positions
-                joined = torch.cat(run[1])[-self.keep:]
-                run[0], run[1] = run[2] - joined.shape[0], [joined]
-            return
-        self.flush(row)
-        self.runs[row] = [start, [hidden], start + hidden.shape[0]]
-
-    def flush(self, row: int | None = None) -> None:
-        """Write the pending runs (of `row`, or of every row) into `features`."""
-        for r in list(self.runs) if row is None else [row]:
-            run = self.runs.pop(r, None)
-            if run is not None:
-                first, pieces, end = run
-                self.features[r, first:end] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 @register("eagle")

@@ -43,6 +43,7 @@ from torch import nn
 from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterError
 from ..tree import walk_path
 from .dynamic_tree import Candidates, select_nodes
+from .features import PendingFeatures
 from .registry import register
 
 MEDUSA_VERSION = 1     # layout of a saved kind "medusa" drafter (config["version"])
@@ -163,25 +164,27 @@ class MedusaDrafter(Drafter):
         self.final_norm, self.eps = model.final_norm, model.config.rms_norm_eps
         self.lm_head = link(model.lm_head_weight.index_select(0, self.draft_vocab).contiguous(), None)
         self.state: FeatureState | None = None
+        self.pending: PendingFeatures | None = None     # features not yet written into state.features
 
     # ------------------------------------------------------------------ state
     def prepare(self, batch_size: int, max_len: int) -> FeatureState:
         features = torch.zeros(batch_size, max_len, self.config.hidden_size, dtype=self.dtype, device=self.device)
         self.state = FeatureState(features)
+        self.pending = PendingFeatures(features, MAX_HEADS + 2)     # the newest feature, and a tree's slots
         return self.state
 
     def close(self) -> None:
-        self.state = None
+        self.state = self.pending = None
 
     def observe(self, seqs, starts, hidden):
         """Positions below len(token_ids) of the pass are true features (the pending tokens; the
         drafts after them wait for commit). A prefill pass stops one short of that, but its last
         claimed position is rewritten by the row's first step before any propose reads it."""
-        features = self.state.features
-        width = hidden.shape[1]
+        width, max_len = hidden.shape[1], self.state.features.shape[1]
         for b, s in enumerate(seqs):
-            n = max(0, min(width, features.shape[1] - starts[b]))
-            features[s.row, starts[b]:starts[b] + n] = hidden[b, :n]
+            n = max(0, min(width, max_len - starts[b]))
+            if n:
+                self.pending.add(s.row, starts[b], hidden[b, :n])
             self.state.known[s.row] = min(starts[b] + n, len(s.token_ids))
 
     # ------------------------------------------------------------------ drafting
@@ -199,6 +202,7 @@ class MedusaDrafter(Drafter):
         if depth <= 0:
             return DraftProposal.empty(batch)
         rows = torch.tensor([s.row for s in seqs], device=self.device)
+        self.pending.flush()
         features = self.state.features[rows, torch.tensor(positions, device=self.device).clamp(min=0)]   # [B, D]
         log_probs = self.head_log_probs(features)[:, :depth].cpu()                           # [B, depth, V_draft]
         topk = min(self.tree_topk, log_probs.shape[-1])
@@ -222,6 +226,7 @@ class MedusaDrafter(Drafter):
         if proposal.step_state is None:
             return
         features, known = self.state.features, self.state.known
+        self.pending.flush()
         parents = proposal.tree_parents().tolist()
         tokens = proposal.tokens.tolist()
         for b, (s, old_len) in enumerate(zip(seqs, proposal.step_state)):
