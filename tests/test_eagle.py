@@ -289,6 +289,10 @@ def test_a_long_catch_up_computes_only_the_window_and_never_reads_before_it(tiny
         drafts.append(drafter.propose([seq], [4]).tokens.tolist())
         assert widths[0] == 3 < len(ids) - 1 and int(drafter.head_from[0]) == len(ids) - 4
     assert drafts[0] == drafts[1]
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(DrafterError, match="catch_up_window"):
+            LLM(model=str(tiny_models["llama"]), method="eagle", drafter_path=str(heads["llama"]), dtype="fp32",
+                progress=False, catch_up_window=bad)
 
 
 def test_the_one_row_pass_equals_the_general_pass(tiny_models, heads):
