@@ -272,8 +272,8 @@ def test_the_first_probe_after_a_failed_start_waits_for_what_a_probe_is_predicte
 def test_a_later_call_starts_from_what_the_earlier_one_measured():
     """A drafter that did not pay in an earlier call starts plain in the next one (no starting
     size; its probes' pace goes on); one that paid starts at its best size; a budget
-    with nothing measured, of another kind (shadowed or not), or of a short call (fewer than
-    CARRY_MIN_STEPS steps) passes nothing on."""
+    with nothing measured, of another kind (shadowed or not), or of a short first call (fewer than
+    CARRY_MIN_STEPS steps: a warm-up) passes nothing on; any later call does."""
     poor = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05, probe_share=1.0)
     for _ in range(60):
         size = poor.next_size()
@@ -309,6 +309,15 @@ def test_a_later_call_starts_from_what_the_earlier_one_measured():
         short.observe(size, [size], [[]], verify_seconds=5.0, draft_seconds=5.0 * size, pending=1)
     untouched.carry(short)
     assert untouched.gain == {0: 1.0} and untouched.size > 0 and not untouched.seasoned
+    second = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05)   # the warm-up's next call: short
+    second.carry(short)
+    for _ in range(8):
+        size = second.next_size()
+        second.observe(size, [size], [[]], verify_seconds=interpolate(CURVE, 1 + size), draft_seconds=0.05 * size,
+                       pending=1)
+    third = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05)
+    third.carry(second)                                     # past the first call: carried, short or not
+    assert third.seasoned and third.calls == 2 and third.gain == second.gain
 
 
 def test_a_short_call_after_a_long_one_passes_on_what_it_was_given():

@@ -57,7 +57,7 @@ PROBE_SHARE = 0.01      # at most this share of plain decoding's time goes to pr
                         # trained head's probe of one or two nodes cost 1-2 plain steps on the embedded model
 PROBE_ACCEPTANCE = 0.9  # a drafter that pays to try is probed only where drafts accepted this often would pay:
                         # a probe after plain steps first feeds it every token since (a catch-up pass)
-CARRY_MIN_STEPS = 32    # a call carries what it measured to the next (`carry`) only after this many steps
+CARRY_MIN_STEPS = 32    # a first call carries what it measured to the next (`carry`) only after this many steps
 CARRIED_WEIGHT = 0.1    # a size's gain carried from an earlier call weighs this much against the new call's first
                         # step at that size: another request's acceptance is weak evidence about this one (the
                         # 1.5B / 0.5B pair drafted a short translation answer at the size a summary had paid
@@ -157,6 +157,7 @@ class DraftBudget:
                                                                  # not yet observed in this one
     seasoned: bool = field(init=False, default=False)   # carried from a call of CARRY_MIN_STEPS steps or more
                                                         # (directly or through shorter calls): past one-time costs
+    calls: int = field(init=False, default=0)           # earlier calls in the chain of `carry` (0: the first)
     _at: dict[float, float] = field(init=False, default_factory=dict, repr=False)   # rows -> curve seconds
     _version: int = field(init=False, default=0, repr=False)      # bumped when a gain or a drafting time changes
     _best_at: tuple[int, int, int] | None = field(init=False, default=None, repr=False)   # (version, step, best())
@@ -188,13 +189,16 @@ class DraftBudget:
         probe per request (a head's probe in each 30-token answer of the embedded model cost 3%).
         Not carried: a drafter without state (its shadow drafts measure every size at no cost from
         the first plain step), a request with a prediction (the engine: news the earlier call did
-        not have), and the calls of a process before its first call of CARRY_MIN_STEPS steps or
-        more, whose times include one-time costs (a bench's 8-token warm-up, a draft model's weights
-        first read from disk, left the 1.5B / 0.5B pair drafting nothing). A short call after such
-        a call passes on what it was given and measured (`seasoned`): restarted from the priors, a
-        head that did not pay explored 1-4 drafts per step for the first 8-10 steps of the next
-        request (0.87-0.95x on a 36-token code answer)."""
-        if earlier is None or (earlier.steps < CARRY_MIN_STEPS and not earlier.seasoned) or self.shadowed \
+        not have), and a first call shorter than CARRY_MIN_STEPS steps, whose times include
+        one-time costs (a bench's 8-token warm-up, a draft model's weights first read from disk, left
+        the 1.5B / 0.5B pair drafting nothing). Every later call passes on what it was given and
+        measured (`seasoned`, `calls`): restarted from the priors after a short call, a head that did
+        not pay explored 1-4 drafts per step for the first 8-10 steps of the next request (0.87-0.95x
+        on a 36-token code answer)."""
+        if earlier is None:
+            return
+        self.calls = earlier.calls + 1
+        if (earlier.steps < CARRY_MIN_STEPS and not earlier.seasoned and earlier.calls == 0) or self.shadowed \
                 or earlier.shadowed or len(earlier.gain) == 1:
             return
         self.seasoned = True
