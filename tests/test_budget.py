@@ -441,3 +441,13 @@ def test_a_run_of_plain_steps_recomputes_the_choice_only_now_and_then():
     calls.clear()
     budget.next_size()
     assert calls == [1]
+
+
+def test_a_low_prior_acceptance_starts_smaller_or_plain():
+    """The starting size follows the prior acceptance (a trained head's, from its held-out evaluation):
+    where drafts accepted that often would not pay at the known drafting cost, the budget starts plain."""
+    default = DraftBudget(8, CURVE, draft_cost=0.004)
+    low = DraftBudget(8, CURVE, draft_cost=0.004, prior_acceptance=0.25)
+    assert default.size > 0
+    assert low.size < default.size
+    assert DraftBudget(8, CURVE, draft_cost=0.02, prior_acceptance=0.1).size == 0

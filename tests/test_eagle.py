@@ -147,6 +147,15 @@ def test_eagle_sampling_runs_seeded(tiny_models, heads):
     assert all(len(x.token_ids) == 20 for x in a)
 
 
+def test_a_head_without_a_recorded_evaluation_takes_the_budgets_prior(tiny_models, heads):
+    from specdecode.drafters.format import prior_acceptance
+    llm = LLM(model=str(tiny_models["llama"]), method="eagle", drafter_path=str(heads["llama"]), dtype="fp32",
+              progress=False)
+    assert llm.drafter.capabilities.prior_acceptance is None         # saved with training {"note": ...}
+    assert prior_acceptance({"training": {"final_eval": {"accept_depth": [0.6, 0.3]}}}) == pytest.approx(0.3)
+    assert prior_acceptance({"training": {"final_eval": {"accept_depth": [7]}}}) is None
+
+
 def test_eagle_format_and_mismatch(tiny_models, heads, tmp_path):
     meta = json.loads((heads["llama"] / "drafter.json").read_text())
     assert meta["format"] == "specdecode-drafter" and meta["version"] == 1 and meta["kind"] == "eagle"
@@ -191,6 +200,19 @@ def test_shipped_drafter_for_the_embedded_model(smollm2):
     drafter = build_drafter("eagle", smollm2)
     assert drafter.matches_target
     assert_drafts_accepted_and_exact(smollm2, drafter, "What is the capital of France?", 40)
+    # the draft budget's priors: a head pass's share of the target's weight bytes, and half its held-out
+    # acceptance (recorded in drafter.json by distill)
+    from specdecode.drafters.format import HELD_OUT_SHARE, read_meta
+    from specdecode.footprint import weights_bytes
+    meta = read_meta(shipped_drafter(smollm2, "eagle"), "eagle")
+    caps = drafter.capabilities
+    assert caps.prior_acceptance == HELD_OUT_SHARE * meta["training"]["final_eval"]["accept_depth"][0]
+    c = drafter.config
+    layer = c.hidden_size * (2 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+                             + c.num_heads * c.head_dim + 3 * c.intermediate_size)
+    head_bytes = (layer + c.draft_vocab_size * c.hidden_size) * drafter.embed.element_size()
+    assert caps.relative_cost == pytest.approx(head_bytes / weights_bytes(smollm2.model), rel=0.01)
+    assert 0.03 < caps.relative_cost < 0.3
 
 
 def test_eagle2_reads_the_features_of_the_accepted_path(tiny_models, heads):

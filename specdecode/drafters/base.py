@@ -165,6 +165,9 @@ class DrafterCapabilities:
                                         # position of every target pass (0: not called)
     relative_cost: float = 0.01         # prior of drafting one token / one plain target step (the server's
                                         # speculation policy starts from it, then measures)
+    prior_acceptance: float | None = None   # per-position acceptance the draft budget assumes before it has
+                                        # measured any (None: its PRIOR_ACCEPTANCE; a trained head: from its
+                                        # held-out evaluation, format.prior_acceptance)
     has_state: bool = False             # keeps per-request state: prepare() returns a DrafterState, and a
                                         # propose() must be followed by its commit(); False: propose is pure
                                         # (the server may draft for a row without committing)

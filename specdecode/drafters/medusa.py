@@ -33,7 +33,7 @@ the last accepted node's feature to where a chain would have put it (it is the n
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -118,7 +118,7 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, target, drafter_path: str | Path | None = None, tree_topk: int = 4,
                  tree_depth: int | None = None, fast: bool = True, **_: object) -> None:
-        from .format import check_target, read_meta, shipped_drafter
+        from .format import check_target, prior_acceptance, read_meta, shipped_drafter
         if not getattr(target, "native", False):
             raise DrafterError(f"method 'medusa' needs a natively loaded target (Llama/Qwen2/Qwen3); {target.name} "
                                f"runs through the transformers adapter")
@@ -128,6 +128,7 @@ class MedusaDrafter(Drafter):
                                f"--target {target.name} --out DIR` and pass --drafter DIR/drafter")
         meta = read_meta(path, "medusa")
         self.matches_target = check_target(meta, target, path)
+        self.capabilities = replace(self.capabilities, prior_acceptance=prior_acceptance(meta))
         self.path = path
         try:
             self.config = MedusaConfig(**meta["config"])

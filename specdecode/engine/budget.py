@@ -29,7 +29,8 @@ that costs more than SHADOW_SHARE of a plain step (its draft and its scoring) sh
 plain steps. Per size, gains are exponential moving averages (a shadow's over ~10, SHADOW_DECAY).
 A drafter with state (a draft model) pays for every size it tries, so its first size is the one
 its prior cost (`draft_cost`: seconds per drafted token, from the weights it reads) predicts best
-at an acceptance of PRIOR_ACCEPTANCE per position, rather than a fixed one; the drafting time per
+at an acceptance of PRIOR_ACCEPTANCE per position (a trained head: from its held-out evaluation,
+`prior_acceptance`), rather than a fixed one; the drafting time per
 node starts from that prior (else from the first measured step) instead of zero. Where even drafts
 that were always accepted could not beat plain decoding at the drafting cost known (`could_pay`: a
 draft token costing nearly a target step), the budget neither starts nor probes there; a drafter that
@@ -130,6 +131,7 @@ class DraftBudget:
     max_probe_every: int = 256              # after each probe that did not pay, up to max_probe_every
     probe_share: float = PROBE_SHARE        # and never more often than probes' measured cost allows
     draft_cost: float | None = None         # prior seconds per drafted node (None: measured only)
+    prior_acceptance: float = PRIOR_ACCEPTANCE   # per position, what the starting size assumes
     shadowed: bool = False                  # the engine scores shadow drafts while plain decoding runs (a
                                             # stateless drafter): they measure every size for free, so no probes
     span: int = 0                           # a copying drafter's sizes past max_size: tried only right after a
@@ -172,8 +174,8 @@ class DraftBudget:
         # known (the batch's verify rows; a drafter that pays to try, its prior cost); plain decoding where
         # none pays (a batch of many sequences, whose every verify row costs nearly a step)
         sizes = [s for s in self.levels if 0 < s <= 4] or [min(self.levels[1:], default=0)]
-        self.size = max(sizes, key=lambda s: (expected_tokens(PRIOR_ACCEPTANCE, s) / self.step_seconds(s), -s))
-        if not self.could_pay(self.size, PRIOR_ACCEPTANCE):   # not even that pays: plain, and probes
+        self.size = max(sizes, key=lambda s: (expected_tokens(self.prior_acceptance, s) / self.step_seconds(s), -s))
+        if not self.could_pay(self.size, self.prior_acceptance):   # not even that pays: plain, and probes
             self.size = 0                                     # only where a size still could
 
     def carry(self, earlier: "DraftBudget | None") -> None:

@@ -167,7 +167,9 @@ class SpecEngine:
             caps = self.drafter.capabilities
             draft_cost = caps.relative_cost * self.cost_curve[1] if caps.has_state else None
             budget = self.budget = DraftBudget(self.k, curve, draft_cost=draft_cost, shadowed=not caps.has_state,
-                                               span=self.span if self.span > self.k else 0)
+                                               span=self.span if self.span > self.k else 0,
+                                               **({} if caps.prior_acceptance is None else
+                                                  {"prior_acceptance": caps.prior_acceptance}))
             if not any(p.prediction is not None for p in params):    # a prediction is news: the prior
                 budget.carry(self.budgets.get(self.k))
             self.budgets[self.k] = budget
