@@ -75,6 +75,9 @@ def main() -> None:
         run(m, warm_up)
         drafter = system.drafter(m, cells[m].k)
         memory[m] = drafter.memory() if drafter is not None else None
+    if args.trace and system.cost_curves.get(5):          # measured once, by the first adaptive call
+        print("cost curve (rows: ms):", {r: round(t * 1e3, 2) for r, t in sorted(system.cost_curves[5].items())},
+              flush=True)
     times: dict[tuple[str, int], list[float]] = {(m, i): [] for m in cells for i in range(len(prompts))}
     ratios: dict[tuple[str, int], list[float]] = {(m, i): [] for m in methods for i in range(len(prompts))}
     outputs: dict[tuple[str, int], list[int]] = {}
