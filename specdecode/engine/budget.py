@@ -68,8 +68,6 @@ SHADOW_DECAY = 0.9      # weight of the past when a shadow draft is scored: shad
                         # whose first token came true where one in ten does (a chat answer) made size 1 look
                         # like it paid, and every such shadow started steps that accepted nothing (3-5% of
                         # plain decoding's speed on the embedded model's answers)
-ROW_FLOOR = 0.03        # the least a further verified row is taken to cost, of a one-row pass (`rising_curve`;
-                        # measured 0.1-0.3 on the CPUs here)
 PLAIN_RECHECK = 8       # steps between recomputations of best() in a run of plain steps (`_best_now`)
 MARGIN = 1.05           # drafting must be predicted this much faster than plain decoding to be chosen:
                         # what the model leaves out (bookkeeping of a longer step) and its noise are
@@ -102,22 +100,6 @@ def measure_cost_curve(model, cache, max_rows: int, repeats: int = 3, batch: int
     for row in range(batch):
         cache.truncate(row, 0)
     return curve
-
-
-def rising_curve(curve: dict[int, float]) -> dict[int, float]:
-    """The curve with every further row costing at least ROW_FLOOR of a one-row pass: a curve measured
-    on a busy moment can come out flat or falling (one run: 4 rows 3.31 ms, 6 rows 3.09), and where a
-    size's rows cost nothing on the curve its steps teach the budget nothing about rows (they count as
-    one-row passes): medusa then drafted 3 per step for two rounds of prompts at 15% accepted."""
-    out: dict[int, float] = {}
-    one = curve[min(curve)]
-    for rows in sorted(curve):
-        seconds = curve[rows]
-        if out:
-            last = max(out)
-            seconds = max(seconds, out[last] + ROW_FLOOR * one * (rows - last))
-        out[rows] = seconds
-    return out
 
 
 def shadow_period(shadow_seconds: float, step_seconds: float) -> int:
@@ -183,7 +165,6 @@ class DraftBudget:
     _best_at: tuple[int, int, int] | None = field(init=False, default=None, repr=False)   # (version, step, best())
 
     def __post_init__(self) -> None:
-        self.curve = rising_curve(self.curve)
         top = max(self.max_size, self.span)
         self.levels = sorted({x for x in LEVELS if x <= top} | {self.max_size, top})
         self.gain = {0: 1.0}
