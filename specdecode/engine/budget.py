@@ -157,11 +157,11 @@ class DraftBudget:
     chosen: list[int] = field(init=False, default_factory=list)
     carried: set[int] = field(init=False, default_factory=set)   # sizes whose gain an earlier call measured,
                                                                  # not yet observed in this one
-    seasoned: bool = field(init=False, default=False)   # carried from a call of CARRY_MIN_STEPS steps or more
-                                                        # (directly or through shorter calls): past one-time costs
+    seasoned: bool = field(init=False, default=False)   # started from an earlier call's budget (`carry`)
     calls: int = field(init=False, default=0)           # earlier calls in the chain of `carry` (0: the first)
     _at: dict[float, float] = field(init=False, default_factory=dict, repr=False)   # rows -> curve seconds
-    _version: int = field(init=False, default=0, repr=False)      # bumped when a gain or a drafting time changes
+    _version: int = field(init=False, default=0, repr=False)      # bumped by every `_update` (a gain; a drafting
+                                                                  # step's times change only in steps that update one)
     _best_at: tuple[int, int, int] | None = field(init=False, default=None, repr=False)   # (version, step, best())
 
     def __post_init__(self) -> None:
@@ -194,13 +194,13 @@ class DraftBudget:
         not have), and a first call shorter than CARRY_MIN_STEPS steps, whose times include
         one-time costs (a bench's 8-token warm-up, a draft model's weights first read from disk, left
         the 1.5B / 0.5B pair drafting nothing). Every later call passes on what it was given and
-        measured (`seasoned`, `calls`): restarted from the priors after a short call, a head that did
+        measured (`calls`): restarted from the priors after a short call, a head that did
         not pay explored 1-4 drafts per step for the first 8-10 steps of the next request (0.87-0.95x
         on a 36-token code answer)."""
         if earlier is None:
             return
         self.calls = earlier.calls + 1
-        if (earlier.steps < CARRY_MIN_STEPS and not earlier.seasoned and earlier.calls == 0) or self.shadowed \
+        if (earlier.steps < CARRY_MIN_STEPS and earlier.calls == 0) or self.shadowed \
                 or earlier.shadowed or len(earlier.gain) == 1:
             return
         self.seasoned = True
@@ -396,8 +396,6 @@ class DraftBudget:
             self.draft_per_node = past * self.node_seconds() + (1 - past) * per_node
             self.draft_measured = True
         self.last_size = size
-        if size > 0:
-            self._version += 1           # drafting times moved
         if self.probed and size > 0:     # what this probe cost over the plain step it replaced
             extra = max((draft_seconds + verify_seconds) / batch - self.step_seconds(0), 0.0)
             self.probe_seconds = extra if not self.probe_seconds else \

@@ -20,7 +20,7 @@ from ..tree import MAX_TREE_NODES, depths
 from ..sampling import position_uniforms
 from ..verify_tree import verify_greedy, verify_point_mass, verify_tree
 from .runner import ModelRunner
-from .budget import DraftBudget, ShadowDrafts, measure_cost_curve
+from .budget import PRIOR_ACCEPTANCE, DraftBudget, ShadowDrafts, measure_cost_curve
 from .scheduler import StaticBatch, draft_room
 from .threads import ThreadTuner
 from .sequence import Sequence, attach_prediction
@@ -168,8 +168,8 @@ class SpecEngine:
             draft_cost = caps.relative_cost * self.cost_curve[1] if caps.has_state else None
             budget = self.budget = DraftBudget(self.k, curve, draft_cost=draft_cost, shadowed=not caps.has_state,
                                                span=self.span if self.span > self.k else 0,
-                                               **({} if caps.prior_acceptance is None else
-                                                  {"prior_acceptance": caps.prior_acceptance}))
+                                               prior_acceptance=PRIOR_ACCEPTANCE if caps.prior_acceptance is None
+                                               else caps.prior_acceptance)
             if not any(p.prediction is not None for p in params):    # a prediction is news: the prior
                 budget.carry(self.budgets.get(self.k))
             self.budgets[self.k] = budget
