@@ -251,6 +251,27 @@ def test_costly_probes_come_no_more_often_than_their_share_allows():
     assert (800 - probes[-1] - 1) + sizes.index(next(s for s in sizes if s)) + 1 == 150
 
 
+def test_a_probe_is_priced_net_of_the_tokens_its_accepted_drafts_emit():
+    """A probe costs what it takes over the plain steps that would have emitted its tokens: one whose
+    drafts are accepted costs less than its time, or nothing, and the floor between probes follows
+    (a draft model right ~60% of the time, in a stretch where plain decoding won on noise, was probed
+    once per ~70 steps, each probe priced at 0.75 of a step over one plain step)."""
+    def first_probe(accepted: int) -> DraftBudget:
+        budget = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05)
+        while (size := budget.next_size()) == 0 or not budget.probed:    # the starting size fails, then plain
+            budget.observe(size, [size], [[]], verify_seconds=interpolate(CURVE, 1 + size),
+                           draft_seconds=0.1 * size, pending=1)
+        # the probe: 2 drafts for 0.8 s, verified in a 3-row pass (1.175 s); plain steps take 1.0 s
+        budget.observe(size, [2], [list(range(accepted))], verify_seconds=interpolate(CURVE, 3),
+                       draft_seconds=0.8, pending=1)
+        return budget
+    missed = first_probe(0)                     # 1.975 s for 1 token: 0.975 over one plain step
+    assert abs(missed.probe_seconds - 0.975) < 1e-9 and missed.probe_floor() == 98      # 0.975 / 1%
+    half = first_probe(1)                       # 2 tokens: 2 plain steps' time less 0.025
+    assert abs(half.probe_seconds + 0.025) < 1e-9 and half.probe_floor() == 0
+    assert first_probe(2).probe_seconds < half.probe_seconds < missed.probe_seconds
+
+
 def test_the_first_probe_after_a_failed_start_waits_for_what_a_probe_is_predicted_to_cost():
     """A drafter that pays to try and whose starting size fails: its first probe comes no sooner
     than a probe's predicted cost (its size's step over a plain one, plus a catch-up node) allows

@@ -144,7 +144,8 @@ class DraftBudget:
     draft_per_node: float = field(init=False, default=0.0)   # measured drafting seconds per node (node_seconds())
     draft_per_step: float = field(init=False, default=0.0)   # drafting seconds of a step that drafts nothing
     shadow_seconds: float = field(init=False, default=0.0)   # seconds of one shadow draft (measured)
-    probe_seconds: float = field(init=False, default=0.0)    # what a probe step costs over a plain step (measured)
+    probe_seconds: float | None = field(init=False, default=None)   # what a probe costs over the plain steps that
+                                                                     # would have emitted its tokens (measured)
     plain_steps: int = field(init=False, default=0)
     draft_measured: bool = field(init=False, default=False)     # draft_per_node holds a measurement
     all_accepted: bool = field(init=False, default=False)   # the last step accepted every drafted node
@@ -330,16 +331,17 @@ class DraftBudget:
 
     def probe_floor(self) -> int:
         """The fewest plain steps between two probes at which failed probes cost at most
-        probe_share of plain decoding's time (their measured cost; before any probe, what the
-        budget predicts a probe costs a drafter that pays to try: its size's step over a plain
-        one, plus a catch-up node): a cheap probe keeps the pace of probe_every, a costly one (a
+        probe_share of plain decoding's time (their measured cost, net of the plain steps their
+        accepted drafts saved: probes that pay for themselves set no floor; before any probe, what
+        the budget predicts a probe costs a drafter that pays to try: its size's step over a plain
+        one, plus a catch-up node, as if it failed): a cheap probe keeps the pace of probe_every, a costly one (a
         head's catch-up, a draft model's) comes less often. The 1.5B / 0.5B pair's probe (one
         draft-model token and a row, ~0.5 of a plain step) 16 steps after the starting size failed
         had cost a short translation answer 2%."""
-        seconds = self.probe_seconds
-        if not seconds and self.draft_cost is not None and len(self.levels) > 1:
+        seconds = self.probe_seconds or 0.0
+        if self.probe_seconds is None and self.draft_cost is not None and len(self.levels) > 1:
             seconds = self.step_seconds(self.probe_size()) - self.step_seconds(0) + self.node_seconds()
-        return math.ceil(seconds / (self.probe_share * self.step_seconds(0)))
+        return math.ceil(max(seconds, 0.0) / (self.probe_share * self.step_seconds(0)))
 
     def probe_size(self) -> int:
         """The size a probe from plain decoding drafts: the second level above 0 (or the first)."""
@@ -396,9 +398,13 @@ class DraftBudget:
             self.draft_per_node = past * self.node_seconds() + (1 - past) * per_node
             self.draft_measured = True
         self.last_size = size
-        if self.probed and size > 0:     # what this probe cost over the plain step it replaced
-            extra = max((draft_seconds + verify_seconds) / batch - self.step_seconds(0), 0.0)
-            self.probe_seconds = extra if not self.probe_seconds else \
+        if self.probed and size > 0:     # what this probe cost over the plain steps that would have emitted its
+            # tokens: a probe whose drafts were accepted costs less than its time, or nothing (simulated, a
+            # drafter right 60% of the time at 0.02 of a step per token whose stretches of drafting end on
+            # noise: 1.13x plain with probes priced at their time over one plain step, 1.18x net)
+            emitted = sum(1 + len(path) for path in accepted_nodes) / batch
+            extra = (draft_seconds + verify_seconds) / batch - emitted * self.step_seconds(0)
+            self.probe_seconds = extra if self.probe_seconds is None else \
                 self.decay * self.probe_seconds + (1 - self.decay) * extra
         if size == 0:
             return
