@@ -292,7 +292,8 @@ def test_the_first_probe_after_a_failed_start_waits_for_what_a_probe_is_predicte
 
 def test_a_later_call_starts_from_what_the_earlier_one_measured():
     """A drafter that did not pay in an earlier call starts plain in the next one (no starting
-    size; its probes' pace goes on); one that paid starts at its best size; a budget
+    size; its probes' pace goes on); one that paid starts drafting (the first step at most a
+    probe's size, then its best); a budget
     with nothing measured, of another kind (shadowed or not), or of a short first call (fewer than
     CARRY_MIN_STEPS steps: a warm-up) passes nothing on; any later call does."""
     poor = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05, probe_share=1.0)
@@ -320,7 +321,11 @@ def test_a_later_call_starts_from_what_the_earlier_one_measured():
                      draft_seconds=0.0, pending=1)
     fresh = DraftBudget(8, CURVE)
     fresh.carry(good)
-    assert fresh.next_size() == good.best() == 8
+    # its first step risks at most a probe's size (the sizes carried are another request's evidence);
+    # after a step of this request's, the carried best
+    assert good.best() == 8 and fresh.next_size() == fresh.probe_size() == 2
+    fresh.observe(2, [2], [[0]], verify_seconds=interpolate(CURVE, 3), draft_seconds=0.0, pending=1)
+    assert fresh.next_size() == 8
     untouched = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05)
     untouched.carry(DraftBudget(8, CURVE))                  # nothing measured
     untouched.carry(DraftBudget(8, CURVE, shadowed=True))

@@ -160,6 +160,7 @@ class DraftBudget:
                                                                  # not yet observed in this one
     seasoned: bool = field(init=False, default=False)   # started from an earlier call's budget (`carry`)
     calls: int = field(init=False, default=0)           # earlier calls in the chain of `carry` (0: the first)
+    untried: bool = field(init=False, default=False)    # seasoned, and no step of this call has drafted yet
     _at: dict[float, float] = field(init=False, default_factory=dict, repr=False)   # rows -> curve seconds
     _version: int = field(init=False, default=0, repr=False)      # bumped by every `_update` (a gain; a drafting
                                                                   # step's times change only in steps that update one)
@@ -204,7 +205,7 @@ class DraftBudget:
         if (earlier.steps < CARRY_MIN_STEPS and earlier.calls == 0) or self.shadowed \
                 or earlier.shadowed or len(earlier.gain) == 1:
             return
-        self.seasoned = True
+        self.seasoned = self.untried = True
         for size in self.levels:
             if size in earlier.gain:
                 self.gain[size], self.nodes[size] = earlier.gain[size], earlier.nodes[size]
@@ -273,6 +274,9 @@ class DraftBudget:
         # several plain steps) on no evidence of a long copy
         # (every step asks this: each size's step time is computed once, could_pay inlined at acceptance 1)
         cap = max(self.max_size, self.size)
+        if self.untried:    # a new request's first drafts risk at most a probe's size: the sizes carried are
+            cap = min(cap, self.probe_size())   # another request's evidence (the pair's 18-token translation
+                                                # after a summary drafted 4 and 4, both rejected: 0.87-0.92x)
         plain = self.step_seconds(0)
         best, best_key = 0, (round(self.gain[0] / plain, 9), 0)
         for s in self.levels:
@@ -398,6 +402,7 @@ class DraftBudget:
             self.draft_per_node = past * self.node_seconds() + (1 - past) * per_node
             self.draft_measured = True
         self.last_size = size
+        self.untried = self.untried and size == 0
         if self.probed and size > 0:     # what this probe cost over the plain steps that would have emitted its
             # tokens: a probe whose drafts were accepted costs less than its time, or nothing (simulated, a
             # drafter right 60% of the time at 0.02 of a step per token whose stretches of drafting end on
