@@ -1,7 +1,8 @@
 """The adaptive draft size (engine/budget.py): what smaller sizes would have emitted comes from
 the accepted path, the cost curve decides, plain decoding wins when drafts do not pay, and the
 next larger size is explored."""
-from specdecode.engine.budget import DraftBudget, interpolate
+from specdecode.engine.budget import DraftBudget
+from specdecode.engine.costs import interpolate
 
 CURVE = {1: 1.0, 2: 1.05, 4: 1.3, 8: 2.2, 16: 4.1}
 
@@ -97,7 +98,7 @@ def test_shadow_drafts_bring_speculation_back():
     from types import SimpleNamespace
 
     from specdecode.drafters.base import DraftProposal
-    from specdecode.engine.budget import ShadowDrafts
+    from specdecode.engine.shadows import ShadowDrafts
 
     budget = DraftBudget(8, CURVE, decay=0.5)
     for _ in range(3):                                  # drafts rejected: plain decoding wins
@@ -124,7 +125,7 @@ def test_a_tree_shadow_credits_each_size_with_the_path_nodes_it_holds():
     from types import SimpleNamespace
 
     from specdecode.drafters.base import DraftProposal
-    from specdecode.engine.budget import ShadowDrafts
+    from specdecode.engine.shadows import ShadowDrafts
 
     # root children 10, 11, 12 (nodes 0-2); children of node 0: 20, 21, 22 (3-5); of node 3: 30, 31 (6, 7)
     tree = [(10, -1), (11, -1), (12, -1), (20, 0), (21, 0), (22, 0), (30, 3), (31, 3)]
@@ -183,7 +184,7 @@ def test_a_step_that_accepts_every_draft_tries_the_next_larger_size():
 
 def test_a_costly_lookup_shadows_every_few_plain_steps():
     """Shadow drafts cost their lookup on every plain step: at most SHADOW_SHARE of a step's time."""
-    from specdecode.engine.budget import SHADOW_SHARE
+    from specdecode.engine.shadows import SHADOW_SHARE
     budget = DraftBudget(8, CURVE)
     assert all(budget.shadow_due() for _ in range(5))            # nothing measured yet: every step
     budget.observe_shadow_cost(0.5 * SHADOW_SHARE * interpolate(CURVE, 1))

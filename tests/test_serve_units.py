@@ -252,7 +252,7 @@ def test_server_shadow_drafts_are_one_call_and_take_a_bounded_share():
     from types import SimpleNamespace as NS
 
     from specdecode.drafters.base import DraftProposal
-    from specdecode.engine.budget import SHADOW_SHARE
+    from specdecode.engine.shadows import SHADOW_SHARE
     from specdecode.serve.policy import RowPolicy
     from specdecode.serve.scheduler import Scheduler
 

@@ -3,7 +3,7 @@ the acceptance observed so far, so that the expected tokens per second is maxima
 decoding (0 drafts) whenever nothing else pays.
 
 Cost of a step at size b: the target forward over (pending + b) rows per sequence, read off a
-curve measured once at start-up (`measure_cost_curve`: forward seconds against rows), plus the
+curve measured once at start-up (`costs.measure_cost_curve`: forward seconds against rows), plus the
 drafting time (per drafted node, measured). The curve is measured on an empty cache; at a real
 context every row also reads the keys and values before it, so two corrections are learned from
 the steps actually run: `scale` for a one-row pass (from steps that verify no draft) and
@@ -25,7 +25,7 @@ batch of many sequences costs several plain steps). A drafter without
 per-request state (lookup, suffix, recycle) keeps drafting while plain decoding runs ("shadow"
 drafts, one per sequence at a time, never verified): each is scored against the tokens the
 sequence then emits, so a size that starts to pay is found without paying for a probe; a lookup
-that costs more than SHADOW_SHARE of a plain step (its draft and its scoring) shadows only every few
+that costs more than SHADOW_SHARE (shadows.py) of a plain step (its draft and its scoring) shadows only every few
 plain steps. Per size, gains are exponential moving averages (a shadow's over ~10, SHADOW_DECAY).
 A drafter with state (a draft model) pays for every size it tries, so its first size is the one
 its prior cost (`draft_cost`: seconds per drafted token, from the weights it reads) predicts best
@@ -40,19 +40,15 @@ probe after plain steps first feeds it the tokens since its last draft.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
-import torch
-
 from .acceptance import expected_tokens
+from .costs import interpolate
+from .shadows import shadow_period
 
 LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PRIOR = 1.2             # a size not yet measured is assumed to decode this much faster than plain
 PRIOR_ACCEPTANCE = 0.7  # per position: the starting size of a drafter that pays for what it tries
-SHADOW_SHARE = 0.01     # at most this share of plain decoding's time goes to shadow drafts (looking up
-                        # drafts that are only scored, and scoring them): a costly lookup shadows every few
-                        # steps (the embedded model's ngram shadows cost ~50 us of a 2.4 ms step: every third)
 PROBE_SHARE = 0.01      # at most this share of plain decoding's time goes to probes that fail (a drafter that pays
                         # to try): a probe after plain steps first feeds the drafter every token since, and a
                         # trained head's probe of one or two nodes cost 1-2 plain steps on the embedded model
@@ -72,52 +68,6 @@ PLAIN_RECHECK = 8       # steps between recomputations of best() in a run of pla
 MARGIN = 1.05           # drafting must be predicted this much faster than plain decoding to be chosen:
                         # what the model leaves out (bookkeeping of a longer step) and its noise are
                         # a few percent, and a lookup drafter's gains near break-even are mostly noise
-
-
-def measure_cost_curve(model, cache, max_rows: int, repeats: int = 3, batch: int = 1) -> dict[int, float]:
-    """Forward seconds per sequence of a pass of `batch` sequences of r rows each, r in powers of
-    two up to max_rows (and max_rows); rows 0..batch-1 of `cache` at slots 0..r-1 (the caller's
-    prefill overwrites them). A batch's pass is measured as a batch: at a few sequences one more
-    row per sequence costs little (the weights are read once), at many the pass is bound by
-    arithmetic and every row costs nearly a sequence's step, so drafting that pays alone does not
-    pay there. Past one sequence the curve is two points (1 and max_rows rows; interpolated)."""
-    from ..forward import ForwardBatch
-    rows = sorted({r for r in (1, 2, 4, 8, 16, 32, 64) if r <= max_rows} | {max_rows}) if batch == 1 \
-        else sorted({1, max_rows})
-    device = model.device
-    curve = {}
-    for r in rows:
-        tokens = torch.zeros(batch, r, dtype=torch.long, device=device)
-        fb = ForwardBatch.chain(tokens, torch.zeros(batch, dtype=torch.long, device=device),
-                                torch.arange(batch, device=device), torch.arange(r, device=device)[None].expand(batch, r))
-        model.logits(model.run(fb, cache), fb.logit_index)        # warm-up
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            model.logits(model.run(fb, cache), fb.logit_index)
-            best = min(best, time.perf_counter() - t0)
-        curve[r] = best / batch
-    for row in range(batch):
-        cache.truncate(row, 0)
-    return curve
-
-
-def shadow_period(shadow_seconds: float, step_seconds: float) -> int:
-    """Steps between shadow drafts that cost `shadow_seconds` each (drafts and scoring), so that
-    they take at most SHADOW_SHARE of steps of `step_seconds` (1: every step; the offline budget
-    and the server's scheduler)."""
-    return max(1, math.ceil(shadow_seconds / (SHADOW_SHARE * step_seconds))) if step_seconds > 0 else 1
-
-
-def interpolate(curve: dict[int, float], rows: float) -> float:
-    points = sorted(curve.items())
-    if rows <= points[0][0]:
-        return points[0][1]
-    for (r0, t0), (r1, t1) in zip(points, points[1:]):
-        if rows <= r1:
-            return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
-    (r0, t0), (r1, t1) = points[-2], points[-1]
-    return t1 + (t1 - t0) * (rows - r1) / (r1 - r0)
 
 
 @dataclass
@@ -448,48 +398,3 @@ class DraftBudget:
         past = self.decay if decay is None else decay
         self.gain[size] = past * self.gain[size] + (1 - past) * emitted
         self.nodes[size] = past * self.nodes[size] + (1 - past) * proposed
-
-
-class ShadowDrafts:
-    """Drafts of a stateless drafter made while plain decoding runs, scored against what follows.
-    What a shadow costs, its draft and its scoring (`spent`), is reported to the budget when it is
-    scored (DraftBudget.observe_shadow_cost), which spaces shadows by it."""
-
-    def __init__(self) -> None:
-        # row -> (length when drafted, main path tokens, their node indices, nodes proposed)
-        self.pending: dict[int, tuple[int, list[int], list[int], int]] = {}
-        self.spent = 0.0         # seconds drafting and scoring the shadows since the last one was scored
-
-    def propose(self, drafter, seqs, k: int) -> None:
-        """Draft for the sequences with no shadow pending (scored along their main path)."""
-        fresh = [s for s in seqs if s.row not in self.pending]
-        if not fresh or k <= 0:
-            return
-        started = time.perf_counter()
-        proposal = drafter.propose(fresh, [k] * len(fresh))
-        counts = proposal.num_tokens.tolist()
-        for s, (nodes, path), count in zip(fresh, proposal.main_paths(), counts):
-            if nodes:
-                self.pending[s.row] = (len(s.token_ids), path, nodes, count)
-        self.spent += time.perf_counter() - started
-
-    def score(self, seqs, budget: DraftBudget) -> None:
-        """Score every shadow whose outcome is known: a mismatch, its whole length emitted, or
-        the sequence finished."""
-        if not self.pending:
-            return
-        started, scored = time.perf_counter(), 0
-        for s in seqs:
-            if s.row not in self.pending:
-                continue
-            start, path, nodes, proposed = self.pending[s.row]
-            out = s.token_ids[start:]
-            matched = next((i for i, (a, b) in enumerate(zip(path, out)) if a != b), min(len(path), len(out)))
-            if matched < len(out) or len(out) >= len(path) or s.finished:
-                budget.observe_shadow(proposed, matched, nodes)
-                del self.pending[s.row]
-                scored += 1
-        self.spent += time.perf_counter() - started
-        if scored:
-            budget.observe_shadow_cost(self.spent / scored)
-            self.spent = 0.0

@@ -20,7 +20,9 @@ from ..tree import MAX_TREE_NODES, depths
 from ..sampling import position_uniforms
 from ..verify_tree import verify_greedy, verify_point_mass, verify_tree
 from .runner import ModelRunner
-from .budget import PRIOR_ACCEPTANCE, DraftBudget, ShadowDrafts, measure_cost_curve
+from .budget import PRIOR_ACCEPTANCE, DraftBudget
+from .costs import measure_cost_curve
+from .shadows import ShadowDrafts
 from .scheduler import StaticBatch, draft_room
 from .threads import ThreadTuner
 from .sequence import Sequence, attach_prediction

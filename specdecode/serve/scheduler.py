@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..engine.budget import shadow_period
+from ..engine.shadows import shadow_period
 from ..engine.engine import MAX_CHAIN, SPAN
 from ..drafters.prediction import prediction_usage
 from ..engine.sequence import attach_prediction
@@ -196,7 +196,7 @@ class Scheduler:
         self.policy = SpeculationPolicy(shadow=caps is not None and not caps.has_state,
                                         draft_cost=caps.relative_cost if caps is not None else 0.01,
                                         max_batch_size=config.spec_max_batch_size)
-        # shadow drafts take at most SHADOW_SHARE of the steps' time (budget.shadow_period): their
+        # shadow drafts take at most SHADOW_SHARE of the steps' time (engine/shadows.py): their
         # seconds (drafts + scoring) and a step's, moving averages; shadows every `period` steps
         self.shadow_seconds = self.step_seconds = 0.0
         self.shadow_steps = 0
