@@ -478,3 +478,39 @@ def test_a_low_prior_acceptance_starts_smaller_or_plain():
     assert default.size > 0
     assert low.size < default.size
     assert DraftBudget(8, CURVE, draft_cost=0.02, prior_acceptance=0.1).size == 0
+
+
+def test_the_cost_curve_is_measured_in_rounds_and_never_falls_with_more_rows(monkeypatch):
+    """measure_cost_curve times every size once per round (a busy moment slows one pass of each size,
+    not every pass of one) and keeps the fastest; a pass over more rows is never taken to cost less
+    than one over fewer. A fake model on a fake clock: 1 ms + 0.1 ms a row, and a busy spell (+5 ms)
+    over two passes in a row; the 8-row pass measures fast (0.9 ms: noise)."""
+    import torch
+
+    from specdecode.engine import costs
+    clock = [0.0]
+    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
+
+    class Model:
+        device = torch.device("cpu")
+        passes = 0
+
+        def run(self, fb, cache):
+            rows = fb.tokens.shape[1]
+            self.passes += 1
+            busy = 5e-3 if 8 <= self.passes <= 9 else 0.0   # two passes in a row (sizes timed one after
+                                                                # the other, after 5 warm-ups: the 2-row pass's)
+            clock[0] += (0.9e-3 if rows == 8 else 1e-3 + 1e-4 * rows) + busy
+            return None
+
+        def logits(self, hidden, index):
+            return None
+
+    class Cache:
+        def truncate(self, row, length):
+            pass
+
+    curve = costs.measure_cost_curve(Model(), Cache(), 9, repeats=2)
+    assert list(curve) == [1, 2, 4, 8, 9]
+    want = {1: 1.1e-3, 2: 1.2e-3, 4: 1.4e-3, 8: 1.4e-3, 9: 1.9e-3}    # 8 rows: no less than 4
+    assert all(abs(curve[r] - want[r]) < 1e-12 for r in want), curve
