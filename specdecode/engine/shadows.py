@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .budget import DraftBudget
 
 SHADOW_SHARE = 0.01     # at most this share of plain decoding's time goes to shadow drafts (looking up
                         # drafts that are only scored, and scoring them): a costly lookup shadows every few
@@ -45,9 +41,9 @@ class ShadowDrafts:
                 self.pending[s.row] = (len(s.token_ids), path, nodes, count)
         self.spent += time.perf_counter() - started
 
-    def score(self, seqs, budget: DraftBudget) -> None:
+    def score(self, seqs, budget) -> None:
         """Score every shadow whose outcome is known: a mismatch, its whole length emitted, or
-        the sequence finished."""
+        the sequence finished; `budget` (a DraftBudget, engine/budget.py) learns each one's outcome and cost."""
         if not self.pending:
             return
         started, scored = time.perf_counter(), 0
