@@ -514,39 +514,3 @@ def test_the_cost_curve_is_measured_in_rounds_and_never_falls_with_more_rows(mon
     assert list(curve) == [1, 2, 4, 8, 9]
     want = {1: 1.1e-3, 2: 1.2e-3, 4: 1.4e-3, 8: 1.4e-3, 9: 1.9e-3}    # 8 rows: no less than 4
     assert all(abs(curve[r] - want[r]) < 1e-12 for r in want), curve
-
-
-def test_a_requests_first_drafts_and_its_probes_wait_for_the_target_to_be_sure():
-    """A gated budget (a drafter that pays to try; the engine reports the target's top next-token
-    probability in the plain steps that ask for it) holds back a request's first drafts and each
-    probe until the target's last CONFIDENCE_STEPS plain steps say that drafts accepted that often
-    would pay: a draft model agrees with its target about as often as the target is sure."""
-    from specdecode.engine.budget import CONFIDENCE_STEPS
-
-    def run(confidence: float, steps: int, budget: DraftBudget) -> list[int]:
-        sizes = []
-        for _ in range(steps):
-            size = budget.next_size()
-            sizes.append(size)
-            asked = size == 0 and budget.wants_confidence()
-            budget.observe(size, [size], [[]], verify_seconds=interpolate(CURVE, 1 + size),
-                           draft_seconds=0.05 * size, pending=1)
-            if asked:
-                budget.observe_confidence([confidence, confidence])       # two sequences: their mean
-        return sizes
-
-    sure = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05, gated=True)
-    start = sure.size
-    assert start > 0 and run(0.95, CONFIDENCE_STEPS + 1, sure) == [0] * CONFIDENCE_STEPS + [start]
-    unsure = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05, gated=True)
-    assert run(0.05, 40, unsure) == [0] * 40 and unsure.held and unsure.wants_confidence()
-    assert start in run(0.95, 2 * CONFIDENCE_STEPS + 1, unsure)     # sure again: it drafts
-    # a probe: due, held while the target is unsure (it stays due), sent once it is sure
-    probing = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05, gated=True, probe_share=1.0)
-    sizes = run(0.95, 60, probing)                      # the start drafts and fails: plain, probes
-    assert any(sizes) and sizes[-1] == 0 and not probing.held
-    waits = probing.probe_wait
-    assert run(0.05, waits + 30, probing)[waits:] == [0] * 30 and probing.held
-    assert probing.probe_size() in run(0.95, 2 * CONFIDENCE_STEPS + 1, probing)     # (the unsure steps age out)
-    ungated = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05)
-    assert not ungated.wants_confidence() and run(0.05, 1, ungated) == [start]    # (the server: no reports)

@@ -40,7 +40,6 @@ probe after plain steps first feeds it the tokens since its last draft.
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 
 from .acceptance import expected_tokens
@@ -65,7 +64,6 @@ SHADOW_DECAY = 0.9      # weight of the past when a shadow draft is scored: shad
                         # whose first token came true where one in ten does (a chat answer) made size 1 look
                         # like it paid, and every such shadow started steps that accepted nothing (3-5% of
                         # plain decoding's speed on the embedded model's answers)
-CONFIDENCE_STEPS = 2    # plain steps of the target's confidence that a gated start or probe reads (at most 2x that)
 PLAIN_RECHECK = 8       # steps between recomputations of best() in a run of plain steps (`_best_now`)
 MARGIN = 1.05           # drafting must be predicted this much faster than plain decoding to be chosen:
                         # what the model leaves out (bookkeeping of a longer step) and its noise are
@@ -88,8 +86,6 @@ class DraftBudget:
                                             # stateless drafter): they measure every size for free, so no probes
     span: int = 0                           # a copying drafter's sizes past max_size: tried only right after a
                                             # step that accepted every node (a long copy), kept while they pay
-    gated: bool = False                     # the engine reports the target's confidence (observe_confidence):
-                                            # a request's first drafts and each probe wait for a confident stretch
     levels: list[int] = field(init=False)
     gain: dict[int, float] = field(init=False)       # size -> mean tokens emitted per sequence-step
     nodes: dict[int, float] = field(init=False)      # size -> mean nodes a sequence proposes at that size
@@ -114,9 +110,7 @@ class DraftBudget:
                                                                  # not yet observed in this one
     seasoned: bool = field(init=False, default=False)   # started from an earlier call's budget (`carry`)
     calls: int = field(init=False, default=0)           # earlier calls in the chain of `carry` (0: the first)
-    drafted: bool = field(init=False, default=False)    # a step of this call has drafted
-    held: int = field(init=False, default=0)            # the size the last step held back (`_confident`; 0: none)
-    confidences: deque = field(init=False, default_factory=lambda: deque(maxlen=2 * CONFIDENCE_STEPS))   # (step, p)
+    untried: bool = field(init=False, default=False)    # seasoned, and no step of this call has drafted yet
     _at: dict[float, float] = field(init=False, default_factory=dict, repr=False)   # rows -> curve seconds
     _version: int = field(init=False, default=0, repr=False)      # bumped by every `_update` (a gain; a drafting
                                                                   # step's times change only in steps that update one)
@@ -161,7 +155,7 @@ class DraftBudget:
         if (earlier.steps < CARRY_MIN_STEPS and earlier.calls == 0) or self.shadowed \
                 or earlier.shadowed or len(earlier.gain) == 1:
             return
-        self.seasoned = True
+        self.seasoned = self.untried = True
         for size in self.levels:
             if size in earlier.gain:
                 self.gain[size], self.nodes[size] = earlier.gain[size], earlier.nodes[size]
@@ -230,7 +224,7 @@ class DraftBudget:
         # several plain steps) on no evidence of a long copy
         # (every step asks this: each size's step time is computed once, could_pay inlined at acceptance 1)
         cap = max(self.max_size, self.size)
-        if self.seasoned and not self.drafted:   # a new request's first drafts risk at most a probe's size: the sizes carried are
+        if self.untried:    # a new request's first drafts risk at most a probe's size: the sizes carried are
             cap = min(cap, self.probe_size())   # another request's evidence (the pair's 18-token translation
                                                 # after a summary drafted 4 and 4, both rejected: 0.87-0.92x)
         plain = self.step_seconds(0)
@@ -274,36 +268,8 @@ class DraftBudget:
             self.size = larger[0]   # now and then the next larger size up to max_size (its gain is then known)
         else:
             self.size = best
-        # a request's first drafts, a probe: held back (plain this step; they stay due) while the target is unsure
-        held = self.gated and self.size > 0 and (self.probed or not self.drafted) and not self._confident(self.size)
-        self.held = self.size if held else 0
-        self.probed = self.probed and not held
-        self.chosen.append(0 if held else self.size)
-        return self.chosen[-1]
-
-    def _confident(self, size: int) -> bool:
-        """Would drafts at `size` pay if they were accepted as often as the target has lately been
-        sure of its next token (the mean top probability of the plain steps among the last
-        2 * CONFIDENCE_STEPS that reported it, at least CONFIDENCE_STEPS of them)? A draft model agrees with its target about as often as the target is sure:
-        the 0.5B with the 1.5B Qwen2.5-Coder, teacher-forced on 28 Spec-Bench / HumanEval answers,
-        agreed on 0.58-0.98 of tokens where the target's mean top probability was 0.65-0.97 (per
-        answer within ~0.1). Where the target is unsure (a translation, a short factual answer:
-        0.57-0.65 in their first 16 tokens) a draft model costing a third of a step does not pay,
-        and its first drafts pay for its prompt read too (10% of an 18-token answer)."""
-        recent = [c for step, c in self.confidences if self.steps - step < 2 * CONFIDENCE_STEPS]
-        return len(recent) >= CONFIDENCE_STEPS and self.could_pay(size, sum(recent) / len(recent))
-
-    def wants_confidence(self) -> bool:
-        """Should the next plain step report the target's confidence (observe_confidence)? Only
-        where a decision reads it: while a request's first drafts or a probe are held back, and in
-        the plain steps just before a probe (it costs ~30 us a step on the embedded model, 1% of
-        its step)."""
-        return self.gated and (self.held > 0 or (self.last_size == 0 and self.probe_wait <= 2 * CONFIDENCE_STEPS))
-
-    def observe_confidence(self, confidence: list[float]) -> None:
-        """A plain step's per-sequence top next-token probability of the target."""
-        if confidence:
-            self.confidences.append((self.steps, sum(confidence) / len(confidence)))
+        self.chosen.append(self.size)
+        return self.size
 
     def _best_now(self) -> int:
         """best(), recomputed only every PLAIN_RECHECK steps of a run of plain steps where nothing but
@@ -386,7 +352,7 @@ class DraftBudget:
             self.draft_per_node = past * self.node_seconds() + (1 - past) * per_node
             self.draft_measured = True
         self.last_size = size
-        self.drafted = self.drafted or size > 0
+        self.untried = self.untried and size == 0
         if self.probed and size > 0:     # what this probe cost over the plain steps that would have emitted its
             # tokens: a probe whose drafts were accepted costs less than its time, or nothing (simulated, a
             # drafter right 60% of the time at 0.02 of a step per token whose stretches of drafting end on

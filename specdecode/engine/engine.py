@@ -41,7 +41,6 @@ class StepReport:
     node_tokens: list[list[int]] | None = None    # per sequence its draft's tokens (num_nodes of them)
     node_parents: list[list[int]] | None = None   # per sequence each node's parent (-1: the root)
     emitted: list[list[int]] | None = None        # per sequence the tokens this step appended
-    confidence: list[float] | None = None         # per sequence the target's top next-token probability (if asked)
 MAX_CHAIN = 32          # draft tokens per row of a chain drafter
 SPAN = 32               # the longest draft of a copying drafter's step (a long copy: an edit, a quote)
 
@@ -170,7 +169,6 @@ class SpecEngine:
             caps = self.drafter.capabilities
             draft_cost = caps.relative_cost * self.cost_curve[1] if caps.has_state else None
             budget = self.budget = DraftBudget(self.k, curve, draft_cost=draft_cost, shadowed=not caps.has_state,
-                                               gated=caps.has_state,
                                                span=self.span if self.span > self.k else 0,
                                                prior_acceptance=PRIOR_ACCEPTANCE if caps.prior_acceptance is None
                                                else caps.prior_acceptance)
@@ -193,12 +191,9 @@ class SpecEngine:
                 if size == 0 and shadows is not None and budget.shadow_due():   # plain step: a free
                     shadows.propose(self.drafter, running, self.k)              # drafter drafts aside
                 pending = sum(len(s.token_ids) - self.runner.cache.lengths[s.row] for s in running) / len(running)
-                report = self.step(running, [draft_room(s, size, batch.context) for s in running], on_tokens,
-                                   confidence=size == 0 and budget.wants_confidence())
+                report = self.step(running, [draft_room(s, size, batch.context) for s in running], on_tokens)
                 budget.observe(size, report.num_nodes, report.accepted_nodes, report.verify_seconds,
                                report.draft_seconds, pending)
-                if report.confidence is not None:
-                    budget.observe_confidence(report.confidence)
                 if shadows is not None:
                     shadows.score(running, budget)
         finally:
@@ -269,10 +264,8 @@ class SpecEngine:
         return (not caps.has_state and not caps.commit_reads_nodes
                 and any(s.constraint is not None for s in seqs))
 
-    def step(self, seqs: list[Sequence], room: list[int], on_tokens: StreamCallback | None = None,
-             confidence: bool = False) -> "StepReport":
-        """One step over `seqs` (rows of the runner's caches); room[b]: drafts row b may carry;
-        with `confidence`, the report holds the target's confidence at each row's first position."""
+    def step(self, seqs: list[Sequence], room: list[int], on_tokens: StreamCallback | None = None) -> "StepReport":
+        """One step over `seqs` (rows of the runner's caches); room[b]: drafts row b may carry."""
         # 0. jump forward (speculating, structured output): tokens a row's grammar allows alone
         #    have probability 1 under the masked target distribution, whatever the logits: they are
         #    committed now, written by this step's pass as pending tokens, and the drafts follow them
@@ -290,7 +283,7 @@ class SpecEngine:
             proposal = DraftProposal.empty(len(seqs))
         t1 = time.perf_counter()
         # 2. score all drafts in one target pass, then verify
-        target_probs, target_tokens, target_logprobs, confident = self.runner.score(seqs, proposal, confidence)
+        target_probs, target_tokens, target_logprobs = self.runner.score(seqs, proposal)
         if target_probs is None:                # every row greedy: the target's argmax is all it reads
             result = verify_greedy(proposal.tokens.cpu(), proposal.parents, proposal.num_tokens.cpu(),
                                    target_tokens.cpu())
@@ -343,4 +336,4 @@ class SpecEngine:
         tokens = proposal.tokens.tolist()
         return StepReport(num_drafted, accepted_nodes, t1 - t0, t2 - t1,
                           [t[:n] for t, n in zip(tokens, num_drafted)], [p[:n] for p, n in zip(parents, num_drafted)],
-                          appended_rows, confident)
+                          appended_rows)

@@ -118,15 +118,13 @@ class ModelRunner:
             cache.truncate(s.row, start + n)
 
     # ------------------------------------------------------------------ the step's target pass
-    def score(self, seqs: list[Sequence], proposal: DraftProposal, confidence: bool = False
-              ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, list[float] | None]:
+    def score(self, seqs: list[Sequence], proposal: DraftProposal
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """One target forward over each row's pending tokens + drafts (a chain or a tree); returns,
         at the n+1 positions verification needs (position 0 after the last pending token, position
         i+1 after draft node i), either the transformed target probabilities [B, n+1, vocab] or, when
-        every row is greedy, only their argmax [B, n+1] (all greedy verification reads); the
-        log-probabilities [B, n+1, vocab] when some row reports them; and with `confidence`, per row
-        the target's probability of its most likely next token at position 0 (of the raw logits;
-        ~70 us a row at a 152k vocabulary)."""
+        every row is greedy, only their argmax [B, n+1] (all greedy verification reads); and the
+        log-probabilities [B, n+1, vocab] when some row reports them."""
         k = proposal.k
         starts = [self.cache.lengths[s.row] for s in seqs]
         pending = [s.token_ids[start:] for s, start in zip(seqs, starts)]
@@ -175,8 +173,7 @@ class ModelRunner:
         # log-probabilities as reported to users: log-softmax of the transformed logits (greedy
         # rows at temperature 1), only when some row asked for them
         wants = any(s.params.logprobs is not None for s in seqs)
-        confident = logits[:, 0].float().softmax(dim=-1).amax(dim=-1).tolist() if confidence else None
-        return probs, target_tokens, (transformed.float().log_softmax(dim=-1) if wants else None), confident
+        return probs, target_tokens, (transformed.float().log_softmax(dim=-1) if wants else None)
 
     def compact(self, row: int, first_node_slot: int, accepted_nodes: list[int]) -> None:
         """After a tree step: move the accepted path (node indices, by depth) of `row` from its
