@@ -51,7 +51,8 @@ def main() -> None:
         seq, span = ids + answer, slice(len(ids) - 1, len(ids) + len(answer) - 1)
         conf = logits_over(target, seq)[span].softmax(-1).amax(-1)
         agree = (logits_over(draft, seq)[span].argmax(-1) == torch.tensor(answer)).float()
-        print(" ".join(f"{c:.2f}" for c in conf[:8].tolist()), "| agree", "".join(str(int(a)) for a in agree[:16].tolist()))
+        print(" ".join(f"{c:.2f}" for c in conf[:8].tolist()), "| agree",
+              "".join(str(int(a)) for a in agree[:16].tolist()))
         print(f"{task:14s} len {len(answer):3d} conf16 {conf[:16].mean():.3f} conf_all {conf.mean():.3f} "
               f"agree16 {agree[:16].mean():.2f} agree_all {agree.mean():.2f}", flush=True)
 

@@ -19,7 +19,8 @@ explored one level at a time (every `explore_every` steps, or right after a step
 every drafted node, the next size above the best), and
 while plain decoding wins a small size is probed after `probe_every` steps, the wait doubling after
 each probe that does not make drafting win (up to `max_probe_every`: a trained head that is rarely
-right cost 6-11% in probes every 16 steps) and never more often than the probes' measured cost allows
+right cost 6-11% in probes every 16 steps) and never more often than the probes' measured cost (net of
+the plain steps their accepted drafts saved) allows
 (`probe_floor`, PROBE_SHARE of plain decoding), unless shadows, below, measure the sizes (a probe of a
 batch of many sequences costs several plain steps). A drafter without
 per-request state (lookup, suffix, recycle) keeps drafting while plain decoding runs ("shadow"
@@ -288,7 +289,8 @@ class DraftBudget:
         probe_share of plain decoding's time (their measured cost, net of the plain steps their
         accepted drafts saved: probes that pay for themselves set no floor; before any probe, what
         the budget predicts a probe costs a drafter that pays to try: its size's step over a plain
-        one, plus a catch-up node, as if it failed): a cheap probe keeps the pace of probe_every, a costly one (a
+        one, plus a catch-up node, as if it failed): a cheap probe keeps the pace of probe_every,
+        a costly one (a
         head's catch-up, a draft model's) comes less often. The 1.5B / 0.5B pair's probe (one
         draft-model token and a row, ~0.5 of a plain step) 16 steps after the starting size failed
         had cost a short translation answer 2%."""
