@@ -480,3 +480,36 @@ def test_max_tokens_one_with_draft_model(tiny_models):
     out = llm.generate(PROMPTS, params, num_speculative_tokens=5)
     assert [len(o.token_ids) for o in out] == [1] * len(PROMPTS)
     assert math.isclose(out[0].stats["mean_accepted_length"], 1.0)
+
+
+@pytest.mark.parametrize("top", [1, 3])
+def test_a_drafter_reading_the_targets_top_k_gets_it_at_every_position(tiny_models, top):
+    """A drafter that declares needs_target_topk gets, every step, the target's top-k token ids at
+    each scored position, best first; for greedy rows the top-1 is the argmax the step already took
+    (not scanned again: a scan cost lookahead ~20 us a step), and it is the token the step emits."""
+    from specdecode.drafters.base import DraftProposal, Drafter, DrafterCapabilities
+    from specdecode.drafters.registry import register, unregister
+
+    class TopRecorder(Drafter):
+        capabilities = DrafterCapabilities(needs_target_topk=top, relative_cost=0.01)
+        seen: list[torch.Tensor] = []
+
+        def __init__(self, target, **_) -> None:
+            pass
+
+        def propose(self, seqs, max_tokens):
+            return DraftProposal.empty(len(seqs))
+
+        def observe_topk(self, seqs, proposal, topk_ids):
+            TopRecorder.seen.append(topk_ids.clone())
+
+    register("top-recorder")(TopRecorder)
+    try:
+        llm = LLM(model=str(tiny_models["llama"]), method="top-recorder", num_speculative_tokens=2, dtype="fp32",
+                  progress=False, adaptive=False)
+        out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    finally:
+        unregister("top-recorder")
+    seen = TopRecorder.seen
+    assert len(seen) == 6 and all(t.shape == (1, 1, top) for t in seen)
+    assert [int(t[0, 0, 0]) for t in seen] == out.token_ids            # position 0's best: the emitted token
