@@ -3,6 +3,7 @@
     python scripts/method_ab.py --methods eagle,recycle,medusa [--rounds 3] [--model PATH] [--max-tokens 128]
     python scripts/method_ab.py --methods cascade --model TARGET.gguf --draft DRAFT.gguf   # a pair
     python scripts/method_ab.py --methods eagle --trace      # + a line per call (sizes chosen per step: 0 = plain)
+    python scripts/method_ab.py --methods cascade ... --drafter-option draft_context=64   # (as `generate`)
 
 One generation per cell (what `specdecode bench` runs) moves by +-5-10% on a 2-core host whose
 speed drifts; here every prompt runs each method `--rounds` times between two plain runs, in an
@@ -28,6 +29,7 @@ import time
 
 from specdecode import LLM, SamplingParams
 from specdecode.bench.systems import Cell, SpecdecodeSystem
+from specdecode.cli_common import drafter_option
 from specdecode.datasets import humaneval, spec_bench
 from specdecode.fast.linear import cpu_label
 
@@ -39,6 +41,8 @@ def main() -> None:
     p.add_argument("--methods", required=True, help="comma-separated drafting methods (as `generate --method`)")
     p.add_argument("--model", default=None)
     p.add_argument("--draft", default=None, help="a draft model (the pair's default method: cascade)")
+    p.add_argument("--drafter-option", dest="drafter_options", action="append", default=[], type=drafter_option,
+                   metavar="KEY=VALUE", help="given to the methods' drafters that take it (as `generate`)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--trace", action="store_true", help="a line per method call: its ratio, steps, drafts, times "
@@ -50,7 +54,7 @@ def main() -> None:
     prompts = [humaneval()[0] if t == "humaneval" else next(q for q in bench if q.task == t) for t in TASKS]
     methods = [m for m in args.methods.split(",") if m]
     llm = LLM(args.model, draft=args.draft, method="none", num_speculative_tokens=0, progress=False, prefix_cache=False)
-    system = SpecdecodeSystem(llm)
+    system = SpecdecodeSystem(llm, drafter_options=dict(args.drafter_options))
     for m in methods:
         if not system.supports(m):
             raise SystemExit(f"method {m!r} cannot run here: {system.skipped.get(m, 'unknown method')}")
