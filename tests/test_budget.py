@@ -322,11 +322,16 @@ def test_a_later_call_starts_from_what_the_earlier_one_measured():
                      draft_seconds=0.0, pending=1)
     fresh = DraftBudget(8, CURVE)
     fresh.carry(good)
-    # its first step risks at most a probe's size (the sizes carried are another request's evidence);
-    # after a step of this request's, the carried best
+    # its drafts risk at most a probe's size (the sizes carried are another request's evidence) until one
+    # of this request's is accepted; then the carried best
     assert good.best() == 8 and fresh.next_size() == fresh.probe_size() == 2
-    fresh.observe(2, [2], [[0]], verify_seconds=interpolate(CURVE, 3), draft_seconds=0.0, pending=1)
-    assert fresh.next_size() == 8
+    fresh.observe(2, [2], [[]], verify_seconds=interpolate(CURVE, 3), draft_seconds=0.0, pending=1)
+    assert fresh.next_size() <= 2 and fresh.untried     # rejected: still capped (here: plain)
+    accepted = DraftBudget(8, CURVE)
+    accepted.carry(good)
+    assert accepted.next_size() == 2
+    accepted.observe(2, [2], [[0]], verify_seconds=interpolate(CURVE, 3), draft_seconds=0.0, pending=1)
+    assert accepted.next_size() == 8 and not accepted.untried
     untouched = DraftBudget(8, CURVE, decay=0.5, probe_every=4, draft_cost=0.05)
     untouched.carry(DraftBudget(8, CURVE))                  # nothing measured
     untouched.carry(DraftBudget(8, CURVE, shadowed=True))

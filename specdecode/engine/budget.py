@@ -111,7 +111,7 @@ class DraftBudget:
                                                                  # not yet observed in this one
     seasoned: bool = field(init=False, default=False)   # started from an earlier call's budget (`carry`)
     calls: int = field(init=False, default=0)           # earlier calls in the chain of `carry` (0: the first)
-    untried: bool = field(init=False, default=False)    # seasoned, and no step of this call has drafted yet
+    untried: bool = field(init=False, default=False)    # seasoned, and no draft of this call accepted yet
     _at: dict[float, float] = field(init=False, default_factory=dict, repr=False)   # rows -> curve seconds
     _version: int = field(init=False, default=0, repr=False)      # bumped by every `_update` (a gain; a drafting
                                                                   # step's times change only in steps that update one)
@@ -225,9 +225,10 @@ class DraftBudget:
         # several plain steps) on no evidence of a long copy
         # (every step asks this: each size's step time is computed once, could_pay inlined at acceptance 1)
         cap = max(self.max_size, self.size)
-        if self.untried:    # a new request's first drafts risk at most a probe's size: the sizes carried are
-            cap = min(cap, self.probe_size())   # another request's evidence (the pair's 18-token translation
-                                                # after a summary drafted 4 and 4, both rejected: 0.87-0.92x)
+        if self.untried:    # a new request's drafts risk at most a probe's size until one is accepted: the sizes
+            cap = min(cap, self.probe_size())   # carried are another request's evidence (the pair's 18-token
+                                                # translation after a summary drafted 4 and 4, both rejected,
+                                                # 0.87-0.92x; capped only at its first step, 2 then 4)
         plain = self.step_seconds(0)
         best, best_key = 0, (round(self.gain[0] / plain, 9), 0)
         for s in self.levels:
@@ -354,7 +355,7 @@ class DraftBudget:
             self.draft_per_node = past * self.node_seconds() + (1 - past) * per_node
             self.draft_measured = True
         self.last_size = size
-        self.untried = self.untried and size == 0
+        self.untried = self.untried and not any(accepted_nodes)     # until a draft of this request's is accepted
         if self.probed and size > 0:     # what this probe cost over the plain steps that would have emitted its
             # tokens: a probe whose drafts were accepted costs less than its time, or nothing (simulated, a
             # drafter right 60% of the time at 0.02 of a step per token whose stretches of drafting end on
