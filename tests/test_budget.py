@@ -519,3 +519,30 @@ def test_the_cost_curve_is_measured_in_rounds_and_never_falls_with_more_rows(mon
     assert list(curve) == [1, 2, 4, 8, 9]
     want = {1: 1.1e-3, 2: 1.2e-3, 4: 1.4e-3, 8: 1.4e-3, 9: 1.9e-3}    # 8 rows: no less than 4
     assert all(abs(curve[r] - want[r]) < 1e-12 for r in want), curve
+
+
+def test_rows_a_flat_start_up_curve_prices_at_nothing_learn_their_cost_from_the_steps():
+    """A start-up curve measured flat (a busy moment, or a host where rows really are nearly free)
+    says a draft's rows cost nothing; where they do cost (here 0.2 of a one-row pass each), the steps
+    that draft teach what each adds (`row_floor`), instead of being taken for one-row passes that make
+    every step dearer alike: drafts right a third of the time were then verified at every one of these
+    300 steps, 1-6 nodes each). Where rows really cost nothing, nothing is added."""
+    flat = {1: 1.0, 2: 1.0, 4: 1.01, 8: 1.01}
+
+    def run(row_cost: float) -> tuple[DraftBudget, int]:
+        budget = DraftBudget(8, flat, decay=0.7)
+        drafted = 0
+        for step in range(300):
+            size = budget.next_size()
+            drafted += size > 0
+            path = [0] if size and step % 3 == 0 else []          # the first draft right a third of the time
+            budget.observe(size, [size], [path], verify_seconds=1.0 + row_cost * size, draft_seconds=0.0,
+                           pending=1)
+        return budget, drafted
+
+    costly, drafted = run(0.2)
+    assert abs(costly.row_floor - 0.2) < 0.02 and abs(costly.pass_seconds(5) - 1.8) < 0.1
+    assert abs(costly.step_seconds(0) - 1.0) < 0.02                  # plain steps keep their own cost
+    assert drafted <= 80, drafted                                     # probes (taken for one-row passes: all 300)
+    free, _ = run(0.0)
+    assert abs(free.row_floor) < 1e-9 and abs(free.pass_seconds(5) - free.pass_seconds(1) - 0.01 * free.scale) < 0.02

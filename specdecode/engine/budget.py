@@ -7,7 +7,8 @@ curve measured once at start-up (`costs.measure_cost_curve`: forward seconds aga
 drafting time (per drafted node, measured). The curve is measured on an empty cache; at a real
 context every row also reads the keys and values before it, so two corrections are learned from
 the steps actually run: `scale` for a one-row pass (from steps that verify no draft) and
-`row_scale` for what each further row adds (from steps that do). On the embedded model at a few
+`row_scale` for what each further row adds (from steps that do; where the curve says rows cost
+nothing, a start-up measured flat, `row_floor`: the seconds each row adds). On the embedded model at a few
 hundred tokens of context one more row costs ~0.2 of a step, twice what the start-up curve says.
 
 Gain at size b: tokens emitted per step. Drafters order nodes best-first, so the draft of a
@@ -92,6 +93,8 @@ class DraftBudget:
     nodes: dict[int, float] = field(init=False)      # size -> mean nodes a sequence proposes at that size
     scale: float = field(init=False, default=1.0)    # measured / curve time of a one-row pass
     row_scale: float = field(init=False, default=1.0)   # measured / curve time that each further row adds
+    row_floor: float = field(init=False, default=0.0)   # measured seconds (on the curve's scale) a row adds where the
+                                                        # curve says rows cost nothing (a start-up curve measured flat)
     draft_per_node: float = field(init=False, default=0.0)   # measured drafting seconds per node (node_seconds())
     draft_per_step: float = field(init=False, default=0.0)   # drafting seconds of a step that drafts nothing
     shadow_seconds: float = field(init=False, default=0.0)   # seconds of one shadow draft (measured)
@@ -161,7 +164,7 @@ class DraftBudget:
             if size in earlier.gain:
                 self.gain[size], self.nodes[size] = earlier.gain[size], earlier.nodes[size]
                 self.carried.add(size)
-        self.scale, self.row_scale = earlier.scale, earlier.row_scale
+        self.scale, self.row_scale, self.row_floor = earlier.scale, earlier.row_scale, earlier.row_floor
         self.draft_per_node, self.draft_per_step = earlier.draft_per_node, earlier.draft_per_step
         self.draft_measured, self.shadow_seconds = earlier.draft_measured, earlier.shadow_seconds
         self.probe_interval, self.probe_seconds = earlier.probe_interval, earlier.probe_seconds
@@ -206,7 +209,7 @@ class DraftBudget:
     def pass_seconds(self, rows: float) -> float:
         """Predicted seconds of one sequence's target pass (and verification) over `rows` rows."""
         one = self._curve_at(1.0)
-        return self.scale * (one + self.row_scale * (self._curve_at(rows) - one))
+        return self.scale * (one + max(self.row_scale * (self._curve_at(rows) - one), self.row_floor * (rows - 1.0)))
 
     def _curve_at(self, rows: float) -> float:
         """interpolate(curve, rows), remembered: every step asks it for each size (the curve is fixed)."""
@@ -334,14 +337,18 @@ class DraftBudget:
             return
         self.all_accepted = size > 0 and sum(num_nodes) > 0 and all(
             len(path) == n for path, n in zip(accepted_nodes, num_nodes))
-        rows = pending + max(num_nodes + [0])
+        drafted = max(num_nodes + [0])
+        rows = pending + drafted
         one = self._curve_at(1.0)
         extra = self._curve_at(rows) - one
-        if extra <= 0.02 * one:       # a one-row pass (or as good as): the base cost
-            self.scale = self.decay * self.scale + (1 - self.decay) * (verify_seconds / batch / max(one + extra, 1e-9))
-        else:                         # what the rows past the first cost here
+        if extra > 0.02 * one:        # what the rows past the first cost here
             added = (verify_seconds / batch / self.scale - one) / extra
             self.row_scale = self.decay * self.row_scale + (1 - self.decay) * min(max(added, 0.25), 8.0)
+        elif drafted:                 # rows the curve prices at (nearly) nothing: what each costs here
+            added = (verify_seconds / batch / self.scale - one) / drafted
+            self.row_floor = self.decay * self.row_floor + (1 - self.decay) * added
+        else:                         # a one-row pass: the base cost
+            self.scale = self.decay * self.scale + (1 - self.decay) * (verify_seconds / batch / max(one + extra, 1e-9))
         nodes = sum(num_nodes)
         if size > 0 and not nodes:      # looked for drafts and found none: the cost of looking
             self.draft_per_step = self.decay * self.draft_per_step + (1 - self.decay) * draft_seconds / batch
