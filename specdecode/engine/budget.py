@@ -294,13 +294,15 @@ class DraftBudget:
         accepted drafts saved: probes that pay for themselves set no floor; before any probe, what
         the budget predicts a probe costs a drafter that pays to try: its size's step over a plain
         one, plus a catch-up node, as if it failed): a cheap probe keeps the pace of probe_every,
-        a costly one (a
-        head's catch-up, a draft model's) comes less often. The 1.5B / 0.5B pair's probe (one
-        draft-model token and a row, ~0.5 of a plain step) 16 steps after the starting size failed
-        had cost a short translation answer 2%."""
-        seconds = self.probe_seconds or 0.0
-        if self.probe_seconds is None and self.draft_cost is not None and len(self.levels) > 1:
+        a costly one (a head's catch-up, a draft model's) comes less often. The 1.5B / 0.5B pair's
+        probe (one draft-model token and a row, ~0.5 of a plain step) 16 steps after the starting
+        size failed had cost a short translation answer 2%."""
+        if self.probe_seconds is not None:
+            seconds = self.probe_seconds
+        elif self.draft_cost is not None and len(self.levels) > 1:
             seconds = self.step_seconds(self.probe_size()) - self.step_seconds(0) + self.node_seconds()
+        else:
+            seconds = 0.0
         return math.ceil(max(seconds, 0.0) / (self.probe_share * self.step_seconds(0)))
 
     def probe_size(self) -> int:

@@ -169,8 +169,9 @@ class ModelRunner:
             mask_greedy(seqs, proposal, lazy, transformed, target_tokens)
         wanted = self.drafter.capabilities.needs_target_topk if self.drafter is not None else 0
         if wanted:      # the top-1 of greedy rows is their argmax, already taken (a scan cost lookahead ~20 us a step)
-            top = target_tokens[..., None] if wanted == 1 and target_tokens is not None else None   # [B, k+1, 1]
-            self.drafter.observe_topk(seqs, proposal, top if top is not None else top_k_indices(transformed, wanted))
+            top = target_tokens[..., None] if wanted == 1 and target_tokens is not None \
+                else top_k_indices(transformed, wanted)                                     # [B, k+1, wanted]
+            self.drafter.observe_topk(seqs, proposal, top)
         probs = None if all_greedy else probs_from_logits(transformed, [s.params for s in seqs])   # [B, k+1, vocab]
         # log-probabilities as reported to users: log-softmax of the transformed logits (greedy
         # rows at temperature 1), only when some row asked for them
