@@ -284,7 +284,10 @@ class SpecEngine:
         t1 = time.perf_counter()
         # 2. score all drafts in one target pass, then verify
         target_probs, target_tokens, target_logprobs = self.runner.score(seqs, proposal)
-        if target_probs is None:                # every row greedy: the target's argmax is all it reads
+        num_drafted = proposal.num_tokens.tolist()
+        if target_probs is None and proposal.k == 0:    # no drafts, every row greedy: its argmax is its token
+            result = None                               # (verification's tensors cost ~50 us of a plain step)
+        elif target_probs is None:              # every row greedy: the target's argmax is all it reads
             result = verify_greedy(proposal.tokens.cpu(), proposal.parents, proposal.num_tokens.cpu(),
                                    target_tokens.cpu())
         else:
@@ -302,13 +305,16 @@ class SpecEngine:
                                      proposal.probs, target_probs, greedy, [s.generator for s in seqs])
         t2 = time.perf_counter()
         if self.threads is not None:
-            self.threads.after(t2 - t0, len(seqs) + int(proposal.num_tokens.sum()))
+            self.threads.after(t2 - t0, len(seqs) + sum(num_drafted))
         # 3. commit: append tokens, move a tree's accepted path to consecutive slots, roll the
         #    target cache back to the accepted prefix
-        num_accepted = result.num_accepted.tolist()
-        emitted_rows = result.tokens.tolist()
-        num_drafted = proposal.num_tokens.tolist()
-        depth = tree_depth(proposal)
+        if result is None:
+            num_accepted, emitted_rows, paths = [0] * len(seqs), target_tokens.tolist(), [[] for _ in seqs]
+        else:
+            num_accepted = result.num_accepted.tolist()
+            emitted_rows = result.tokens.tolist()
+            paths = [result.accepted_nodes[row, :n].tolist() for row, n in enumerate(num_accepted)]
+        depth = tree_depth(proposal) if proposal.is_tree else num_drafted
         appended_rows = []
         for row, s in enumerate(seqs):
             emitted = emitted_rows[row][:num_accepted[row] + 1]
@@ -316,12 +322,11 @@ class SpecEngine:
             appended = s.append(emitted, self.target.tokenizer.decode if s.params.stop else None)
             appended_rows.append(emitted[:appended])
             if s.params.logprobs is not None:    # position of emitted token j: 0, then after accepted node j-1
-                nodes = result.accepted_nodes[row, :num_accepted[row]].tolist()
-                record_logprobs(s, emitted[:appended], target_logprobs[row, [0] + [n + 1 for n in nodes]])
+                record_logprobs(s, emitted[:appended], target_logprobs[row, [0] + [n + 1 for n in paths[row]]])
             if s.constraint is not None:
                 s.constraint.consume(emitted[:appended])
             if proposal.is_tree and num_accepted[row]:
-                self.runner.compact(s.row, old_len, result.accepted_nodes[row, :num_accepted[row]].tolist())
+                self.runner.compact(s.row, old_len, paths[row])
             self.runner.keep(s.row, old_len + num_accepted[row])
             # 4. stats
             s.stats.record_step(depth[row], min(num_accepted[row], appended), appended, nodes=num_drafted[row])
@@ -331,9 +336,11 @@ class SpecEngine:
                 on_tokens(s, emitted[:appended])
         if self.drafter is not None:
             self.drafter.commit(seqs, proposal, num_accepted)
-        accepted_nodes = [result.accepted_nodes[row, :num_accepted[row]].tolist() for row in range(len(seqs))]
+        if proposal.k == 0:
+            return StepReport(num_drafted, paths, t1 - t0, t2 - t1, [[] for _ in seqs], [[] for _ in seqs],
+                              appended_rows)
         parents = proposal.tree_parents().tolist()
         tokens = proposal.tokens.tolist()
-        return StepReport(num_drafted, accepted_nodes, t1 - t0, t2 - t1,
+        return StepReport(num_drafted, paths, t1 - t0, t2 - t1,
                           [t[:n] for t, n in zip(tokens, num_drafted)], [p[:n] for p, n in zip(parents, num_drafted)],
                           appended_rows)

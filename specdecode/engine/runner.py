@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..drafters.base import DraftProposal, Drafter, DrafterState
-from ..fast import top_k_indices
+from ..fast import argmax_last, top_k_indices
 from ..forward import ForwardBatch
 from ..sampling import probs_from_logits, transform_logits
 from ..structured import allowed_masks, lazy_rows, mask_greedy
@@ -162,7 +162,7 @@ class ModelRunner:
             ancestors(proposal.parents, proposal.num_tokens) if needs_history and proposal.is_tree else None,
             allowed_masks(seqs, proposal, logits.shape[-1], skip=lazy))
         all_greedy = all(s.params.greedy for s in seqs)
-        target_tokens = transformed.max(dim=-1).indices if all_greedy else None     # [B, k+1] argmax (max: 2-3x faster)
+        target_tokens = argmax_last(transformed) if all_greedy else None              # [B, k+1] argmax
         if any(lazy):
             if transformed is logits:     # an inference tensor: not writable here
                 transformed = transformed.clone()
