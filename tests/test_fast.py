@@ -376,3 +376,23 @@ def test_native_top_k_equals_torch_topk():
     assert top_k_indices(masked, 4).tolist() == [[5, 33, -1, -1]]
     half = torch.randn(2, 300, generator=gen).to(torch.bfloat16)
     assert torch.equal(top_k_indices(half, 3), half.topk(3, dim=-1).indices)
+
+
+def test_argmax_last_is_torchs_argmax():
+    """A greedy step's target tokens (the native scan where it runs): torch's argmax on random
+    rows, the lower index on a tie, and a row of nothing but -inf or NaN answered as torch answers."""
+    from specdecode.fast import argmax_last
+    gen = torch.Generator().manual_seed(1)
+    for shape in ((1, 1, 49152), (2, 6, 1000), (3, 37), (1, 7)):
+        x = torch.randn(*shape, generator=gen)
+        assert torch.equal(argmax_last(x), x.max(dim=-1).indices)
+    tie = torch.zeros(2, 50)
+    tie[0, [7, 30]] = 1.0
+    assert argmax_last(tie).tolist() == [7, 0]
+    dead = torch.randn(2, 40, generator=gen)
+    dead[1] = float("-inf")
+    assert torch.equal(argmax_last(dead), dead.max(dim=-1).indices)
+    dead[1] = float("nan")
+    assert torch.equal(argmax_last(dead), dead.max(dim=-1).indices)
+    half = torch.randn(2, 300, generator=gen).to(torch.bfloat16)
+    assert torch.equal(argmax_last(half), half.max(dim=-1).indices)
