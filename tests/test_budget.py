@@ -546,3 +546,48 @@ def test_rows_a_flat_start_up_curve_prices_at_nothing_learn_their_cost_from_the_
     assert drafted <= 80, drafted                                     # probes (taken for one-row passes: all 300)
     free, _ = run(0.0)
     assert abs(free.row_floor) < 1e-9 and abs(free.pass_seconds(5) - free.pass_seconds(1) - 0.01 * free.scale) < 0.02
+
+
+def test_one_descheduled_step_moves_the_costs_a_bounded_step():
+    """A step descheduled on a busy core (100x its time) counts as SPIKE times the estimate it
+    updates: the pass-time scale, the drafting cost per node, the cost of a shadow. A lasting
+    change is followed all the same, within a few steps."""
+    from specdecode.engine.budget import SPIKE
+    budget = DraftBudget(8, CURVE, decay=0.7)
+    budget.observe(0, [0], [[]], verify_seconds=100.0, draft_seconds=0.0, pending=1)
+    assert abs(budget.scale - (0.7 + 0.3 * SPIKE)) < 1e-9
+    for _ in range(12):
+        budget.observe(0, [0], [[]], verify_seconds=1.0, draft_seconds=0.0, pending=1)
+    assert abs(budget.scale - 1.0) < 0.05
+    budget.observe(4, [4], [[0, 1, 2, 3]], verify_seconds=1.3, draft_seconds=0.04, pending=1)
+    budget.observe(4, [4], [[0, 1, 2, 3]], verify_seconds=1.3, draft_seconds=4.0, pending=1)   # 100x
+    assert abs(budget.draft_per_node - 0.01 * (0.7 + 0.3 * SPIKE)) < 1e-9
+    for _ in range(10):                           # the machine is now 2x slower for good
+        budget.observe(0, [0], [[]], verify_seconds=2.0, draft_seconds=0.0, pending=1)
+    assert abs(budget.scale - 2.0) < 0.1
+    budget.observe_shadow_cost(0.001)
+    budget.observe_shadow_cost(0.1)
+    assert abs(budget.shadow_seconds - 0.001 * (0.7 + 0.3 * SPIKE)) < 1e-9
+
+
+def test_shadow_drafts_measure_the_drafting_cost_while_plain_decoding_runs():
+    """A lookup whose first drafting steps were slow (descheduled) is priced from its shadows'
+    drafting time while plain decoding runs, and drafts again: one slow start used to set the
+    cost per node for good, since no other step drafted (an exact Predicted Output stayed plain
+    for 30 steps of a 60-token answer)."""
+    budget = DraftBudget(8, CURVE, decay=0.7, shadowed=True)
+    size = budget.next_size()                     # every draft accepted, but drafting took 4 steps
+    assert size > 0
+    budget.observe(size, [size], [list(range(size))], verify_seconds=interpolate(CURVE, 1 + size),
+                   draft_seconds=4.0, pending=1)
+    assert budget.next_size() == 0
+    budget.observe(0, [0], [[]], verify_seconds=1.0, draft_seconds=0.0, pending=1)
+    sizes = []
+    for _ in range(24):                           # shadows of 8 nodes, drafted in 0.02 of a step, all come true
+        budget.observe_shadow(8, 8)
+        budget.observe_shadow_cost(0.03, draft_seconds=0.02, rows=1, nodes=8)
+        size = budget.next_size()
+        sizes.append(size)
+        budget.observe(size, [size], [list(range(size))], verify_seconds=interpolate(CURVE, 1 + size),
+                       draft_seconds=0.0025 * size, pending=1)
+    assert sizes[-1] >= 4 and sizes.index(next(s for s in sizes if s > 0)) < 12

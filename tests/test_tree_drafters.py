@@ -34,14 +34,16 @@ def make_seq(prompt, output=(), request_id=0, row=0) -> Sequence:
 
 
 def check(proposal: DraftProposal, budgets: list[int]) -> list[list[tuple[int, int]]]:
-    """Assert a valid point-mass tree within budget, siblings distinct; return the rows' nodes."""
-    assert proposal.is_tree and proposal.probs is None
-    validate(proposal.parents, proposal.num_tokens)
+    """Assert a valid point-mass tree within budget (a chain where every row's is one), siblings
+    distinct; return the rows' nodes."""
+    assert proposal.probs is None
+    parents = proposal.tree_parents()
+    validate(parents, proposal.num_tokens)
     rows = []
     for b, budget in enumerate(budgets):
         n = int(proposal.num_tokens[b])
         assert 0 <= n <= budget
-        nodes = list(zip(proposal.tokens[b, :n].tolist(), proposal.parents[b, :n].tolist()))
+        nodes = list(zip(proposal.tokens[b, :n].tolist(), parents[b, :n].tolist()))
         assert len(set(nodes)) == len(nodes), f"row {b}: siblings repeat a token: {nodes}"
         rows.append(nodes)
     return rows
@@ -308,5 +310,15 @@ def test_small_drafts_element_by_element_equal_the_array_paths(monkeypatch):
         arrays = recycle.propose(seqs, sizes)
         monkeypatch.setattr(recycle_mod, "SMALL_FILL", 10 ** 9)
         small = recycle.propose(seqs, sizes)
-        assert torch.equal(small.tokens, arrays.tokens) and torch.equal(small.parents, arrays.parents)
+        assert torch.equal(small.tokens, arrays.tokens) and torch.equal(small.tree_parents(), arrays.tree_parents())
         assert torch.equal(small.num_tokens, arrays.num_tokens)
+
+
+def test_trees_that_are_all_chains_are_proposed_as_a_chain():
+    """from_trees of rows whose every tree is a chain gives a chain proposal (no parents: the
+    verifier's chain path, no tensor test in `simplified`); one real tree keeps the tree."""
+    chains = DraftProposal.from_trees([[(5, -1), (6, 0), (7, 1)], [], [(9, -1)]])
+    assert not chains.is_tree and chains.tokens.tolist() == [[5, 6, 7], [0, 0, 0], [9, 0, 0]]
+    assert chains.num_tokens.tolist() == [3, 0, 1]
+    tree = DraftProposal.from_trees([[(5, -1), (6, 0), (7, 0)], [(9, -1)]])
+    assert tree.is_tree and tree.parents.tolist() == [[-1, 0, 0], [-1, 0, 1]]

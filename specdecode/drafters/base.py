@@ -130,7 +130,11 @@ class DraftProposal:
     @staticmethod
     def from_trees(trees: list[list[tuple[int, int]]]) -> "DraftProposal":
         """Point-mass tree proposal from per-row lists of (token, parent) nodes in topological
-        order (parent -1: the root). Raises ValueError on a malformed tree."""
+        order (parent -1: the root). Raises ValueError on a malformed tree. Where every row's tree
+        is a chain (a prediction's draft, a lookup's one continuation), a chain proposal: the
+        verifier's cheaper path, without `simplified`'s tensor test (37-400 us a step)."""
+        if all(p == i - 1 for nodes in trees for i, (_, p) in enumerate(nodes)):
+            return DraftProposal.from_lists([[t for t, _ in nodes] for nodes in trees])
         n = max((len(t) for t in trees), default=0)
         validate_lists([[p for _, p in nodes] for nodes in trees])
         # padding: token 0, chain parents (as chain_parents)

@@ -67,9 +67,22 @@ SHADOW_DECAY = 0.9      # weight of the past when a shadow draft is scored: shad
                         # like it paid, and every such shadow started steps that accepted nothing (3-5% of
                         # plain decoding's speed on the embedded model's answers)
 PLAIN_RECHECK = 8       # steps between recomputations of best() in a run of plain steps (`_best_now`)
+SPIKE = 3.0             # one step's time counts at most this many times the estimate it updates: a step
+                        # descheduled on a busy core took 8-12 ms where its kind took ~70 us (the tiny test
+                        # model; a 2-thread pass waits at every barrier for the thread without a core), and one
+                        # such drafting step priced a lookup's node at 12x its cost and kept a Predicted
+                        # Output's exact prediction plain for 30 steps
 MARGIN = 1.05           # drafting must be predicted this much faster than plain decoding to be chosen:
                         # what the model leaves out (bookkeeping of a longer step) and its noise are
                         # a few percent, and a lookup drafter's gains near break-even are mostly noise
+
+
+def toward(estimate: float, seen: float, past: float) -> float:
+    """A moving average's next value: `seen` weighs 1 - past, counted at most SPIKE * estimate (a
+    step's time: one descheduled step moves the estimate a bounded step, a lasting change a few)."""
+    if estimate > 0:
+        seen = min(seen, SPIKE * estimate)
+    return past * estimate + (1 - past) * seen
 
 
 @dataclass
@@ -315,8 +328,22 @@ class DraftBudget:
         self.plain_steps += 1
         return self.plain_steps % shadow_period(self.shadow_seconds, self.pass_seconds(1.0)) == 0
 
-    def observe_shadow_cost(self, seconds: float) -> None:
-        self.shadow_seconds = seconds if not self.shadow_seconds else self.decay * self.shadow_seconds + (1 - self.decay) * seconds
+    def observe_shadow_cost(self, seconds: float, draft_seconds: float = 0.0, rows: int = 0, nodes: int = 0) -> None:
+        """What one shadow cost (its draft and its scoring), and the drafter's time for shadows of
+        `rows` sequences, `nodes` nodes in all: drafts like a step's, so the drafting cost per node
+        follows them while plain decoding runs (else one slow drafting step, priced at what it
+        took, keeps drafting off until another step drafts)."""
+        self.shadow_seconds = seconds if not self.shadow_seconds else toward(self.shadow_seconds, seconds, self.decay)
+        if nodes:
+            self._observe_nodes(draft_seconds, rows, nodes)
+
+    def _observe_nodes(self, draft_seconds: float, rows: int, nodes: int) -> None:
+        """Drafting seconds of `rows` sequences' `nodes` nodes (a step's, or shadows'): the drafting
+        cost per node, beyond the cost of looking (draft_per_step, per sequence)."""
+        per_node = max(draft_seconds - self.draft_per_step * rows, 0.0) / nodes
+        past = self.decay if self.draft_time_known else 0.0          # no zero prior
+        self.draft_per_node = toward(self.node_seconds(), per_node, past)
+        self.draft_measured = True
 
     def observe_shadow(self, proposed: int, matched: int, nodes: list[int] | None = None) -> None:
         """A shadow draft of `proposed` nodes whose main path's first `matched` tokens came true;
@@ -345,24 +372,21 @@ class DraftBudget:
         extra = self._curve_at(rows) - one
         if extra > 0.02 * one:        # what the rows past the first cost here
             added = (verify_seconds / batch / self.scale - one) / extra
-            self.row_scale = self.decay * self.row_scale + (1 - self.decay) * min(max(added, 0.25), 8.0)
+            self.row_scale = toward(self.row_scale, min(max(added, 0.25), 8.0), self.decay)
         elif drafted:                 # rows the curve prices at (nearly) nothing: what each costs here
             added = (verify_seconds / batch / self.scale - one) / drafted
             self.row_floor = self.decay * self.row_floor + (1 - self.decay) * added
         else:                         # a one-row pass: the base cost
-            self.scale = self.decay * self.scale + (1 - self.decay) * (verify_seconds / batch / max(one + extra, 1e-9))
+            self.scale = toward(self.scale, verify_seconds / batch / max(one + extra, 1e-9), self.decay)
         nodes = sum(num_nodes)
         if size > 0 and not nodes:      # looked for drafts and found none: the cost of looking
-            self.draft_per_step = self.decay * self.draft_per_step + (1 - self.decay) * draft_seconds / batch
+            self.draft_per_step = toward(self.draft_per_step, draft_seconds / batch, self.decay)
         if nodes:
             # a drafter with state drafting after plain steps first catches up on the tokens since
             # (one batched pass of its model): counted as one more node, not as dearer nodes (a
             # probe after 200 plain steps would otherwise close the door on later probes for good)
             catch_up = batch if self.draft_cost is not None and self.last_size == 0 else 0
-            per_node = max(draft_seconds - self.draft_per_step * batch, 0.0) / (nodes + catch_up)
-            past = self.decay if self.draft_time_known else 0.0          # no zero prior
-            self.draft_per_node = past * self.node_seconds() + (1 - past) * per_node
-            self.draft_measured = True
+            self._observe_nodes(draft_seconds, batch, nodes + catch_up)
         self.last_size = size
         self.untried = self.untried and not any(accepted_nodes)     # until a draft of this request's is accepted
         if self.probed and size > 0:     # what this probe cost over the plain steps that would have emitted its

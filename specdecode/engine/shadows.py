@@ -21,12 +21,14 @@ def shadow_period(shadow_seconds: float, step_seconds: float) -> int:
 class ShadowDrafts:
     """Drafts of a stateless drafter made while plain decoding runs, scored against what follows.
     What a shadow costs, its draft and its scoring (`spent`), is reported to the budget when it is
-    scored (DraftBudget.observe_shadow_cost), which spaces shadows by it."""
+    scored (DraftBudget.observe_shadow_cost), which spaces shadows by it; with it the drafter's own
+    time and nodes, a measurement of the drafting cost per node like a step's."""
 
     def __init__(self) -> None:
         # row -> (length when drafted, main path tokens, their node indices, nodes proposed)
         self.pending: dict[int, tuple[int, list[int], list[int], int]] = {}
         self.spent = 0.0         # seconds drafting and scoring the shadows since the last one was scored
+        self.drafting = [0.0, 0, 0]     # of that, the drafter's own seconds, the rows and the nodes it drafted
 
     def propose(self, drafter, seqs, k: int) -> None:
         """Draft for the sequences with no shadow pending (scored along their main path)."""
@@ -35,7 +37,10 @@ class ShadowDrafts:
             return
         started = time.perf_counter()
         proposal = drafter.propose(fresh, [k] * len(fresh))
+        drafted = time.perf_counter()
         counts = proposal.num_tokens.tolist()
+        self.drafting = [self.drafting[0] + drafted - started, self.drafting[1] + len(fresh),
+                         self.drafting[2] + sum(counts)]
         for s, (nodes, path), count in zip(fresh, proposal.main_paths(), counts):
             if nodes:
                 self.pending[s.row] = (len(s.token_ids), path, nodes, count)
@@ -59,5 +64,5 @@ class ShadowDrafts:
                 scored += 1
         self.spent += time.perf_counter() - started
         if scored:
-            budget.observe_shadow_cost(self.spent / scored)
-            self.spent = 0.0
+            budget.observe_shadow_cost(self.spent / scored, *self.drafting)
+            self.spent, self.drafting = 0.0, [0.0, 0, 0]
