@@ -52,7 +52,7 @@ from specdecode import tree
 from specdecode.sampling import Generators, sample, sample_at, uniforms
 from specdecode.verify import PAD_TOKEN, _residual_probs, verify
 
-__all__ = ["TreeVerifyResult", "verify_greedy", "verify_point_mass", "verify_tree"]
+__all__ = ["TreeVerifyResult", "verify_greedy", "verify_greedy_lists", "verify_point_mass", "verify_tree"]
 
 
 @dataclass
@@ -219,21 +219,17 @@ def verify_tree(
                             accepted_nodes=accepted_nodes)
 
 
-def _walk(draft_tokens: torch.Tensor,   # [batch, n] int64
-          parents: torch.Tensor | None,  # [batch, n] int64, or None = chain
-          num_draft: torch.Tensor,       # [batch] int64
-          target_token,                  # (row, node, depth) -> the target's token after that node (-1: root)
-          ) -> TreeVerifyResult:
+def walk_lists(drafts: list[list[int]],            # [batch][n] draft tokens (padded)
+               links: list[list[int]] | None,      # [batch][n] parent nodes, or None = chains
+               counts: list[int],                  # [batch] valid nodes per row
+               target_token,                       # (row, node, depth) -> the target's token after that node (-1: root)
+               ) -> tuple[list[list[int]], list[list[int]]]:
     """From the root, the first child carrying the target's token is accepted, until none does;
-    then that token is emitted (recovered, or bonus at a leaf)."""
-    batch, n = draft_tokens.shape
-    drafts, counts = draft_tokens.tolist(), num_draft.reshape(batch).tolist()
-    links = parents.tolist() if parents is not None else None
-    tokens = [[PAD_TOKEN] * (n + 1) for _ in range(batch)]
-    accepted = [[-1] * n for _ in range(batch)]
-    num_accepted = [0] * batch
-    for b in range(batch):
-        count, row, node, path = counts[b], drafts[b], -1, []
+    then that token is emitted (recovered, or bonus at a leaf). Returns per row the accepted path
+    (node indices by depth) and the emitted tokens (the path's tokens, then the target's)."""
+    paths, emitted = [], []
+    for b, (count, row) in enumerate(zip(counts, drafts)):
+        node, path = -1, []
         while True:
             token = target_token(b, node, len(path))
             if links is None:                   # a chain: the next node, when it carries the token
@@ -244,14 +240,36 @@ def _walk(draft_tokens: torch.Tensor,   # [batch, n] int64
                 break
             path.append(child)
             node = child
-        for d, i in enumerate(path):
-            tokens[b][d] = row[i]
-            accepted[b][d] = i
-        tokens[b][len(path)] = token
-        num_accepted[b] = len(path)
-    num = torch.tensor(num_accepted, dtype=torch.long)
-    return TreeVerifyResult(tokens=torch.tensor(tokens, dtype=torch.long), num_accepted=num, num_emitted=num + 1,
-                            accepted_nodes=torch.tensor(accepted, dtype=torch.long).reshape(batch, n))
+        paths.append(path)
+        emitted.append([row[i] for i in path] + [token])
+    return paths, emitted
+
+
+def _walk(draft_tokens: torch.Tensor,   # [batch, n] int64
+          parents: torch.Tensor | None,  # [batch, n] int64, or None = chain
+          num_draft: torch.Tensor,       # [batch] int64
+          target_token,                  # (row, node, depth) -> the target's token after that node (-1: root)
+          ) -> TreeVerifyResult:
+    """walk_lists, as a TreeVerifyResult's tensors."""
+    batch, n = draft_tokens.shape
+    paths, emitted = walk_lists(draft_tokens.tolist(), parents.tolist() if parents is not None else None,
+                                num_draft.reshape(batch).tolist(), target_token)
+    tokens = [e + [PAD_TOKEN] * (n + 1 - len(e)) for e in emitted]
+    accepted = [p + [-1] * (n - len(p)) for p in paths]
+    num = torch.tensor([len(p) for p in paths], dtype=torch.long)
+    return TreeVerifyResult(tokens=torch.tensor(tokens, dtype=torch.long).reshape(batch, n + 1), num_accepted=num,
+                            num_emitted=num + 1, accepted_nodes=torch.tensor(accepted, dtype=torch.long).reshape(batch, n))
+
+
+def verify_greedy_lists(drafts: list[list[int]],           # [batch][n] draft tokens, row b valid in [:num_draft[b]]
+                        links: list[list[int]] | None,     # [batch][n] parent node (-1 = root), or None = chains
+                        num_draft: list[int],              # [batch]
+                        target_tokens: list[list[int]],    # [batch][n+1] target argmax after the root / node i's path
+                        ) -> tuple[list[list[int]], list[list[int]]]:
+    """`verify_greedy` on lists, as the engine reads it: per row the accepted path (node indices by
+    depth) and the emitted tokens (accepted drafts, then the recovered or bonus token). Building
+    and reading back the result's tensors cost ~40 us of a step of the embedded model."""
+    return walk_lists(drafts, links, num_draft, lambda b, node, depth: target_tokens[b][node + 1])
 
 
 def verify_greedy(

@@ -18,7 +18,7 @@ from ..drafters.base import DraftProposal, Drafter, DrafterError
 from ..params import ParamError, SamplingParams
 from ..tree import MAX_TREE_NODES, depths
 from ..sampling import position_uniforms
-from ..verify_tree import verify_greedy, verify_point_mass, verify_tree
+from ..verify_tree import verify_greedy_lists, verify_point_mass, verify_tree
 from .runner import ModelRunner
 from .budget import PRIOR_ACCEPTANCE, DraftBudget
 from .costs import measure_cost_curve
@@ -284,12 +284,11 @@ class SpecEngine:
         t1 = time.perf_counter()
         # 2. score all drafts in one target pass, then verify
         target_probs, target_tokens, target_logprobs = self.runner.score(seqs, proposal)
-        num_drafted = proposal.num_tokens.tolist()
-        if target_probs is None and proposal.k == 0:    # no drafts, every row greedy: its argmax is its token
-            result = None                               # (verification's tensors cost ~50 us of a plain step)
-        elif target_probs is None:              # every row greedy: the target's argmax is all it reads
-            result = verify_greedy(proposal.tokens.cpu(), proposal.parents, proposal.num_tokens.cpu(),
-                                   target_tokens.cpu())
+        num_drafted, drafts = proposal.num_tokens.tolist(), proposal.tokens.tolist()
+        links = proposal.parents.tolist() if proposal.is_tree else None
+        result = None
+        if target_probs is None:                # every row greedy: the target's argmax is all it reads
+            paths, emitted_rows = verify_greedy_lists(drafts, links, num_drafted, target_tokens.tolist())
         else:
             device = target_probs.device        # drafts may come from the host (n-gram lookup)
             greedy = torch.tensor([s.params.greedy for s in seqs], device=device)
@@ -308,12 +307,10 @@ class SpecEngine:
             self.threads.after(t2 - t0, len(seqs) + sum(num_drafted))
         # 3. commit: append tokens, move a tree's accepted path to consecutive slots, roll the
         #    target cache back to the accepted prefix
-        if result is None:
-            num_accepted, emitted_rows, paths = [0] * len(seqs), target_tokens.tolist(), [[] for _ in seqs]
-        else:
-            num_accepted = result.num_accepted.tolist()
+        if result is not None:
             emitted_rows = result.tokens.tolist()
-            paths = [result.accepted_nodes[row, :n].tolist() for row, n in enumerate(num_accepted)]
+            paths = [result.accepted_nodes[row, :n].tolist() for row, n in enumerate(result.num_accepted.tolist())]
+        num_accepted = [len(path) for path in paths]
         depth = tree_depth(proposal) if proposal.is_tree else num_drafted
         appended_rows = []
         for row, s in enumerate(seqs):
@@ -336,11 +333,7 @@ class SpecEngine:
                 on_tokens(s, emitted[:appended])
         if self.drafter is not None:
             self.drafter.commit(seqs, proposal, num_accepted)
-        if proposal.k == 0:
-            return StepReport(num_drafted, paths, t1 - t0, t2 - t1, [[] for _ in seqs], [[] for _ in seqs],
-                              appended_rows)
-        parents = proposal.tree_parents().tolist()
-        tokens = proposal.tokens.tolist()
+        parents = links if links is not None else [list(range(-1, n - 1)) for n in num_drafted]   # a chain's
         return StepReport(num_drafted, paths, t1 - t0, t2 - t1,
-                          [t[:n] for t, n in zip(tokens, num_drafted)], [p[:n] for p, n in zip(parents, num_drafted)],
+                          [t[:n] for t, n in zip(drafts, num_drafted)], [p[:n] for p, n in zip(parents, num_drafted)],
                           appended_rows)
