@@ -591,3 +591,25 @@ def test_shadow_drafts_measure_the_drafting_cost_while_plain_decoding_runs():
         budget.observe(size, [size], [list(range(size))], verify_seconds=interpolate(CURVE, 1 + size),
                        draft_seconds=0.0025 * size, pending=1)
     assert sizes[-1] >= 4 and sizes.index(next(s for s in sizes if s > 0)) < 12
+
+
+def test_a_chain_rejected_inside_its_draft_tells_every_larger_size():
+    """A chain drafter's larger draft has the smaller one as a prefix: a step whose chain was
+    rejected inside it would have emitted the same tokens at every larger size, drafting more.
+    A new request whose first probe (2 drafts, the first accepted) says so does not go on to the
+    large sizes another request paid at (the pair's translation after a summary: 2, then 5, 4,
+    5 drafts, 2 of 9 accepted, 0.85x plain); a probe accepted whole does, as does a tree drafter's
+    (a larger tree holds other branches)."""
+    good = DraftBudget(8, CURVE, decay=0.5, explore_every=2, chains=True)
+    for _ in range(40):
+        size = good.next_size()
+        good.observe(size, [size], [list(range(size))], verify_seconds=interpolate(CURVE, 1 + size),
+                     draft_seconds=0.0, pending=1)
+    assert good.best() == 8
+    for path, chains, most in (([0], True, 2), ([0, 1], True, 8), ([0], False, 8)):
+        later = DraftBudget(8, CURVE, chains=chains)
+        later.carry(good)
+        assert later.next_size() == 2
+        later.observe(2, [2], [path], verify_seconds=interpolate(CURVE, 3), draft_seconds=0.0, pending=1)
+        assert later.gain[8] < 3 if most == 2 else later.gain[8] > 5
+        assert (later.next_size() <= most) if most == 2 else (later.next_size() == 8)

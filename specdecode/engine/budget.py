@@ -101,6 +101,7 @@ class DraftBudget:
                                             # stateless drafter): they measure every size for free, so no probes
     span: int = 0                           # a copying drafter's sizes past max_size: tried only right after a
                                             # step that accepted every node (a long copy), kept while they pay
+    chains: bool = False                    # the drafter proposes chains, never trees (`observe`)
     levels: list[int] = field(init=False)
     gain: dict[int, float] = field(init=False)       # size -> mean tokens emitted per sequence-step
     nodes: dict[int, float] = field(init=False)      # size -> mean nodes a sequence proposes at that size
@@ -401,14 +402,17 @@ class DraftBudget:
             return
         # a step whose every row proposed fewer nodes than the size allowed (a lookup's short match, a
         # draft model's chain stopped where it was unsure) tells what every larger size would have
-        # drafted too: the same. Known larger sizes learn it (else a size carried from another request
-        # keeps that request's gain while this one's steps, at smaller sizes, say otherwise)
-        short = max(num_nodes) < size
+        # drafted too: the same; so does a chain rejected inside its draft (a larger size's chain has
+        # it as a prefix: the same tokens emitted, more nodes drafted). Known larger sizes learn it (else
+        # a size carried from another request keeps that request's gain while this one's steps, at
+        # smaller sizes, say otherwise: the pair's translation went on from an accepted probe of 2 to
+        # sizes 5, 4 and 5 a summary had paid at, 2 of 9 drafts accepted, 0.85x plain)
+        decided = all(n < size or (self.chains and len(path) < n) for path, n in zip(accepted_nodes, num_nodes))
         for s in self.levels:
-            if s == 0 or (s > size and not (short and s in self.gain)):
+            if s == 0 or (s > size and not (decided and s in self.gain)):
                 continue
             emitted = sum(1 + sum(1 for node in path if node < s) for path in accepted_nodes) / batch
-            proposed = sum(min(n, s) for n in num_nodes) / batch
+            proposed = sum(min(n, s) if n < size or s <= size else s for n in num_nodes) / batch
             self._update(s, emitted, proposed, CARRIED_WEIGHT if s in self.carried else None)
             self.carried.discard(s)
 

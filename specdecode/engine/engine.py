@@ -169,6 +169,7 @@ class SpecEngine:
             caps = self.drafter.capabilities
             draft_cost = caps.relative_cost * self.cost_curve[1] if caps.has_state else None
             budget = self.budget = DraftBudget(self.k, curve, draft_cost=draft_cost, shadowed=not caps.has_state,
+                                               chains=not caps.drafts_trees,
                                                span=self.span if self.span > self.k else 0,
                                                prior_acceptance=PRIOR_ACCEPTANCE if caps.prior_acceptance is None
                                                else caps.prior_acceptance)
