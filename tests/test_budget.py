@@ -613,3 +613,21 @@ def test_a_chain_rejected_inside_its_draft_tells_every_larger_size():
         later.observe(2, [2], [path], verify_seconds=interpolate(CURVE, 3), draft_seconds=0.0, pending=1)
         assert later.gain[8] < 3 if most == 2 else later.gain[8] > 5
         assert (later.next_size() <= most) if most == 2 else (later.next_size() == 8)
+
+
+def test_a_lookup_without_a_prediction_starts_plain_and_its_shadows_start_drafting():
+    """A shadowed drafter's first step drafts nothing unless asked to open (a prediction: news of
+    the answer); its shadows then choose the size (4 rows rejected at the first step of nearly every
+    chat answer cost ~0.3 of a step)."""
+    opening = DraftBudget(8, CURVE, shadowed=True)
+    assert opening.next_size() > 0
+    budget = DraftBudget(8, CURVE, shadowed=True, opens=False)
+    sizes = []
+    for step in range(12):
+        size = budget.next_size()
+        sizes.append(size)
+        budget.observe(size, [size], [list(range(size))], verify_seconds=interpolate(CURVE, 1 + size),
+                       draft_seconds=0.0, pending=1)
+        if size == 0:                     # a shadow of 8 tokens, all of which came true
+            budget.observe_shadow(8, 8)
+    assert sizes[0] == 0 and sizes[-1] >= 4

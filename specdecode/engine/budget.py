@@ -102,6 +102,10 @@ class DraftBudget:
     span: int = 0                           # a copying drafter's sizes past max_size: tried only right after a
                                             # step that accepted every node (a long copy), kept while they pay
     chains: bool = False                    # the drafter proposes chains, never trees (`observe`)
+    opens: bool = True                      # the first step drafts the priors' size; False (a shadowed drafter
+                                            # without a prediction): plain until shadows show a size that pays
+                                            # (a lookup's first draft of a chat answer, 4 rows rejected in
+                                            # nearly every call, cost ~0.3 of a step: 1% of a 30-token answer)
     levels: list[int] = field(init=False)
     gain: dict[int, float] = field(init=False)       # size -> mean tokens emitted per sequence-step
     nodes: dict[int, float] = field(init=False)      # size -> mean nodes a sequence proposes at that size
@@ -145,8 +149,8 @@ class DraftBudget:
         # none pays (a batch of many sequences, whose every verify row costs nearly a step)
         sizes = [s for s in self.levels if 0 < s <= 4] or [min(self.levels[1:], default=0)]
         self.size = max(sizes, key=lambda s: (expected_tokens(self.prior_acceptance, s) / self.step_seconds(s), -s))
-        if not self.could_pay(self.size, self.prior_acceptance):   # not even that pays: plain, and probes
-            self.size = 0                                     # only where a size still could
+        if not self.opens or not self.could_pay(self.size, self.prior_acceptance):   # not even that pays:
+            self.size = 0                                     # plain, and probes only where a size still could
 
     def carry(self, earlier: "DraftBudget | None") -> None:
         """Start from what an earlier call of the same drafter with state (a trained head, a draft

@@ -170,6 +170,7 @@ class SpecEngine:
             draft_cost = caps.relative_cost * self.cost_curve[1] if caps.has_state else None
             budget = self.budget = DraftBudget(self.k, curve, draft_cost=draft_cost, shadowed=not caps.has_state,
                                                chains=not caps.drafts_trees,
+                                               opens=caps.has_state or any(p.prediction is not None for p in params),
                                                span=self.span if self.span > self.k else 0,
                                                prior_acceptance=PRIOR_ACCEPTANCE if caps.prior_acceptance is None
                                                else caps.prior_acceptance)
