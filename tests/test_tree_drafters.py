@@ -322,3 +322,22 @@ def test_trees_that_are_all_chains_are_proposed_as_a_chain():
     assert chains.num_tokens.tolist() == [3, 0, 1]
     tree = DraftProposal.from_trees([[(5, -1), (6, 0), (7, 0)], [(9, -1)]])
     assert tree.is_tree and tree.parents.tolist() == [[-1, 0, 0], [-1, 0, 1]]
+
+
+def test_recycle_learns_the_same_table_on_both_paths():
+    """observe_topk's list path (every step with distinct top-K rows) writes the table its array
+    path writes: the roots' rows, then each drafted node's, a later row winning a repeated key."""
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(30):
+        lists, arrays = RecycleDrafter(Stub, recycle_topk=4), RecycleDrafter(Stub, recycle_topk=4)
+        arrays._observe_lists = lambda *a: False
+        seqs = [make_seq([1, 2, 3, int(torch.randint(0, 60, (1,), generator=gen))]) for _ in range(2)]
+        n = int(torch.randint(0, 4, (1,), generator=gen))
+        drafts = [torch.randint(0, 60, (int(torch.randint(0, n + 1, (1,), generator=gen)),), generator=gen).tolist()
+                  for _ in seqs]
+        proposal = DraftProposal.from_lists(drafts) if n else DraftProposal.empty(2)
+        top = torch.stack([torch.stack([torch.randperm(60, generator=gen)[:4] for _ in range(proposal.k + 1)])
+                           for _ in seqs])                                              # [2, k+1, 4] distinct
+        for d in (lists, arrays):
+            d.observe_topk(seqs, proposal, top)
+        assert (lists.table == arrays.table).all(), trial
