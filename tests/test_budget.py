@@ -552,7 +552,7 @@ def test_one_descheduled_step_moves_the_costs_a_bounded_step():
     """A step descheduled on a busy core (100x its time) counts as SPIKE times the estimate it
     updates: the pass-time scale, the drafting cost per node, the cost of a shadow. A lasting
     change is followed all the same, within a few steps."""
-    from specdecode.engine.budget import SPIKE
+    from specdecode.engine.costs import SPIKE
     budget = DraftBudget(8, CURVE, decay=0.7)
     budget.observe(0, [0], [[]], verify_seconds=100.0, draft_seconds=0.0, pending=1)
     assert abs(budget.scale - (0.7 + 0.3 * SPIKE)) < 1e-9

@@ -45,7 +45,7 @@ import math
 from dataclasses import dataclass, field
 
 from .acceptance import expected_tokens
-from .costs import interpolate
+from .costs import interpolate, toward
 from .shadows import shadow_period
 
 LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -67,22 +67,9 @@ SHADOW_DECAY = 0.9      # weight of the past when a shadow draft is scored: shad
                         # like it paid, and every such shadow started steps that accepted nothing (3-5% of
                         # plain decoding's speed on the embedded model's answers)
 PLAIN_RECHECK = 8       # steps between recomputations of best() in a run of plain steps (`_best_now`)
-SPIKE = 3.0             # one step's time counts at most this many times the estimate it updates: a step
-                        # descheduled on a busy core took 8-12 ms where its kind took ~70 us (the tiny test
-                        # model; a 2-thread pass waits at every barrier for the thread without a core), and one
-                        # such drafting step priced a lookup's node at 12x its cost and kept a Predicted
-                        # Output's exact prediction plain for 30 steps
 MARGIN = 1.05           # drafting must be predicted this much faster than plain decoding to be chosen:
                         # what the model leaves out (bookkeeping of a longer step) and its noise are
                         # a few percent, and a lookup drafter's gains near break-even are mostly noise
-
-
-def toward(estimate: float, seen: float, past: float) -> float:
-    """A moving average's next value: `seen` weighs 1 - past, counted at most SPIKE * estimate (a
-    step's time: one descheduled step moves the estimate a bounded step, a lasting change a few)."""
-    if estimate > 0:
-        seen = min(seen, SPIKE * estimate)
-    return past * estimate + (1 - past) * seen
 
 
 @dataclass

@@ -1,10 +1,25 @@
 """The target's forward cost against the rows of a pass (the cost curve the draft budget reads,
-engine/budget.py): measured once at start-up on an empty cache, and read between its points."""
+engine/budget.py): measured once at start-up on an empty cache, and read between its points; and
+how a measured cost is followed from step to step (`toward`)."""
 from __future__ import annotations
 
 import time
 
 import torch
+
+SPIKE = 3.0             # one step's time counts at most this many times the estimate it updates: a step
+                        # descheduled on a busy core took 8-12 ms where its kind took ~70 us (the tiny test
+                        # model; a 2-thread pass waits at every barrier for the thread without a core), and one
+                        # such drafting step priced a lookup's node at 12x its cost and kept a Predicted
+                        # Output's exact prediction plain for 30 steps
+
+
+def toward(estimate: float, seen: float, past: float) -> float:
+    """A moving average's next value: `seen` weighs 1 - past, counted at most SPIKE * estimate (a
+    step's time: one descheduled step moves the estimate a bounded step, a lasting change a few)."""
+    if estimate > 0:
+        seen = min(seen, SPIKE * estimate)
+    return past * estimate + (1 - past) * seen
 
 
 def measure_cost_curve(model, cache, max_rows: int, repeats: int = 3, batch: int = 1) -> dict[int, float]:
