@@ -167,14 +167,15 @@ class SpecEngine:
             self.drafter.prefill(seqs)
         if adaptive:                            # after the drafter's prefill, which may refine its cost
             caps = self.drafter.capabilities
+            predicted = any(p.prediction is not None for p in params)
             draft_cost = caps.relative_cost * self.cost_curve[1] if caps.has_state else None
             budget = self.budget = DraftBudget(self.k, curve, draft_cost=draft_cost, shadowed=not caps.has_state,
                                                chains=not caps.drafts_trees,
-                                               opens=caps.has_state or any(p.prediction is not None for p in params),
+                                               opens=caps.has_state or predicted,
                                                span=self.span if self.span > self.k else 0,
                                                prior_acceptance=PRIOR_ACCEPTANCE if caps.prior_acceptance is None
                                                else caps.prior_acceptance)
-            if not any(p.prediction is not None for p in params):    # a prediction is news: the prior
+            if not predicted:                   # a prediction is news: the prior
                 budget.carry(self.budgets.get(self.k))
             self.budgets[self.k] = budget
         shadows = ShadowDrafts() if budget is not None and not self.drafter.capabilities.has_state else None
@@ -288,7 +289,6 @@ class SpecEngine:
         target_probs, target_tokens, target_logprobs = self.runner.score(seqs, proposal)
         num_drafted, drafts = proposal.num_tokens.tolist(), proposal.tokens.tolist()
         links = proposal.parents.tolist() if proposal.is_tree else None
-        result = None
         if target_probs is None:                # every row greedy: the target's argmax is all it reads
             paths, emitted_rows = verify_greedy_lists(drafts, links, num_drafted, target_tokens.tolist())
         else:
@@ -304,14 +304,13 @@ class SpecEngine:
             else:
                 result = verify_tree(proposal.tokens.to(device), proposal.parents, proposal.num_tokens.to(device),
                                      proposal.probs, target_probs, greedy, [s.generator for s in seqs])
+            emitted_rows = result.tokens.tolist()      # read as the greedy path's lists
+            paths = [result.accepted_nodes[row, :n].tolist() for row, n in enumerate(result.num_accepted.tolist())]
         t2 = time.perf_counter()
         if self.threads is not None:
             self.threads.after(t2 - t0, len(seqs) + sum(num_drafted))
         # 3. commit: append tokens, move a tree's accepted path to consecutive slots, roll the
         #    target cache back to the accepted prefix
-        if result is not None:
-            emitted_rows = result.tokens.tolist()
-            paths = [result.accepted_nodes[row, :n].tolist() for row, n in enumerate(result.num_accepted.tolist())]
         num_accepted = [len(path) for path in paths]
         depth = tree_depth(proposal) if proposal.is_tree else num_drafted
         appended_rows = []
