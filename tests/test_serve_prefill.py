@@ -75,9 +75,12 @@ def test_a_long_prompt_is_prefilled_in_small_passes_while_another_request_decode
         if len(request.prompt_ids) > 64:
             long_sent.set()
 
-    def stepping(*args, **kwargs):          # the short request waits for the long one to arrive
-        if first_token.is_set():            # (a fast machine would finish its 60 tokens first)
-            long_sent.wait(60)
+    steps = []
+
+    def stepping(*args, **kwargs):          # after its first step the short request waits for the long
+        if steps:                           # one to arrive (a fast scheduler, or a client slow to read the
+            long_sent.wait(60)              # first token, would see its 60 tokens finish first)
+        steps.append(1)
         return step(*args, **kwargs)
     sched.submit, sched.engine.step = submitting, stepping
 

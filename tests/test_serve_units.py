@@ -7,7 +7,8 @@ import torch
 
 from specdecode.kv_cache import KVCache
 from specdecode.serve.paged_cache import CacheFull, PagedKVCache
-from specdecode.serve.policy import AUTO, OFF, ON, RowPolicy, SpeculationPolicy, expected_tokens
+from specdecode.engine.costs import SPIKE
+from specdecode.serve.policy import AUTO, OFF, ON, Decision, RowPolicy, SpeculationPolicy, expected_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -120,6 +121,26 @@ def test_lookup_drafts_are_scored_for_free_while_off():
     decisions = policy.observe_shadow(rs[0], 1, drafted=5, matched=5)
     decisions += policy.observe_shadow(rs[0], 1, drafted=5, matched=5)
     assert ("request", "enabled", "acceptance_recovered") in [(d.scope, d.action, d.reason) for d in decisions]
+
+
+def test_one_descheduled_drafting_step_does_not_keep_a_lookup_off():
+    """A row's drafting steps are the only measure of a speculative step's cost, and a row switched
+    off stops drafting: a step slowed 10x among them (another process took the core) is counted at
+    most SPIKE times the estimate, so good shadow drafts switch the row back on."""
+    policy = SpeculationPolicy(shadow=True, draft_cost=0.01)
+    rs = rows(1)
+    plain_s, spec_s, drafting_steps = 0.01, 0.012, 0
+    while rs[0].on:                                       # rejected drafts: switched off after a few steps
+        ks, _ = policy.plan(rs)
+        drafting_steps += any(ks)
+        seconds = plain_s if not any(ks) else 10 * spec_s if drafting_steps == 1 else spec_s
+        policy.observe(rs, ks, ks, [0], seconds)          # the first drafting step is descheduled
+    assert drafting_steps == 3 and policy.cost_ratio(1, 5) < SPIKE * (1.0 + 5 * (0.01 + 0.03))
+    decisions = sum((policy.observe_shadow(rs[0], 1, drafted=5, matched=5) for _ in range(3)), [])
+    assert rs[0].on and decisions == [Decision("request", "enabled", "acceptance_recovered")]
+    policy.costs.spec[(1, 5)] = spec_s
+    policy.observe(rs, [5], [5], [5], 100 * spec_s)      # measured: a later spike moves it a bounded step
+    assert policy.costs.spec[(1, 5)] == pytest.approx(0.8 * spec_s + 0.2 * SPIKE * spec_s)
 
 
 def test_forced_modes_are_left_alone():

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 SPIKE = 3.0             # one step's time counts at most this many times the estimate it updates: a step
                         # descheduled on a busy core took 8-12 ms where its kind took ~70 us (the tiny test
                         # model; a 2-thread pass waits at every barrier for the thread without a core), and one
@@ -35,6 +33,8 @@ def measure_cost_curve(model, cache, max_rows: int, repeats: int = 3, batch: int
     pass of one; and a pass over more rows is never taken to cost less than one over fewer (a start-up
     on a busy 2-core host measured 6 rows at 3.09 ms after 4 rows at 3.31 ms: the budget then priced
     the fifth and sixth rows at nothing)."""
+    import torch                    # here: the rest of this module is torch-free (serve/policy.py reads it)
+
     from ..forward import ForwardBatch
     rows = sorted({r for r in (1, 2, 4, 8, 16, 32, 64) if r <= max_rows} | {max_rows}) if batch == 1 \
         else sorted({1, max_rows})

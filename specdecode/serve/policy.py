@@ -49,6 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..engine.acceptance import expected_tokens
+from ..engine.costs import SPIKE, toward
 
 AUTO, ON, OFF = "auto", "on", "off"
 PROBE_ALPHA = 0.9       # the batch is probed only at sizes where drafts accepted this often would pay
@@ -100,8 +101,16 @@ class Costs:
     plain_age: dict[int, int] = field(default_factory=dict)
 
     @staticmethod
-    def _ema(table: dict, key, value: float, weight: float = 0.2) -> None:
-        table[key] = value if key not in table else table[key] + weight * (value - table[key])
+    def _ema(table: dict, key, value: float, expected: float = 0.0) -> None:
+        """Move table[key] a fifth of the way to `value`, counted at most SPIKE times the estimate (one
+        descheduled step moves it a bounded step); a first value at most SPIKE times `expected` (the
+        estimate before any was measured) when there is one. The costs of a speculative step are only
+        measured while a row drafts: a spike among a switched-off row's few drafting steps had priced a
+        5-draft step at 7.7 plain steps, which no acceptance can pay, so the row never came back on."""
+        if key in table:
+            table[key] = toward(table[key], value, 0.8)
+        else:
+            table[key] = min(value, SPIKE * expected) if expected > 0 else value
 
 
 class SpeculationPolicy:
@@ -227,7 +236,8 @@ class SpeculationPolicy:
             Costs._ema(self.costs.plain, batch, step_seconds)
             self.costs.plain_age[batch] = 0
         else:
-            Costs._ema(self.costs.spec, (batch, kmax), step_seconds)
+            plain = self.costs.plain.get(batch, 0.0)
+            Costs._ema(self.costs.spec, (batch, kmax), step_seconds, plain * self.cost_ratio(batch, kmax))
         pooled_s = pooled_t = 0.0
         for r, k, n, a in zip(rows, ks, drafted, accepted):
             if n > 0:
