@@ -143,6 +143,15 @@ def test_one_descheduled_drafting_step_does_not_keep_a_lookup_off():
     assert policy.costs.spec[(1, 5)] == pytest.approx(0.8 * spec_s + 0.2 * SPIKE * spec_s)
 
 
+def test_the_policy_imports_without_torch():
+    """serve/policy.py (and engine/costs.py's SPIKE and toward, which it reads) stay torch-free."""
+    import subprocess
+    import sys
+    code = "import sys, specdecode.serve.policy; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
 def test_forced_modes_are_left_alone():
     policy = SpeculationPolicy(shadow=False, draft_cost=0.5)
     forced_on, forced_off = rows(1, mode=ON), rows(1, mode=OFF)
