@@ -183,6 +183,28 @@ def test_the_batch_stays_off_when_it_shrinks_to_a_size_measured_not_to_pay():
     assert ("batch", "enabled", "batch_size_dropped") in [(d.scope, d.action, d.reason) for d in decisions]
 
 
+def test_a_batch_of_lookup_rows_is_probed_only_when_its_shadow_drafts_would_pay():
+    """Off for cost at 8 rows, a lookup drafter's batch is not probed blind (PROBE_ALPHA): the rows'
+    shadow drafts measure their acceptance, and the batch is probed once that acceptance would pay."""
+    policy = SpeculationPolicy(shadow=True, draft_cost=0.01)
+    rs = rows(8, k=4)
+    run_steps(policy, rs, alpha_hits=1, steps=8, plain_s=0.01, spec_s=0.025)     # a step of drafts: 2.5 plain
+    assert not policy.batch_on and policy.batch_reason == "batch_cost"
+    probes = []
+    for step in range(60):                      # shadows right one draft in four: no probe
+        for r in rs:
+            policy.observe_shadow(r, 8, drafted=4, matched=1)
+        ks, decisions = policy.plan(rs)
+        probes += [d for d in decisions if d.action == "probe"]
+        policy.observe(rs, ks, [0] * 8, [0] * 8, 0.01)
+    assert probes == [] and not policy.batch_on
+    for r in rs:                                # then every shadow draft right: probed at the next step
+        for _ in range(4):
+            policy.observe_shadow(r, 8, drafted=4, matched=4)
+    ks, decisions = policy.plan(rs)
+    assert ks == [4] * 8 and Decision("batch", "probe", "periodic") in decisions
+
+
 def test_fixed_batch_size_limit():
     policy = SpeculationPolicy(shadow=True, draft_cost=0.01, max_batch_size=2)
     ks, decisions = policy.plan(rows(3))

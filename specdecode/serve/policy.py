@@ -36,7 +36,8 @@ Switching back on (the draft's cache catches up by itself, see `drafters/model.p
   unless the step costs measured at the new size say the acceptance it was switched off with
   does not pay there either (then the new size is the threshold), or after a probe step whose
   pooled acceptance pays again ("probe"); probed only at sizes where drafts accepted PROBE_ALPHA of
-  the time would pay (at 24 rows of the embedded model a step of 5 drafts per row cost 4.4 plain steps).
+  the time would pay (at 24 rows of the embedded model a step of 5 drafts per row cost 4.4 plain steps),
+  or, with a lookup drafter, where the acceptance its rows' shadow drafts measure would pay.
 
 A batch that grows to a size whose costs (measured, or estimated as below) say its rows' pooled
 acceptance (PROBE_ALPHA before it is known) cannot pay is switched off before its step ("batch_cost").
@@ -190,10 +191,11 @@ class SpeculationPolicy:
                 self.batch_alpha, self.batch_k = alpha, k
         self.batch_probing = False
         if not self.batch_on and self.batch_reason == "batch_cost" and self.batch_steps_off >= self.batch_probe_wait:
-            if self.pays(PROBE_ALPHA, batch, self.batch_k, turning_on=True):
+            seen = self._shadow_alpha(auto)
+            if self.pays(PROBE_ALPHA if seen is None else seen, batch, self.batch_k, turning_on=True):
                 self.batch_probing = True
                 decisions.append(Decision("batch", "probe", "periodic"))
-            else:               # not even drafts accepted PROBE_ALPHA of the time would pay at this size:
+            elif seen is None:  # not even drafts accepted PROBE_ALPHA of the time would pay at this size:
                 self.batch_steps_off = 0        # a probe (a step of k drafts per row) costs several plain steps
                 self.batch_probe_wait = min(2 * self.batch_probe_wait, self.max_probe_interval)
         # a plain step now and then measures the plain cost at this batch size
@@ -223,6 +225,17 @@ class SpeculationPolicy:
             else:
                 ks.append(0)
         return ks, decisions
+
+    def _shadow_alpha(self, rows: list[RowPolicy]) -> float | None:
+        """The rows' pooled acceptance as their shadow drafts measure it while the batch is off (a
+        lookup drafter: free to draft), None before min_observations trials or without shadows. The
+        batch is probed only where that acceptance would pay: blind probes at 16 rows of the embedded
+        model (a step of 5 drafts per row cost 3.4 plain steps, drafts accepted ~20% of the time) cost
+        the server ~3% of its throughput; checking the shadows is free, so it is checked every step."""
+        if not self.shadow:
+            return None
+        trials = sum(r.trials for r in rows)
+        return sum(r.successes for r in rows) / trials if trials >= self.min_observations else None
 
     # ---------------------------------------------------------------- after a step
     def observe(self, rows: list[RowPolicy], ks: list[int], drafted: list[int], accepted: list[int],
