@@ -22,9 +22,8 @@ from specdecode.forward import ForwardBatch
 TASKS = ("multi_turn", "summarization", "translation", "qa", "rag", "math_reasoning")
 
 
-def logits_over(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """The model's logits at every position of `ids` (one pass, a fresh cache)."""
-    model = llm.target.model
+def logits_over(model, ids: list[int]) -> torch.Tensor:      # -> [len(ids), vocab]
+    """A native model's logits at every position of `ids` (one pass, a fresh cache)."""
     cache = model.new_cache(1, len(ids) + 8)
     fb = ForwardBatch.chain(torch.tensor([ids]), 0, torch.arange(1))
     with torch.inference_mode():
@@ -49,8 +48,8 @@ def main() -> None:
         ids = target.encode(q.text, q.chat)
         answer = target.generate([ids], SamplingParams(max_tokens=args.max_tokens, temperature=0.0))[0].token_ids
         seq, span = ids + answer, slice(len(ids) - 1, len(ids) + len(answer) - 1)
-        conf = logits_over(target, seq)[span].softmax(-1).amax(-1)
-        agree = (logits_over(draft, seq)[span].argmax(-1) == torch.tensor(answer)).float()
+        conf = logits_over(target.target.model, seq)[span].softmax(-1).amax(-1)
+        agree = (logits_over(draft.target.model, seq)[span].argmax(-1) == torch.tensor(answer)).float()
         print(" ".join(f"{c:.2f}" for c in conf[:8].tolist()), "| agree",
               "".join(str(int(a)) for a in agree[:16].tolist()))
         print(f"{task:14s} len {len(answer):3d} conf16 {conf[:16].mean():.3f} conf_all {conf.mean():.3f} "

@@ -17,16 +17,10 @@ import torch
 from specdecode import LLM, SamplingParams
 from specdecode.datasets import humaneval, spec_bench
 from specdecode.drafters.vocab_rank import frequent_ids
-from specdecode.forward import ForwardBatch
+
+from draft_agreement import logits_over       # scripts/ (this script's folder is first on sys.path)
 
 TASKS = ("multi_turn", "summarization", "translation", "qa", "rag", "math_reasoning")
-
-
-def logits_over(model, ids: list[int]) -> torch.Tensor:      # -> [len(ids), vocab]
-    cache = model.new_cache(1, len(ids) + 8)
-    fb = ForwardBatch.chain(torch.tensor([ids]), 0, torch.arange(1))
-    with torch.inference_mode():
-        return model.logits(model.run(fb, cache), fb.logit_index)[0].float()
 
 
 def main() -> None:
