@@ -183,15 +183,19 @@ class SpeculationPolicy:
                 self._batch_on_again("batch_size_dropped", decisions)
         auto = [r for r in rows if r.mode == AUTO and r.k > 0]
         if self.batch_on and batch >= 2 and auto:      # the costs at this size say it cannot pay: off now,
-            trials = sum(r.trials for r in auto)       # not after steps that cost several plain ones each
-            alpha = sum(r.successes for r in auto) / trials if trials >= self.min_observations else PROBE_ALPHA
+            alpha = self._pooled_alpha(auto)           # not after steps that cost several plain ones each
+            alpha = PROBE_ALPHA if alpha is None else alpha
             k = max(r.k for r in auto)
             if not self.pays(alpha, batch, k, turning_on=False):
                 self._batch_off(batch, "batch_cost", decisions)
                 self.batch_alpha, self.batch_k = alpha, k
         self.batch_probing = False
         if not self.batch_on and self.batch_reason == "batch_cost" and self.batch_steps_off >= self.batch_probe_wait:
-            seen = self._shadow_alpha(auto)
+            # a lookup drafter's rows keep measuring their acceptance with shadow drafts while the batch is
+            # off: probed only where that would pay (blind probes at 16 rows of the embedded model, a step
+            # of 5 drafts per row costing 3.4 plain steps with ~20% accepted, cost the server ~3% of its
+            # throughput); the check is free, so it runs every step
+            seen = self._pooled_alpha(auto) if self.shadow else None
             if self.pays(PROBE_ALPHA if seen is None else seen, batch, self.batch_k, turning_on=True):
                 self.batch_probing = True
                 decisions.append(Decision("batch", "probe", "periodic"))
@@ -226,14 +230,9 @@ class SpeculationPolicy:
                 ks.append(0)
         return ks, decisions
 
-    def _shadow_alpha(self, rows: list[RowPolicy]) -> float | None:
-        """The rows' pooled acceptance as their shadow drafts measure it while the batch is off (a
-        lookup drafter: free to draft), None before min_observations trials or without shadows. The
-        batch is probed only where that acceptance would pay: blind probes at 16 rows of the embedded
-        model (a step of 5 drafts per row cost 3.4 plain steps, drafts accepted ~20% of the time) cost
-        the server ~3% of its throughput; checking the shadows is free, so it is checked every step."""
-        if not self.shadow:
-            return None
+    def _pooled_alpha(self, rows: list[RowPolicy]) -> float | None:
+        """The rows' pooled acceptance (their decayed accepted drafts over trials: steps' and, with a
+        lookup drafter, shadow drafts'), None before min_observations trials."""
         trials = sum(r.trials for r in rows)
         return sum(r.successes for r in rows) / trials if trials >= self.min_observations else None
 
