@@ -183,6 +183,30 @@ def test_the_batch_stays_off_when_it_shrinks_to_a_size_measured_not_to_pay():
     assert ("batch", "enabled", "batch_size_dropped") in [(d.scope, d.action, d.reason) for d in decisions]
 
 
+def test_a_batch_switched_off_for_its_rows_acceptance_does_not_keep_other_requests_plain():
+    """The batch was switched off with its rows' acceptance; when it shrinks, the rows now in it are
+    judged by their own: a lone new request by its own policy, and rows whose shadow drafts pay at
+    a size measured not to pay with the old rows' acceptance."""
+    policy = SpeculationPolicy(shadow=True, draft_cost=0.01)
+    rs = rows(8, k=4)
+    for size in (1, 2, 3):
+        policy.costs.plain[size], policy.costs.spec[(size, 4)] = 0.01, 0.02   # a step of drafts: 2 plain
+        policy.costs.plain_age[size] = 0
+    run_steps(policy, rs, alpha_hits=1, steps=8, plain_s=0.01, spec_s=0.03)
+    assert not policy.batch_on and policy.batch_alpha <= 0.5     # E = 1.94 tokens: below 2 steps
+    ks, decisions = policy.plan(rows(1, k=4))         # a new request alone (an exact Predicted Output, say)
+    assert ks == [4] and Decision("batch", "enabled", "batch_size_dropped") in decisions
+    run_steps(policy, rs, alpha_hits=1, steps=8, plain_s=0.01, spec_s=0.03)
+    assert not policy.batch_on
+    ks, _ = policy.plan(rs[:3])                       # the old rows at 3: measured not to pay, stay off
+    assert ks == [0, 0, 0] and not policy.batch_on and policy.batch_off_at == 3
+    fresh = rows(2, k=4)
+    for r in fresh:                                   # new rows whose shadow drafts are all right
+        policy.observe_shadow(r, 2, drafted=4, matched=4)
+    ks, decisions = policy.plan(fresh)
+    assert ks == [4] * 2 and Decision("batch", "enabled", "batch_size_dropped") in decisions
+
+
 def test_a_batch_of_lookup_rows_is_probed_only_when_its_shadow_drafts_would_pay():
     """Off for cost at 8 rows, a lookup drafter's batch is not probed blind (PROBE_ALPHA): the rows'
     shadow drafts measure their acceptance, and the batch is probed once that acceptance would pay."""

@@ -33,8 +33,9 @@ Switching back on (the draft's cache catches up by itself, see `drafters/model.p
 * model drafters: a disabled request speculates for one probe step after `probe_interval`
   plain steps (doubling after each failed probe, up to `max_probe_interval`) ("probe");
 * the batch: when it shrinks below the size it was switched off at ("batch_size_dropped"),
-  unless the step costs measured at the new size say the acceptance it was switched off with
-  does not pay there either (then the new size is the threshold), or after a probe step whose
+  unless the step costs measured at the new size (2 rows or more: a lone row is its own policy's)
+  say the acceptance of the rows now in it (the one it was switched off with until they measured
+  their own) does not pay there either (then the new size is the threshold), or after a probe step whose
   pooled acceptance pays again ("probe"); probed only at sizes where drafts accepted PROBE_ALPHA of
   the time would pay (at 24 rows of the embedded model a step of 5 drafts per row cost 4.4 plain steps),
   or, with a lookup drafter, where the acceptance its rows' shadow drafts measure would pay.
@@ -176,12 +177,18 @@ class SpeculationPolicy:
                 self._batch_off(batch, "batch_size", decisions)
             elif not over and not self.batch_on and self.batch_reason == "batch_size":
                 self._batch_on_again("batch_size_dropped", decisions)
+        auto = [r for r in rows if r.mode == AUTO and r.k > 0]
         if not self.batch_on and self.batch_reason == "batch_cost" and batch < self.batch_off_at:
-            if self.measured(batch, self.batch_k) and not self.pays(self.batch_alpha, batch, self.batch_k, True):
+            # the rows' own acceptance where they measured it (they may be other requests than the ones
+            # the batch was switched off with); a lone row is its own policy's: a batch switched off at 8
+            # rows, measured not to pay at 1 with those rows' acceptance, kept every later request plain,
+            # an exact Predicted Output (96% accepted) included
+            seen = self._pooled_alpha(auto)
+            alpha = self.batch_alpha if seen is None else seen
+            if batch >= 2 and self.measured(batch, self.batch_k) and not self.pays(alpha, batch, self.batch_k, True):
                 self.batch_off_at = batch     # measured not to pay at this size either: stay off
             else:
                 self._batch_on_again("batch_size_dropped", decisions)
-        auto = [r for r in rows if r.mode == AUTO and r.k > 0]
         if self.batch_on and batch >= 2 and auto:      # the costs at this size say it cannot pay: off now,
             alpha = self._pooled_alpha(auto)           # not after steps that cost several plain ones each
             alpha = PROBE_ALPHA if alpha is None else alpha

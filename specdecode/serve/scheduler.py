@@ -562,7 +562,8 @@ class Scheduler:
                               "completion_tokens_details": prediction_usage(
                                   s.prediction.ids if s.prediction is not None else [], s.output_ids)},
                              {"mode": s.policy.mode, "num_speculative_tokens": s.policy.k,
-                              "on_at_end": s.policy.mode == ON or (s.policy.mode == AUTO and s.policy.on),
+                              "on_at_end": s.policy.mode == ON or (s.policy.mode == AUTO and s.policy.on
+                                                                    and self.policy.batch_on),
                               "steps": st.steps, "drafted_tokens": st.drafted, "accepted_tokens": st.accepted,
                               "acceptance_rate": round(st.acceptance_rate, 4),
                               "mean_accepted_length": round(st.mean_accepted_length, 4)}, s)
