@@ -50,6 +50,15 @@ def test_completions_and_chat_with_the_openai_client(client):
                                                  **greedy))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 24 and chunks[0].choices[0].delta.role == "assistant"
+    raw = httpx.post(str(client.base_url) + "chat/completions", timeout=60, json=dict(
+        messages=messages, stream=True, stream_options={"include_usage": True}, model="tiny", max_tokens=4))
+    events = [json.loads(line[6:]) for line in raw.text.splitlines() if line.startswith("data: {")]
+    assert [e["usage"] for e in events[:-1]] == [None] * (len(events) - 1) and events[-1]["usage"]["total_tokens"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    newer = client.chat.completions.create(messages=messages, **dict(greedy, max_tokens=24), max_completion_tokens=3)
+    assert newer.usage.completion_tokens == 3         # OpenAI's current name wins over max_tokens
 
 
 def test_sampling_parameters_and_speculation_fields(client):
@@ -138,6 +147,11 @@ def test_bad_inputs_get_clear_errors_and_the_server_keeps_serving(server):
     err = error_of(post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"}), 404)
     assert err["code"] == "model_not_found" and "gpt-4" in err["message"]
     error_of(post("/v1/completions", json={"prompt": "hi", "n": 0}), 400)
+    err = error_of(post("/v1/completions", json={"prompt": "hi", "stream_options": {"include_usage": True}}), 400)
+    assert err["param"] == "stream_options" and "stream" in err["message"]
+    err = error_of(post("/v1/completions", json={"prompt": "hi", "stream": True,
+                                                 "stream_options": {"include_usage": "no"}}), 400)
+    assert err["param"] == "include_usage"
     error_of(post("/v1/chat/completions", json={"messages": []}), 400)
     err = error_of(post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                       "response_format": {"type": "yaml"}}), 400)

@@ -270,6 +270,8 @@ class Generation:
     def envelope(self, choices: list[dict], **extra) -> dict:
         p = self.parsed
         kind = ("chat.completion.chunk" if p.stream else "chat.completion") if p.chat else "text_completion"
+        if p.stream and p.include_usage:      # OpenAI: every chunk has usage, null but in the last one
+            extra.setdefault("usage", None)
         return {"id": self.id, "object": kind, "created": self.created, "model": p.model, "choices": choices,
                 **extra}
 
@@ -469,10 +471,17 @@ async def chat_completions(http: HttpRequest) -> Response:
 
 
 async def models(http: HttpRequest) -> Response:
+    """GET /v1/models (the list) and GET /v1/models/{model} (one: the served name or an alias)."""
     state = http.app.state.serve
-    return JSONResponse({"object": "list", "data": [
-        {"id": state.ctx.model_names[0], "object": "model", "created": state.created, "owned_by": "specdecode",
-         "max_model_len": state.ctx.max_model_len}]})
+    card = {"id": state.ctx.model_names[0], "object": "model", "created": state.created, "owned_by": "specdecode",
+            "max_model_len": state.ctx.max_model_len}
+    name = http.path_params.get("model")
+    if name is None:
+        return JSONResponse({"object": "list", "data": [card]})
+    if name not in state.ctx.model_names:
+        return error(404, f"The model `{name}` does not exist; this server serves `{card['id']}`",
+                     param="model", code="model_not_found")
+    return JSONResponse(dict(card, id=name))
 
 
 async def health(http: HttpRequest) -> Response:
@@ -546,6 +555,7 @@ def create_app(state, api_key: str | None = None, max_body_bytes: int = DEFAULT_
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/api/stats", stats, methods=["GET"]),

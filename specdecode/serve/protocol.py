@@ -285,7 +285,9 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _bad("stream_options", f"must be an object, got {options!r}")
-    include_usage = bool((options or {}).get("include_usage", False))
+    if options is not None and not stream:
+        raise _bad("stream_options", "is only allowed with stream: true")
+    include_usage = _bool(options or {}, "include_usage")
     from .tools import parse_tools
     try:
         tools = parse_tools(body, ctx.tool_format() if body.get("tools") is not None else None) if chat else None
@@ -294,9 +296,9 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
     if not chat and body.get("tools") is not None:
         raise _bad("tools", "are for /v1/chat/completions")
     ids = _chat_ids(body, ctx, tools) if chat else _prompt_ids(body, ctx)
-    name = "max_tokens"
+    name = "max_tokens"          # chat: max_completion_tokens (OpenAI's current name) wins over max_tokens
     max_tokens = _int(body, "max_tokens", 1)
-    if chat and max_tokens is None and body.get("max_completion_tokens") is not None:
+    if chat and body.get("max_completion_tokens") is not None:
         name, max_tokens = "max_completion_tokens", _int(body, "max_completion_tokens", 1)
     room = ctx.max_model_len - len(ids)
     if room < 1:

@@ -180,6 +180,7 @@ class Ingress:
         routes = [Route("/v1/completions", self.generate, methods=["POST"]),
                   Route("/v1/chat/completions", self.generate, methods=["POST"]),
                   Route("/v1/models", self.forward, methods=["GET"]),
+                  Route("/v1/models/{model:path}", self.forward, methods=["GET"]),
                   Route("/health", self.forward, methods=["GET"]),
                   Route("/metrics", self.metrics, methods=["GET"]),
                   Route("/api/stats", self.stats, methods=["GET"]),
