@@ -73,6 +73,27 @@ def test_auto_and_none(client):
     assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_an_earlier_call_reaches_the_prompt_and_a_malformed_one_is_a_400(client):
+    """SmolLM2's template writes only each turn's content: the call it made earlier is written into
+    the assistant turn in the Hermes format (its arguments count in the prompt), the result as it is."""
+    c, srv = client
+
+    def prompt_tokens(arguments: str, result: str = "12 C") -> int:
+        history = [{"role": "user", "content": "Weather in Oslo?"},
+                   {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                       "name": "get_weather", "arguments": arguments}}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": result}]
+        return c.chat.completions.create(model="m", messages=history, tools=TOOLS, max_tokens=1,
+                                         temperature=0).usage.prompt_tokens
+    short = prompt_tokens('{"city": "Oslo", "unit": "celsius"}')
+    assert prompt_tokens('{"city": "Oslo, Norway", "unit": "celsius"}') > short
+    assert prompt_tokens('{"city": "Oslo", "unit": "celsius"}', "12 C, wind 5 m/s") > short
+    for calls in ("zz", [5], [{"function": {"arguments": "{}"}}]):
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={"max_tokens": 4, "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": calls}]})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages[1].tool_calls"), r.text
+
+
 def test_parsing():
     content, calls = extract_calls('ok <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
     assert content == "ok" and calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
@@ -84,6 +105,7 @@ def test_parsing():
     ({"tools": "x"}, "tools"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"), ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+    ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
 ])
 def test_bad_tools(client, body, param):
     _, srv = client

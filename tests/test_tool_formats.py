@@ -237,20 +237,65 @@ def test_earlier_calls_reach_the_template_as_objects(family):
         assert '{"city": "Oslo"}' in text and '"{\\"city' not in text
 
 
+def test_earlier_calls_and_results_reach_the_model_whatever_the_template(family):
+    """Every family's prompt holds the earlier call (its name and arguments) and the tool's result:
+    the template's own way, or written in the model's call format where the template drops calls
+    (Phi-4-mini's writes only content)."""
+    _, _, state = family
+    fmt = state.ctx.tool_format()
+    history = ASK + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "abcdefghi", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "abcdefghi", "content": "12:00"}]
+    messages, template_tools = with_tools(history, ToolSpec(TOOLS, "auto", fmt), state.tokenizer)
+    text = state.tokenizer.apply_chat_template(messages, tools=template_tools)
+    assert '"get_time"' in text and "Oslo" in text and "12:00" in text
+    assert text.index("Oslo") < text.index("12:00")
+
+
+def test_a_template_without_tool_turns_gets_them_as_text(tiny_models):
+    """A template that writes only each turn's role and content (SmolLM2's) and one that refuses any
+    role but user and model (Gemma's): the earlier calls are written in the Hermes format after the
+    assistant's content, the results as a user turn of <tool_response> blocks (one per turn)."""
+    from specdecode.tokenizer import Tokenizer
+    calls = [{"id": "a", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Oslo"}'}},
+             {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Rome"}'}}]
+    history = ASK + [{"role": "assistant", "content": "Checking.", "tool_calls": calls},
+                     {"role": "tool", "tool_call_id": "a", "content": "12:00"},
+                     {"role": "tool", "tool_call_id": "b", "content": "13:00"}]
+    plain = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+    gemma = ("{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}{{ raise_exception('Conversation "
+             "roles must alternate user/assistant') }}{% endif %}<start_of_turn>{{ m.role }}\n{{ m.content }}"
+             "<end_of_turn>\n{% endfor %}")
+    for template in (plain, gemma):
+        tok = Tokenizer(tiny_models["llama"])
+        tok.chat_template = template
+        messages, _ = with_tools(history, ToolSpec(TOOLS, "auto", HERMES), tok)
+        roles = [m["role"] for m in messages]        # (the plain template's first: the tools' instruction)
+        assert roles == (["user", "assistant", "user"] if template == gemma else
+                         ["system", "user", "assistant", "tool", "tool"])
+        messages = messages[roles.index("user"):]
+        assert messages[1]["content"] == ('Checking.\n<tool_call>\n{"name": "get_time", "arguments": {"city": '
+                                          '"Oslo"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+                                          '{"city": "Rome"}}\n</tool_call>')
+        text = tok.apply_chat_template(messages)
+        assert text.index("Rome") < text.index("12:00") < text.index("13:00")
+    assert messages[2]["content"] == "<tool_response>\n12:00\n</tool_response>\n<tool_response>\n13:00\n</tool_response>"
+
+
 def test_parser_units():
     from specdecode.serve.tools import Marker, ToolFormat, extract_calls
     llama = ToolFormat("llama3", None, args_key="parameters", also=(Marker("<|python_tag|>"),))
     mistral = ToolFormat("mistral", Marker("[TOOL_CALLS]"), listed=True, gap_start=" ")
 
-    def streamed(fmt, text, names=None):
-        parser, deltas = ToolParser(fmt, names), []
+    def streamed(fmt, text, names=None, max_calls=None):
+        parser, deltas = ToolParser(fmt, names, max_calls), []
         for ch in text:                          # one character at a time: the same as all at once
             deltas += parser.feed(ch)
         deltas += parser.finish()
         content = "".join(d[1] for d in deltas if d[0] == "content")
         calls = [(d[3], "".join(a[2] for a in deltas if a[0] == "arguments" and a[1] == d[1]))
                  for d in deltas if d[0] == "call"]
-        whole = ToolParser(fmt, names).result(text)
+        whole = ToolParser(fmt, names, max_calls).result(text)
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole[1]] == calls
         assert (whole[0] or "") == content.strip()
         return content, calls
@@ -278,6 +323,12 @@ def test_parser_units():
     assert streamed(HERMES, ' {"name": "Person", "arguments": {}}', ["Person"]) == ("", [("Person", "{}")])
     assert streamed(HERMES, "```python\nprint(1)\n```", ["Person"]) == ("```python\nprint(1)\n```", [])
     assert streamed(llama, '{"name": "nope", "parameters": {}}', ["f"]) == ('{"name": "nope", "parameters": {}}', [])
+    # parallel_tool_calls false: the first call only, nothing after it
+    two = 'ok <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call> bye'
+    assert streamed(HERMES, two) == ("okbye", [("f", "{}"), ("g", "{}")])
+    assert streamed(HERMES, two, max_calls=1) == ("ok", [("f", "{}")])
+    assert streamed(mistral, '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]',
+                    max_calls=1)[1] == [("f", '{"a": 1}')]
 
 
 def test_a_long_answer_streams_through_the_parser():

@@ -190,7 +190,8 @@ class Generation:
         self.request = Request(parsed.prompt_ids, params, self._sink(post, state.scheduler.config.stream_interval_ms),
                                parsed.speculate, parsed.num_speculative_tokens, after=after)
         tools = parsed.tools             # tools/: the calls are parsed out of the text as it comes
-        self.tools = ToolParser(tools.fmt, [f["name"] for f in tools.functions()]) if tools is not None else None
+        self.tools = ToolParser(tools.fmt, [f["name"] for f in tools.functions()],
+                                None if tools.parallel else 1) if tools is not None else None
         self.text = TextStream(state.tokenizer, params,
                                decoder(state.tokenizer, tools.fmt) if tools is not None else None)
         self.done = False

@@ -232,9 +232,11 @@ def _chat_ids(body: dict, ctx: ServeContext, tools=None) -> list[int]:
         for key in ("tool_calls", "tool_call_id", "name"):     # tool turns, as the template knows them
             if m.get(key) is not None:
                 entry[key] = m[key]
+        if m.get("tool_calls") is not None:
+            _check_calls(m["tool_calls"], m["role"], f"messages[{i}].tool_calls")
         clean.append(entry)
     from .tools import with_tools
-    clean, template_tools = with_tools(clean, tools, ctx.tokenizer)
+    clean, template_tools = with_tools(clean, tools, ctx.tokenizer, ctx.tool_format)
     from jinja2.exceptions import TemplateError
 
     from ..models.config import ModelError
@@ -248,6 +250,21 @@ def _chat_ids(body: dict, ctx: ServeContext, tools=None) -> list[int]:
     if not ids:
         raise _bad("messages", "encode to no tokens")
     return ids
+
+
+def _check_calls(calls, role: str, name: str) -> None:
+    """An earlier assistant turn's tool_calls: [{"id", "type": "function", "function": {"name": str,
+    "arguments": a JSON string (or object)}}]."""
+    if role != "assistant":
+        raise _bad(name, f"are for assistant messages, not {role}")
+    if not isinstance(calls, list):
+        raise _bad(name, f"must be a list of calls, got {calls!r:.80}")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"] \
+                or not isinstance(function.get("arguments", "{}"), (str, dict)):
+            raise _bad(f"{name}[{j}]", "must be {'id': str, 'type': 'function', 'function': {'name': str, "
+                                       f"'arguments': a JSON string}}}}, got {call!r:.80}")
 
 
 def _prediction(body: dict, ctx: ServeContext, chat: bool) -> str | None:

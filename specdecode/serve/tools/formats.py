@@ -79,6 +79,16 @@ class ToolFormat:
         text = (self.start.text if self.start else "") + self.gap_start + call
         return text + (self.gap_end + self.end.text if self.end else "")
 
+    def write(self, calls: list[tuple[str, object]]) -> str:
+        """Calls (name, arguments) as the model writes them: an earlier turn's calls, for a template
+        that does not render `tool_calls` itself."""
+        objects = [json.dumps({"name": name, self.args_key: args}, ensure_ascii=False) for name, args in calls]
+        start = self.start.text if self.start else ""
+        end = self.gap_end + self.end.text if self.end else ""
+        if self.listed:
+            return start + self.gap_start + "[" + ", ".join(objects) + "]" + end
+        return "\n".join(start + self.gap_start + text + end for text in objects)
+
     def instruction(self, functions: list[dict]) -> str:
         """The system prompt that brings the tools to a model whose template does not take them."""
         listing = "\n".join(json.dumps(f, ensure_ascii=False) for f in functions)
@@ -144,6 +154,26 @@ def _renders_tools(tokenizer) -> bool:
     except Exception:  # noqa: BLE001 -- a template that refuses the probe does not take tools
         return False
     return SENTINEL in text
+
+
+_TOOL_TURNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def renders_tool_turns(tokenizer) -> tuple[bool, bool]:
+    """(does the chat template write an assistant turn's `tool_calls`, does it write a `tool`
+    message's content): SmolLM2's writes neither call nor arguments, and Gemma's refuses the role."""
+    if tokenizer not in _TOOL_TURNS:
+        call = {"id": "abcdefghi", "type": "function", "function": {"name": SENTINEL, "arguments": {"x": 1}}}
+        turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "content": SENTINEL + "_result", "tool_call_id": "abcdefghi", "name": SENTINEL}]
+        found = []
+        for messages, mark in ((turns[:2], '"' + SENTINEL + '"'), (turns, SENTINEL + "_result")):
+            try:
+                found.append(mark in tokenizer.apply_chat_template(messages, add_generation_prompt=False))
+            except Exception:  # noqa: BLE001 -- a template that refuses the turn does not write it
+                found.append(False)
+        _TOOL_TURNS[tokenizer] = (found[0], found[1])
+    return _TOOL_TURNS[tokenizer]
 
 
 def learn(tokenizer, fmt: ToolFormat) -> ToolFormat:

@@ -121,14 +121,16 @@ def _string(literal: str) -> str | None:
 
 
 class ToolParser:
-    def __init__(self, fmt: ToolFormat = HERMES, names: list[str] | None = None) -> None:
-        """names: the request's functions; a bare call (below) must name one (None: any name)."""
-        self.fmt, self.names = fmt, names
+    def __init__(self, fmt: ToolFormat = HERMES, names: list[str] | None = None, max_calls: int | None = None) -> None:
+        """names: the request's functions; a bare call (below) must name one (None: any name);
+        max_calls: the answer ends for the parser after that many calls (parallel_tool_calls false: 1)."""
+        self.fmt, self.names, self.max_calls = fmt, names, max_calls
         self.args_keys = tuple(dict.fromkeys((fmt.args_key, "arguments", "parameters")))
         self.openers = [m.text for m in fmt.markers() if m is not fmt.end]
         self.text = ""
         self.pos = 0                 # everything before has been decided
         self.state = "text"          # text | open (after an opener) | call | after (a call) | end (its marker)
+                                     # | done (max_calls made)
         self.in_list = False
         self.bare = self.fenced = False   # the current call opened without a marker / inside a ``` fence
         self.region = self.opened = -1   # the current opener's start and end (its text is content if no call follows)
@@ -141,6 +143,8 @@ class ToolParser:
 
     # ------------------------------------------------------------------ the answer's text
     def feed(self, text: str) -> list[tuple]:
+        if self.state == "done":
+            return []
         self.text += text
         out: list[tuple] = []
         while self._advance(out, final=False):
@@ -191,6 +195,9 @@ class ToolParser:
             return self._not_a_call(out)
         if self.state == "call":
             return self._in_call(out)
+        if self.state == "done":                      # max_calls made: the rest is neither content nor calls
+            self.pos = len(text)
+            return False
         if self.state == "after":                     # after a call: another, the list's end, the end marker
             at = self._skip(self.pos)
             if at >= len(text):
@@ -277,7 +284,8 @@ class ToolParser:
             return False
         if call is None:                              # a whole object without a name: not a call
             return self._not_a_call(out)
-        self.state, self.pos, self.scan = "after", scan.end, None
+        done = self.max_calls is not None and len(self.calls) >= self.max_calls
+        self.state, self.pos, self.scan = "done" if done else "after", scan.end, None
         return True
 
     def _send_arguments(self, call: dict, out: list) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ...params import ParamError
 from ...structured import JSON_STYLE, Structured, check_grammar
-from .formats import HERMES, ToolFormat, takes_tools
+from .formats import HERMES, ToolFormat, renders_tool_turns, takes_tools
 
 # a template that reads tool definitions from the system message's own `tools` field (Phi-4-mini)
 MESSAGE_TOOLS = re.compile(r"""message\s*(\[\s*['"]tools['"]\s*\]|\.tools\b)""")
@@ -30,6 +30,7 @@ class ToolSpec:
     tools: list[dict]            # OpenAI's [{"type": "function", "function": {name, description, parameters}}]
     choice: str                  # "auto" | "required" | "none" | a function name
     fmt: ToolFormat = field(default=HERMES)
+    parallel: bool = True        # parallel_tool_calls: false keeps an answer's first call only
 
     @property
     def active(self) -> bool:
@@ -104,16 +105,24 @@ def parse_tools(body: dict, fmt: ToolFormat | None = None) -> ToolSpec | None:
         choice = name
     elif choice not in ("auto", "required", "none"):
         raise ParamError(f"tool_choice must be auto, required, none or {{'type': 'function', ...}}, got {choice!r:.80}")
-    return ToolSpec(tools, choice, fmt if fmt is not None else HERMES)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ParamError(f"parallel_tool_calls must be true or false, got {parallel!r:.80}")
+    return ToolSpec(tools, choice, fmt if fmt is not None else HERMES, parallel is not False)
 
 
-def with_tools(messages: list[dict], tools: ToolSpec | None, tokenizer) -> tuple[list[dict], list[dict] | None]:
+def with_tools(messages: list[dict], tools: ToolSpec | None, tokenizer,
+               tool_format=lambda: HERMES) -> tuple[list[dict], list[dict] | None]:
     """(the messages, the `tools` for the template): the template's own way when it writes the
     tools it is given; a template reading them from the system message's `tools` field (Phi-4-mini)
     gets them there; else the format's instruction as (or after) the system message. Earlier
     calls' arguments sent as JSON strings (as OpenAI's clients send them) reach the template as
-    objects, as transformers' templates expect (they write them with `tojson`)."""
+    objects, as transformers' templates expect (they write them with `tojson`); earlier calls and
+    tool results that the template would drop are written into the turns' text (`as_text`).
+    `tool_format()`: the model's call format, asked for only when a turn needs it."""
     messages = [_arguments_as_objects(m) for m in messages]
+    if any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        messages = as_text(messages, tools.fmt if tools is not None else tool_format(), tokenizer)
     if tools is None or not tools.active:
         return messages, None
     if takes_tools(tokenizer):
@@ -157,3 +166,26 @@ def _arguments_as_objects(message: dict) -> dict:
                 pass
         out.append(call)
     return dict(message, tool_calls=out)
+
+
+def as_text(messages: list[dict], fmt: ToolFormat, tokenizer) -> list[dict]:
+    """Earlier tool turns that the chat template does not write, written into the turns' text: an
+    assistant turn's calls in the model's own format after its content, and tool results (for a
+    template without the role) as a user turn of `<tool_response>` blocks, as Hermes' and Qwen's
+    templates write them. SmolLM2's template wrote an empty assistant turn for a call, so the
+    model never saw the call it had made."""
+    calls_written, results_written = renders_tool_turns(tokenizer)
+    out: list[dict] = []
+    for m in messages:
+        if m.get("tool_calls") and not calls_written:
+            calls = [(c["function"]["name"], c["function"].get("arguments", {})) for c in m["tool_calls"]]
+            text = fmt.write(calls)
+            m = {"role": "assistant", "content": m["content"] + "\n" + text if m["content"] else text}
+        elif m["role"] == "tool" and not results_written:
+            block = "<tool_response>\n" + m["content"] + "\n</tool_response>"
+            if out and out[-1].get("role") == "user" and out[-1]["content"].endswith("</tool_response>"):
+                out[-1] = dict(out[-1], content=out[-1]["content"] + "\n" + block)    # results of one turn
+                continue
+            m = {"role": "user", "content": block}
+        out.append(m)
+    return out
