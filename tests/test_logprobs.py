@@ -95,6 +95,25 @@ def test_openai_client_shapes_and_speculation(server):
     assert plain.choices[0].logprobs is None
 
 
+def test_logprobs_end_where_a_stop_string_cuts_the_text(server):
+    """The tokens that wrote a stop string are not in the answer's logprobs (non-streamed and
+    streamed alike: a stream holds a token's logprob while its text is held as a possible stop)."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    base = dict(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, logprobs=1,
+                extra_body={"ignore_eos": True})
+    free = client.completions.create(**base).choices[0]
+    assert free.text.startswith(" quick quick quick")            # the tiny model's answer
+    for stop, text in (("k q", " quic"), ("quick quick", " ")):
+        answer = client.completions.create(**base, stop=[stop]).choices[0]
+        lp = answer.logprobs
+        assert answer.text == text and answer.finish_reason == "stop"
+        assert lp.tokens == [" quick"] and lp.text_offset == [0]     # the token the text ends in, no more
+        chunks = [c.choices[0] for c in client.completions.create(**base, stop=[stop], stream=True)]
+        assert "".join(c.text for c in chunks) == answer.text
+        assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == lp.tokens
+        assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == lp.text_offset
+
+
 def test_bad_requests(server):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "logprobs": 21}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"

@@ -195,6 +195,8 @@ class Generation:
         self.text = TextStream(state.tokenizer, params,
                                decoder(state.tokenizer, tools.fmt) if tools is not None else None)
         self.done = False
+        self.held_logprobs: list[tuple[int, int, tuple]] = []   # streamed: (text start, end, entry) not yet sent
+        self.logprobs_at = 0                                     # the text offset after the held entries
         self._text_template: tuple[str, str] | None = None
         self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -229,6 +231,23 @@ class Generation:
             at += len(text)
         return {"tokens": texts, "token_logprobs": [v for _, v, _ in lps],
                 "top_logprobs": [{decode([a]): w for a, w in top} for _, _, top in lps], "text_offset": offsets}
+
+    def release_logprobs(self, lps: list | None, texts: list[str], final: bool = False,
+                         end: int | None = None) -> tuple[list | None, int]:
+        """(the logprobs of the tokens whose text has been sent, the offset of their text): a stream's
+        logprobs go with the text they belong to, so a token held back as a possible stop string's
+        start has its logprob held too, and dropped with it when it was one. `texts`: each new
+        token's text in context (TextStream.add); at the answer's last event (`final`) the rest goes,
+        but for the tokens from `end` on (the stop string's start; None: none)."""
+        for entry, text in zip(lps or [], texts):
+            self.held_logprobs.append((self.logprobs_at, self.logprobs_at + len(text), entry))
+            self.logprobs_at += len(text)
+        held, sent = self.held_logprobs, self.text.sent
+        n = 0
+        while n < len(held) and ((end is None or held[n][0] < end) if final else held[n][1] <= sent):
+            n += 1
+        out, self.held_logprobs = held[:n], ([] if final else held[n:])
+        return ([e for _, _, e in out] if out else None), (out[0][0] if out else sent)
 
     def choice(self, text: str, kinds: list[str], ids: list[int], texts: list[str], finish: str | None,
                lps: list | None = None, offset: int = 0) -> dict:
@@ -288,6 +307,19 @@ def merged_usage(usages: list[dict]) -> dict:
     return dict(usages[0], prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
+def tokens_before(decode, ids: list[int], end: int) -> int:
+    """How many of `ids` start before character `end` of their text (a stop string's start: the
+    tokens from there on wrote the stop string, and are not part of the answer's logprobs)."""
+    low, high = 0, len(ids)          # the first m whose text reaches `end` (prefix texts only grow)
+    while low < high:
+        mid = (low + high) // 2
+        if len(decode(ids[:mid])) >= end:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
 def drain(first, queue: asyncio.Queue) -> list:
     """`first` and whatever else is already in the queue: the events of one or more engine steps."""
     items = [first]
@@ -329,17 +361,15 @@ async def stream_events(gens: list[Generation], queue: asyncio.Queue):
             items = drain(await queue.get(), queue)
             for gen, event in (items if per_step else merge_tokens(items)):
                 if isinstance(event, Tokens):
-                    sent = gen.text.sent
-                    delta, texts = gen.text.add(event.ids, p.return_token_kinds)
+                    delta, texts = gen.text.add(event.ids, p.return_token_kinds or event.logprobs is not None)
+                    lps, at = gen.release_logprobs(event.logprobs, texts)
                     if gen.tools is not None:        # content and tool calls as the parser finds them
-                        extra = p.return_token_kinds or p.return_token_ids or event.logprobs
-                        first = gen.choice("", event.kinds, event.ids, texts, None, event.logprobs, sent) \
-                            if extra else None
+                        extra = p.return_token_kinds or p.return_token_ids or lps
+                        first = gen.choice("", event.kinds, event.ids, texts, None, lps, at) if extra else None
                         for chunk in gen.tool_chunks(gen.tools.feed(delta), first):
                             yield sse(chunk)
-                    elif p.return_token_kinds or p.return_token_ids or event.logprobs:
-                        yield sse(gen.envelope([gen.choice(delta, event.kinds, event.ids, texts, None,
-                                                           event.logprobs, sent)]))
+                    elif p.return_token_kinds or p.return_token_ids or lps:
+                        yield sse(gen.envelope([gen.choice(delta, event.kinds, event.ids, texts, None, lps, at)]))
                     elif delta:
                         yield gen.text_chunk(delta)
                 elif isinstance(event, Finished):
@@ -347,6 +377,7 @@ async def stream_events(gens: list[Generation], queue: asyncio.Queue):
                     live -= 1
                     usages.append(event.usage)
                     delta = gen.text.finish(event.stop_text_index)
+                    lps, at = gen.release_logprobs(None, [], final=True, end=event.stop_text_index)
                     reason = event.reason
                     if gen.tools is not None:
                         for chunk in gen.tool_chunks(gen.tools.feed(delta) + gen.tools.finish()):
@@ -354,7 +385,7 @@ async def stream_events(gens: list[Generation], queue: asyncio.Queue):
                         if gen.tools.calls and reason == "stop":
                             reason = "tool_calls"
                         delta = ""
-                    yield sse(gen.envelope([gen.choice(delta, [], [], [], reason)],
+                    yield sse(gen.envelope([gen.choice(delta, [], [], [], reason, lps, at)],
                                            speculation=event.speculation))
                 else:
                     gen.done = True
@@ -396,6 +427,8 @@ async def collect(gens: list[Generation], queue: asyncio.Queue, http: HttpReques
             elif isinstance(event, Finished):
                 gen.done = True
                 text = gen.text.full_text(event.stop_text_index)
+                if event.stop_text_index is not None and lps:
+                    del lps[tokens_before(gen.text.decode, ids, event.stop_text_index):]
                 choice = gen.choice(text, kinds, ids, texts, event.reason, lps if lps else None)
                 if gen.tools is not None:
                     content, calls = gen.tools.result(text)
