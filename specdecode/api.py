@@ -1,6 +1,8 @@
 """Python API: `LLM(model=..., draft=..., method=..., num_speculative_tokens=5).generate(...)`."""
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +73,11 @@ def check_prompt(prompt) -> None:
         check_prompt(message["content"])
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity; all of them where that is not known)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 class LLM:
     """A target model plus (optionally) a drafter.
 
@@ -104,6 +111,10 @@ class LLM:
         if threads is not None:
             if not isinstance(threads, int) or threads < 1:
                 raise ParamError(f"threads must be an integer >= 1, got {threads!r}")
+            usable = usable_cpus()
+            if threads > usable:
+                print(f"note: threads={threads} is more than the {usable} CPUs this process may use: every pass "
+                      f"waits for threads without a CPU (64 threads on 2 CPUs decoded ~50x slower)", file=sys.stderr)
             torch.set_num_threads(threads)
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
             check_num_speculative_tokens(num_speculative_tokens, None)   # the upper limit is the drafter's: below

@@ -58,7 +58,7 @@ def structured_option(args: argparse.Namespace):
     """The --json-schema / --json-object / --regex / --choice / --grammar constraint, or None."""
     from .cli_common import CliError
     from .params import ParamError
-    from .structured import Structured
+    from .structured import Structured, check_grammar
     given = [(flag, value) for flag, value in (("--json-schema", args.json_schema), ("--json-object", args.json_object),
                                                ("--regex", args.regex), ("--choice", args.choice),
                                                ("--grammar", args.grammar)) if value]
@@ -80,7 +80,7 @@ def structured_option(args: argparse.Namespace):
         else:
             structured = Structured({"--json-object": "json_object", "--regex": "regex", "--choice": "choice"}[flag],
                                     None if flag == "--json-object" else value)
-        structured.grammar()                            # parse errors now, as one line
+        check_grammar(structured)                       # errors now (before the model loads), as one line
     except OSError as exc:
         raise CliError(f"{flag}: cannot read {value}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
@@ -89,7 +89,7 @@ def structured_option(args: argparse.Namespace):
         raise CliError(f"{flag}: {value} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
                        f"{exc.start})") from None
     except ParamError as exc:
-        raise CliError(f"{flag}: {exc}") from None
+        raise CliError(f"{flag}: {' '.join(str(exc).split())}") from None
     return structured
 
 
@@ -108,6 +108,8 @@ def prediction_option(args: argparse.Namespace) -> str | None:
     path = getattr(args, "prediction", None)
     if path is None:
         return None
+    if path == "-" and getattr(args, "prompt", None) == "-":
+        raise CliError("--prediction - and the prompt - cannot both be read from stdin: give one of them as a file")
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

@@ -108,7 +108,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="trained drafter directory from `specdecode distill` (methods eagle, cascade)")
     g.add_argument("-k", "--num-speculative-tokens", dest="k", type=positive_int("-k", 0, 64), default=5,
                    help="draft tokens per step (chains, up to 32) or draft tree nodes (tree drafters: recycle, "
-                        "suffix; up to 64); 0 = plain decoding (default 5)")
+                        "suffix, lookahead, eagle2, medusa; up to 64); 0 = plain decoding (default 5)")
     g.add_argument("--drafter-option", dest="drafter_options", action="append", default=[], metavar="KEY=VALUE",
                    type=drafter_option,
                    help="an option of the method's drafter, repeatable, e.g. tree_topk=8 tree_depth=6 (eagle2), "

@@ -146,6 +146,9 @@ def model_paths(path: Path, kern: dict) -> dict:
     from .fast.quant import repacks16, type_name
     from .models.config import ModelError
     from .models.gguf import NATIVE_ARCHS, kept_as_stored, tensor_table
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ModelError(f"--model: {path} has no config.json: not a Hugging Face model directory "
+                         f"(give a .gguf file or a Hugging Face directory)")
     if path.is_dir():
         return {"path": str(path), "format": "Hugging Face directory", "groups": [],
                 "note": f"dense weights in the checkpoint's dtype: bf16 {kern['dense_bf16']}, fp32 {kern['dense_fp32']}"}

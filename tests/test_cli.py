@@ -186,17 +186,45 @@ def test_api_refuses_bad_inputs_by_name():
     llm = LLM(progress=False)
     for args, match in [((None,), "prompts must be"), ((123,), "prompts must be"),
                         (("Hi", {"max_tokens": 4}), "sampling_params must be a SamplingParams"),
-                        (([{"role": "user"}],), "chat message 0"), (("Hi \udcff",), "not valid UTF-8")]:
+                        (([{"role": "user"}],), "chat message 0"), (("Hi \udcff",), "not valid UTF-8"),
+                        (([1, "a"],), "prompt 0 must be text, a list of token ids"),
+                        (([[1, "a"]],), "prompt 0 must be text, a list of token ids")]:
         with pytest.raises(ParamError, match=match):
             llm.generate(*args)
+
+
+def test_a_broken_model_directory_is_one_clear_error(tiny_models, tmp_path):
+    """A config.json that is not JSON or misses a field, weights that are not safetensors: a
+    ModelError naming the file (was an internal error naming only the exception's type)."""
+    import shutil
+
+    from specdecode import LLM
+    from specdecode.models.config import ModelError
+    good = tiny_models["llama"]
+    for name, damage, match in [
+            ("notjson", lambda d: (d / "config.json").write_text("{bad"), r"config.json is not JSON"),
+            ("nofield", lambda d: (d / "config.json").write_text(json.dumps(
+                {k: v for k, v in json.loads((good / "config.json").read_text()).items()
+                 if k != "num_attention_heads"})), r"config.json has no 'num_attention_heads'"),
+            ("garbage", lambda d: (d / "model.safetensors").write_bytes(b"garbage" * 10),
+             r"model.safetensors is not a readable safetensors file")]:
+        folder = tmp_path / name
+        shutil.copytree(good, folder)
+        damage(folder)
+        with pytest.raises(ModelError, match=match):
+            LLM(model=str(folder), progress=False, dtype="fp32")
 
 
 def test_cli_bad_inputs_are_one_line_errors(tmp_path):
     binary = tmp_path / "bin.json"
     binary.write_bytes(b"\xff\xfe")
+    bad_schema = tmp_path / "bad.json"
+    bad_schema.write_text('{"type": "objec"}')
     for args, match in [(["--drafter-option", "ngram_max=abc", "hi"], "ngram_max must be an integer"),
                         (["--json-schema", str(binary), "hi"], "is not UTF-8 text"),
                         (["--json-schema", "-", "-"], "cannot both be read from stdin"),
+                        (["--prediction", "-", "-"], "cannot both be read from stdin"),
+                        (["--json-schema", str(bad_schema), "hi"], "--json-schema: invalid json_schema: Invalid type"),
                         (["--max-tokens", "8000", "hi " * 400], "--max-tokens (8000) exceeds")]:
         r = cli(["--threads", "1", *args], stdin="x")
         assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

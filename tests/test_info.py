@@ -142,7 +142,9 @@ def test_model_option_says_which_path_each_quantization_type_takes(capsys, simde
 def test_bad_model_is_one_error_naming_the_option(capsys, tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("not a model")
-    for target in (text, tmp_path / "missing.gguf"):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for target in (text, tmp_path / "missing.gguf", empty):      # a directory without config.json too
         code, out, err = info(capsys, "--model", str(target))
         assert code == 2 and out == ""
         assert err.startswith("specdecode: error: --model: ") and len(err.strip().splitlines()) == 1

@@ -72,7 +72,7 @@ def test_tree_greedy_equals_plain(tiny_models, arch, fast, penalty):
 
 
 def test_tree_budget_is_checked(tiny_models):
-    with pytest.raises(ParamError, match=r"num_speculative_tokens \(draft tree nodes per step\).*\[0, 64\]"):
+    with pytest.raises(ParamError, match=r"num_speculative_tokens \(-k: draft tree nodes per step\).*\[0, 64\]"):
         LLM(model=str(tiny_models["llama"]), method="test-decoy-tree", dtype="fp32", progress=False,
             num_speculative_tokens=65)
     with pytest.raises(ParamError, match=r"draft tokens per step.*\[0, 32\]"):

@@ -52,7 +52,9 @@ def check_num_speculative_tokens(k: object, drafter: Drafter | None) -> None:
     limit = MAX_TREE_NODES if trees else MAX_CHAIN
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= limit:
         what = "draft tree nodes" if trees else "draft tokens"
-        raise ParamError(f"num_speculative_tokens ({what} per step) must be an integer in [0, {limit}], got {k!r}")
+        raise ParamError(f"num_speculative_tokens (-k: {what} per step) must be an integer in [0, {limit}] for "
+                         f"{'a tree' if trees else 'a chain'} drafter ({drafter.name if drafter else 'none'}), "
+                         f"got {k!r}")
 
 
 def tree_depth(proposal: DraftProposal) -> list[int]:
@@ -93,6 +95,10 @@ def check_requests(prompts: list[list[int]], params: list[SamplingParams], model
         if not prompt:
             raise ParamError(f"prompt {i} is empty: at least one token is required")
         check_room(len(prompt), p.max_tokens, context)
+        kinds = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)]
+        if kinds:
+            raise ParamError(f"prompt {i} must be text, a list of token ids (int) or chat messages; it holds "
+                             f"{type(kinds[0]).__name__} {kinds[0]!r:.40}")
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ParamError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")

@@ -156,7 +156,12 @@ def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device, prog
             return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in state.items()}
         raise ModelError(f"{model_dir} has no *.safetensors weights")
     weights: dict[str, torch.Tensor] = {}
-    handles = [safe_open(str(f), framework="pt") for f in files]
+    handles = []
+    for f in files:
+        try:
+            handles.append(safe_open(str(f), framework="pt"))
+        except Exception as exc:  # noqa: BLE001 -- safetensors' SafetensorError (and OSError): one clear line
+            raise ModelError(f"{f} is not a readable safetensors file ({exc})") from None
     names = [(h, k) for h in handles for k in h.keys()]
     for handle, key in tqdm(names, desc="load weights", unit="tensor", disable=not progress,
                             file=sys.stderr, leave=False):
@@ -256,12 +261,20 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
         model_dir = path
     if not (model_dir / "config.json").is_file():
         raise ModelError(f"{model_dir} has no config.json: not a Hugging Face model directory")
-    hf_config = json.loads((model_dir / "config.json").read_text())
+    try:
+        hf_config = json.loads((model_dir / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelError(f"{model_dir / 'config.json'} is not JSON ({exc})") from None
+    if not isinstance(hf_config, dict):
+        raise ModelError(f"{model_dir / 'config.json'} is not a JSON object")
     if auto and not path.is_file():            # an HF directory in its own float type
         torch_dtype = checkpoint_dtype(hf_config)
     tokenizer = Tokenizer(model_dir)
     try:
         config = ModelConfig.from_hf(hf_config)
+    except KeyError as exc:
+        raise ModelError(f"{model_dir / 'config.json'} has no {exc.args[0]!r}, which a "
+                         f"{hf_config.get('model_type')} config needs") from None
     except ModelError as why:
         from .hf_adapter import HFAdapter
         print(f"note: {hf_config.get('model_type', '?')} is not native here ({why}); running it through "
