@@ -191,13 +191,20 @@ class LLM:
             raise ParamError("prompts must hold at least one prompt")
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompt_list)
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
+            [sampling_params] * len(prompt_list)
         if not all(isinstance(p, SamplingParams) for p in params):
             bad = next(p for p in params if not isinstance(p, SamplingParams))
             raise ParamError(f"sampling_params must be a SamplingParams or a list of them, got {type(bad).__name__} "
                              f"(e.g. SamplingParams(max_tokens=64))")
         if len(params) != len(prompt_list):
             raise ParamError(f"got {len(params)} sampling_params for {len(prompt_list)} prompts")
+        if num_speculative_tokens and self.drafter is None:
+            raise ParamError(f"num_speculative_tokens={num_speculative_tokens!r} needs a drafter, and this LLM has "
+                             f"none (made with method={self.method!r}, num_speculative_tokens="
+                             f"{self.num_speculative_tokens}): make it with a method and num_speculative_tokens > 0")
+        if on_tokens is not None and not callable(on_tokens):
+            raise ParamError(f"on_tokens must be a callable (seq, new_token_ids) or None, got {type(on_tokens).__name__}")
         ids = [list(p) if isinstance(p, (list, tuple)) and (not p or isinstance(p[0], int)) else self.encode(p, chat)
                for p in prompt_list]   # an empty list is an empty prompt (ParamError), not an empty chat
         seqs = None

@@ -187,7 +187,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # warm-up on the prompt's first tokens, so that the first measured run does not pay one-time costs
     # (allocations, kernels); the drafter then forgets it (and, with --compare, each timed run)
     memory = llm.drafter.memory() if llm.drafter is not None else None
-    llm.generate([ids[:32]], type(params)(max_tokens=4, ignore_eos=True), num_speculative_tokens=min(args.k, 2))
+    llm.generate([ids[:32]], type(params)(max_tokens=4, ignore_eos=True), num_speculative_tokens=min(args.k, 2) if llm.drafter is not None else 0)
 
     def fresh_drafter() -> None:
         if memory is not None:
@@ -211,17 +211,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result["drafter"] = llm.drafter.summary()
     if args.compare:
         base = llm.generate([ids], params, num_speculative_tokens=0)[0]
-        spec_speeds, base_speeds = [out.stats["tokens_per_s"]], [base.stats["tokens_per_s"]]
+        spec_runs, base_speeds = [out.stats], [base.stats["tokens_per_s"]]
         # a generation this short is timed mostly by noise: alternate a few more runs of each, medians
+        # (greedy or seeded: every run writes the same text; unseeded samples differ in length and work)
         repeats = min(6, int(1.0 / max(out.stats["total_s"] + base.stats["total_s"], 1e-3)))
-        for _ in range(repeats if params.greedy else 0):
+        for _ in range(repeats if params.greedy or params.seed is not None else 0):
             fresh_drafter()                              # not drafting from the runs before
-            spec_speeds.append(llm.generate([ids], params)[0].stats["tokens_per_s"])
+            spec_runs.append(llm.generate([ids], params)[0].stats)
             base_speeds.append(llm.generate([ids], params, num_speculative_tokens=0)[0].stats["tokens_per_s"])
-        spec_tps, base_tps = statistics.median(spec_speeds), statistics.median(base_speeds)
+        for key in ("draft_s", "verify_s", "prefill_s", "total_s"):   # every timing the runs' median alike
+            if all(isinstance(run.get(key), (int, float)) for run in spec_runs):
+                result[key] = statistics.median(run[key] for run in spec_runs)
+        spec_tps = statistics.median(run["tokens_per_s"] for run in spec_runs)
+        base_tps = statistics.median(base_speeds)
         result["tokens_per_s"] = round(spec_tps, 2)
         result["baseline_tokens_per_s"] = round(base_tps, 2)
-        result["timed_runs"] = len(spec_speeds)
+        result["timed_runs"] = len(spec_runs)
         result["speedup"] = round(spec_tps / base_tps, 3)
         result["identical"] = base.token_ids == out.token_ids
         if not result["identical"]:

@@ -80,6 +80,7 @@ def drafter_option(text: str) -> tuple[str, object]:
 
 def drafter_options(args: argparse.Namespace) -> dict:
     """--drafter-option pairs as keyword options, checked against the method's drafter (CliError)."""
+    _check_models_used(args)
     options = dict(getattr(args, "drafter_options", None) or [])
     if options:
         from .drafters.base import DrafterError
@@ -93,6 +94,21 @@ def drafter_options(args: argparse.Namespace) -> dict:
         except DrafterError as exc:
             raise CliError(str(exc)) from None
     return options
+
+
+def _check_models_used(args: argparse.Namespace) -> None:
+    """CliError for --draft / --drafter given with a --method that never reads them (the draft was
+    loaded, re-quantized and never used)."""
+    from .drafters.registry import drafter_option_names, method_names
+    method = getattr(args, "method", None)
+    if method is None or (method != "none" and method not in method_names()):
+        return
+    for flag, value, option in (("--draft", getattr(args, "draft", None), "draft"),
+                                ("--drafter", getattr(args, "drafter", None), "drafter_path")):
+        if value is not None and (method == "none" or option not in drafter_option_names(method)):
+            users = "model, cascade" if option == "draft" else "eagle, eagle2, medusa, cascade"
+            raise CliError(f"{flag} {value}: method {method!r} does not use it ({users} do); leave it out "
+                           f"or pick one of those")
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:

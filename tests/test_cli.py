@@ -188,9 +188,13 @@ def test_api_refuses_bad_inputs_by_name():
                         (("Hi", {"max_tokens": 4}), "sampling_params must be a SamplingParams"),
                         (([{"role": "user"}],), "chat message 0"), (("Hi \udcff",), "not valid UTF-8"),
                         (([1, "a"],), "prompt 0 must be text, a list of token ids"),
-                        (([[1, "a"]],), "prompt 0 must be text, a list of token ids")]:
+                        (([[1, "a"]],), "prompt 0 must be text, a list of token ids"),
+                        (("Hi", None, False, None, 5), "on_tokens must be a callable")]:
         with pytest.raises(ParamError, match=match):
             llm.generate(*args)
+    plain = LLM(num_speculative_tokens=0, progress=False)          # no drafter built: k > 0 later is an error
+    with pytest.raises(ParamError, match="num_speculative_tokens=5 needs a drafter"):
+        plain.generate("Hi", num_speculative_tokens=5)
 
 
 def test_a_broken_model_directory_is_one_clear_error(tiny_models, tmp_path):
@@ -224,6 +228,8 @@ def test_cli_bad_inputs_are_one_line_errors(tmp_path):
                         (["--json-schema", str(binary), "hi"], "is not UTF-8 text"),
                         (["--json-schema", "-", "-"], "cannot both be read from stdin"),
                         (["--prediction", "-", "-"], "cannot both be read from stdin"),
+                        (["--method", "ngram", "--draft", "x.gguf", "hi"], "--draft x.gguf: method 'ngram' does not use"),
+                        (["--method", "suffix", "--drafter", "d", "hi"], "--drafter d: method 'suffix' does not use"),
                         (["--json-schema", str(bad_schema), "hi"], "--json-schema: invalid json_schema: Invalid type"),
                         (["--max-tokens", "8000", "hi " * 400], "--max-tokens (8000) exceeds")]:
         r = cli(["--threads", "1", *args], stdin="x")
