@@ -81,6 +81,13 @@ def test_openai_client_shapes_and_speculation(server):
     assert lp.token_logprobs == off.choices[0].logprobs.token_logprobs and lp.tokens == off.choices[0].logprobs.tokens
     assert len(lp.tokens) == 16 and all(len(t) <= 3 for t in lp.top_logprobs) and lp.text_offset[0] == 0
     assert "".join(lp.tokens) == on.choices[0].text
+    # the legacy field holds the N most likely and the chosen token (up to N + 1), as OpenAI's
+    sampled = client.completions.create(prompt=PROMPT, logprobs=1, **dict(base, temperature=2.0, seed=1)).choices[0]
+    assert all(tops[token] == value and len(tops) <= 2 for token, value, tops in
+               zip(sampled.logprobs.tokens, sampled.logprobs.token_logprobs, sampled.logprobs.top_logprobs))
+    assert any(len(tops) == 2 for tops in sampled.logprobs.top_logprobs)    # chosen outside the top 1
+    zero = client.completions.create(prompt=PROMPT, logprobs=0, **base).choices[0].logprobs
+    assert zero.top_logprobs == [{t: v} for t, v in zip(zero.tokens, zero.token_logprobs)]
     streamed = [c for c in client.completions.create(prompt=PROMPT, logprobs=3, stream=True, **base)]
     assert sum(len(c.choices[0].logprobs.tokens) for c in streamed if c.choices[0].logprobs) == 16
     messages = [{"role": "user", "content": PROMPT}]

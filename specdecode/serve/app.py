@@ -229,8 +229,11 @@ class Generation:
         for text in texts:
             offsets.append(at)
             at += len(text)
+        # OpenAI's legacy field: the N most likely tokens and the chosen one (up to N + 1 entries)
         return {"tokens": texts, "token_logprobs": [v for _, v, _ in lps],
-                "top_logprobs": [{decode([a]): w for a, w in top} for _, _, top in lps], "text_offset": offsets}
+                "top_logprobs": [{**{decode([a]): w for a, w in top}, text: v} if all(a != t for a, _ in top) else
+                                 {decode([a]): w for a, w in top} for text, (t, v, top) in zip(texts, lps)],
+                "text_offset": offsets}
 
     def release_logprobs(self, lps: list | None, texts: list[str], final: bool = False,
                          end: int | None = None) -> tuple[list | None, int]:
