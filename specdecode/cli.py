@@ -94,12 +94,22 @@ def structured_option(args: argparse.Namespace):
 
 
 def sampling_params(args: argparse.Namespace):
-    from .params import SamplingParams
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                          frequency_penalty=args.frequency_penalty, logit_bias=dict(args.logit_bias),
-                          seed=args.seed, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
-                          structured=structured_option(args), prediction=prediction_option(args))
+    """The options' SamplingParams; a bad value is a CliError naming its option (--top-p, not top_p)."""
+    from .cli_common import CliError
+    from .params import ParamError, SamplingParams
+    try:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                              repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                              frequency_penalty=args.frequency_penalty, logit_bias=dict(args.logit_bias),
+                              seed=args.seed, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+                              structured=structured_option(args), prediction=prediction_option(args))
+    except ParamError as exc:
+        text = str(exc)
+        field = text.split()[0].split("[")[0]
+        if field in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "logit_bias", "seed", "max_tokens", "stop"):
+            raise CliError("--" + field.replace("_", "-") + text[len(field):]) from None
+        raise
 
 
 def prediction_option(args: argparse.Namespace) -> str | None:

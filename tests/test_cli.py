@@ -147,8 +147,8 @@ def test_default_path(runs):
     ("missing_model", ["no_such_model"]),
     ("txt_model", ["model.txt", ".gguf"]),
     ("model_without_draft", ["--draft"]),
-    ("temperature", ["temperature", "-1"]),
-    ("top_p", ["top_p", "2"]),
+    ("temperature", ["--temperature", "-1"]),
+    ("top_p", ["--top-p", "2"]),
     ("dtype_int8", ["--dtype", "'int8'", "bfloat16 (bf16)"]),
 ])
 def test_bad_argument_is_one_line(runs, name, words):
