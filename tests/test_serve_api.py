@@ -197,6 +197,22 @@ def test_queue_full_is_429_and_health_needs_a_working_engine(server):
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200
 
 
+def test_health_checks_at_once_share_one_generation(server):
+    """/health needs no key: checks that come while one is in flight wait for its answer, rather
+    than each queueing a generation ahead of the requests."""
+    scheduler = server.state.scheduler
+    with ThreadPoolExecutor(10) as pool:
+        with scheduler.hold():
+            checks = [pool.submit(httpx.get, server.url + "/health", timeout=60) for _ in range(10)]
+            deadline = time.monotonic() + 10
+            while not scheduler.inbox:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            time.sleep(0.5)                          # every check has arrived by now
+            assert len(scheduler.inbox) == 1
+        assert [c.result().status_code for c in checks] == [200] * 10
+
+
 def test_metrics_and_stats(server, client):
     client.completions.create(model="tiny", prompt=REPEAT, max_tokens=12, temperature=0)
     text = httpx.get(server.url + "/metrics", timeout=10).text

@@ -20,6 +20,7 @@ class ServeState:
     tokenizer: object
     health_token: int
     created: int
+    health_probe: object = None      # the /health generation in flight (an asyncio future): checks share it
 
 
 def build_state(llm, config: ServeConfig, check_budget: bool = True, available: int | None = None) -> ServeState:
