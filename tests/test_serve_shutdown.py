@@ -105,13 +105,15 @@ def test_a_port_in_use_is_one_line_and_exit_code_1(tiny_models):
     assert f"could not start the HTTP server on 127.0.0.1:{port}" in proc.stderr
 
 
-def test_sigterm_stops_the_ray_replicas_and_leaves_no_process_behind(tiny_models):
+def test_sigterm_drains_the_ray_replicas_and_leaves_no_process_behind():
+    """serve --replicas: a stream in flight at SIGTERM is answered in full (Ray Serve's own
+    shutdown closes its proxy first, which cut it), a new request gets 503, nothing is left."""
     pytest.importorskip("ray.serve")
     psutil = pytest.importorskip("psutil")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--model", str(tiny_models["llama"]),
-                             "--dtype", "fp32", "--method", "none", "--replicas", "2", "--threads", "1",
-                             "--port", str(port), "--max-model-len", "256"],
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--method", "none", "--replicas", "2",
+                             "--threads", "1", "--port", str(port), "--max-model-len", "4096",
+                             "--shutdown-timeout", "300"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -128,13 +130,26 @@ def test_sigterm_stops_the_ray_replicas_and_leaves_no_process_behind(tiny_models
             time.sleep(0.5)
         family = psutil.Process(proc.pid).children(recursive=True)
         assert any("raylet" in " ".join(p.cmdline()) for p in family)         # Ray runs under it
+        events, started = [], threading.Event()
+        client = threading.Thread(target=stream, args=(url, 400, events, started))
+        client.start()
+        assert started.wait(60)
         proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        try:
+            refused = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        except httpx.HTTPError:              # (or already gone, had the stream finished by now)
+            refused = None
+        client.join(300)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
     assert "stopped" in err
+    data = [json.loads(d) for kind, d in events if kind == "data" and d != "[DONE]"]
+    assert events[-1] == ("data", "[DONE]") and data[-1]["choices"][0]["finish_reason"] == "length"   # in full
+    assert refused is None or (refused.status_code == 503 and refused.json()["error"]["code"] == "service_unavailable")
     time.sleep(2)
     left = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, [" ".join(p.cmdline())[:120] for p in left]

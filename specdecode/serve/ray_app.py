@@ -173,6 +173,8 @@ class Ingress:
     def __init__(self, engine, spec: dict) -> None:
         self.engine, self.spec = engine, spec
         self.attempts = spec["retries"] + 1
+        self.draining = False            # `drain()`: shutting down, new requests get 503
+        self.in_flight = 0               # generation requests not yet answered in full
         self.registry = Registry.options(name=registry_name(serve.get_replica_context().app_name),
                                          namespace=NAMESPACE, get_if_exists=True).remote()
 
@@ -181,7 +183,7 @@ class Ingress:
                   Route("/v1/chat/completions", self.generate, methods=["POST"]),
                   Route("/v1/models", self.forward, methods=["GET"]),
                   Route("/v1/models/{model:path}", self.forward, methods=["GET"]),
-                  Route("/health", self.forward, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"]),
                   Route("/metrics", self.metrics, methods=["GET"]),
                   Route("/api/stats", self.stats, methods=["GET"]),
                   Route("/", index, methods=["GET"])]
@@ -206,13 +208,45 @@ class Ingress:
     async def stats(self, http: HttpRequest) -> Response:
         return JSONResponse(cluster_stats(await self.reports()))
 
+    async def drain(self) -> int:
+        """Shutting down (`serve --replicas` on SIGTERM / SIGINT): new requests get 503 from now
+        on; returns how many are in flight (`in_flight_count`, polled until 0 or the timeout)."""
+        self.draining = True
+        return self.in_flight
+
+    async def in_flight_count(self) -> int:
+        return self.in_flight
+
+    async def health(self, http: HttpRequest) -> Response:
+        if self.draining:
+            return error(503, "unhealthy: the server is shutting down", code="service_unavailable")
+        return await self.forward(http)
+
     async def generate(self, http: HttpRequest) -> Response:
-        body = await http.body()
+        if self.draining:
+            return error(503, "the server is shutting down; retry on another server", code="service_unavailable")
+        self.in_flight += 1
+        streamed = False
         try:
-            key = routing_key(json.loads(body))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            key = None                      # the replica answers the 400
-        return await self.forward(http, key, body)
+            body = await http.body()
+            try:
+                key = routing_key(json.loads(body))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                key = None                      # the replica answers the 400
+            response = await self.forward(http, key, body)
+            if isinstance(response, StreamingResponse):      # in flight until its last chunk
+                response.body_iterator, streamed = self._counted(response.body_iterator), True
+            return response
+        finally:
+            if not streamed:
+                self.in_flight -= 1
+
+    async def _counted(self, chunks):
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            self.in_flight -= 1
 
     async def forward(self, http: HttpRequest, key: RouteKey | None = None, body: bytes | None = None) -> Response:
         """Send the request to a replica; retried on another one while nothing reached the client."""

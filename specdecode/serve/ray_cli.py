@@ -58,15 +58,18 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         raise CliError("--replicas / --ray-address need Ray Serve: pip install 'specdecode[ray]'") from None
     from . import ray_app
     spec = ray_spec(args)
-    stop = threading.Event()
+    stop, hurry = threading.Event(), threading.Event()
     started = False
 
     def on_signal(signum, frame) -> None:
         if not started:                          # still deploying: give up the start
             raise KeyboardInterrupt
-        if not stop.is_set():
-            print(f"specdecode serve: {signal.Signals(signum).name}: stopping the replicas (requests in flight "
-                  f"have up to {args.shutdown_timeout:g} s) and Ray", file=sys.stderr, flush=True)
+        if stop.is_set():                        # a second signal: no more waiting
+            hurry.set()
+            return
+        print(f"specdecode serve: {signal.Signals(signum).name}: stopping the replicas (requests in flight "
+              f"have up to {args.shutdown_timeout:g} s; a second signal stops at once) and Ray",
+              file=sys.stderr, flush=True)
         stop.set()
 
     def install() -> None:
@@ -75,8 +78,14 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     try:
         spec = ray_app.start(spec, args.host, args.port, args.ray_address, after_init=install)
     except KeyboardInterrupt:
+        # Ray Serve answers requests a few seconds before it reports the application running: what is
+        # in flight then gets its time too (a second signal: none)
+        started = True
+        stop.set()
+        serving = drain(args.shutdown_timeout, hurry, quiet=True)
         leave(args.ray_address)
-        print("specdecode serve: stopped before the replicas were up", file=sys.stderr)
+        print("specdecode serve: stopped" if serving else "specdecode serve: stopped before the replicas were up",
+              file=sys.stderr)
         return 0
     except ConnectionError as exc:
         raise CliError(f"--ray-address {args.ray_address}: cannot join the Ray cluster ({exc}); a cluster with "
@@ -98,10 +107,44 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     try:
         while not stop.wait(3600):
             pass
+        drain(args.shutdown_timeout, hurry)
     finally:
         leave(args.ray_address)
     print("specdecode serve: stopped", file=sys.stderr)
     return 0
+
+
+def drain(timeout: float, hurry: threading.Event, quiet: bool = False) -> bool:
+    """New requests get 503 at the ingress; those in flight get up to `timeout` seconds to finish
+    (`hurry`: a second signal) before the application goes; False when the ingress did not answer
+    (not deployed yet). Ray Serve's own shutdown closes its HTTP proxy first, which cut every
+    stream in flight."""
+    import time
+
+    from ray import serve
+
+    from .ray_app import APP_NAME
+    try:
+        ingress = serve.get_app_handle(APP_NAME)
+        left = ingress.drain.remote().result(timeout_s=10)
+    except Exception as exc:  # noqa: BLE001 -- the application is going anyway: say so, do not trace
+        if not quiet:
+            print(f"specdecode serve: could not reach the ingress to wait for the requests in flight "
+                  f"({type(exc).__name__})", file=sys.stderr)
+        return False
+    deadline = time.monotonic() + timeout
+    try:
+        while left and not hurry.is_set() and time.monotonic() < deadline:
+            hurry.wait(0.2)
+            left = ingress.in_flight_count.remote().result(timeout_s=10)
+    except Exception as exc:  # noqa: BLE001
+        print(f"specdecode serve: lost the ingress while waiting for the requests in flight ({type(exc).__name__})",
+              file=sys.stderr)
+        return True
+    if left:
+        print(f"specdecode serve: {left} request(s) still in flight after {timeout:g} s: stopping anyway",
+              file=sys.stderr)
+    return True
 
 
 def leave(ray_address: str | None) -> None:
