@@ -7,8 +7,8 @@
 #   VLLM_PY=/path/to/vllm-venv/bin/python LLAMACPP_PY=/path/to/llamacpp-venv/bin/python \
 #       bash scripts/serve_peers.sh [OUT_DIR]
 #
-# Installing the peers (their own venvs, out of specdecode's): ../shared/notes/peers.md and
-# docs/benchmarking.md. A peer whose python is not given is skipped. The embedded model's dense
+# Installing the peers (their own venvs, out of specdecode's): docs/benchmarking.md. A peer whose
+# python is not given is skipped. The embedded model's dense
 # HF directory for vLLM is the one `specdecode info --model` / the HF export writes under
 # ~/.cache/specdecode/converted/ (bf16 weights from the same file); set EMBEDDED_HF to override.
 set -uo pipefail

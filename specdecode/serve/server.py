@@ -28,7 +28,7 @@ def build_state(llm, config: ServeConfig, check_budget: bool = True, available: 
     before allocating any KV cache when the models or the memory do not fit the config."""
     target = llm.target
     if not target.native:
-        raise ModelError(f"serve needs a native Llama/Qwen2 target; {target.name} runs through the "
+        raise ModelError(f"serve needs a natively loaded target; {target.name} runs through the "
                          f"transformers adapter, whose cache cannot be paged")
     drafter = llm.drafter if llm.num_speculative_tokens > 0 else None
     draft_loaded = drafter.draft_model() if drafter is not None else None
