@@ -29,6 +29,20 @@ def test_the_tuner_follows_a_machine_that_becomes_busy_and_idle_again():
     assert ThreadTuner(max_threads=1).active is False
 
 
+def test_steps_that_suddenly_take_many_times_as_long_start_a_trial_at_once():
+    """A machine whose other processes crowd the cores: 2-thread steps went from ~10 ms to seconds.
+    Two such steps in a row start a trial (not after up to max_period steps); a lone spike does not."""
+    tuner = ThreadTuner(max_threads=2, period=8, max_period=512, trial=3, set_threads=lambda n: None)
+    drive(tuner, 200, {2: 1.0, 1: 1.6}.get)                 # idle: the interval grew to its max
+    assert tuner.current == 2 and tuner.interval >= 128
+    trials = tuner.trials
+    drive(tuner, 1, {2: 10.0, 1: 1.6}.get)                  # one descheduled step: nothing
+    drive(tuner, 1, {2: 1.0, 1: 1.6}.get)
+    assert tuner.trials == trials
+    drive(tuner, 8, {2: 50.0, 1: 1.7}.get)                  # crowded: 1 thread within a few steps
+    assert tuner.current == 1 and tuner.trials == trials + 1
+
+
 def test_noise_within_the_margin_does_not_switch_and_lost_trials_back_off():
     tuner = ThreadTuner(max_threads=2, period=8, max_period=64, trial=4, set_threads=lambda n: None)
     drive(tuner, 300, {2: 1.0, 1: 0.97}.get)

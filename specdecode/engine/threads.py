@@ -19,7 +19,10 @@ trial's count is kept when the median of its time-per-row ratios to the matched 
 a 1-thread step is ~1.6x a 2-thread one), so the wait between them doubles after each lost trial
 (from `period`, 64, up to `max_period`, 512 steps: under 2% of an idle machine's time) and goes back
 to `period` after a switch. A machine that becomes busy, or idle again, is followed within
-`max_period` steps (a few seconds).
+`max_period` steps (a few seconds), and at once when steps of a size suddenly take SLOW times as long
+as the last ones of that size, twice in a row: with many processes busy on the cores a 2-thread step
+took 0.5-9 s where it took ~10 ms (the threads waiting at the barriers for each other's time slice),
+and 512 steps of that are minutes.
 """
 from __future__ import annotations
 
@@ -28,6 +31,9 @@ from collections import deque
 from statistics import median
 
 import torch
+
+
+SLOW = 4.0              # a step this many times its size's recent time is a sudden slowdown
 
 
 def size_bucket(rows: int) -> int:
@@ -51,6 +57,7 @@ class ThreadTuner:
         self.wait = period                        # steps until the next trial
         self.trial_left = 0
         self.trial_steps = 0                      # steps the current trial has run
+        self.slow = 0                             # steps in a row SLOW times their size's recent time
         self.steps = self.trials = self.switches = 0
 
     @property
@@ -76,6 +83,10 @@ class ThreadTuner:
             return
         entry = (self.steps, size_bucket(rows), seconds / rows)
         if self.trial_left == 0:
+            before = [t for _, t in self.recent.get(entry[1], ())]
+            self.slow = self.slow + 1 if before and entry[2] > SLOW * median(before) else 0
+            if self.slow >= 2:                    # the machine became busy: try the other count now
+                self.wait, self.interval, self.slow = 0, self.period, 0
             self._remember(*entry)
             return
         if self.trial_steps > 0:                  # the trial's first step pays for waking the other count
