@@ -135,11 +135,16 @@ def test_sigterm_drains_the_ray_replicas_and_leaves_no_process_behind():
         client.start()
         assert started.wait(60)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(1.0)
-        try:
-            refused = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
-        except httpx.HTTPError:              # (or already gone, had the stream finished by now)
-            refused = None
+        refused, deadline = None, time.monotonic() + 60
+        while time.monotonic() < deadline:   # served until the ingress hears of the drain, then 503
+            try:
+                refused = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+            except httpx.HTTPError:          # (or already gone, had the stream finished by then)
+                refused = None
+                break
+            if refused.status_code != 200:
+                break
+            time.sleep(0.2)
         client.join(300)
         out, err = proc.communicate(timeout=120)
     finally:

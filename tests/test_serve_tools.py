@@ -94,6 +94,22 @@ def test_an_earlier_call_reaches_the_prompt_and_a_malformed_one_is_a_400(client)
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages[1].tool_calls"), r.text
 
 
+def test_a_stop_string_inside_a_call_is_not_a_finished_call(client):
+    """stop=["}"] cuts a forced call inside its arguments: finish_reason "stop", not "tool_calls" (whose
+    arguments a client would parse as whole JSON)."""
+    c, _ = client
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    for stream in (False, True):
+        kw = dict(model="m", messages=messages, tools=TOOLS, max_tokens=60, temperature=0, stop=["}"],
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        if stream:
+            reasons = [ch.choices[0].finish_reason for ch in c.chat.completions.create(stream=True, **kw)
+                       if ch.choices and ch.choices[0].finish_reason]
+        else:
+            reasons = [c.chat.completions.create(**kw).choices[0].finish_reason]
+        assert reasons == ["stop"], (stream, reasons)
+
+
 def test_parsing():
     content, calls = extract_calls('ok <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
     assert content == "ok" and calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}

@@ -310,6 +310,20 @@ def test_parser_units():
     assert streamed(HERMES, ' {"name": "Person", "arguments": {}}', ["Person"]) == ("", [("Person", "{}")])
     assert streamed(HERMES, "```python\nprint(1)\n```", ["Person"]) == ("```python\nprint(1)\n```", [])
     assert streamed(llama, '{"name": "nope", "parameters": {}}', ["f"]) == ('{"name": "nope", "parameters": {}}', [])
+    # several calls without markers: one object per line in a fence (Qwen2.5-Coder-1.5B's "auto" for two
+    # files), or a list; an object after a call that is not one stays text
+    one = '{"name": "Person", "arguments": {"age": 1}}'
+    two = '{"name": "Person", "arguments": {"age": 2}}'
+    assert streamed(HERMES, f"```json\n{one}\n{two}\n```", ["Person"]) == ("", [("Person", '{"age": 1}'),
+                                                                                ("Person", '{"age": 2}')])
+    assert streamed(HERMES, f"```json\n[{one}, {two}]\n```", ["Person"])[1] == [("Person", '{"age": 1}'),
+                                                                              ("Person", '{"age": 2}')]
+    assert streamed(HERMES, f'{one}\n{{"name": "nope", "arguments": {{}}}}', ["Person"]) == \
+        ('{"name": "nope", "arguments": {}}', [("Person", '{"age": 1}')])
+    assert streamed(HERMES, "[1, 2] and [{\"a\": 1}]", ["Person"]) == ("[1, 2] and [{\"a\": 1}]", [])
+    cut = ToolParser(HERMES, ["Person"])
+    cut.result('<tool_call>\n{"name": "Person", "arguments": {"age": 1')          # a stop string cut it
+    assert cut.tool_calls() and not cut.calls_complete()
     # parallel_tool_calls false: the first call only, nothing after it
     two = 'ok <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call> bye'
     assert streamed(HERMES, two) == ("okbye", [("f", "{}"), ("g", "{}")])

@@ -385,8 +385,8 @@ async def stream_events(gens: list[Generation], queue: asyncio.Queue):
                     if gen.tools is not None:
                         for chunk in gen.tool_chunks(gen.tools.feed(delta) + gen.tools.finish()):
                             yield sse(chunk)
-                        if gen.tools.calls and reason == "stop":
-                            reason = "tool_calls"
+                        if gen.tools.calls and reason == "stop" and gen.tools.calls_complete():
+                            reason = "tool_calls"            # (a stop string inside a call: "stop")
                         delta = ""
                     yield sse(gen.envelope([gen.choice(delta, [], [], [], reason, lps, at)],
                                            speculation=event.speculation))
@@ -437,7 +437,7 @@ async def collect(gens: list[Generation], queue: asyncio.Queue, http: HttpReques
                     content, calls = gen.tools.result(text)
                     if calls:
                         choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-                        if event.reason == "stop":
+                        if event.reason == "stop" and gen.tools.calls_complete():
                             choice["finish_reason"] = "tool_calls"
                 results[gen] = (choice, event.usage, event.speculation)
             else:

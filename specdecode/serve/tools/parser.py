@@ -172,6 +172,10 @@ class ToolParser:
         content = "".join(d[1] for d in deltas if d[0] == "content").strip()
         return content or None, self.tool_calls()
 
+    def calls_complete(self) -> bool:
+        """Did every call's object close (a stop string or max_tokens can cut one short)?"""
+        return all(c["scan"].end >= 0 for c in self.calls)
+
     def tool_calls(self) -> list[dict]:
         return [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                 for c in self.calls]
@@ -186,7 +190,7 @@ class ToolParser:
             at = self._skip(self.pos)
             if at >= len(text):
                 return False
-            if fmt.listed and text[at] == "[" and not self.in_list:
+            if (fmt.listed or self.bare) and text[at] == "[" and not self.in_list:   # a list of calls
                 self.in_list, self.pos = True, at + 1
                 return True
             if text[at] == "{":
@@ -209,6 +213,10 @@ class ToolParser:
                 return True
             if self.in_list and text[at] == "]":
                 self.in_list, self.pos = False, at + 1
+                return True
+            if self.bare and text[at] == "{":         # another call object after a bare one (a fence of
+                self.state, self.pos = "open", at     # calls, one per line: Qwen2.5-Coder's "auto"); text
+                self.region, self.opened, self.region_calls = at, at + 1, len(self.calls)   # if it is none
                 return True
             if self.bare and self.fenced:             # the fence's end, if written
                 if text.startswith("```", at):
@@ -325,8 +333,8 @@ class ToolParser:
         text = self.text
         if lead >= len(text):
             return -1, False
-        if text[lead] == "{":
-            return lead, False
+        if text[lead] in "{[":
+            return self._object_or_list(lead), False
         if not text.startswith("```", lead):
             return (-1, False) if "```".startswith(text[lead:]) else (None, False)
         line = text.find("\n", lead)
@@ -337,7 +345,18 @@ class ToolParser:
         at = self._skip(line + 1)
         if at >= len(text):
             return -1, False
-        return (at, True) if text[at] == "{" else (None, False)
+        found = self._object_or_list(at) if text[at] in "{[" else None
+        return found, found is not None and found >= 0
+
+    def _object_or_list(self, at: int) -> int | None:
+        """text[at] is "{" or "[": `at` for an object, or for a list whose first item is one (a list
+        of calls; Mistral's "[TOOL_CALLS]" is not); None when it is not, -1 while it does not tell."""
+        if self.text[at] == "{":
+            return at
+        first = self._skip(at + 1)
+        if first >= len(self.text):
+            return -1
+        return at if self.text[first] == "{" else None
 
     def _skip(self, at: int) -> int:
         while at < len(self.text) and self.text[at] in WS:
