@@ -321,6 +321,10 @@ def test_parser_units():
     assert streamed(HERMES, f'{one}\n{{"name": "nope", "arguments": {{}}}}', ["Person"]) == \
         ('{"name": "nope", "arguments": {}}', [("Person", '{"age": 1}')])
     assert streamed(HERMES, "[1, 2] and [{\"a\": 1}]", ["Person"]) == ("[1, 2] and [{\"a\": 1}]", [])
+    # a call that max_tokens ends before its name is complete is neither a call nor content (its markup)
+    assert streamed(HERMES, 'ok <tool_call>\n{"name": "Per', ["Person"]) == ("ok", [])
+    assert streamed(HERMES, '<tool_call>', ["Person"]) == ("", [])
+    assert streamed(HERMES, '<tool_call>hello', ["Person"]) == ("<tool_call>hello", [])
     cut = ToolParser(HERMES, ["Person"])
     cut.result('<tool_call>\n{"name": "Person", "arguments": {"age": 1')          # a stop string cut it
     assert cut.tool_calls() and not cut.calls_complete()

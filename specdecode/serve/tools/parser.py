@@ -157,9 +157,12 @@ class ToolParser:
         out: list[tuple] = []
         while self._advance(out, final=True):
             pass
-        if self.state == "text" or (self.state in ("open", "call") and len(self.calls) == self.region_calls):
+        opened = self.state in ("open", "call") and len(self.calls) == self.region_calls
+        if self.state == "text" or (opened and self.bare):
             rest = self.text[self.pos if self.state == "text" else self.region:]
             self._content(rest, out, final=True)
+            self.pos = len(self.text)
+        elif opened:      # a marker opened a call that ended (max_tokens) before its name: not content
             self.pos = len(self.text)
         if self.spaces and not self.calls:
             out.append(("content", self.spaces))
