@@ -1,7 +1,6 @@
 """Python API: `LLM(model=..., draft=..., method=..., num_speculative_tokens=5).generate(...)`."""
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +13,7 @@ from .engine.engine import SpecEngine, StreamCallback, check_num_speculative_tok
 from .drafters.prediction import prediction_usage
 from .engine.prefix_store import PrefixStore
 from .engine.threads import ThreadTuner
+from .info import usable_cpus
 from .models.dtypes import canonical_dtype
 from .models.loader import LoadedModel, default_draft_dtype, load_model
 from .params import ParamError, SamplingParams
@@ -71,11 +71,6 @@ def check_prompt(prompt) -> None:
                 or not isinstance(message.get("content"), str):
             raise ParamError(f"chat message {i} must be {{'role': str, 'content': str}}, got {message!r:.80}")
         check_prompt(message["content"])
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity; all of them where that is not known)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class LLM:

@@ -76,13 +76,18 @@ def collect(model: str | None = None, flags: set[str] | None = None) -> dict:
     return report
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity; all of them where that is not known)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _cpu(flags: set[str] | None) -> dict:
     from .fast import linear
     have = linear.cpu_flags() if flags is None else flags
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = os.cpu_count() or 1
+    usable = usable_cpus()
     return {"model": linear.cpu_field("model name") or platform.processor() or "unknown",
             "vendor": linear.cpu_field("vendor_id") or "unknown", "logical_cpus": os.cpu_count() or 1,
             "usable_cpus": usable, "flags_source": "/proc/cpuinfo" if flags is None else "--cpu-flags",

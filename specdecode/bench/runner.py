@@ -7,7 +7,6 @@ appended to measurements.jsonl as soon as it ends; `--resume` skips cells alread
 """
 from __future__ import annotations
 
-import os
 import platform
 import sys
 import time
@@ -15,6 +14,7 @@ import zlib
 
 import torch
 
+from ..info import usable_cpus
 from . import aggregate, llamacpp, report, workload
 from .store import Store, cell_key, check_resumable
 from .systems import Cell, SpecdecodeSystem, System, TransformersSystem
@@ -36,7 +36,7 @@ def machine_info(threads: int, llamacpp_version: str | None) -> dict:
     import transformers
     from ..fast.linear import cpu_label
     cpu = cpu_label()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cpus()
     return {"cpu": cpu, "cores": cores, "threads": threads, "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "llama_cpp": llamacpp_version}

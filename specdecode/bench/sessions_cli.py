@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from ..info import usable_cpus
 from .serve_cli import _positive_float, check_url, extra_body, serve_args
 from .serve_load import first_model
 from .serve_server import LocalServer, ServerError
@@ -281,9 +282,8 @@ def cmd_bench_sessions(args: argparse.Namespace) -> int:
         "interleave", "round_robin")}
     config.update(extra_body=extra, command=command_line(args))
     results = {"schema": "specdecode-bench-sessions/1", "config": config,
-               "machine": {**cpu_info(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                           else os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                           "load_average_start": load_start, "load_average_end": load_average(),
+               "machine": {**cpu_info(), "cores": usable_cpus(), "platform": platform.platform(),
+                           "python": platform.python_version(), "load_average_start": load_start, "load_average_end": load_average(),
                            "duration_s": round(time.perf_counter() - t0, 1)},
                "server": {"url": args.url, "local": args.url is None, "model": runs[0]["model"],
                           "args": serve_args(args) if args.url is None else None, "runs": runs},
