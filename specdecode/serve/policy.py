@@ -178,20 +178,19 @@ class SpeculationPolicy:
             elif not over and not self.batch_on and self.batch_reason == "batch_size":
                 self._batch_on_again("batch_size_dropped", decisions)
         auto = [r for r in rows if r.mode == AUTO and r.k > 0]
+        seen = self._pooled_alpha(auto)               # planning changes no row's counts: read once
         if not self.batch_on and self.batch_reason == "batch_cost" and batch < self.batch_off_at:
             # the rows' own acceptance where they measured it (they may be other requests than the ones
             # the batch was switched off with); a lone row is its own policy's: a batch switched off at 8
             # rows, measured not to pay at 1 with those rows' acceptance, kept every later request plain,
             # an exact Predicted Output (96% accepted) included
-            seen = self._pooled_alpha(auto)
             alpha = self.batch_alpha if seen is None else seen
             if batch >= 2 and self.measured(batch, self.batch_k) and not self.pays(alpha, batch, self.batch_k, True):
                 self.batch_off_at = batch     # measured not to pay at this size either: stay off
             else:
                 self._batch_on_again("batch_size_dropped", decisions)
         if self.batch_on and batch >= 2 and auto:      # the costs at this size say it cannot pay: off now,
-            alpha = self._pooled_alpha(auto)           # not after steps that cost several plain ones each
-            alpha = PROBE_ALPHA if alpha is None else alpha
+            alpha = PROBE_ALPHA if seen is None else seen   # not after steps that cost several plain ones each
             k = max(r.k for r in auto)
             if not self.pays(alpha, batch, k, turning_on=False):
                 self._batch_off(batch, "batch_cost", decisions)
@@ -202,11 +201,11 @@ class SpeculationPolicy:
             # off: probed only where that would pay (blind probes at 16 rows of the embedded model, a step
             # of 5 drafts per row costing 3.4 plain steps with ~20% accepted, cost the server ~3% of its
             # throughput); the check is free, so it runs every step
-            seen = self._pooled_alpha(auto) if self.shadow else None
-            if self.pays(PROBE_ALPHA if seen is None else seen, batch, self.batch_k, turning_on=True):
+            shadowed = seen if self.shadow else None
+            if self.pays(PROBE_ALPHA if shadowed is None else shadowed, batch, self.batch_k, turning_on=True):
                 self.batch_probing = True
                 decisions.append(Decision("batch", "probe", "periodic"))
-            elif seen is None:  # not even drafts accepted PROBE_ALPHA of the time would pay at this size:
+            elif shadowed is None:  # not even drafts accepted PROBE_ALPHA of the time would pay at this size:
                 self.batch_steps_off = 0        # a probe (a step of k drafts per row) costs several plain steps
                 self.batch_probe_wait = min(2 * self.batch_probe_wait, self.max_probe_interval)
         # a plain step now and then measures the plain cost at this batch size
