@@ -11,7 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from .cli_common import CliError, add_model_options, drafter_options, number, positive_int
+from .cli_common import CliError, add_model_options, drafter_options, number, option_error, positive_int
 from .params import ParamError
 
 
@@ -95,7 +95,6 @@ def structured_option(args: argparse.Namespace):
 
 def sampling_params(args: argparse.Namespace):
     """The options' SamplingParams; a bad value is a CliError naming its option (--top-p, not top_p)."""
-    from .cli_common import CliError
     from .params import ParamError, SamplingParams
     try:
         return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -104,12 +103,7 @@ def sampling_params(args: argparse.Namespace):
                               seed=args.seed, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
                               structured=structured_option(args), prediction=prediction_option(args))
     except ParamError as exc:
-        text = str(exc)
-        field = text.split()[0].split("[")[0]
-        if field in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty", "logit_bias", "seed", "max_tokens", "stop"):
-            raise CliError("--" + field.replace("_", "-") + text[len(field):]) from None
-        raise
+        raise option_error(exc) from None
 
 
 def prediction_option(args: argparse.Namespace) -> str | None:
@@ -197,7 +191,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # warm-up on the prompt's first tokens, so that the first measured run does not pay one-time costs
     # (allocations, kernels); the drafter then forgets it (and, with --compare, each timed run)
     memory = llm.drafter.memory() if llm.drafter is not None else None
-    llm.generate([ids[:32]], type(params)(max_tokens=4, ignore_eos=True), num_speculative_tokens=min(args.k, 2) if llm.drafter is not None else 0)
+    warm_k = min(args.k, 2) if llm.drafter is not None else 0
+    llm.generate([ids[:32]], type(params)(max_tokens=4, ignore_eos=True), num_speculative_tokens=warm_k)
 
     def fresh_drafter() -> None:
         if memory is not None:

@@ -16,6 +16,13 @@ class CliError(ValueError):
     """A bad command-line argument."""
 
 
+def option_error(exc) -> Exception:
+    """A SamplingParams ParamError as the CLI says it: naming the option (`--top-p must be ...`, not
+    `top_p must be ...`); another ParamError unchanged."""
+    field = exc.sampling_field
+    return CliError("--" + field.replace("_", "-") + str(exc)[len(field):]) if field else exc
+
+
 def positive_int(name: str, low: int = 1, high: int | None = None):
     def parse(text: str) -> int:
         try:

@@ -12,6 +12,18 @@ from dataclasses import dataclass, field
 class ParamError(ValueError):
     """A user-supplied parameter is out of range; the message names it and its limit."""
 
+    @property
+    def sampling_field(self) -> str | None:
+        """The SamplingParams field the message opens with (`logit_bias[5] must ...`: logit_bias), or
+        None: what the server names as the error's `param` and the CLI as its option."""
+        words = str(self).split()
+        head = words[0].split("[")[0] if words else ""
+        return head if head in SAMPLING_FIELDS else None
+
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "logit_bias", "seed", "max_tokens", "stop", "ignore_eos")
+
 
 def _check(ok: bool, message: str) -> None:
     if not ok:

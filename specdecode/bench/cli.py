@@ -151,12 +151,12 @@ def config_from(args: argparse.Namespace) -> dict:
     """The resolved settings of a run (stored in run.json / results.json), with the canonical
     command line that reproduces them."""
     defaults = MODES[args.mode]
-    from ..cli_common import CliError
+    from ..cli_common import CliError, option_error
     from ..params import ParamError, SamplingParams
     try:                                   # before any system loads its weights
         SamplingParams(temperature=args.temperature, seed=args.seed)
     except ParamError as exc:
-        raise CliError(f"--{exc}") from None
+        raise option_error(exc) from None
     if args.mode == "spec-bench":
         if args.temperature != 0:
             raise CliError(f"--protocol spec-bench runs at temperature 0, got --temperature {args.temperature}")

@@ -16,8 +16,6 @@ from ..params import ParamError, SamplingParams
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "logit_bias", "seed", "max_tokens", "stop", "ignore_eos")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_K = 64            # draft tree nodes per step (tree drafters); a chain drafter's limit is 32
 MAX_N = 16            # choices per request (`n`)
@@ -165,8 +163,7 @@ def _sampling(body: dict, max_tokens: int | None, default_max_tokens: int, chat:
         return SamplingParams(**values)
     except ParamError as exc:
         message = str(exc)
-        head = message.split()[0].split("[")[0]
-        raise ApiError(400, message, param=head if head in SAMPLING_FIELDS else None) from None
+        raise ApiError(400, message, param=exc.sampling_field) from None
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
