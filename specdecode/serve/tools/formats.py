@@ -27,6 +27,8 @@ import weakref
 from dataclasses import dataclass, field, replace
 
 SENTINEL = "sentinel_fn"
+# an earlier turn's call to SENTINEL, which the probes below render to see what a template writes
+PROBE_CALL = {"id": "abcdefghi", "type": "function", "function": {"name": SENTINEL, "arguments": {"x": 1}}}
 
 
 @dataclass(frozen=True)
@@ -71,23 +73,23 @@ class ToolFormat:
             parts.append(self.end.lark())
         return f"start: {' '.join(parts)}\ncall: %json {json.dumps(call_schema)}\n"
 
+    def _marked(self, objects: list[str]) -> str:
+        """Call objects (JSON text) between this format's markers: one list, or one call each."""
+        start = (self.start.text if self.start else "") + self.gap_start
+        end = self.gap_end + self.end.text if self.end else ""
+        if self.listed:
+            return start + "[" + ", ".join(objects) + "]" + end
+        return "\n".join(start + text + end for text in objects)
+
     def example(self) -> str:
         """A call in this format, with placeholders (the system instruction shows it)."""
-        call = '{"name": <function name>, "' + self.args_key + '": <arguments as a JSON object>}'
-        if self.listed:
-            call = "[" + call + "]"
-        text = (self.start.text if self.start else "") + self.gap_start + call
-        return text + (self.gap_end + self.end.text if self.end else "")
+        return self._marked(['{"name": <function name>, "' + self.args_key + '": <arguments as a JSON object>}'])
 
     def write(self, calls: list[tuple[str, object]]) -> str:
         """Calls (name, arguments) as the model writes them: an earlier turn's calls, for a template
         that does not render `tool_calls` itself."""
-        objects = [json.dumps({"name": name, self.args_key: args}, ensure_ascii=False) for name, args in calls]
-        start = self.start.text if self.start else ""
-        end = self.gap_end + self.end.text if self.end else ""
-        if self.listed:
-            return start + self.gap_start + "[" + ", ".join(objects) + "]" + end
-        return "\n".join(start + self.gap_start + text + end for text in objects)
+        return self._marked([json.dumps({"name": name, self.args_key: args}, ensure_ascii=False)
+                             for name, args in calls])
 
     def instruction(self, functions: list[dict]) -> str:
         """The system prompt that brings the tools to a model whose template does not take them."""
@@ -163,8 +165,7 @@ def renders_tool_turns(tokenizer) -> tuple[bool, bool]:
     """(does the chat template write an assistant turn's `tool_calls`, does it write a `tool`
     message's content): SmolLM2's writes neither call nor arguments, and Gemma's refuses the role."""
     if tokenizer not in _TOOL_TURNS:
-        call = {"id": "abcdefghi", "type": "function", "function": {"name": SENTINEL, "arguments": {"x": 1}}}
-        turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+        turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]},
                  {"role": "tool", "content": SENTINEL + "_result", "tool_call_id": "abcdefghi", "name": SENTINEL}]
         found = []
         for messages, mark in ((turns[:2], '"' + SENTINEL + '"'), (turns, SENTINEL + "_result")):
@@ -179,8 +180,7 @@ def renders_tool_turns(tokenizer) -> tuple[bool, bool]:
 def learn(tokenizer, fmt: ToolFormat) -> ToolFormat:
     """`fmt` with the gaps and the arguments' key the template writes when it renders a call
     (unchanged when it renders none, or something unexpected)."""
-    call = {"id": "abcdefghi", "type": "function", "function": {"name": SENTINEL, "arguments": {"x": 1}}}
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]}]
     tool = {"type": "function", "function": {"name": SENTINEL, "parameters": {"type": "object", "properties": {}}}}
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=[tool])
