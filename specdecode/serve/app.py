@@ -239,7 +239,7 @@ class Generation:
                          end: int | None = None) -> tuple[list | None, int]:
         """(the logprobs of the tokens whose text has been sent, the offset of their text): a stream's
         logprobs go with the text they belong to, so a token held back as a possible stop string's
-        start has its logprob held too, and dropped with it when it was one. `texts`: each new
+        start has its logprob held too, and dropped with it when it was one (a whole answer's too). `texts`: each new
         token's text in context (TextStream.add); at the answer's last event (`final`) the rest goes,
         but for the tokens from `end` on (the stop string's start; None: none)."""
         for entry, text in zip(lps or [], texts):
@@ -308,19 +308,6 @@ def merged_usage(usages: list[dict]) -> dict:
     prompt = usages[0]["prompt_tokens"]
     completion = sum(u["completion_tokens"] for u in usages)
     return dict(usages[0], prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-def tokens_before(decode, ids: list[int], end: int) -> int:
-    """How many of `ids` start before character `end` of their text (a stop string's start: the
-    tokens from there on wrote the stop string, and are not part of the answer's logprobs)."""
-    low, high = 0, len(ids)          # the first m whose text reaches `end` (prefix texts only grow)
-    while low < high:
-        mid = (low + high) // 2
-        if len(decode(ids[:mid])) >= end:
-            high = mid
-        else:
-            low = mid + 1
-    return low
 
 
 def drain(first, queue: asyncio.Queue) -> list:
@@ -425,13 +412,13 @@ async def collect(gens: list[Generation], queue: asyncio.Queue, http: HttpReques
             if isinstance(event, Tokens):
                 ids += event.ids
                 kinds += event.kinds
-                lps += event.logprobs or []
-                texts += gen.text.add(event.ids, gen.parsed.return_token_kinds)[1]
+                new = gen.text.add(event.ids, gen.parsed.return_token_kinds or event.logprobs is not None)[1]
+                texts += new
+                lps += gen.release_logprobs(event.logprobs, new)[0] or []
             elif isinstance(event, Finished):
                 gen.done = True
                 text = gen.text.full_text(event.stop_text_index)
-                if event.stop_text_index is not None and lps:
-                    del lps[tokens_before(gen.text.decode, ids, event.stop_text_index):]
+                lps += gen.release_logprobs(None, [], final=True, end=event.stop_text_index)[0] or []
                 choice = gen.choice(text, kinds, ids, texts, event.reason, lps if lps else None)
                 if gen.tools is not None:
                     content, calls = gen.tools.result(text)
