@@ -195,7 +195,7 @@ class Generation:
         self.text = TextStream(state.tokenizer, params,
                                decoder(state.tokenizer, tools.fmt) if tools is not None else None)
         self.done = False
-        self.held_logprobs: list[tuple[int, int, tuple]] = []   # streamed: (text start, end, entry) not yet sent
+        self.held_logprobs: list[tuple[int, int, tuple]] = []   # (text start, end, entry) not yet released
         self.logprobs_at = 0                                     # the text offset after the held entries
         self._text_template: tuple[str, str] | None = None
         self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -225,23 +225,24 @@ class Generation:
             return {"content": [dict(entry(t, v), top_logprobs=[entry(a, w) for a, w in top])
                                 for t, v, top in lps]}
         texts = [decode([t]) for t, _, _ in lps]
-        offsets, at = [], offset
-        for text in texts:
+        offsets, at, tops = [], offset, []
+        for text, (token, value, top) in zip(texts, lps):
             offsets.append(at)
             at += len(text)
-        # OpenAI's legacy field: the N most likely tokens and the chosen one (up to N + 1 entries)
-        return {"tokens": texts, "token_logprobs": [v for _, v, _ in lps],
-                "top_logprobs": [{**{decode([a]): w for a, w in top}, text: v} if all(a != t for a, _ in top) else
-                                 {decode([a]): w for a, w in top} for text, (t, v, top) in zip(texts, lps)],
+            alternatives = {decode([a]): w for a, w in top}
+            if all(a != token for a, _ in top):     # OpenAI's legacy field: the N most likely tokens and
+                alternatives[text] = value          # the chosen one (up to N + 1 entries)
+            tops.append(alternatives)
+        return {"tokens": texts, "token_logprobs": [v for _, v, _ in lps], "top_logprobs": tops,
                 "text_offset": offsets}
 
     def release_logprobs(self, lps: list | None, texts: list[str], final: bool = False,
                          end: int | None = None) -> tuple[list | None, int]:
         """(the logprobs of the tokens whose text has been sent, the offset of their text): a stream's
         logprobs go with the text they belong to, so a token held back as a possible stop string's
-        start has its logprob held too, and dropped with it when it was one (a whole answer's too). `texts`: each new
-        token's text in context (TextStream.add); at the answer's last event (`final`) the rest goes,
-        but for the tokens from `end` on (the stop string's start; None: none)."""
+        start has its logprob held too, and dropped with it when it was one (a whole answer's alike).
+        `texts`: each new token's text in context (TextStream.add); at the answer's last event
+        (`final`) the rest goes, but for the tokens from `end` on (the stop string's start; None: none)."""
         for entry, text in zip(lps or [], texts):
             self.held_logprobs.append((self.logprobs_at, self.logprobs_at + len(text), entry))
             self.logprobs_at += len(text)
