@@ -12,8 +12,7 @@ from .drafters.registry import build_drafter, check_drafter_options, method_name
 from .engine.engine import SpecEngine, StreamCallback, check_num_speculative_tokens
 from .drafters.prediction import prediction_usage
 from .engine.prefix_store import PrefixStore
-from .engine.threads import ThreadTuner
-from .info import usable_cpus
+from .engine.threads import ThreadTuner, usable_cpus
 from .models.dtypes import canonical_dtype
 from .models.loader import LoadedModel, default_draft_dtype, load_model
 from .params import ParamError, SamplingParams

@@ -76,15 +76,8 @@ def collect(model: str | None = None, flags: set[str] | None = None) -> dict:
     return report
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity; all of them where that is not known)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def _cpu(flags: set[str] | None) -> dict:
+    from .engine.threads import usable_cpus
     from .fast import linear
     have = linear.cpu_flags() if flags is None else flags
     usable = usable_cpus()

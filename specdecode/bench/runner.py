@@ -14,7 +14,7 @@ import zlib
 
 import torch
 
-from ..info import usable_cpus
+from ..engine.threads import usable_cpus
 from . import aggregate, llamacpp, report, workload
 from .store import Store, cell_key, check_resumable
 from .systems import Cell, SpecdecodeSystem, System, TransformersSystem

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import httpx
 
-from ..info import usable_cpus
 from .serve_cli import _positive_float, check_url, extra_body, serve_args
 from .serve_load import first_model
 from .serve_server import LocalServer, ServerError
@@ -281,6 +280,7 @@ def cmd_bench_sessions(args: argparse.Namespace) -> int:
         "prediction", "request_timeout", "compare_speculation", "speculate", "compare_prefix_cache", "one_server",
         "interleave", "round_robin")}
     config.update(extra_body=extra, command=command_line(args))
+    from ..engine.threads import usable_cpus      # (torch: cpu_info reads the kernels' module too)
     results = {"schema": "specdecode-bench-sessions/1", "config": config,
                "machine": {**cpu_info(), "cores": usable_cpus(), "platform": platform.platform(),
                            "python": platform.python_version(), "load_average_start": load_start, "load_average_end": load_average(),

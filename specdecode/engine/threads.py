@@ -27,6 +27,7 @@ and 512 steps of that are minutes.
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 from statistics import median
 
@@ -34,6 +35,14 @@ import torch
 
 
 SLOW = 4.0              # a step this many times its size's recent time is a sudden slowdown
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity; all of them where that is not known)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def size_bucket(rows: int) -> int:
