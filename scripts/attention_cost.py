@@ -91,7 +91,7 @@ def main() -> None:
     from specdecode import LLM
     from specdecode.fast import linear as lin
     from specdecode.forward import ForwardBatch
-    from specdecode.serve.paged_cache import PagedKVCache
+    from specdecode.cache.paged import PagedKVCache
 
     llm = LLM(method="none")
     m = llm.target.model

@@ -8,15 +8,15 @@ from pathlib import Path
 import torch
 
 from .drafters.base import Drafter, DrafterError
-from .drafters.registry import build_drafter, check_drafter_options, method_names
-from .engine.engine import SpecEngine, StreamCallback, check_num_speculative_tokens
 from .drafters.prediction import prediction_usage
-from .engine.prefix_store import PrefixStore
-from .engine.threads import ThreadTuner, usable_cpus
+from .drafters.registry import build_drafter, check_drafter_options, drafter_option_names, method_names
+from .engine.config import MAX_CHAIN
+from .engine.offline import StreamCallback, offline_core, run
+from .engine.threads import usable_cpus
 from .models.dtypes import canonical_dtype
 from .models.loader import LoadedModel, default_draft_dtype, load_model
 from .params import ParamError, SamplingParams
-from .serve.offline import OfflineBatches, suits as offline_suits
+from .tree import MAX_TREE_NODES
 
 PREFIX_CACHE_BYTES = 512 * 2**20     # LLM's default bound on cached prefix blocks (prefix_cache=True)
 
@@ -50,6 +50,18 @@ def default_method(draft: object | None, target: LoadedModel | None = None, draf
         kind = read_meta(Path(drafter_path)).get("kind")
         return "medusa" if kind == "medusa" else "cascade"
     return "ngram"
+
+
+def check_num_speculative_tokens(k: object, drafter: Drafter | None) -> None:
+    """ParamError unless k is a valid draft size for this drafter: tokens of a chain (<= MAX_CHAIN)
+    or nodes of a tree (<= MAX_TREE_NODES)."""
+    trees = drafter is not None and drafter.capabilities.drafts_trees
+    limit = MAX_TREE_NODES if trees else MAX_CHAIN
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= limit:
+        what = "draft tree nodes" if trees else "draft tokens"
+        raise ParamError(f"num_speculative_tokens (-k: {what} per step) must be an integer in [0, {limit}] for "
+                         f"{'a tree' if trees else 'a chain'} drafter ({drafter.name if drafter else 'none'}), "
+                         f"got {k!r}")
 
 
 def check_prompt(prompt) -> None:
@@ -87,14 +99,17 @@ class LLM:
     draft_dtype: the draft's dtype if not the target's, or "int8" (weights quantized per channel)
     or "q4_0" (re-quantized to 4-bit blocks of 32: a cheaper draft, still lossless).
     adaptive: choose each step's draft size up to num_speculative_tokens from measured costs and
-    acceptance (engine/budget.py), plain decoding when drafts do not pay; None = on; False: every
-    step drafts num_speculative_tokens. A batch with a seeded sampled request drafts
-    num_speculative_tokens every step (sizes follow timings; the seed then reproduces the output).
-    prefix_cache: keep the target's keys and values of every call's sequences (prompts and answers)
-    so that a later prompt that starts the same way (a chat's next turn) is prefilled only after
-    that start (engine/prefix_store.py; bitwise the same answers); True: up to PREFIX_CACHE_BYTES,
-    an int: up to that many bytes, False/0: off. Off for the transformers adapter and eager runs
-    (whose passes are not batch invariant) and for drafters that read the target's hidden states.
+    acceptance (engine/controller.py), plain decoding when drafts do not pay; None = on; False:
+    every step drafts num_speculative_tokens (a draft model's early stop, draft_confidence, off
+    unless given).
+    prefix_cache: keep the keys and values of every call's sequences (prompts and answers) so that a
+    later prompt that starts the same way (a chat's next turn) is prefilled only after that start
+    (bitwise the same answers); True: up to PREFIX_CACHE_BYTES, an int: up to that many bytes,
+    False/0: off. Off for the transformers adapter and eager runs (whose passes are not batch
+    invariant) and for drafters that read the target's hidden states.
+
+    Every call runs on the engine core (engine/core.py), as the server does: continuous batching of
+    its prompts over paged KV caches, one speculation controller, one prefix cache.
     """
 
     def __init__(self, model: str | None = None, draft: str | None = None, method: str | None = None,
@@ -123,6 +138,9 @@ class LLM:
                                     weights=weights, dtype_param="draft_dtype" if draft_dtype else "dtype")
         self.method = method or default_method(draft, self.target, drafter_options.get("drafter_path"))
         check_drafter_options(self.method, {k: v for k, v in drafter_options.items() if k != "drafter_path"})
+        if adaptive is False and self.method in method_names() and "draft_confidence" not in drafter_options \
+                and "draft_confidence" in drafter_option_names(self.method):
+            drafter_options["draft_confidence"] = 0.0      # k drafts every step, as asked
         self.num_speculative_tokens = num_speculative_tokens
         self.drafter: Drafter | None = None
         if self.method != "none" and num_speculative_tokens > 0:
@@ -132,34 +150,20 @@ class LLM:
                                f"got {self.method!r}")
         check_num_speculative_tokens(num_speculative_tokens, self.drafter)
         self.adaptive = adaptive
-        self.cost_curve: dict[int, float] | None = None     # measured by the first adaptive engine
-        self.batch_curves: dict[int, dict[int, float]] = {}  # ... and per batch size of a batch call
-        self.budgets: dict = {}                             # each k's last draft budget (the next call's start)
         self.tokenizer = self.target.tokenizer
-        self.prefix_store = self._prefix_store(prefix_cache)
-        # passes on fewer threads where that measures faster (another process busy on a core)
-        self.threads = ThreadTuner() if self.target.model.device.type == "cpu" else None
-        self.offline = OfflineBatches(self)                  # calls of many prompts (serve/offline.py)
+        self.core = offline_core(self.target, self.drafter, num_speculative_tokens, adaptive is not False,
+                                 self._prefix_bytes(prefix_cache))
 
-    def engine(self, num_speculative_tokens: int | None = None) -> SpecEngine:
-        k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-        return SpecEngine(self.target, self.drafter, k, adaptive=self.adaptive, cost_curve=self.cost_curve,
-                          prefix_store=self.prefix_store, threads=self.threads, batch_curves=self.batch_curves,
-                          budgets=self.budgets)
-
-    def _prefix_store(self, prefix_cache) -> PrefixStore | None:
+    def _prefix_bytes(self, prefix_cache) -> int:
+        """The prefix cache's bound in bytes (0: off; see the class docstring)."""
         if isinstance(prefix_cache, bool):
             size = PREFIX_CACHE_BYTES if prefix_cache else 0
         elif isinstance(prefix_cache, int) and prefix_cache >= 0:
             size = prefix_cache
         else:
             raise ParamError(f"prefix_cache must be True, False or a number of bytes >= 0, got {prefix_cache!r}")
-        model = self.target.model
-        batch_invariant = self.target.native and getattr(model, "fused", None) is not None
-        reads_hidden = self.drafter is not None and self.drafter.capabilities.needs_target_hidden
-        if not size or not batch_invariant or reads_hidden:
-            return None
-        return PrefixStore(size)
+        batch_invariant = self.target.native and getattr(self.target.model, "fused", None) is not None
+        return size if batch_invariant else 0
 
     def encode(self, prompt: str | list[dict[str, str]], chat: bool) -> list[int]:
         check_prompt(prompt)
@@ -197,17 +201,13 @@ class LLM:
             raise ParamError(f"num_speculative_tokens={num_speculative_tokens!r} needs a drafter, and this LLM has "
                              f"none (made with method={self.method!r}, num_speculative_tokens="
                              f"{self.num_speculative_tokens}): make it with a method and num_speculative_tokens > 0")
+        if num_speculative_tokens is not None:
+            check_num_speculative_tokens(num_speculative_tokens, self.drafter)
         if on_tokens is not None and not callable(on_tokens):
             raise ParamError(f"on_tokens must be a callable (seq, new_token_ids) or None, got {type(on_tokens).__name__}")
         ids = [list(p) if isinstance(p, (list, tuple)) and (not p or isinstance(p[0], int)) else self.encode(p, chat)
                for p in prompt_list]   # an empty list is an empty prompt (ParamError), not an empty chat
-        seqs = None
-        if offline_suits(self, ids, params, on_tokens):   # many prompts: continuous batching (serve/offline.py)
-            seqs = self.offline.generate(ids, params, num_speculative_tokens)
-        if seqs is None:
-            engine = self.engine(num_speculative_tokens)
-            seqs = engine.generate(ids, params, on_tokens)
-            self.cost_curve = engine.cost_curve
+        seqs = run(self.core, ids, params, num_speculative_tokens, on_tokens)
         outputs = []
         for prompt, s in zip(prompt_list, seqs):
             stats = s.stats.as_dict(s.num_output)

@@ -173,7 +173,7 @@ class Streamer:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .api import LLM
-    from .engine.engine import check_room
+    from .engine.sequence import check_room
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():

@@ -17,7 +17,7 @@ def weights_bytes(model) -> int:
 
 
 def kv_bytes_per_token(model) -> int:
-    if model is None:
+    if model is None or not hasattr(model, "config"):     # none, or the transformers adapter's own caches
         return 0
     c = model.config
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.embed.element_size()

@@ -86,13 +86,12 @@ def assert_drafts_accepted_and_exact(target, drafter, question: str, max_tokens:
     """Greedy generation of a chat `question` with `drafter` (k=4, fixed size) equals plain decoding,
     and some of its drafts are accepted (a shipped, trained drafter)."""
     from specdecode import SamplingParams
-    from specdecode.engine.engine import SpecEngine
 
     tok = target.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]), add_special=False)
     params = [SamplingParams(max_tokens=max_tokens)]
-    plain = SpecEngine(target, None, 0).generate([ids], params)[0]
-    spec = SpecEngine(target, drafter, 4, adaptive=False).generate([ids], params)[0]
+    plain = run_engine(target, None, 0, [ids], params)[0]
+    spec = run_engine(target, drafter, 4, [ids], params, adaptive=False)[0]
     assert spec.output_ids == plain.output_ids
     assert spec.stats.accepted > 0
 
@@ -144,3 +143,18 @@ def smollm2():
     """The embedded default target in fp32 (loaded once per session)."""
     from specdecode.models.loader import load_model
     return load_model(None, dtype="fp32", progress=False)
+
+
+def run_engine(target, drafter, k: int, prompts, params, adaptive: bool = True):
+    """The finished sequences of one offline call on a fresh engine core (as LLM.generate runs)."""
+    from specdecode.engine import offline
+    core = offline.offline_core(target, drafter, k, adaptive)
+    return offline.run(core, [list(p) for p in prompts], list(params))
+
+
+def make_seq(request_id, prompt_ids, params, eos_token_ids=(), row: int = 0):
+    """A Sequence outside an engine (drafter tests): its request, a row, no speculation state."""
+    from specdecode.engine.controller import RowSpec
+    from specdecode.engine.sequence import Request, Sequence
+    request = Request(list(prompt_ids), params, sink=lambda event: None, id=request_id)
+    return Sequence(request, tuple(eos_token_ids), row, RowSpec(0))

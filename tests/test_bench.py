@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from specdecode.engine.engine import SPAN
+from specdecode.engine.config import SPAN
 
 from specdecode.bench import aggregate
 from specdecode.cli import main
@@ -78,7 +78,7 @@ def test_specdecode_greedy_is_lossless(run):
         if r["method"] == "plain":
             assert r["speedup"] == 1.0 and r["mean_accepted_length"] == 1.0
         else:
-            # sized per step (engine/budget.py): at most k drafts (tree nodes), depth <= k; a copying
+            # sized per step (engine/controller.py): at most k drafts (tree nodes), depth <= k; a copying
             # drafter (lookups) grows past k while its drafts are accepted whole, up to SPAN
             cap = max(r["k"], SPAN) if r["method"] in ("ngram", "suffix") else r["k"]
             assert 1.0 <= r["mean_accepted_length"] <= cap + 1
@@ -242,21 +242,21 @@ def test_drafter_options_reach_the_drafters_that_take_them(tiny_models, tmp_path
     real = registry.build_drafter
 
     def spy(method, target, **options):
-        built.append((method, {k: v for k, v in options.items() if k == "draft_context"}))
+        built.append((method, {k: v for k, v in options.items() if k == "draft_confidence"}))
         return real(method, target, **options)
     monkeypatch.setattr(registry, "build_drafter", spy)
     out = tmp_path / "out"
     assert bench(out, tiny_models, "--tasks", "qa", "--systems", "specdecode", "--methods", "plain,ngram,model",
-                 "--drafter-option", "draft_context=4") == 0
+                 "--drafter-option", "draft_confidence=0.5") == 0
     cells = [(m, o) for m, o in built if m in ("ngram", "model")]
-    assert ("model", {"draft_context": 4}) in cells and ("ngram", {}) in cells      # ngram has no such option
+    assert ("model", {"draft_confidence": 0.5}) in cells and ("ngram", {}) in cells      # ngram has no such option
     results = json.loads((out / "results.json").read_text())
-    assert "--drafter-option draft_context=4" in results["config"]["command"]     # reproduces the run
+    assert "--drafter-option draft_confidence=0.5" in results["config"]["command"]     # reproduces the run
     assert all(r["identical_share"] == 1.0 for r in results["rows"])
     # an option no selected method takes: one line naming it and the options there are
-    assert main(["bench", "--methods", "plain,ngram", "--drafter-option", "draft_context=4", "--out",
+    assert main(["bench", "--methods", "plain,ngram", "--drafter-option", "draft_confidence=0.5", "--out",
                  str(tmp_path / "x")]) != 0
-    assert "--drafter-option 'draft_context' is not an option of any of --methods plain,ngram (their options: " \
+    assert "--drafter-option 'draft_confidence' is not an option of any of --methods plain,ngram (their options: " \
            "ngram_max, ngram_min, text_match)" in capsys.readouterr().err
 
 

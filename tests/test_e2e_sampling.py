@@ -23,7 +23,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdecode import LLM, SamplingParams
+from specdecode import LLM
+from specdecode import SamplingParams
+from specdecode.engine import offline
 from specdecode.sampling import probs_from_logits, transform_logits
 
 NUM_SAMPLES = 100_000           # the spec's sample count
@@ -126,6 +128,7 @@ def drafter_sampling(setup, method: str, seed0: int, min_acceptance: float, **op
     spec.__dict__.update(llm.__dict__)
     spec.drafter = build_drafter(method, llm.target, **options)
     spec.method = method
+    spec.core = offline.offline_core(llm.target, spec.drafter, llm.num_speculative_tokens, adaptive=False)
     n = 20_000
     counts, acceptance = draw(spec, prompt, n, K, seed0=seed0)
     p_value, tv, outside = compare(counts, exact)

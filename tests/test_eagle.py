@@ -74,8 +74,7 @@ def test_eagle2_tree_shape_and_bad_options(tiny_models, heads):
         with pytest.raises(DrafterError, match="tree_"):
             build_drafter("eagle2", llm.target, drafter_path=str(heads["llama"]), **bad)
     drafter = build_drafter("eagle2", llm.target, drafter_path=str(heads["llama"]), tree_topk=4, tree_depth=3)
-    from specdecode.engine.engine import SpecEngine
-    engine = SpecEngine(llm.target, drafter, 20, adaptive=False)
+    from conftest import run_engine
     seen = []
     original = drafter.propose
 
@@ -85,7 +84,8 @@ def test_eagle2_tree_shape_and_bad_options(tiny_models, heads):
         return proposal
     drafter.propose = spy
     ids = llm.encode(PROMPTS[0], chat=False)
-    engine.generate([ids, ids[:5]], [SamplingParams(max_tokens=10, ignore_eos=True)] * 2)
+    run_engine(llm.target, drafter, 20, [ids, ids[:5]], [SamplingParams(max_tokens=10, ignore_eos=True)] * 2,
+               adaptive=False)
     assert seen
     for proposal, budgets in seen:
         assert proposal.is_tree
@@ -289,7 +289,7 @@ def test_a_long_catch_up_computes_only_the_window_and_never_reads_before_it(tiny
     assert [o.token_ids for o in llm.generate(PROMPTS, params, num_speculative_tokens=4)] == expected
     assert llm.generate([PROMPTS[0]], params, num_speculative_tokens=4)[0].token_ids == expected[0]
     assert all(len(o.token_ids) == 30 for o in llm.generate(PROMPTS, sampled, num_speculative_tokens=4))
-    from specdecode.engine.sequence import Sequence
+    from conftest import make_seq
     from specdecode.forward import ForwardBatch
     drafter, model = llm.drafter, llm.target.model
     widths, original = [], drafter._pass
@@ -305,7 +305,7 @@ def test_a_long_catch_up_computes_only_the_window_and_never_reads_before_it(tiny
         drafter.prepare(1, 128)
         for cache in (drafter.cache.keys[0], drafter.cache.values[0]):
             cache.fill_(fill)
-        seq = Sequence(0, ids, params, (), row=0)
+        seq = make_seq(0, ids, params, (), row=0)
         drafter.observe([seq], [0], hidden)
         widths.clear()
         drafts.append(drafter.propose([seq], [4]).tokens.tolist())

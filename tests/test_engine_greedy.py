@@ -66,37 +66,18 @@ def test_a_greedy_row_stops_drafting_after_a_token_its_draft_is_unsure_of(tiny_m
     assert all(s.stats["acceptance_rate"] == 1.0 for s in gated)
 
 
-def test_draft_context_window_keeps_greedy_outputs(tiny_models):
-    """draft_context: the draft model reads only the last N tokens (its cache restarts from the
-    window when a catch-up would be longer); the output is still the target's own."""
-    from specdecode.drafters.base import DrafterError
+def test_the_target_as_its_own_draft_accepts_every_draft_and_drafts_k_every_step(tiny_models):
+    """A draft model that is the target itself (fp32, greedy): every draft is the target's own token,
+    and with adaptive=False (draft_confidence off unless given) every step drafts k."""
     target = str(tiny_models["llama"])
-    plain = run(LLM(model=target, dtype="fp32", progress=False, method="ngram"), 0)
-    for adaptive in (False, True):
-        llm = LLM(model=target, draft=target, dtype="fp32", progress=False, adaptive=adaptive, method="model",
-                  draft_context=8, draft_confidence=0.0)
-        drafter, filled = llm.drafter, []
-        inner = drafter.propose
-
-        def propose(seqs, max_tokens):             # the draft cache's rows after each proposal
-            out = inner(seqs, max_tokens)
-            filled.extend(drafter.cache.lengths[s.row] - (len(s.token_ids) - drafter.offset[s.row]) for s in seqs)
-            return out
-        drafter.propose = propose
-        spec = run(llm, 4)
-        assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
-        if adaptive:        # a draft as costly as the target cannot pay: the budget never drafts
-            assert not filled
-            continue
-        assert drafter.draft_context == 8 and max(drafter.offset.values()) > 0       # the prompts were cut
-        assert filled and max(filled) <= 4          # the cache holds the window's text (+ the drafts) only
-    # the self-draft no longer sees the whole text: fewer of its drafts are the target's
-    whole = run(LLM(model=target, draft=target, dtype="fp32", progress=False, adaptive=False, method="model",
-                    draft_confidence=0.0), 4)
-    assert spec[0].stats["acceptance_rate"] <= whole[0].stats["acceptance_rate"] == 1.0
-    for bad in (-1, 1.5, True, 1 << 21):
-        with pytest.raises(DrafterError, match=r"draft_context must be 0 \(the whole context\) or a number of tokens"):
-            LLM(model=target, draft=target, dtype="fp32", progress=False, method="model", draft_context=bad)
+    llm = LLM(model=target, draft=target, dtype="fp32", draft_dtype="fp32", progress=False, adaptive=False,
+              method="model")
+    prompt = " ".join(["the quick brown fox jumps over the lazy dog."] * 12)      # a long prompt (~110 tokens)
+    out = llm.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True), num_speculative_tokens=4)[0]
+    plain = llm.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True), num_speculative_tokens=0)[0]
+    assert out.token_ids == plain.token_ids
+    assert out.stats["acceptance_rate"] == 1.0 and out.stats["acceptance_per_position"] == [1.0] * 4
+    assert out.stats["drafted_tokens"] == 4 * out.stats["steps"]            # k every step
 
 
 def test_the_draft_model_reads_the_prompt_during_prefill(tiny_models):
@@ -129,38 +110,6 @@ def test_the_draft_model_reads_the_prompt_during_prefill(tiny_models):
     assert max(widths["forward"]) <= 2                 # proposals: the unseen bonus (+ last draft), then drafts
 
 
-def test_under_a_draft_budget_the_draft_model_reads_the_prompt_before_its_first_draft(tiny_models, monkeypatch):
-    """prefill_when_drafting: with a draft budget, the draft model reads the text only right before
-    the first step that drafts (all of it but the last token, in one pass timed as prefill), so a
-    request the budget never drafts for never pays for that pass."""
-    from specdecode.engine import budget as budget_module
-    llm = LLM(model=str(tiny_models["llama"]), draft=str(tiny_models["llama_draft"]), dtype="fp32", progress=False,
-              method="model")
-    plain = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=20, ignore_eos=True), num_speculative_tokens=0)
-    model = llm.drafter.model
-    widths, run_ = [], model.run
-
-    def run(fb, cache, **kw):
-        widths.append(fb.tokens.shape[1])
-        return run_(fb, cache, **kw)
-    model.run = run
-    sizes = iter([0] * 5 + [2] * 100)                  # plain for five steps, then drafts
-    monkeypatch.setattr(budget_module.DraftBudget, "next_size", lambda self: next(sizes))
-    spec = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=20, ignore_eos=True), num_speculative_tokens=3)
-    assert spec[0].token_ids == plain[0].token_ids
-    assert widths[0] == len(llm.tokenizer.encode(PROMPTS[0])) + 5 - 1     # the prompt and five tokens, once,
-    assert max(widths[1:]) <= 2                                           # then drafting passes only
-    assert spec[0].stats["drafted_tokens"] > 0
-    widths.clear()
-    monkeypatch.setattr(budget_module.DraftBudget, "next_size", lambda self: 0)
-    spec = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=20, ignore_eos=True), num_speculative_tokens=3)
-    assert spec[0].token_ids == plain[0].token_ids and widths == []            # never drafted: never read
-    sizes = iter([0] * 5 + [2] * 100)     # a third call: the row the first call left, kept through the second
-    monkeypatch.setattr(budget_module.DraftBudget, "next_size", lambda self: next(sizes))
-    spec = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=20, ignore_eos=True), num_speculative_tokens=3)
-    assert spec[0].token_ids == plain[0].token_ids and widths and max(widths) <= 2       # nothing read again
-
-
 def test_cascade_suffix_lookup_keeps_greedy_outputs(tiny_models):
     """The cascade over a draft model with suffix-index lookup (long repeats) in front: outputs equal
     plain decoding, and both kinds of steps occur on a text that repeats itself."""
@@ -179,31 +128,28 @@ def test_cascade_suffix_lookup_keeps_greedy_outputs(tiny_models):
         LLM(model=target, draft=target, dtype="fp32", progress=False, method="cascade", lookup_min_tokens=-1)
 
 
-def test_a_next_call_keeps_the_draft_entries_of_the_same_first_tokens(tiny_models):
-    """LLM.generate's draft cache outlives the call: the next prompt's tokens that the last call's
-    row already holds at the same positions (a chat's next turn) are not prefilled again, the rest
-    are; with a self-draft every draft is still accepted (the kept entries are right), and the
-    output is the target's own."""
+def test_a_next_turn_prefills_only_what_the_earlier_turns_blocks_do_not_cover_in_both_caches(tiny_models):
+    """The prefix cache keeps the draft model's blocks too: a chat's next turn (the earlier turn's text
+    and more) is prefilled only after the cached blocks, in the target's cache and the draft's; with
+    a self-draft every draft is still accepted (the kept entries are right), and the output is the
+    target's own."""
     target = str(tiny_models["llama"])
     llm = LLM(model=target, draft=target, dtype="fp32", progress=False, adaptive=False, method="model")
-    plain = LLM(model=target, dtype="fp32", progress=False, method="ngram")
-    drafter, fed = llm.drafter, []
-    inner = drafter.model.run
-
-    def counting(fb, cache, *args, **kwargs):
-        fed.append(fb.tokens.shape[1])
-        return inner(fb, cache, *args, **kwargs)
-    drafter.model.run = counting
-    first = llm.tokenizer.encode(PROMPTS[0])
+    plain = LLM(model=target, dtype="fp32", progress=False, method="ngram", prefix_cache=False)
+    fed = {"target": [], "draft": []}
+    for name, model in (("target", llm.target.model), ("draft", llm.drafter.model)):
+        def counting(fb, cache, *args, inner=model.run, name=name, **kwargs):
+            fed[name].append(fb.tokens.shape[1])
+            return inner(fb, cache, *args, **kwargs)
+        model.run = counting
+    first = llm.tokenizer.encode(PROMPTS[0] * 3)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     out = llm.generate(first, params, num_speculative_tokens=3)[0]
     turn = first + out.token_ids + llm.tokenizer.encode(" and then")       # the next turn
-    fed.clear()
-    drafter.prefill, prefill = None, drafter.prefill                      # the prefill's own passes only
-    drafter.prefill = lambda seqs: (fed.append("prefill"), prefill(seqs))
+    fed["target"].clear(), fed["draft"].clear()
     again = llm.generate(turn, params, num_speculative_tokens=3)[0]
-    kept = len(first) + len(out.token_ids) - 1       # the last call's row: its text but the last token
-    assert fed[0] == "prefill" and fed[1] <= len(turn) - 1 - kept + 1     # only the new tokens
+    cached = (len(first) + len(out.token_ids) - 1) // 16 * 16              # the earlier turn's full blocks
+    assert cached >= 32 and again.stats["cached_tokens"] == cached
+    assert fed["target"][0] == fed["draft"][0] == len(turn) - 1 - cached    # the prefill passes: the rest only
     assert again.token_ids == plain.generate(turn, params, num_speculative_tokens=0)[0].token_ids
     assert again.stats["acceptance_rate"] == 1.0
-    llm.generate([first, turn], params, num_speculative_tokens=3)         # a batch of 2: a new cache

@@ -194,8 +194,8 @@ def test_fused_batched_and_paged_rows_equal_batch_one(tiny_models, odd_model, wi
     """Ragged batches (per-row starts, cache rows) through the fused decoder, on a contiguous cache
     and on paged caches of several block sizes (16: in-place key chunks; 4 and 5: chunks across
     blocks), give each row the logits and hidden states of the same tokens run alone at batch 1."""
-    from specdecode.kv_cache import KVCache
-    from specdecode.serve.paged_cache import PagedKVCache
+    from specdecode.cache.contiguous import KVCache
+    from specdecode.cache.paged import PagedKVCache
     _skip_if_unsupported(dtype)
     model = _load(_models(tiny_models, odd_model, wide_head_model)[arch], dtype)
     c = model.config
@@ -244,7 +244,7 @@ def test_long_rows_on_scattered_blocks_equal_rows_alone(long_models, arch, dtype
     distance) in one pass over a paged cache whose blocks interleave in the pool (prefilled turn by
     turn), a decode step and then a 6-token block per row, give each row the logits and hidden
     states of the same tokens run alone at batch 1 on a contiguous cache."""
-    from specdecode.serve.paged_cache import PagedKVCache
+    from specdecode.cache.paged import PagedKVCache
     _skip_if_unsupported(dtype)
     model = _load(long_models[arch], dtype)
     c = model.config

@@ -20,7 +20,7 @@ from specdecode.fast import linear as fast_linear
 from specdecode.forward import ForwardBatch
 from specdecode.models.config import ModelConfig, ModelError
 from specdecode.models.loader import load_model
-from specdecode.serve.paged_cache import PagedKVCache
+from specdecode.cache.paged import PagedKVCache
 
 WINDOW = 8
 HEAD_DIM = 16
@@ -209,7 +209,7 @@ def test_fused_rows_are_batch_invariant(gemma, dtype):
     """In the fused decoder a row's results do not depend on the rest of the pass: row t of a verify
     block equals decoding its tokens one at a time, a ragged batch's rows (contiguous and paged caches)
     equal each sequence run alone, and a tree node equals its path verified as a chain, bitwise."""
-    from specdecode.kv_cache import KVCache
+    from specdecode.cache.contiguous import KVCache
     skip_unsupported(dtype)
     _, path = gemma
     model = load(path, dtype)

@@ -77,17 +77,17 @@ def test_calibration_measures_agreement(tiny_models):
 def test_draft_never_writes_the_target_cache(tiny_models):
     llm = LLM(model=str(tiny_models["llama"]), method="layer-skip", dtype="fp32", progress=False,
               skip_layers=[1], adaptive=False)
-    engine = llm.engine(4)
     seen = []
-    original = engine.runner.drafter.propose
+    original = llm.drafter.propose
 
     def spy(seqs, max_tokens):
-        before = engine.runner.cache.keys[0].clone()
+        before = llm.core.runner.cache.keys[0].clone()
         out = original(seqs, max_tokens)
-        seen.append(torch.equal(before, engine.runner.cache.keys[0]))
+        seen.append(torch.equal(before, llm.core.runner.cache.keys[0]))
         return out
-    engine.runner.drafter.propose = spy
-    engine.generate([llm.encode(PROMPTS[0], chat=False)], [SamplingParams(max_tokens=12, ignore_eos=True)])
+    llm.drafter.propose = spy
+    llm.generate([llm.encode(PROMPTS[0], chat=False)], SamplingParams(max_tokens=12, ignore_eos=True),
+                 num_speculative_tokens=4)
     assert seen and all(seen)
     assert isinstance(llm.drafter.model, SkipView) and llm.drafter.model.skip == frozenset({1})
 

@@ -13,7 +13,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.params import ParamError
 from specdecode.sampling import transform_logits
 from specdecode.serve.app import create_app
-from specdecode.serve.scheduler import ServeConfig
+from specdecode.engine.config import EngineConfig
 from specdecode.serve.server import BackgroundServer, build_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -65,7 +65,7 @@ def test_bad_logprobs():
 
 @pytest.fixture(scope="module")
 def server(llm):
-    state = build_state(llm, ServeConfig(max_batch_size=2, max_model_len=256, block_size=8, served_model_name="tiny"))
+    state = build_state(llm, EngineConfig(max_batch_size=2, max_model_len=256, block_size=8, served_model_name="tiny"))
     with BackgroundServer(create_app(state)) as srv:
         yield srv
 

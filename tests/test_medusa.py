@@ -13,7 +13,7 @@ from specdecode.drafters.base import DrafterError
 from specdecode.drafters.format import save_medusa
 from specdecode.drafters.medusa import MedusaConfig, MedusaHeads
 from specdecode.drafters.registry import build_drafter
-from specdecode.engine.engine import SpecEngine
+from conftest import run_engine
 from specdecode.forward import ForwardBatch
 from specdecode.models.loader import load_model
 from specdecode.tree import depths, validate
@@ -79,7 +79,6 @@ def test_medusa_trees_and_features(tiny_models, heads):
     position len(token_ids) - 2, recomputed from scratch (after tree steps with accepted drafts)."""
     target = load_model(str(tiny_models["llama"]), "fp32", progress=False)
     drafter = build_drafter("medusa", target, drafter_path=str(heads["llama"]), tree_topk=3)
-    engine = SpecEngine(target, drafter, 10, adaptive=False)
     seen = []
     original = drafter.propose
 
@@ -93,7 +92,7 @@ def test_medusa_trees_and_features(tiny_models, heads):
         return proposal
     drafter.propose = spy
     ids = [target.tokenizer.encode(p, add_special=False) for p in PROMPTS[:3]]
-    out = engine.generate(ids, [SamplingParams(max_tokens=24, ignore_eos=True)] * 3)
+    out = run_engine(target, drafter, 10, ids, [SamplingParams(max_tokens=24, ignore_eos=True)] * 3, adaptive=False)
     assert sum(s.stats.accepted for s in out) > 0 and any(s.stats.steps < 20 for s in out)
     assert len(seen) > 10
     model = target.model
@@ -220,7 +219,7 @@ def test_medusa_in_the_server_stays_lossless_with_mixed_and_switching_rows(tiny_
 
     from conftest import post_completions
     from specdecode.serve.app import create_app
-    from specdecode.serve.scheduler import ServeConfig
+    from specdecode.engine.config import EngineConfig
     from specdecode.serve.server import BackgroundServer, build_state
     llm = LLM(model=str(tiny_models["llama"]), method="medusa", drafter_path=str(heads["llama"]), dtype="fp32",
               progress=False)
@@ -228,7 +227,7 @@ def test_medusa_in_the_server_stays_lossless_with_mixed_and_switching_rows(tiny_
             for i in range(8)]
     wants = [llm.generate([llm.tokenizer.encode(p)], SamplingParams(max_tokens=n, ignore_eos=True),
                           num_speculative_tokens=0)[0].token_ids for p, _, n in jobs]
-    state = build_state(llm, ServeConfig(max_batch_size=3, block_size=4, prefill_chunk=16, max_model_len=200,
+    state = build_state(llm, EngineConfig(max_batch_size=3, block_size=4, prefill_chunk=16, max_model_len=200,
                                          served_model_name="tiny"))
     with BackgroundServer(create_app(state)) as server:
         outs = asyncio.run(post_completions(server.url, [(p, n, extra) for p, extra, n in jobs]))

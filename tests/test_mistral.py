@@ -15,7 +15,7 @@ from specdecode.fast import linear as fast_linear
 from specdecode.forward import ForwardBatch
 from specdecode.models.config import ModelConfig
 from specdecode.models.loader import load_model
-from specdecode.serve.paged_cache import PagedKVCache
+from specdecode.cache.paged import PagedKVCache
 
 WINDOW = 8
 

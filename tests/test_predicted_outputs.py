@@ -11,11 +11,12 @@ import pytest
 
 from specdecode import LLM, SamplingParams
 from specdecode.drafters.prediction import PredictionIndex, prediction_usage
-from specdecode.engine.budget import DraftBudget
+from specdecode.drafters.base import DrafterCapabilities
+from specdecode.engine.controller import SpeculationController
+from specdecode.engine.costs import StepCosts
 from specdecode.serve.app import create_app
-from specdecode.serve.scheduler import ServeConfig
+from specdecode.engine.config import EngineConfig
 from specdecode.serve.server import BackgroundServer, build_state
-from specdecode.serve.policy import RowPolicy
 
 
 def test_a_prediction_realigns_after_an_edit():
@@ -33,31 +34,18 @@ def test_a_prediction_realigns_after_an_edit():
     assert usage == {"accepted_prediction_tokens": 4, "rejected_prediction_tokens": 1}
 
 
-def test_the_budget_grows_past_k_only_while_drafts_are_accepted_whole():
+def test_a_copying_rows_drafts_grow_past_k_only_while_they_are_accepted_whole():
     curve = {1: 0.01, 2: 0.011, 4: 0.013, 8: 0.017, 16: 0.025, 32: 0.041}
-    budget = DraftBudget(5, curve, span=32)
-    assert budget.levels[-1] == 32
-    sizes = []
-    for _ in range(8):                               # a long copy: every draft accepted
-        size = budget.next_size()
-        sizes.append(size)
-        budget.observe(size, [size], [list(range(size))], curve[1] * (1 + size * 0.1), 0.0, 1.0)
-    assert max(sizes) == 32 and sizes == sorted(sizes)
-    plain = DraftBudget(5, curve)                     # without a span: k is the cap
-    for _ in range(8):
-        size = plain.next_size()
-        assert size <= 5
-        plain.observe(size, [size], [list(range(size))], curve[1] * (1 + size * 0.1), 0.0, 1.0)
-
-
-def test_a_row_doubles_its_draft_while_it_copies():
-    row = RowPolicy(k=4, span=32)
-    assert row.size() == 4
-    row.streak = 2
-    assert row.size() == 16
-    row.streak = 9
-    assert row.size() == 32 and row.size(batch=2) == 4      # alone only
-    assert RowPolicy(k=4).size() == 4
+    for span, cap in ((32, 32), (0, 5)):             # without a span, k is the cap
+        ctrl = SpeculationController(DrafterCapabilities(copies=True), StepCosts(dict(curve)))
+        row = ctrl.new_row(5, span=span, predicted=True)
+        assert row.levels[-1] == cap
+        sizes = []
+        for _ in range(10):                          # a long copy: every draft accepted
+            size = ctrl.plan([row], [1])[0]
+            sizes.append(size)
+            ctrl.observe([row], [size], [size], [list(range(size))], 1 + size, curve[1] * (1 + size * 0.1), 0.0)
+        assert max(sizes) == sizes[-1] == cap and sizes[:4] == sorted(sizes[:4])
 
 
 FILE = "".join(f"def function_{i}(value):\n    return value * {i} + {i * 3}\n\n" for i in range(3))
@@ -88,7 +76,7 @@ def test_generate_with_a_prediction_is_the_targets_answer(tiny_models, method):
 
 def test_the_server_takes_openais_prediction_field(tiny_models):
     llm = LLM(model=str(tiny_models["llama"]), method="ngram", dtype="fp32", progress=False)
-    state = build_state(llm, ServeConfig(max_batch_size=2, max_model_len=256, served_model_name="tiny"),
+    state = build_state(llm, EngineConfig(max_batch_size=2, max_model_len=256, served_model_name="tiny"),
                         check_budget=False)
     tok = llm.tokenizer
     prompt = "Rename function_3 to compute:\n" + FILE

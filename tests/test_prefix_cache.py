@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.serve.block_pool import BlockPool, chain_hashes
-from specdecode.serve.paged_cache import CacheFull, PagedKVCache
-from specdecode.serve.scheduler import Failed, Finished, Request, ServeConfig, Tokens
+from specdecode.cache.blocks import BlockPool, chain_hashes
+from specdecode.cache.paged import CacheFull, PagedKVCache
+from specdecode.engine.config import EngineConfig
+from specdecode.engine.sequence import Failed, Finished, Request, Tokens
 from specdecode.serve.server import build_state
 
 BLOCK = 4
@@ -87,14 +88,14 @@ def test_admission_counts_matched_blocks_as_held():
 def serve_state(model, draft=None, method=None, k=5, prefix_cache=True, num_blocks=0, **llm_options):
     llm = LLM(model=str(model), draft=None if draft is None else str(draft), method=method,
               num_speculative_tokens=k, dtype="fp32", progress=False, **llm_options)
-    return llm, build_state(llm, ServeConfig(max_batch_size=4, block_size=BLOCK, max_model_len=240,
+    return llm, build_state(llm, EngineConfig(max_batch_size=4, block_size=BLOCK, max_model_len=240,
                                              num_blocks=num_blocks, prefix_cache=prefix_cache), check_budget=False)
 
 
 def run(state, requests):
     """Submit (prompt ids, params, speculate[, after]) requests at once and step the engine in
     this thread until all end; returns per request (token ids, usage)."""
-    sched = state.scheduler
+    sched = state.engine
     out = [None] * len(requests)
     ids = [[] for _ in requests]
     reqs = []
@@ -109,7 +110,7 @@ def run(state, requests):
         reqs.append(Request(prompt, params, sink, speculate, after=reqs[after[0]].id if after else None))
         sched.submit(reqs[-1])
     while any(o is None for o in out):
-        sched._iteration(set())
+        sched.iterate()
     return out
 
 
@@ -123,8 +124,9 @@ def test_a_repeated_prompt_is_prefilled_only_after_its_cached_blocks(tiny_models
     prompt = tok.encode(TEXT)
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
     prefilled = []
-    inner = state.scheduler.engine.prefill
-    state.scheduler.engine.prefill = lambda chunks: (prefilled.append(sum(n for _, n in chunks)), inner(chunks))
+    inner = state.engine.runner.prefill
+    state.engine.runner.prefill = lambda chunks, draft=False: (
+        prefilled.append(sum(n for _, n in chunks)) if not draft else None, inner(chunks, draft))
     (first, u1), = run(state, [(prompt, greedy, False)])
     (second, u2), = run(state, [(prompt, greedy, False)])
     assert cached(u1) == 0 and cached(u2) == (len(prompt) - 1) // BLOCK * BLOCK
@@ -136,10 +138,10 @@ def test_a_repeated_prompt_is_prefilled_only_after_its_cached_blocks(tiny_models
     assert cached(u3) == (len(prompt) + len(first) - 1) // BLOCK * BLOCK   # the answer's blocks too
     _, fresh = serve_state(tiny_models["llama"], method="none", prefix_cache=False)
     assert run(fresh, [(turn2, greedy, False)])[0][0] == third
-    stats = state.scheduler.metrics.stats()["prefix_cache"]
+    stats = state.engine.metrics.stats()["prefix_cache"]
     assert stats["enabled"] and stats["hit_tokens"] == cached(u2) + cached(u3)
     assert stats["queried_tokens"] == 2 * len(prompt) + len(turn2)
-    text = state.scheduler.metrics.render().decode()
+    text = state.engine.metrics.render().decode()
     assert f"specdecode:prefix_cache_hits_total {float(cached(u2) + cached(u3))}" in text
 
 
@@ -176,7 +178,7 @@ def test_shared_blocks_are_never_written_and_answers_are_those_without_the_cache
     greedy = SamplingParams(max_tokens=40, ignore_eos=True)
     seeded = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, seed=7)
     first = run(state, [(prompt, greedy, True)])[0][0]
-    caches = state.scheduler.engine.runner.caches
+    caches = state.engine.runner.caches
     if method == "model":
         assert len(caches) == 2 and all(c.prefix_caching for c in caches)
     before = [snapshot(c) for c in caches]
@@ -209,7 +211,7 @@ def test_eviction_under_memory_pressure_keeps_answers_exact(tiny_models):
     prompts = [tok.encode(f"{i} {TEXT}") for i in range(5)]
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
     want = [run(plain, [(p, greedy, False)])[0][0] for p in prompts]
-    cache = state.scheduler.engine.cache
+    cache = state.engine.runner.cache
     for p, w in zip(prompts, want):
         assert run(state, [(p, greedy, False)])[0][0] == w
     assert cache.pool.evicted > 0
@@ -226,25 +228,25 @@ def test_prefix_cache_off_and_bounded(tiny_models):
     greedy = SamplingParams(max_tokens=4, ignore_eos=True)
     run(state, [(prompt, greedy, False)])
     assert cached(run(state, [(prompt, greedy, False)])[0][1]) == 0
-    assert state.scheduler.metrics.stats()["prefix_cache"]["enabled"] is False
+    assert state.engine.metrics.stats()["prefix_cache"]["enabled"] is False
     llm = LLM(model=str(tiny_models["llama"]), method="none", dtype="fp32", progress=False)
-    bounded = build_state(llm, ServeConfig(max_batch_size=2, block_size=BLOCK, max_model_len=240,
+    bounded = build_state(llm, EngineConfig(max_batch_size=2, block_size=BLOCK, max_model_len=240,
                                            prefix_cache_blocks=3), check_budget=False)
     run(bounded, [(prompt, greedy, False)])
-    assert bounded.scheduler.engine.cache.cached_blocks == 3
+    assert bounded.engine.runner.cache.cached_blocks == 3
     assert cached(run(bounded, [(prompt, greedy, False)])[0][1]) == 3 * BLOCK
 
 
 # ----------------------------------------------------------------------------- on disk
 def disk_state(model, directory, **config):
     llm = LLM(model=str(model), method="none", dtype="fp32", progress=False)
-    return llm, build_state(llm, ServeConfig(max_batch_size=2, block_size=BLOCK, max_model_len=240,
+    return llm, build_state(llm, EngineConfig(max_batch_size=2, block_size=BLOCK, max_model_len=240,
                                              prefix_cache_dir=str(directory), **config), check_budget=False)
 
 
 def stop_gracefully(state):
-    state.scheduler.drain(0.0)
-    state.scheduler.run()            # returns at once (nothing in flight), writing what the cache holds
+    state.engine.drain(0.0)
+    state.engine.run()            # returns at once (nothing in flight), writing what the cache holds
 
 
 def test_a_restarted_server_takes_prefixes_from_disk(tiny_models, tmp_path):
@@ -254,20 +256,20 @@ def test_a_restarted_server_takes_prefixes_from_disk(tiny_models, tmp_path):
     want, usage = run(first, [(prompt, greedy, False)])[0]
     assert cached(usage) == 0
     stop_gracefully(first)
-    disk = first.scheduler.disks[0]
+    disk = first.engine.disks[0]
     assert disk.written > 0 and len(list(disk.dir.glob("*.kv"))) == disk.written
     _, second = disk_state(tiny_models["llama"], tmp_path)
-    assert second.scheduler.disks[0].loaded == disk.written
+    assert second.engine.disks[0].loaded == disk.written
     got, usage = run(second, [(prompt, greedy, False)])[0]
     assert got == want and cached(usage) == (len(prompt) - 1) // BLOCK * BLOCK
     # another model never reads these files (its own directory), even renamed into its own
     _, other = disk_state(tiny_models["qwen2"], tmp_path)
-    assert other.scheduler.disks[0].loaded == 0
-    theirs = other.scheduler.disks[0].dir
+    assert other.engine.disks[0].loaded == 0
+    theirs = other.engine.disks[0].dir
     moved = theirs / next(disk.dir.glob("*.kv")).name
     moved.write_bytes(next(disk.dir.glob("*.kv")).read_bytes())
     _, other = disk_state(tiny_models["qwen2"], tmp_path)
-    assert other.scheduler.disks[0].loaded == 0 and moved.exists()          # foreign: skipped, left alone
+    assert other.engine.disks[0].loaded == 0 and moved.exists()          # foreign: skipped, left alone
 
 
 def test_damaged_files_are_skipped_and_the_directory_is_bounded(tiny_models, tmp_path):
@@ -276,20 +278,20 @@ def test_damaged_files_are_skipped_and_the_directory_is_bounded(tiny_models, tmp
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
     want = run(first, [(prompt, greedy, False)])[0][0]
     stop_gracefully(first)
-    files = sorted(first.scheduler.disks[0].dir.glob("*.kv"))
+    files = sorted(first.engine.disks[0].dir.glob("*.kv"))
     files[0].write_bytes(files[0].read_bytes()[:-100])                  # truncated
     data = bytearray(files[1].read_bytes())
     data[-1] ^= 0xFF                                                    # one bit of a value
     files[1].write_bytes(bytes(data))
     _, second = disk_state(tiny_models["llama"], tmp_path)
-    assert second.scheduler.disks[0].loaded == len(files) - 2
+    assert second.engine.disks[0].loaded == len(files) - 2
     assert not files[0].exists() and not files[1].exists()              # ours but damaged: removed
     assert run(second, [(prompt, greedy, False)])[0][0] == want         # computed where a block is missing
     size = files[2].stat().st_size
     _, small = disk_state(tiny_models["llama"], tmp_path, prefix_cache_dir_bytes=3 * size)
     run(small, [(llm.tokenizer.encode("other words " + TEXT), greedy, False)])
     stop_gracefully(small)
-    assert len(list(small.scheduler.disks[0].dir.glob("*.kv"))) == 3
+    assert len(list(small.engine.disks[0].dir.glob("*.kv"))) == 3
 
 
 # ----------------------------------------------------------------------------- LLM.generate
@@ -299,7 +301,7 @@ def test_generate_calls_reuse_earlier_calls_blocks_bitwise(tiny_models, method):
     options = dict(model=str(tiny_models["llama"]), draft=draft, method=method, dtype="fp32", progress=False,
                    adaptive=False)
     llm, plain = LLM(**options), LLM(**options, prefix_cache=False)
-    assert llm.prefix_store is not None and plain.prefix_store is None
+    assert llm.core.runner.cache.prefix_caching and not plain.core.runner.cache.prefix_caching
     tok = llm.tokenizer
     greedy = SamplingParams(max_tokens=20, ignore_eos=True)
     seeded = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.9, seed=3)
@@ -317,21 +319,24 @@ def test_generate_calls_reuse_earlier_calls_blocks_bitwise(tiny_models, method):
 
 
 def test_the_store_is_bounded_and_can_be_off(tiny_models):
+    def cached_bytes(llm):
+        cache = llm.core.runner.cache
+        return cache.cached_blocks * cache.block_bytes
     probe = LLM(model=str(tiny_models["llama"]), method="none", dtype="fp32", progress=False)
     tok = probe.tokenizer
     prompts = [tok.encode(f"{i} {TEXT} {TEXT}") for i in range(6)]
     greedy = SamplingParams(max_tokens=4, ignore_eos=True)
     probe.generate([prompts[0]], greedy)
-    per_prompt = probe.prefix_store.bytes                     # one prompt's blocks
+    per_prompt = cached_bytes(probe)                       # one prompt's blocks
     assert per_prompt > 0
     llm = LLM(model=str(tiny_models["llama"]), method="none", dtype="fp32", progress=False,
               prefix_cache=per_prompt * 3 // 2)
     for p in prompts:
         llm.generate([p], greedy)
-        assert llm.prefix_store.bytes <= per_prompt * 3 // 2
+        assert cached_bytes(llm) <= per_prompt * 3 // 2
     assert llm.generate([prompts[-1]], greedy)[0].stats["cached_tokens"] > 0      # the newest kept
     assert llm.generate([prompts[0]], greedy)[0].stats["cached_tokens"] == 0      # the oldest dropped
     with pytest.raises(Exception, match="prefix_cache must be"):
         LLM(model=str(tiny_models["llama"]), method="none", dtype="fp32", progress=False, prefix_cache=-1)
     eager = LLM(model=str(tiny_models["llama"]), method="none", dtype="fp32", progress=False, fast=False)
-    assert eager.prefix_store is None                      # eager passes are not batch invariant
+    assert not eager.core.runner.cache.prefix_caching      # eager passes are not batch invariant

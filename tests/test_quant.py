@@ -265,13 +265,11 @@ def test_q4_0_draft_from_a_gguf_file_requantizes_its_blocks(tmp_path, monkeypatc
     expected = quantize(down.dequantize().numpy(), 2)
     got = draft.model.layers[0]["down"].weight_q.segments[0][1].numpy()
     assert np.array_equal(got.reshape(expected.shape), expected)
-    target = LLM(progress=False, threads=1)
-    from specdecode.drafters.registry import build_drafter
-    target.drafter, target.method = build_drafter("model", target.target, draft=draft), "model"
+    target = LLM(draft=str(default_model_path()), method="model", adaptive=False, progress=False, threads=1)
+    assert target.draft.weights_kind == "native Q4_0"                       # the default for this draft
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     plain = target.generate(["The capital of France is"], params, num_speculative_tokens=0)
-    target.adaptive = False                      # draft every step
-    spec = target.generate(["The capital of France is"], params, num_speculative_tokens=4)
+    spec = target.generate(["The capital of France is"], params, num_speculative_tokens=4)     # k every step
     assert spec[0].token_ids == plain[0].token_ids and spec[0].stats["acceptance_rate"] > 0.2
     from specdecode.forward import ForwardBatch   # a close copy: its next-token choices mostly agree
     ids = torch.tensor([draft.tokenizer.encode("The capital of France is Paris. It is known for the Eiffel "

@@ -14,7 +14,7 @@ import pytest
 from specdecode import LLM
 from specdecode.serve.app import create_app
 from specdecode.serve.memory import MemoryBudgetError, check_memory, plan_memory
-from specdecode.serve.scheduler import ServeConfig
+from specdecode.engine.config import EngineConfig
 from specdecode.serve.server import BackgroundServer, build_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,7 +24,7 @@ REPEAT = "the quick brown fox jumps over the lazy dog. the quick brown fox jumps
 @pytest.fixture(scope="module")
 def server(tiny_models):
     llm = LLM(model=str(tiny_models["llama"]), method="ngram", dtype="fp32", progress=False)
-    state = build_state(llm, ServeConfig(max_batch_size=4, max_queue=2, max_model_len=128, block_size=8,
+    state = build_state(llm, EngineConfig(max_batch_size=4, max_queue=2, max_model_len=128, block_size=8,
                                          prefill_chunk=32, served_model_name="tiny"))
     with BackgroundServer(create_app(state)) as srv:
         srv.state = state
@@ -159,7 +159,7 @@ def test_bad_inputs_get_clear_errors_and_the_server_keeps_serving(server):
     error_of(post("/v1/nothing", json={}), 404)
     error_of(httpx.get(url + "/v1/completions"), 405)
     # an internal error fails the batch with a sanitized 500; the next request is served
-    engine = server.state.scheduler.engine
+    engine = server.state.engine
     original = engine.step
 
     def broken(*args, **kwargs):
@@ -175,20 +175,20 @@ def test_bad_inputs_get_clear_errors_and_the_server_keeps_serving(server):
 
 def test_queue_full_is_429_and_health_needs_a_working_engine(server):
     pool = ThreadPoolExecutor(2)
-    scheduler = server.state.scheduler
-    timeout = scheduler.config.health_timeout
-    with scheduler.hold():            # the engine thread stops between iterations
-        scheduler.config.health_timeout = 0.3
+    engine = server.state.engine
+    timeout = engine.config.health_timeout
+    with engine.hold():            # the engine thread stops between iterations
+        engine.config.health_timeout = 0.3
         try:
             err = error_of(httpx.get(server.url + "/health", timeout=10), 503)
             assert "did not finish within 0.3 s" in err["message"]
         finally:
-            scheduler.config.health_timeout = timeout
+            engine.config.health_timeout = timeout
         # max_queue=2: two requests wait, the third is refused; the two are served after the hold
         waiting = [pool.submit(httpx.post, server.url + "/v1/completions", timeout=60,
                                json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True}) for _ in range(2)]
         deadline = time.monotonic() + 10
-        while len(scheduler.inbox) < 2:
+        while len(engine.scheduler.inbox) < 2:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         err = error_of(httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}, timeout=30), 429)
@@ -200,16 +200,16 @@ def test_queue_full_is_429_and_health_needs_a_working_engine(server):
 def test_health_checks_at_once_share_one_generation(server):
     """/health needs no key: checks that come while one is in flight wait for its answer, rather
     than each queueing a generation ahead of the requests."""
-    scheduler = server.state.scheduler
+    engine = server.state.engine
     with ThreadPoolExecutor(10) as pool:
-        with scheduler.hold():
+        with engine.hold():
             checks = [pool.submit(httpx.get, server.url + "/health", timeout=60) for _ in range(10)]
             deadline = time.monotonic() + 10
-            while not scheduler.inbox:
+            while not engine.scheduler.inbox:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             time.sleep(0.5)                          # every check has arrived by now
-            assert len(scheduler.inbox) == 1
+            assert len(engine.scheduler.inbox) == 1
         assert [c.result().status_code for c in checks] == [200] * 10
 
 
@@ -270,7 +270,7 @@ def test_tree_drafter_metrics_and_last_tree(tiny_models, method):
     /api/stats, the last tree well formed, greedy output identical to plain decoding."""
     llm = LLM(model=str(tiny_models["llama"]), method=method, num_speculative_tokens=12, adaptive=False,
               dtype="fp32", progress=False)
-    state = build_state(llm, ServeConfig(max_batch_size=2, max_model_len=128, block_size=8, prefill_chunk=32,
+    state = build_state(llm, EngineConfig(max_batch_size=2, max_model_len=128, block_size=8, prefill_chunk=32,
                                          served_model_name="tiny"))
     with BackgroundServer(create_app(state)) as srv:
         body = dict(model="tiny", prompt=REPEAT, max_tokens=24, temperature=0, ignore_eos=True)

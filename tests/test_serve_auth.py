@@ -10,7 +10,7 @@ import pytest
 from specdecode import LLM
 from specdecode.serve.app import create_app
 from specdecode.serve.auth import exposed_without_key
-from specdecode.serve.scheduler import ServeConfig
+from specdecode.engine.config import EngineConfig
 from specdecode.serve.server import BackgroundServer, build_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -20,7 +20,7 @@ KEY = "sk-test-0123456789"
 @pytest.fixture(scope="module")
 def server(tiny_models):
     llm = LLM(model=str(tiny_models["llama"]), method="ngram", dtype="fp32", progress=False)
-    state = build_state(llm, ServeConfig(max_batch_size=2, max_model_len=128, block_size=8, prefill_chunk=32,
+    state = build_state(llm, EngineConfig(max_batch_size=2, max_model_len=128, block_size=8, prefill_chunk=32,
                                          served_model_name="tiny"))
     with BackgroundServer(create_app(state, api_key=KEY, max_body_bytes=4096)) as srv:
         yield srv

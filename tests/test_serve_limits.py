@@ -12,7 +12,7 @@ from specdecode import LLM
 from specdecode.params import ParamError
 from specdecode.serve.app import create_app
 from specdecode.serve.protocol import ApiError, ServeContext, parse
-from specdecode.serve.scheduler import ServeConfig
+from specdecode.engine.config import EngineConfig
 from specdecode.serve.server import BackgroundServer, build_state
 from specdecode.tokenizer import Tokenizer
 
@@ -35,7 +35,7 @@ def test_max_tokens_default_capped_by_the_context(tiny_models):
     assert err.value.param == "max_tokens" and err.value.code == "context_length_exceeded"
     assert f"prompt ({prompt} tokens) + max_tokens (128)" in err.value.message
     with pytest.raises(ParamError, match=r"max_tokens_default must be an integer in \[1, "):
-        ServeConfig(max_tokens_default=0)
+        EngineConfig(max_tokens_default=0)
 
 
 def test_max_tokens_default_option():
@@ -50,8 +50,8 @@ def test_max_tokens_default_option():
 def slow_server(tiny_models):
     """Steps slowed to ~50 ms, so how many run after a client leaves can be counted."""
     llm = LLM(model=str(tiny_models["llama"]), method="ngram", dtype="fp32", progress=False)
-    state = build_state(llm, ServeConfig(max_batch_size=2, max_model_len=256, block_size=8, served_model_name="tiny"))
-    engine = state.scheduler.engine
+    state = build_state(llm, EngineConfig(max_batch_size=2, max_model_len=256, block_size=8, served_model_name="tiny"))
+    engine = state.engine
     step = engine.step
 
     def slow_step(*args, **kwargs):
@@ -65,7 +65,7 @@ def slow_server(tiny_models):
 def _post_and_leave(url: str, body: bytes, state, after_steps: int) -> int:
     """POST `body` on a raw connection, close it once the engine ran `after_steps` steps for it;
     returns the engine's step count at the close."""
-    totals = state.scheduler.metrics.totals
+    totals = state.engine.metrics.totals
     host, port = url.removeprefix("http://").split(":")
     start = totals["steps"]
     with socket.create_connection((host, int(port))) as conn:
@@ -82,7 +82,7 @@ def _post_and_leave(url: str, body: bytes, state, after_steps: int) -> int:
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_leaves_stops_its_request_within_a_step(slow_server, stream):
     srv, state = slow_server
-    stats = state.scheduler.metrics.stats
+    stats = state.engine.metrics.stats
     aborted = stats()["requests"]["aborted"]
     body = (b'{"prompt": "the quick brown fox", "max_tokens": 200, "ignore_eos": true, "temperature": 0, '
             b'"stream": ' + (b"true" if stream else b"false") + b"}")
@@ -91,8 +91,8 @@ def test_a_client_that_leaves_stops_its_request_within_a_step(slow_server, strea
     while stats()["requests"]["aborted"] == aborted:
         assert time.monotonic() < deadline, "the request was not aborted"
         time.sleep(0.005)
-    steps_after = state.scheduler.metrics.totals["steps"] - closed_at
+    steps_after = state.engine.metrics.totals["steps"] - closed_at
     # the step running when the client left, and at most one more before the abort is applied
     assert steps_after <= 2, steps_after
     assert stats()["requests"]["finished"] == 0
-    assert state.scheduler.engine.cache.used_blocks == 0
+    assert state.engine.runner.cache.used_blocks == 0

@@ -13,8 +13,8 @@ import pytest
 from specdecode import LLM, SamplingParams
 from specdecode.params import ParamError
 from specdecode.serve.app import create_app
-from specdecode.serve.prefill import PrefillBudget
-from specdecode.serve.scheduler import ServeConfig
+from specdecode.engine.scheduler import PrefillBudget
+from specdecode.engine.config import EngineConfig
 from specdecode.serve.server import BackgroundServer, build_state
 
 
@@ -40,7 +40,7 @@ def test_budget_follows_the_measured_cost_only_while_requests_decode():
 @pytest.mark.parametrize("bad", [-1, 60_001, "100", True, float("nan")])
 def test_bad_stall_is_refused_by_name(bad):
     with pytest.raises(ParamError, match="prefill_stall_ms must be a number of milliseconds in \\[0, 60000\\]"):
-        ServeConfig(prefill_stall_ms=bad)
+        EngineConfig(prefill_stall_ms=bad)
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -54,21 +54,21 @@ def test_a_long_prompt_is_prefilled_in_small_passes_while_another_request_decode
     want = {text: llm.generate([tok.encode(text)], SamplingParams(max_tokens=n, ignore_eos=True),
                                num_speculative_tokens=0)[0].token_ids
             for text, n in ((short, 60), (long, 4))}
-    state = build_state(llm, ServeConfig(max_batch_size=2, block_size=4, prefill_chunk=64, prefill_stall_ms=50,
+    state = build_state(llm, EngineConfig(max_batch_size=2, block_size=4, prefill_chunk=64, prefill_stall_ms=50,
                                          max_model_len=200, served_model_name="tiny",
                                          prefix_cache=False))     # the second long prompt is prefilled again
-    sched = state.scheduler
-    sched.prefill_budget.observe = lambda tokens, seconds: None     # a slow machine: 5 ms per prompt token
-    sched.prefill_budget.per_token_s = 0.005                        # -> 10 tokens fit 50 ms: the floor, 16
-    passes = []                                                     # (tokens, requests decoding)
-    inner = sched.engine.prefill
+    engine = state.engine
+    engine.scheduler.budget.observe = lambda tokens, seconds: None     # a slow machine: 5 ms per prompt token
+    engine.scheduler.budget.per_token_s = 0.005                        # -> 10 tokens fit 50 ms: the floor, 16
+    passes = []                                                        # (tokens, requests decoding)
+    inner = engine.runner.prefill
 
-    def recording(chunks):
-        passes.append((sum(n for _, n in chunks), len(sched.running)))
-        return inner(chunks)
-    sched.engine.prefill = recording
+    def recording(chunks, draft=False):
+        passes.append((sum(n for _, n in chunks), len(engine.scheduler.running)))
+        return inner(chunks, draft)
+    engine.runner.prefill = recording
     first_token, long_sent = threading.Event(), threading.Event()
-    submit, step = sched.submit, sched.engine.step
+    submit, step = engine.submit, engine.step
 
     def submitting(request):
         submit(request)
@@ -82,7 +82,7 @@ def test_a_long_prompt_is_prefilled_in_small_passes_while_another_request_decode
             long_sent.wait(60)              # first token, would see its 60 tokens finish first)
         steps.append(1)
         return step(*args, **kwargs)
-    sched.submit, sched.engine.step = submitting, stepping
+    engine.submit, engine.step = submitting, stepping
 
     async def run(url):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -117,21 +117,21 @@ def test_a_long_prompt_is_prefilled_in_small_passes_while_another_request_decode
 def test_a_short_prompt_is_not_queued_behind_a_long_prefill(tiny_models):
     """Prefill passes take the shortest remaining prompt first: a short request that arrives while
     a long prompt is being prefilled in small passes finishes its prefill in the next pass."""
-    from specdecode.serve.scheduler import Finished, Request
+    from specdecode.engine.sequence import Finished, Request
     llm = LLM(model=str(tiny_models["llama"]), method="none", dtype="fp32", progress=False)
     tok = llm.tokenizer
     long_ids = tok.encode(" ".join(f"word{i}" for i in range(14)))
     short_ids = tok.encode("the quick brown fox")
-    state = build_state(llm, ServeConfig(max_batch_size=2, block_size=4, prefill_chunk=16, max_model_len=200,
+    state = build_state(llm, EngineConfig(max_batch_size=2, block_size=4, prefill_chunk=16, max_model_len=200,
                                          served_model_name="tiny"))
-    sched = state.scheduler
+    sched = state.engine
     passes = []
-    inner = sched.engine.prefill
+    inner = sched.runner.prefill
 
-    def recording(chunks):
+    def recording(chunks, draft=False):
         passes.append([(len(s.prompt_ids), n) for s, n in chunks])
-        return inner(chunks)
-    sched.engine.prefill = recording
+        return inner(chunks, draft)
+    sched.runner.prefill = recording
     done = {name: threading.Event() for name in ("long", "short")}
     sched.start()
     try:

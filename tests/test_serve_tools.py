@@ -15,7 +15,7 @@ import pytest
 
 from specdecode import LLM
 from specdecode.serve.app import create_app
-from specdecode.serve.scheduler import ServeConfig
+from specdecode.engine.config import EngineConfig
 from specdecode.serve.server import BackgroundServer, build_state
 from specdecode.serve.tools import extract_calls
 
@@ -34,7 +34,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 @pytest.fixture(scope="module")
 def client():
     llm = LLM(method="ngram", progress=False)
-    state = build_state(llm, ServeConfig(max_batch_size=2, max_model_len=1024, served_model_name="m"))
+    state = build_state(llm, EngineConfig(max_batch_size=2, max_model_len=1024, served_model_name="m"))
     with BackgroundServer(create_app(state)) as srv:
         yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120), srv
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.kv_cache import KVCache
-from specdecode.serve.paged_cache import CacheFull, PagedKVCache
-from specdecode.engine.costs import SPIKE
-from specdecode.serve.policy import AUTO, OFF, ON, Decision, RowPolicy, SpeculationPolicy, expected_tokens
+from specdecode.cache.contiguous import KVCache
+from specdecode.cache.paged import CacheFull, PagedKVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,171 +70,6 @@ def test_blocks_follow_the_tokens_held_and_return_on_release(target):
         paged.reserve(1, 4)
 
 
-def rows(n, k=5, mode=AUTO):
-    return [RowPolicy(mode=mode, k=k, probe_wait=8) for _ in range(n)]
-
-
-def run_steps(policy, rs, alpha_hits, steps, plain_s=0.01, spec_s=0.012):
-    """Steps where each drafting row accepts `alpha_hits` drafts of k; returns the decisions."""
-    decisions = []
-    for _ in range(steps):
-        ks, d = policy.plan(rs)
-        decisions += d
-        drafted = ks
-        accepted = [min(alpha_hits, k) for k in ks]
-        decisions += policy.observe(rs, ks, drafted, accepted, spec_s if any(ks) else plain_s)
-    return decisions
-
-
-def test_expected_tokens():
-    assert expected_tokens(0.0, 5) == 1.0
-    assert expected_tokens(1.0, 5) == 6.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
-
-
-def test_a_request_whose_drafts_are_never_accepted_is_switched_off_then_probed_back_on():
-    policy = SpeculationPolicy(shadow=False, draft_cost=0.1)
-    rs = rows(1)
-    decisions = run_steps(policy, rs, alpha_hits=0, steps=6)
-    assert [(d.scope, d.action, d.reason) for d in decisions if d.action == "disabled"] == \
-        [("request", "disabled", "low_acceptance")]
-    assert not rs[0].on
-    # off: plain steps, then a probe step after probe_wait; the probe fails -> back-off doubles
-    decisions = run_steps(policy, rs, alpha_hits=0, steps=9)
-    assert any(d.action == "probe" for d in decisions) and rs[0].probe_wait == 16 and not rs[0].on
-    # the drafts become good: the next probe switches it back on
-    decisions = run_steps(policy, rs, alpha_hits=5, steps=17)
-    assert ("request", "enabled", "probe") in [(d.scope, d.action, d.reason) for d in decisions]
-    assert rs[0].on
-
-
-def test_lookup_drafts_are_scored_for_free_while_off():
-    policy = SpeculationPolicy(shadow=True, draft_cost=0.01)
-    rs = rows(1)
-    run_steps(policy, rs, alpha_hits=0, steps=6)
-    assert not rs[0].on
-    ks, _ = policy.plan(rs)
-    assert ks == [0]                                  # no probes: shadow drafts instead
-    assert policy.observe_shadow(rs[0], 1, drafted=5, matched=0) == []
-    decisions = policy.observe_shadow(rs[0], 1, drafted=5, matched=5)
-    decisions += policy.observe_shadow(rs[0], 1, drafted=5, matched=5)
-    assert ("request", "enabled", "acceptance_recovered") in [(d.scope, d.action, d.reason) for d in decisions]
-
-
-def test_one_descheduled_drafting_step_does_not_keep_a_lookup_off():
-    """A row's drafting steps are the only measure of a speculative step's cost, and a row switched
-    off stops drafting: a step slowed 10x among them (another process took the core) is counted at
-    most SPIKE times the estimate, so good shadow drafts switch the row back on."""
-    policy = SpeculationPolicy(shadow=True, draft_cost=0.01)
-    rs = rows(1)
-    plain_s, spec_s, drafting_steps = 0.01, 0.012, 0
-    while rs[0].on:                                       # rejected drafts: switched off after a few steps
-        ks, _ = policy.plan(rs)
-        drafting_steps += any(ks)
-        seconds = plain_s if not any(ks) else 10 * spec_s if drafting_steps == 1 else spec_s
-        policy.observe(rs, ks, ks, [0], seconds)          # the first drafting step is descheduled
-    assert drafting_steps == 3 and policy.cost_ratio(1, 5) < SPIKE * (1.0 + 5 * (0.01 + 0.03))
-    decisions = sum((policy.observe_shadow(rs[0], 1, drafted=5, matched=5) for _ in range(3)), [])
-    assert rs[0].on and decisions == [Decision("request", "enabled", "acceptance_recovered")]
-    policy.costs.spec[(1, 5)] = spec_s
-    policy.observe(rs, [5], [5], [5], 100 * spec_s)      # measured: a later spike moves it a bounded step
-    assert policy.costs.spec[(1, 5)] == pytest.approx(0.8 * spec_s + 0.2 * SPIKE * spec_s)
-
-
-def test_the_policy_imports_without_torch():
-    """serve/policy.py (and engine/costs.py's SPIKE and toward, which it reads) stay torch-free."""
-    import subprocess
-    import sys
-    code = "import sys, specdecode.serve.policy; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
-
-
-def test_forced_modes_are_left_alone():
-    policy = SpeculationPolicy(shadow=False, draft_cost=0.5)
-    forced_on, forced_off = rows(1, mode=ON), rows(1, mode=OFF)
-    run_steps(policy, forced_on + forced_off, alpha_hits=0, steps=10)
-    ks, _ = policy.plan(forced_on + forced_off)
-    assert ks == [5, 0] and forced_on[0].on
-
-
-def test_the_batch_is_switched_off_when_verifying_costs_more_than_it_saves_and_on_when_it_shrinks():
-    policy = SpeculationPolicy(shadow=False, draft_cost=0.05)
-    rs = rows(8, k=4)
-    # a spec step costs 3x a plain one at batch 8, one accepted draft in four: E = 1.33 < 3
-    decisions = run_steps(policy, rs, alpha_hits=1, steps=8, plain_s=0.01, spec_s=0.03)
-    assert ("batch", "disabled", "batch_cost") in [(d.scope, d.action, d.reason) for d in decisions]
-    assert not policy.batch_on and policy.plan(rs)[0] == [0] * 8
-    decisions = run_steps(policy, rs[:3], alpha_hits=4, steps=1)
-    assert ("batch", "enabled", "batch_size_dropped") in [(d.scope, d.action, d.reason) for d in decisions]
-
-
-def test_the_batch_stays_off_when_it_shrinks_to_a_size_measured_not_to_pay():
-    policy = SpeculationPolicy(shadow=False, draft_cost=0.05)
-    rs = rows(8, k=4)
-    policy.costs.plain[7], policy.costs.spec[(7, 4)] = 0.01, 0.03        # measured at batch 7
-    decisions = run_steps(policy, rs, alpha_hits=1, steps=8, plain_s=0.01, spec_s=0.03)
-    assert not policy.batch_on and ("batch", "disabled", "batch_cost") in [(d.scope, d.action, d.reason) for d in decisions]
-    ks, decisions = policy.plan(rs[:7])
-    assert ks == [0] * 7 and not any(d.action == "enabled" for d in decisions) and policy.batch_off_at == 7
-    ks, decisions = policy.plan(rs[:3])               # never measured at 3: try again
-    assert ("batch", "enabled", "batch_size_dropped") in [(d.scope, d.action, d.reason) for d in decisions]
-
-
-def test_a_batch_switched_off_for_its_rows_acceptance_does_not_keep_other_requests_plain():
-    """The batch was switched off with its rows' acceptance; when it shrinks, the rows now in it are
-    judged by their own: a lone new request by its own policy, and rows whose shadow drafts pay at
-    a size measured not to pay with the old rows' acceptance."""
-    policy = SpeculationPolicy(shadow=True, draft_cost=0.01)
-    rs = rows(8, k=4)
-    for size in (1, 2, 3):
-        policy.costs.plain[size], policy.costs.spec[(size, 4)] = 0.01, 0.02   # a step of drafts: 2 plain
-        policy.costs.plain_age[size] = 0
-    run_steps(policy, rs, alpha_hits=1, steps=8, plain_s=0.01, spec_s=0.03)
-    assert not policy.batch_on and policy.batch_alpha <= 0.5     # E = 1.94 tokens: below 2 steps
-    ks, decisions = policy.plan(rows(1, k=4))         # a new request alone (an exact Predicted Output, say)
-    assert ks == [4] and Decision("batch", "enabled", "batch_size_dropped") in decisions
-    run_steps(policy, rs, alpha_hits=1, steps=8, plain_s=0.01, spec_s=0.03)
-    assert not policy.batch_on
-    ks, _ = policy.plan(rs[:3])                       # the old rows at 3: measured not to pay, stay off
-    assert ks == [0, 0, 0] and not policy.batch_on and policy.batch_off_at == 3
-    fresh = rows(2, k=4)
-    for r in fresh:                                   # new rows whose shadow drafts are all right
-        policy.observe_shadow(r, 2, drafted=4, matched=4)
-    ks, decisions = policy.plan(fresh)
-    assert ks == [4] * 2 and Decision("batch", "enabled", "batch_size_dropped") in decisions
-
-
-def test_a_batch_of_lookup_rows_is_probed_only_when_its_shadow_drafts_would_pay():
-    """Off for cost at 8 rows, a lookup drafter's batch is not probed blind (PROBE_ALPHA): the rows'
-    shadow drafts measure their acceptance, and the batch is probed once that acceptance would pay."""
-    policy = SpeculationPolicy(shadow=True, draft_cost=0.01)
-    rs = rows(8, k=4)
-    run_steps(policy, rs, alpha_hits=1, steps=8, plain_s=0.01, spec_s=0.025)     # a step of drafts: 2.5 plain
-    assert not policy.batch_on and policy.batch_reason == "batch_cost"
-    probes = []
-    for step in range(60):                      # shadows right one draft in four: no probe
-        for r in rs:
-            policy.observe_shadow(r, 8, drafted=4, matched=1)
-        ks, decisions = policy.plan(rs)
-        probes += [d for d in decisions if d.action == "probe"]
-        policy.observe(rs, ks, [0] * 8, [0] * 8, 0.01)
-    assert probes == [] and not policy.batch_on
-    for r in rs:                                # then every shadow draft right: probed at the next step
-        for _ in range(4):
-            policy.observe_shadow(r, 8, drafted=4, matched=4)
-    ks, decisions = policy.plan(rs)
-    assert ks == [4] * 8 and Decision("batch", "probe", "periodic") in decisions
-
-
-def test_fixed_batch_size_limit():
-    policy = SpeculationPolicy(shadow=True, draft_cost=0.01, max_batch_size=2)
-    ks, decisions = policy.plan(rows(3))
-    assert ks == [0, 0, 0] and decisions[0].reason == "batch_size"
-    ks, decisions = policy.plan(rows(2))
-    assert decisions[0].reason == "batch_size_dropped"
-
-
 class _CharTokenizer:
     """Token i is the character chr(i)."""
 
@@ -268,7 +101,7 @@ def test_held_tokens_post_one_merged_event_then_the_last():
     """A non-streamed choice's sink keeps its tokens on the engine thread: nothing is posted per
     step; at the end one Tokens event with every id, kind and logprob in order, then the final event."""
     from specdecode.serve.app import HeldTokens
-    from specdecode.serve.scheduler import Failed, Finished, Tokens
+    from specdecode.engine.sequence import Failed, Finished, Tokens
     posted = []
     sink = HeldTokens(posted.append)
     sink(Tokens([1, 2], ["accepted", "bonus"], [-0.1, -0.2]))
@@ -291,7 +124,7 @@ def test_paced_tokens_send_the_first_at_once_then_at_most_every_interval(monkeyp
     are merged until `interval` has passed since the last post, and what is held goes before the
     final event; ids, kinds and logprobs in order."""
     import specdecode.serve.app as app
-    from specdecode.serve.scheduler import Finished, Tokens
+    from specdecode.engine.sequence import Finished, Tokens
     now = [100.0]
     monkeypatch.setattr(app.time, "monotonic", lambda: now[0])
     posted = []
@@ -316,36 +149,6 @@ def test_paced_tokens_send_the_first_at_once_then_at_most_every_interval(monkeyp
 @pytest.mark.parametrize("bad", [-1, 10_001, "20", True, float("nan")])
 def test_bad_stream_interval_is_refused_by_name(bad):
     from specdecode.params import ParamError
-    from specdecode.serve.scheduler import ServeConfig
+    from specdecode.engine.config import EngineConfig
     with pytest.raises(ParamError, match=r"stream_interval_ms must be a number of milliseconds in \[0, 10000\]"):
-        ServeConfig(stream_interval_ms=bad)
-
-
-def test_server_shadow_drafts_are_one_call_and_take_a_bounded_share():
-    """The server drafts the shadows of all switched-off rows in one propose call, and only every
-    n-th step where they cost more than SHADOW_SHARE of a step (a call per row per step cost 24
-    rows ~5% of their steps)."""
-    from types import SimpleNamespace as NS
-
-    from specdecode.drafters.base import DraftProposal
-    from specdecode.engine.shadows import SHADOW_SHARE
-    from specdecode.serve.policy import RowPolicy
-    from specdecode.serve.scheduler import Scheduler
-
-    calls = []
-
-    def propose(seqs, rooms):
-        calls.append(len(seqs))
-        return DraftProposal.from_lists([[7, 8, 9][:room] for room in rooms])
-
-    rows = [NS(policy=RowPolicy(k=3), k_now=0, params=NS(max_tokens=50), num_output=i) for i in range(4)]
-    sched = NS(policy=NS(shadow=True, batch_on=False), inner_drafter=NS(propose=propose),
-               shadow_seconds=0.0, step_seconds=0.0, shadow_steps=0, shadowed_now=False)
-    Scheduler._shadow_drafts(sched, rows)
-    assert calls == [4] and [r.policy.shadow for r in rows] == [(i, [7, 8, 9]) for i in range(4)]
-    sched.step_seconds, sched.shadow_seconds = 1.0, 3 * SHADOW_SHARE           # three steps' share a shadow
-    for step in range(12):
-        for r in rows:
-            r.policy.shadow = None
-        Scheduler._shadow_drafts(sched, rows)
-    assert calls[1:] == [4] * 4                                               # every third step
+        EngineConfig(stream_interval_ms=bad)

@@ -5,7 +5,7 @@ import torch
 
 from specdecode import SamplingParams, datasets
 from specdecode.api import LLM
-from specdecode.engine.engine import SpecEngine
+from conftest import run_engine
 
 pytestmark = pytest.mark.slow
 
@@ -43,15 +43,15 @@ def test_greedy_equality_spec_bench_10_prompts_ngram(smollm2):
     prompts = [encode(smollm2, p) for p in spec_bench_prompts()]
     assert len(prompts) == 10
     params = [SamplingParams(max_tokens=48, ignore_eos=True)] * len(prompts)
-    plain = SpecEngine(smollm2, None, 0).generate(prompts, params)
+    plain = run_engine(smollm2, None, 0, prompts, params)
     from specdecode.drafters.ngram import NgramDrafter
-    spec = SpecEngine(smollm2, NgramDrafter(), 5, adaptive=False).generate(prompts, params)
+    spec = run_engine(smollm2, NgramDrafter(), 5, prompts, params, adaptive=False)
     mismatches = [i for i, (a, b) in enumerate(zip(plain, spec)) if a.output_ids != b.output_ids]
     assert not mismatches, f"prompts {mismatches} diverged"
     assert sum(s.stats.accepted for s in spec) > 0
     # batch of one (the fast uniform path) on two of them
     for i in (0, 9):
-        alone = SpecEngine(smollm2, NgramDrafter(), 5, adaptive=False).generate([prompts[i]], params[:1])[0]
+        alone = run_engine(smollm2, NgramDrafter(), 5, [prompts[i]], params[:1], adaptive=False)[0]
         assert alone.output_ids == plain[i].output_ids
 
 
@@ -59,8 +59,8 @@ def test_greedy_self_draft_accepts_everything(smollm2):
     from specdecode.drafters.model import ModelDrafter
     prompts = [encode(smollm2, p) for p in spec_bench_prompts()[:4]]
     params = [SamplingParams(max_tokens=24, ignore_eos=True)] * len(prompts)
-    plain = SpecEngine(smollm2, None, 0).generate(prompts, params)
-    spec = SpecEngine(smollm2, ModelDrafter(smollm2, draft=smollm2, draft_confidence=0.0), 3, adaptive=False).generate(prompts, params)
+    plain = run_engine(smollm2, None, 0, prompts, params)
+    spec = run_engine(smollm2, ModelDrafter(smollm2, draft=smollm2, draft_confidence=0.0), 3, prompts, params, adaptive=False)
     for a, b in zip(plain, spec):
         assert a.output_ids == b.output_ids
         assert b.stats.acceptance_rate == 1.0

@@ -14,7 +14,7 @@ import pytest
 from specdecode import LLM, SamplingParams
 from specdecode.params import ParamError
 from specdecode.serve.app import create_app
-from specdecode.serve.scheduler import ServeConfig
+from specdecode.engine.config import EngineConfig
 from specdecode.serve.server import BackgroundServer, build_state
 from specdecode.structured import Structured, structured_from_body
 
@@ -102,7 +102,7 @@ def test_bad_inputs_name_the_field():
 
 @pytest.fixture(scope="module")
 def client(llm):
-    state = build_state(llm, ServeConfig(max_batch_size=2, max_model_len=512, served_model_name="m"))
+    state = build_state(llm, EngineConfig(max_batch_size=2, max_model_len=512, served_model_name="m"))
     with BackgroundServer(create_app(state)) as srv:
         yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
 
@@ -197,11 +197,11 @@ def test_forbidden_drafts_are_trimmed_before_the_pass(llm):
     """A draft node the grammar forbids, and its subtree, is dropped before the target pass
     (chains and trees); allowed nodes keep their order and parents."""
     from specdecode.drafters.base import DraftProposal
-    from specdecode.engine.sequence import Sequence
+    from conftest import make_seq
     from specdecode.structured import grammar_tokenizer, trim_drafts
     tok = llm.tokenizer
     structured = Structured("json_schema", SCHEMAS[0])
-    seq = Sequence(0, tok.encode("x", False), SamplingParams(structured=structured), (0,), row=0)
+    seq = make_seq(0, tok.encode("x", False), SamplingParams(structured=structured), (0,), row=0)
     seq.constraint = grammar_tokenizer(llm.target).constraint(structured)
     ok = tok.encode('{"name": "Ann", "age": 3', False)
     seq.constraint.consume(ok[:-2])                              # before ', "age"'-ish: any allowed path works
@@ -213,7 +213,7 @@ def test_forbidden_drafts_are_trimmed_before_the_pass(llm):
     tree = DraftProposal.from_trees([[(bad[0], -1), (good[0], -1), (good[1], 1), (good[1], 0)]])
     trimmed = trim_drafts([seq], tree)
     assert trimmed.num_tokens.tolist() == [2] and trimmed.tokens[0, :2].tolist() == good and trimmed.parents is None
-    free = Sequence(1, tok.encode("x", False), SamplingParams(), (0,), row=1)   # unconstrained rows keep theirs
+    free = make_seq(1, tok.encode("x", False), SamplingParams(), (0,), row=1)   # unconstrained rows keep theirs
     both = DraftProposal.from_lists([bad + good, bad + good])
     trimmed = trim_drafts([seq, free], both)
     assert trimmed.num_tokens.tolist() == [0, 3]

@@ -139,17 +139,17 @@ def test_cli_offers_and_runs_a_drafter_from_outside(tiny_models, request, source
 
 def test_server_runs_and_accounts_a_drafter_from_outside(tiny_models, bigram):
     from specdecode.serve.app import create_app
-    from specdecode.serve.scheduler import ServeConfig
+    from specdecode.engine.config import EngineConfig
     from specdecode.serve.server import BackgroundServer, build_state
     llm = LLM(model=str(tiny_models["llama"]), method=bigram, num_speculative_tokens=4, dtype="fp32",
               progress=False)
     jobs = [(TEXTS[i % 3], 12 + 3 * i, {0: {}, 1: {"speculate": False}, 2: {"speculate": True}}[i % 3])
             for i in range(6)]
     wants = [plain_outputs(llm, [t], n)[0] for t, n, _ in jobs]
-    state = build_state(llm, ServeConfig(max_batch_size=2, block_size=4, prefill_chunk=16, max_model_len=128,
+    state = build_state(llm, EngineConfig(max_batch_size=2, block_size=4, prefill_chunk=16, max_model_len=128,
                                          served_model_name="tiny"))
     table = llm.drafter.table                 # the state the server made the drafter prepare
-    assert table is not None and state.scheduler.engine.draft_state is table
+    assert table is not None and state.engine.runner.drafter_state is table
 
     with BackgroundServer(create_app(state)) as server:
         outs = asyncio.run(post_completions(server.url, jobs))

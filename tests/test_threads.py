@@ -82,8 +82,8 @@ def test_answers_do_not_depend_on_the_thread_count(tiny_models):
         params = [SamplingParams(max_tokens=120, ignore_eos=True),
                   SamplingParams(max_tokens=120, ignore_eos=True, temperature=0.9, seed=4)]
         want = [o.token_ids for o in llm.generate([prompt, prompt], params)]
-        llm.threads = ThreadTuner(max_threads=2, period=3, max_period=3, trial=2)      # trials every few steps
+        llm.core.threads = ThreadTuner(max_threads=2, period=3, max_period=3, trial=2)      # trials every few steps
         got = [o.token_ids for o in llm.generate([prompt, prompt], params)]
-        assert got == want and llm.threads.steps > 20
+        assert got == want and llm.core.threads.steps > 20
     finally:
         torch.set_num_threads(threads)

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from specdecode import LLM
 from specdecode.serve.app import create_app
-from specdecode.serve.scheduler import ServeConfig
+from specdecode.engine.config import EngineConfig
 from specdecode.serve.server import BackgroundServer, build_state
 from specdecode.serve.tools import HERMES, ToolParser, ToolSpec, with_tools
 
@@ -120,7 +120,7 @@ def family(request, tmp_path_factory):
     name = request.param
     folder = make_family_model(tmp_path_factory.mktemp("family") / name, name)
     llm = LLM(model=str(folder), method="ngram", dtype="fp32", progress=False)
-    state = build_state(llm, ServeConfig(max_batch_size=2, max_model_len=1024, served_model_name="m",
+    state = build_state(llm, EngineConfig(max_batch_size=2, max_model_len=1024, served_model_name="m",
                                          max_tokens_default=12))
     with BackgroundServer(create_app(state)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)

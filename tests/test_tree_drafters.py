@@ -15,7 +15,7 @@ from specdecode.drafters.base import DraftProposal, DrafterError
 from specdecode.drafters.recycle import RecycleDrafter, template
 from specdecode.drafters.registry import build_drafter, method_names
 from specdecode.drafters.suffix import LocalIndex, SuffixDrafter
-from specdecode.engine.sequence import Sequence
+from conftest import make_seq as new_seq
 from specdecode.params import SamplingParams
 from specdecode.tree import depths, validate
 
@@ -27,8 +27,8 @@ class Stub:
         vocab_size = 64
 
 
-def make_seq(prompt, output=(), request_id=0, row=0) -> Sequence:
-    s = Sequence(request_id, list(prompt), SamplingParams(max_tokens=100_000, ignore_eos=True), (), row)
+def make_seq(prompt, output=(), request_id=0, row=0):
+    s = new_seq(request_id, list(prompt), SamplingParams(max_tokens=100_000, ignore_eos=True), (), row)
     s.token_ids += [int(t) for t in output]
     return s
 

@@ -52,7 +52,7 @@ def _cases():
 @pytest.mark.parametrize("dtype,fast", _cases())
 @pytest.mark.parametrize("cache_kind", ["contiguous", "paged"])
 def test_tree_pass_equals_chain_per_path(models, arch, dtype, fast, cache_kind):
-    from specdecode.serve.paged_cache import PagedKVCache
+    from specdecode.cache.paged import PagedKVCache
     if fast and not fast_linear.available():
         pytest.skip(fast_linear.reason())
     if fast and dtype == "bf16" and not fast_linear._load()["bf16"]:

@@ -78,8 +78,7 @@ class SpecdecodeSystem(System):
         self.llm = llm
         self.structured = Structured("json_schema", json_schema) if json_schema is not None else None
         self.adaptive = adaptive              # None: the engine's default (adaptive)
-        self.cost_curves: dict[int, dict[int, float]] = {}   # k -> forward-cost curve (adaptive tree sizes)
-        self.budgets: dict[tuple, dict] = {}   # (method, k) -> its draft budgets, carried from prompt to prompt
+        self.cores: dict[tuple[str, int], object] = {}        # (method, k) -> its engine core (as one LLM's calls)
         self.drafter_path = drafter_path
         self.drafter_options = dict(drafter_options or {})    # given to the drafters that take them
         self.drafters: dict[tuple[str, int], object] = {}     # (method, k) -> its own drafter
@@ -102,6 +101,8 @@ class SpecdecodeSystem(System):
         if (method, k) not in self.drafters:
             names = drafter_option_names(method)
             options = {key: v for key, v in self.drafter_options.items() if key in names}
+            if self.adaptive is False and "draft_confidence" in names:      # k drafts every step, as asked
+                options.setdefault("draft_confidence", 0.0)
             self.drafters[method, k] = build_drafter(method, self.llm.target, draft=self.llm.draft,
                                                      drafter_path=self.drafter_path, **options)
         return self.drafters[method, k]
@@ -111,18 +112,16 @@ class SpecdecodeSystem(System):
 
     def run(self, cell: Cell, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int,
             schema: str | None = None) -> dict:
-        from ..engine.engine import SpecEngine
+        from ..engine import offline
         from ..params import SamplingParams
 
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed,
                                 structured=structured_for(schema, self.structured))
-        engine = SpecEngine(self.llm.target, self.drafter(cell.method, cell.k), cell.k, adaptive=self.adaptive,
-                            cost_curve=self.cost_curves.get(cell.k),
-                            budgets=self.budgets.setdefault((cell.method, cell.k), {}),   # as one LLM's calls
-                            threads=self.llm.threads)
-        if engine.adaptive and engine.cost_curve is None:     # measured once per k, outside the timed run
-            engine.prepare_cost_curve(len(prompt_ids) + max_tokens)
-            self.cost_curves[cell.k] = engine.cost_curve
+        core = self.cores.get((cell.method, cell.k))
+        if core is None:                 # no prefix cache: every run prefills its prompt
+            core = self.cores[cell.method, cell.k] = offline.offline_core(
+                self.llm.target, self.drafter(cell.method, cell.k), cell.k, self.adaptive is not False)
+        offline.prepare(core, 1, len(prompt_ids) + max_tokens)   # outside the timed run
         first: list[float] = []
 
         def on_tokens(seq, tokens) -> None:
@@ -130,10 +129,10 @@ class SpecdecodeSystem(System):
                 first.append(time.perf_counter())
 
         started = time.perf_counter()
-        seq = engine.generate([list(prompt_ids)], [params], on_tokens)[0]
+        seq = offline.run(core, [list(prompt_ids)], [params], on_tokens=on_tokens)[0]
         seconds = time.perf_counter() - started
         st = seq.stats
-        drafter = engine.drafter.summary() if engine.drafter is not None else {}
+        drafter = core.drafter.summary() if core.drafter is not None else {}
         return measurement(seq.output_ids, seconds, first[0] - started if first else None, steps=st.steps,
                            emitted=st.emitted, drafted=st.drafted, accepted=st.accepted, nodes=st.nodes,
                            drafted_per_position=list(st.drafted_per_position),

@@ -26,35 +26,33 @@ from tqdm import tqdm
 import torch
 
 from ..drafters.base import DraftProposal, Drafter, DrafterCapabilities
-from ..engine.engine import SpecEngine
+from ..engine import offline
 from ..params import SamplingParams
 from . import prompts as P
 
 
 class FeatureRecorder(Drafter):
-    """Proposes nothing; records the target's features by position (like a KV cache)."""
+    """Proposes nothing; records the target's features of each request by position."""
 
     name = "feature-recorder"
     capabilities = DrafterCapabilities(needs_target_hidden=True)
 
     def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
         self.hidden_size, self.dtype = hidden_size, dtype
-        self.features = None
-
-    def prepare(self, batch_size: int, max_len: int) -> None:
-        self.features = torch.zeros(batch_size, max_len, self.hidden_size, dtype=self.dtype)
+        self.features: dict[str, torch.Tensor] = {}     # request id -> [prompt + max_tokens, hidden]
 
     def observe(self, seqs, starts, hidden):
         width = hidden.shape[1]
         for b, s in enumerate(seqs):
-            n = min(width, self.features.shape[1] - starts[b])
-            self.features[s.row, starts[b]:starts[b] + n] = hidden[b, :n].to("cpu", self.dtype)
+            rows = self.features.get(s.request_id)
+            if rows is None:
+                rows = self.features[s.request_id] = torch.zeros(s.prompt_len + s.params.max_tokens,
+                                                                 self.hidden_size, dtype=self.dtype)
+            n = min(width, rows.shape[0] - starts[b])
+            rows[starts[b]:starts[b] + n] = hidden[b, :n].to("cpu", self.dtype)
 
-    def propose(self, seqs, max_tokens):
+    def propose(self, seqs, sizes):
         return DraftProposal.empty(len(seqs))
-
-    def close(self) -> None:
-        pass          # the caller reads `features` after generate() returns
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -79,7 +77,7 @@ def _generate(target, jobs: list[tuple[str, list[int]]], max_tokens: int, batch_
     """Greedy plain decoding of (id, prompt_ids) jobs in batches of similar prompt length;
     on_batch gets [(id, prompt_ids, output_ids, features [len-1, hidden])] per batch."""
     recorder = FeatureRecorder(target.model.config.hidden_size, torch.bfloat16)
-    engine = SpecEngine(target, recorder, 1)
+    core = offline.offline_core(target, recorder, 1)
     fits = [j for j in jobs if len(j[1]) + max_tokens <= target.model.max_len]
     if len(fits) < len(jobs):
         print(f"note: {len(jobs) - len(fits)} prompts skipped: longer than the target's context "
@@ -89,8 +87,8 @@ def _generate(target, jobs: list[tuple[str, list[int]]], max_tokens: int, batch_
     with tqdm(total=len(jobs), desc=desc, unit="prompt", dynamic_ncols=True) as bar:
         for i in range(0, len(jobs), batch_size):
             chunk = jobs[i:i + batch_size]
-            seqs = engine.generate([ids for _, ids in chunk], [params] * len(chunk))
-            on_batch([(job_id, ids, s.output_ids, recorder.features[s.row, :len(s.token_ids) - 1].clone())
+            seqs = offline.run(core, [ids for _, ids in chunk], [params] * len(chunk))
+            on_batch([(job_id, ids, s.output_ids, recorder.features.pop(s.request_id)[:len(s.token_ids) - 1])
                       for (job_id, ids), s in zip(chunk, seqs)])
             bar.update(len(chunk))
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from ..datasets import SPEC_BENCH_TASKS, load
 from ..drafters.registry import build_drafter
-from ..engine.engine import SpecEngine
+from ..engine import offline
 from ..engine.sequence import SpecStats
 from ..params import SamplingParams
 
@@ -21,7 +21,7 @@ def drafter_for(target, drafter_dir: Path, kind: str):
 def engine_eval(target, drafter_dir: Path, kind: str = "eagle", prompts_per_task: int = 3, k: int = 5,
                 max_tokens: int = 128) -> dict:
     """Greedy, batch 1, per prompt: mean accepted length (bonus included) per task and overall."""
-    engine = SpecEngine(target, drafter_for(target, drafter_dir, kind), k)
+    core = offline.offline_core(target, drafter_for(target, drafter_dir, kind), k)
     tok = target.tokenizer
     total = SpecStats()
     per_task = {}
@@ -31,7 +31,7 @@ def engine_eval(target, drafter_dir: Path, kind: str = "eagle", prompts_per_task
             ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt.text}]), add_special=False)
             if len(ids) + max_tokens > target.model.max_len:
                 continue                     # does not fit this target's context
-            seq = engine.generate([ids], [SamplingParams(max_tokens=max_tokens)])[0]
+            seq = offline.run(core, [ids], [SamplingParams(max_tokens=max_tokens)])[0]
             stats.merge(seq.stats)
         total.merge(stats)
         per_task[task] = round(stats.mean_accepted_length, 3)

@@ -178,9 +178,6 @@ class DrafterCapabilities:
     copies: bool = False                # drafts continue earlier text (lookups, a predicted output): when a
                                         # step's drafts are all accepted the next may draft past k (SPAN)
     drafts_predictions: bool = False    # drafts from a request's predicted output (SamplingParams.prediction)
-    prefill_when_drafting: bool = False   # prefill() only reads the prompts (a draft model's cache) and may
-                                        # wait: the engine's draft budget calls it before the first step that
-                                        # drafts (a request the budget never drafts for never pays for it)
     commit_reads_nodes: bool = False    # commit() reads node indices of the proposal its propose() returned,
                                         # so the engine may not renumber them (a grammar trimming forbidden
                                         # drafts, structured.trim_drafts); drafters with state never are
@@ -233,14 +230,15 @@ class Drafter(ABC):
     capabilities: ClassVar[DrafterCapabilities] = DrafterCapabilities()
 
     def draft_model(self):
-        """The draft model (a native `Transformer`) whose KV cache is this drafter's whole state,
-        or None. With one, a server pages that cache itself (`use_draft_cache`) and prefills
-        prompts into it; without, the drafter's state (if any) comes from `prepare`."""
+        """The draft model (a LoadedModel) whose KV cache is this drafter's whole state, or None.
+        With one, the engine keeps that cache beside the target's (paged for a native model),
+        hands it over (`use_draft_cache`) and prefills prompts into it; without, the drafter's
+        state (if any) comes from `prepare`."""
         return None
 
     def prepare(self, batch_size: int, max_len: int) -> DrafterState | None:
-        """Called once before a batch of sequences starts: allocate per-row state for rows
-        0..batch_size-1 of up to max_len positions; return it (None: no state)."""
+        """Allocate per-row state for rows 0..batch_size-1 of up to max_len positions; return it
+        (None: no state). Called when the engine is built or grows, every row idle."""
         return None
 
     def use_draft_cache(self, cache) -> DrafterState:
@@ -249,11 +247,9 @@ class Drafter(ABC):
         raise NotImplementedError(f"drafter {type(self).__name__} declares no draft model")
 
     def prefill(self, seqs: list["Sequence"]) -> None:
-        """Called once after the target's prefill of `seqs` (counted as prefill time, not
-        drafting): a drafter with a model of its own reads the prompts here, so that drafting
-        steps time only drafting. Each row's last prompt token is still to come. With
-        `prefill_when_drafting`, the engine may call it later, right before the first step that
-        drafts (the sequences then hold the tokens emitted since: all but the last are read)."""
+        """Called once per sequence when its prompt is in the target's cache (and in the draft
+        model's, which the engine prefills itself): per-request set-up (an index of the prompt).
+        Each row's last prompt token is still to come."""
 
     @abstractmethod
     def propose(self, seqs: list["Sequence"], max_tokens: list[int]) -> DraftProposal:

@@ -29,11 +29,11 @@ import dataclasses
 
 import torch
 
-from ..engine.acceptance import expected_tokens
+from ..engine.controller import expected_tokens
 from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterError, DrafterState
 from .registry import register
 from .eagle import EagleDrafter
-from .model import DRAFT_CONTEXT, ModelDrafter
+from .model import ModelDrafter
 from .ngram import NgramDrafter, predicted
 from .suffix import SuffixDrafter
 
@@ -54,7 +54,7 @@ class CascadeDrafter(Drafter):
 
     def __init__(self, target, draft=None, drafter_path=None, fast: bool = True, ngram_min: int = 3,
                  ngram_max: int = 5, min_confidence: float | None = None, draft_confidence: float = 0.4,
-                 draft_context: int = DRAFT_CONTEXT, head_vocab: int = 0, head_rank: str = "freq",
+                 head_vocab: int = 0, head_rank: str = "freq",
                  lookup: str | None = None, lookup_min_tokens: int = 0, **_: object) -> None:
         self.ngram = NgramDrafter(target, ngram_min, ngram_max)      # validates the sizes
         lookup = lookup if lookup is not None else ("suffix" if draft is not None else "ngram")
@@ -67,8 +67,7 @@ class CascadeDrafter(Drafter):
         self.suffix = SuffixDrafter(target) if lookup == "suffix" else None
         self.lookup_min_tokens = lookup_min_tokens
         if draft is not None:                                        # a draft model behind the lookup
-            self.head = ModelDrafter(target, draft, draft_confidence=draft_confidence,
-                                     draft_context=draft_context, head_vocab=head_vocab,
+            self.head = ModelDrafter(target, draft, draft_confidence=draft_confidence, head_vocab=head_vocab,
                                      head_rank=head_rank)
             self.matches_target = True
         else:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from .head import head_block
 from ..footprint import weights_bytes
 from ..forward import ForwardBatch
-from ..kv_cache import KVCache
+from ..cache.contiguous import KVCache
 from ..sampling import probs_from_logits, sample, transform_logits
 from ..tree import walk_path
 from .base import ContiguousState, DraftProposal, Drafter, DrafterCapabilities, DrafterError, DrafterState

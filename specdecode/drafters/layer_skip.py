@@ -129,8 +129,6 @@ class LayerSkipDrafter(ModelDrafter):
         self.draft_vocab = self.target_vocab = target.model.vocab_size
         self.skip: frozenset[int] | None = None      # the skipped layers (None: chosen at the first request)
         self.model = self.draft = None                # the SkipView and its LoadedModel (set by _use)
-        # ModelDrafter's cache kept between calls: not here (its prompt is read lazily, on a first draft)
-        self._kept, self._reuse, self._texts, self._own_cache = None, {}, {}, False
         self._use(frozenset(skip_layers) if skip_layers is not None else None)
 
     def _use(self, skip: frozenset[int] | None) -> None:

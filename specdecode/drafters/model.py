@@ -1,20 +1,13 @@
 """A separate, smaller draft model that shares the target's tokenizer.
 
-The draft runs k autoregressive steps with its own KV cache (never the target's),
-applying the very same logits transform and the sequence's own random generator, and
-returns the distributions it sampled from so the verifier can do rejection sampling.
+The draft runs k autoregressive steps with its own KV cache (never the target's; the engine
+pages it beside the target's and prefills it with the prompt), applying the very same logits
+transform and the sequence's own random generator, and returns the distributions it sampled
+from so the verifier can do rejection sampling.
 
-Cache rule: after verification its cache keeps the entries of the tokens the target
-accepted; tokens it has not yet seen (the recovered/bonus token, or the last draft when
-all were accepted) are fed at the start of the next proposal (catch-up).
-
-With `draft_context` N (DRAFT_CONTEXT, 256, by default; 0: all) the draft reads only the last N
-tokens of a long prompt (and restarts
-from the last N when it would otherwise catch up more than N): its cache row starts at the
-sequence's token `offset` (slot 0 holds token `offset`; RoPE is relative, so the
-draft sees the window as the start of a text). Its prompt prefill then costs N tokens, not the
-prompt's length; drafts may be a little worse, the output is the target's all the same. The
-server prefills draft caches itself and ignores it.
+Cache rule: after verification its cache keeps the entries of the tokens the target accepted;
+tokens it has not yet seen (the recovered/bonus token, or the last draft when all were
+accepted, or a prompt it was never given) are fed at the start of the next proposal (catch-up).
 """
 from __future__ import annotations
 
@@ -30,11 +23,6 @@ from ..sampling import probs_from_logits, sample, transform_logits
 from .base import ContiguousState, DraftProposal, Drafter, DrafterCapabilities, DrafterError, DrafterState
 from .registry import register
 from .vocab_rank import frequent_ids
-
-DRAFT_CONTEXT = 256     # tokens of a long prompt the draft reads by default (0: all). The 1.5B / 0.5B pair on
-                        # four 670-770-token prompts (AMD Zen 5): reading all, 1.00x plain (summarization 1.04x,
-                        # rag 0.95x); the last 256, 1.06x (1.11x, 0.99x). Lookups still read the whole text
-
 
 def check_same_tokenizer(target, draft) -> None:
     """Refuse a pair whose vocabularies differ, naming both models and the first difference."""
@@ -52,13 +40,11 @@ def check_same_tokenizer(target, draft) -> None:
 
 @register("model")
 class ModelDrafter(Drafter):
-    capabilities = DrafterCapabilities(has_state=True, relative_cost=1.0,    # refined per instance
-                                       prefill_when_drafting=True)
-    draft_context = 0                         # 0: the draft reads the whole context (subclasses too)
+    capabilities = DrafterCapabilities(has_state=True, relative_cost=1.0)    # refined per instance
     head_rows = None                          # None: the draft's whole LM head (subclasses too)
 
-    def __init__(self, target, draft=None, draft_confidence: float = 0.4, draft_context: int = DRAFT_CONTEXT,
-                 head_vocab: int = 0, head_rank: str = "freq", **_: object) -> None:
+    def __init__(self, target, draft=None, draft_confidence: float = 0.4, head_vocab: int = 0,
+                 head_rank: str = "freq", **_: object) -> None:
         if not isinstance(draft_confidence, (int, float)) or not 0.0 <= draft_confidence < 1.0:
             raise DrafterError(f"draft_confidence must be a number in [0, 1), got {draft_confidence!r}")
         # stop drafting a row once the draft's probability of its own token falls below this (HF's
@@ -68,11 +54,6 @@ class ModelDrafter(Drafter):
         # (greedy, 21 Spec-Bench / HumanEval prompts) were accepted 11-33% of the time below a draft
         # probability of 0.4, 35-67% at 0.4-0.8, 94% above 0.9
         self.draft_confidence = float(draft_confidence)
-        if isinstance(draft_context, bool) or not isinstance(draft_context, int) or not 0 <= draft_context <= 1 << 20:
-            raise DrafterError(f"draft_context must be 0 (the whole context) or a number of tokens in [1, {1 << 20}], "
-                               f"got {draft_context!r}")
-        self.draft_context = draft_context
-        self.offset: dict[int, int] = {}      # cache row -> sequence index of the token in its slot 0
         if draft is None:
             raise DrafterError("method 'model' needs a draft model (--draft PATH / LLM(draft=...))")
         check_same_tokenizer(target, draft)
@@ -81,13 +62,7 @@ class ModelDrafter(Drafter):
             check_target(read_meta(Path(draft.path), "draft-lm"), target, Path(draft.path))
         self.draft = draft                    # LoadedModel
         self.model = draft.model
-        self.cache = None
-        # what the last call's draft cache holds, for the next call's prompts (`prepare` / `prefill`):
-        # (its cache, {row: (text, offset, length)}); a chat's next turn starts with the same tokens
-        self._kept: tuple | None = None
-        self._reuse: dict[int, tuple[list[int], int, int]] = {}
-        self._texts: dict[int, list[int]] = {}     # row -> its sequence's token list (grows in place)
-        self._own_cache = False
+        self.cache = None                     # the draft KV cache (the engine's, `use_draft_cache`)
         # Same tokenizer, but the embedding tables may be padded to different sizes (e.g.
         # Qwen2.5-0.5B: 151936 rows, Qwen2.5-7B: 152064): draft logits are cut / padded with
         # -inf to the target's size so draft and target distributions share one vocabulary.
@@ -120,73 +95,16 @@ class ModelDrafter(Drafter):
         return self.draft
 
     def prepare(self, batch_size: int, max_len: int) -> DrafterState:
-        if max_len > self.model.max_len + 64:
+        """A contiguous cache of its own (a subclass whose model the engine does not page)."""
+        if max_len > self.model.max_len + 66:
             raise ModelError(f"draft {self.draft.name} has a context of {self.model.max_len} tokens, "
                              f"fewer than the {max_len} this batch needs")
-        kept, self._kept = self._kept, None
-        if kept is not None and kept[0].batch_size == batch_size:   # the last call's entries, matched
-            old, self._reuse = kept                                  # in `prefill`
-            if old.max_len >= max_len:
-                self.cache = old
-            else:                                                    # a longer call: a larger cache
-                self.cache = self.model.new_cache(batch_size, max_len)
-                upto = max((length for _, _, length in self._reuse.values()), default=0)
-                for src, dst in zip(old.keys + old.values, self.cache.keys + self.cache.values):
-                    dst[:, :, :upto] = src[:, :, :upto]
-            for row in range(batch_size):
-                self.cache.truncate(row, 0)
-        else:
-            self.cache, self._reuse = self.model.new_cache(batch_size, max_len), {}
-        self.offset, self._texts, self._own_cache = {}, {}, True
+        self.cache = self.model.new_cache(batch_size, max_len)
         return ContiguousState(self.cache)
 
     def use_draft_cache(self, cache) -> DrafterState:
-        self.cache = cache            # e.g. the server's paged cache: the same interface as KVCache
-        self.offset, self.draft_context = {}, 0     # the server prefills the whole prompt into it
-        self._own_cache, self._kept, self._reuse = False, None, {}
+        self.cache = cache            # the engine's paged cache: the same interface as KVCache
         return cache
-
-    def close(self) -> None:
-        # kept for the next call (LLM.generate's turns), for one sequence only: a batch's rows would keep
-        # their whole KV alive between calls for little (its next prompts rarely share their rows' text)
-        if self._own_cache and self.cache is not None and self.cache.batch_size == 1:
-            entries = dict(self._reuse)      # a row this call never read (it never drafted) holds what it held
-            entries.update({row: (text, self.offset.get(row, 0), self.cache.lengths[row])
-                            for row, text in self._texts.items()})
-            self._kept = (self.cache, entries)
-        self.cache, self._texts, self._reuse = None, {}, {}
-
-    def _reuse_prefix(self, s) -> None:
-        """Keep the entries of row s.row that the last call left for the same tokens at the same
-        positions, so that only the rest of the prompt is prefilled. With draft_context the row
-        keeps the last call's window start while the prompt is within twice the window from it
-        (a chat's turns then reuse their history; the draft then reads up to twice the window of a
-        prompt)."""
-        self._texts[s.row] = s.token_ids
-        old = self._reuse.pop(s.row, None)
-        n = len(s.token_ids)
-        if old is None or (self.draft_context and not n - 2 * self.draft_context <= old[1] < n):
-            return
-        text, offset, length = old
-        same = 0
-        for a, b in zip(text[offset:offset + length], s.token_ids[offset:n - 1]):
-            if a != b:
-                break
-            same += 1
-        if same:
-            self.offset[s.row] = offset
-            self.cache.truncate(s.row, same)
-
-    def _offsets(self, seqs) -> list[int]:
-        """Per sequence, the index of the token in its draft cache row's slot 0 (draft_context)."""
-        if not self.draft_context:
-            return [0] * len(seqs)
-        for s in seqs:
-            length, n = self.cache.lengths[s.row], len(s.token_ids)
-            if length == 0 or n - self.offset.get(s.row, 0) - length > self.draft_context:
-                self.cache.truncate(s.row, 0)        # a new sequence, or a catch-up longer than the window
-                self.offset[s.row] = max(0, n - self.draft_context)
-        return [self.offset[s.row] for s in seqs]
 
     def _padded(self, feed: list[list[int]]) -> torch.Tensor:     # -> [B, longest] int64
         """Each row's tokens, zero-padded to the longest; an id the draft cannot embed (the target's
@@ -194,24 +112,6 @@ class ModelDrafter(Drafter):
         width = max(len(f) for f in feed)
         tokens = torch.tensor([f + [0] * (width - len(f)) for f in feed], dtype=torch.long, device=self.model.device)
         return tokens.clamp(max=self.draft_vocab - 1) if self.target_vocab > self.draft_vocab else tokens
-
-    @torch.inference_mode()
-    def prefill(self, seqs) -> None:
-        """The prompts (all but their last token) into the draft cache in one ragged pass, no logits:
-        what the last call left for the same first tokens is kept (`_reuse_prefix`)."""
-        for s in seqs:
-            self._reuse_prefix(s)
-        offsets = self._offsets(seqs)
-        feed = [s.token_ids[off + self.cache.lengths[s.row]:len(s.token_ids) - 1] for s, off in zip(seqs, offsets)]
-        if not any(feed):
-            return
-        device = self.model.device
-        starts = [self.cache.lengths[s.row] for s in seqs]
-        tokens = self._padded(feed)
-        rows = torch.tensor([s.row for s in seqs], device=device)
-        self.model.run(ForwardBatch.chain(tokens, torch.tensor(starts, device=device), rows), self.cache)
-        for b, s in enumerate(seqs):                 # padding is not text
-            self.cache.truncate(s.row, starts[b] + len(feed[b]))
 
     @torch.inference_mode()
     def propose(self, seqs, max_tokens):
@@ -225,10 +125,8 @@ class ModelDrafter(Drafter):
         generators = [s.generator for s in seqs]
         rows = torch.tensor([s.row for s in seqs], device=device)
         # feed: tokens this row's draft cache has not seen yet (catch-up), then one draft at a time
-        offsets = self._offsets(seqs)
-        feed = [s.token_ids[off + self.cache.lengths[s.row]:] for s, off in zip(seqs, offsets)]
-        base_len = [len(s.token_ids) - off for s, off in zip(seqs, offsets)]   # step state: the text before
-                                                                                # the drafts, in cache slots
+        feed = [s.token_ids[self.cache.lengths[s.row]:] for s in seqs]
+        base_len = [len(s.token_ids) for s in seqs]          # step state: the text before the drafts
         limit = list(max_tokens)                             # per row: drafts kept (early stop lowers it)
         for step in range(k):
             if all(step >= n for n in limit):

@@ -1,71 +1,164 @@
-"""The target's forward cost against the rows of a pass (the cost curve the draft budget reads,
-engine/budget.py): measured once at start-up on an empty cache, and read between its points; and
-how a measured cost is followed from step to step (`toward`)."""
+"""What a step costs: the target's pass against its rows, and drafting.
+
+The pass follows a curve measured once on an empty cache (`measure_cost_curve`: seconds against the
+rows of one pass), corrected by two factors learned from the steps run: `scale` for a one-row pass,
+`row_scale` for what the rows past the first add. Both grow with the context (every row reads the
+keys before it). A batch of B sequences is a pass of B rows and more; the curve is read between its
+points and extended along its last segment. Where the curve says extra rows cost nothing (a flat
+start-up measurement), `row_floor` learns the seconds each row adds. Drafting costs seconds per
+drafting sequence (looking for drafts) plus seconds per drafted node, measured; until measured, a
+drafter's prior per node (its relative cost times a one-row pass). A drafter that runs a model pass
+per draft depth over the rows drafting (a draft model, a trained head: `passes`) costs per pass
+what the curve's shape says a pass over that many rows costs (a batch's drafts share each pass).
+
+Torch-free except `measure_cost_curve`.
+"""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
-SPIKE = 3.0             # one step's time counts at most this many times the estimate it updates: a step
-                        # descheduled on a busy core took 8-12 ms where its kind took ~70 us (the tiny test
-                        # model; a 2-thread pass waits at every barrier for the thread without a core), and one
-                        # such drafting step priced a lookup's node at 12x its cost and kept a Predicted
-                        # Output's exact prediction plain for 30 steps
+SPIKE = 3.0             # one step's time counts at most this many times the estimate it updates (a step
+                        # descheduled on a busy core must not price drafting out for good)
+DECAY = 0.7             # weight of the past in the moving averages
+VERIFY_ROW = 0.15       # a verified row's cost in one-row passes: the fixed prior of pinned rows
 
 
-def toward(estimate: float, seen: float, past: float) -> float:
-    """A moving average's next value: `seen` weighs 1 - past, counted at most SPIKE * estimate (a
-    step's time: one descheduled step moves the estimate a bounded step, a lasting change a few)."""
+def toward(estimate: float, seen: float, past: float = DECAY) -> float:
+    """A moving average's next value: `seen` weighs 1 - past, counted at most SPIKE * estimate."""
     if estimate > 0:
         seen = min(seen, SPIKE * estimate)
     return past * estimate + (1 - past) * seen
 
 
-def measure_cost_curve(model, cache, max_rows: int, repeats: int = 3, batch: int = 1) -> dict[int, float]:
-    """Forward seconds per sequence of a pass of `batch` sequences of r rows each, r in powers of
-    two up to max_rows (and max_rows); rows 0..batch-1 of `cache` at slots 0..r-1 (the caller's
-    prefill overwrites them). A batch's pass is measured as a batch: at a few sequences one more
-    row per sequence costs little (the weights are read once), at many the pass is bound by
-    arithmetic and every row costs nearly a sequence's step, so drafting that pays alone does not
-    pay there. Past one sequence the curve is two points (1 and max_rows rows; interpolated).
-
-    Each size's time is the fastest of `repeats` passes taken in rounds over all the sizes, so that
-    a moment when another process takes the core slows one pass of every size rather than every
-    pass of one; and a pass over more rows is never taken to cost less than one over fewer (a start-up
-    on a busy 2-core host measured 6 rows at 3.09 ms after 4 rows at 3.31 ms: the budget then priced
-    the fifth and sixth rows at nothing)."""
-    import torch                    # here: the rest of this module is torch-free (serve/policy.py reads it)
-
-    from ..forward import ForwardBatch
-    rows = sorted({r for r in (1, 2, 4, 8, 16, 32, 64) if r <= max_rows} | {max_rows}) if batch == 1 \
-        else sorted({1, max_rows})
-    device = model.device
-    passes = {}
-    for r in rows:
-        tokens = torch.zeros(batch, r, dtype=torch.long, device=device)
-        passes[r] = ForwardBatch.chain(tokens, torch.zeros(batch, dtype=torch.long, device=device),
-                                       torch.arange(batch, device=device),
-                                       torch.arange(r, device=device)[None].expand(batch, r))
-        model.logits(model.run(passes[r], cache), passes[r].logit_index)        # warm-up
-    best = dict.fromkeys(rows, float("inf"))
-    for _ in range(repeats):
-        for r, fb in passes.items():
-            t0 = time.perf_counter()
-            model.logits(model.run(fb, cache), fb.logit_index)
-            best[r] = min(best[r], time.perf_counter() - t0)
-    for row in range(batch):
-        cache.truncate(row, 0)
-    curve, floor = {}, 0.0
-    for r in rows:
-        floor = curve[r] = max(floor, best[r] / batch)
-    return curve
-
-
 def interpolate(curve: dict[int, float], rows: float) -> float:
+    """The curve between its points; beyond the last, along its last segment."""
     points = sorted(curve.items())
-    if rows <= points[0][0]:
-        return points[0][1]
+    if rows <= points[0][0] or len(points) == 1:
+        return points[0][1] if rows <= points[0][0] else points[0][1] * rows / points[0][0]
     for (r0, t0), (r1, t1) in zip(points, points[1:]):
         if rows <= r1:
             return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
     (r0, t0), (r1, t1) = points[-2], points[-1]
     return t1 + (t1 - t0) * (rows - r1) / (r1 - r0)
+
+
+def curve_rows(max_rows: int) -> list[int]:
+    """The pass sizes a curve up to `max_rows` is measured at: powers of two and max_rows."""
+    return sorted({r for r in (1, 2, 4, 8, 16, 32, 64) if r <= max_rows} | {max_rows})
+
+
+def measure_cost_curve(model, cache, row: int, rows: list[int], repeats: int = 3) -> dict[int, float]:
+    """Seconds of a pass of r rows (one sequence's chain in cache row `row`, from slot 0), for r in
+    `rows`: the fastest of `repeats` passes taken in rounds over all sizes (a moment when another
+    process takes the core slows one pass of every size, not every pass of one); a pass over more
+    rows is never taken to cost less than one over fewer. The caller's prefill overwrites the slots."""
+    import torch
+
+    from ..forward import ForwardBatch
+    device = model.device
+    passes = {}
+    for r in rows:
+        passes[r] = ForwardBatch.chain(torch.zeros(1, r, dtype=torch.long, device=device),
+                                       torch.zeros(1, dtype=torch.long, device=device),
+                                       torch.tensor([row], device=device), torch.arange(r, device=device)[None])
+        model.logits(model.run(passes[r], cache), passes[r].logit_index)        # warm-up
+    best = dict.fromkeys(rows, float("inf"))
+    for _ in range(repeats):
+        for r, fb in passes.items():
+            started = time.perf_counter()
+            model.logits(model.run(fb, cache), fb.logit_index)
+            best[r] = min(best[r], time.perf_counter() - started)
+    cache.truncate(row, 0)
+    curve, floor = {}, 0.0
+    for r in sorted(rows):
+        floor = curve[r] = max(floor, best[r])
+    return curve
+
+
+@dataclass
+class StepCosts:
+    """Predicted seconds of a step (target pass + verification, and drafting), learned as it runs."""
+    curve: dict[int, float]                     # rows of one pass -> seconds (start-up measurement)
+    draft_cost: float | None = None             # prior drafting cost per node, in one-row passes (None: measured only)
+    passes: bool = False                        # drafting runs a pass per depth over the drafting rows
+    scale: float = 1.0                          # measured / curve time of a one-row pass
+    row_scale: float = 1.0                      # measured / curve time the rows past the first add
+    row_floor: float = 0.0                      # seconds a row adds where the curve says nothing
+    per_row: float = 0.0                        # drafting seconds per drafting sequence (looking)
+    per_node: float = 0.0                       # drafting seconds per drafted node
+    node_measured: bool = False
+    _at: dict[float, float] = field(default_factory=dict, repr=False)     # rows -> curve seconds
+
+    def extend(self, curve: dict[int, float]) -> None:
+        """More measured points (a larger batch)."""
+        self.curve.update(curve)
+        self._at.clear()
+
+    def _curve(self, rows: float) -> float:
+        seconds = self._at.get(rows)
+        if seconds is None:
+            seconds = self._at[rows] = interpolate(self.curve, rows)
+        return seconds
+
+    def pass_seconds(self, rows: float) -> float:
+        """A target pass over `rows` rows (every sequence's pending tokens and drafts)."""
+        one = self._curve(1.0)
+        extra = max(self.row_scale * (self._curve(rows) - one), self.row_floor * (rows - 1.0))
+        return self.scale * (one + extra)
+
+    def node_seconds(self) -> float:
+        """Drafting seconds per node: measured, or the prior times a one-row pass (a draft model's
+        pass grows with the context as the target's does)."""
+        if self.draft_cost is not None and not self.node_measured:
+            return self.draft_cost * self.pass_seconds(1.0)
+        return self.per_node
+
+    def shape(self, rows: float) -> float:
+        """A pass over `rows` rows, in one-row passes."""
+        return self._curve(rows) / self._curve(1.0)
+
+    def units(self, nodes: float, depth_rows: list[int] | None) -> float:
+        """Drafting work in nodes: with `passes`, each depth's pass over the rows drafting that deep
+        (`depth_rows[d]`: rows at depth d + 1) in one-row passes; else the nodes."""
+        if self.passes and depth_rows is not None:
+            return sum(self.shape(r) for r in depth_rows if r)
+        return nodes
+
+    def step_seconds(self, rows: float, drafting: int, nodes: float, depth_rows: list[int] | None = None) -> float:
+        """A step whose pass has `rows` rows, `drafting` sequences of which drafted `nodes` nodes."""
+        if not drafting:
+            return self.pass_seconds(rows)
+        return self.pass_seconds(rows) + self.per_row * drafting + self.node_seconds() * self.units(nodes, depth_rows)
+
+    def observe_pass(self, rows: int, seconds: float) -> None:
+        """One measured pass (with verification) of `rows` rows."""
+        one = self._curve(1.0)
+        extra = self._curve(rows) - one
+        if rows <= 1:
+            self.scale = toward(self.scale, seconds / max(one, 1e-9))
+        elif extra > 0.02 * one:
+            added = (seconds / self.scale - one) / extra
+            self.row_scale = toward(self.row_scale, min(max(added, 0.25), 8.0))
+        else:                            # rows the curve prices at (nearly) nothing: what each costs here
+            added = (seconds / self.scale - one) / (rows - 1)
+            self.row_floor = DECAY * self.row_floor + (1 - DECAY) * max(added, 0.0)
+
+    def observe_drafting(self, seconds: float, drafting: int, nodes: float, depth_rows: list[int] | None = None
+                         ) -> None:
+        """Drafting seconds of `drafting` sequences that proposed `nodes` nodes (a step's or shadows')."""
+        if not drafting:
+            return
+        if not nodes:                    # looked and found nothing: the cost of looking (no zero prior)
+            self.per_row = toward(self.per_row, seconds / drafting, DECAY if self.per_row else 0.0)
+            return
+        per_node = max(seconds - self.per_row * drafting, 0.0) / self.units(nodes, depth_rows)
+        known = self.draft_cost is not None or self.node_measured
+        self.per_node = toward(self.node_seconds(), per_node, DECAY if known else 0.0)
+        self.node_measured = True
+
+
+def fixed_costs(relative_cost: float, passes: bool) -> StepCosts:
+    """Costs that never change with measurements (a pinned row's decisions must not depend on
+    timings): a one-row pass of 1, each further row VERIFY_ROW of it, drafting its prior."""
+    return StepCosts({1: 1.0, 2: 1.0 + VERIFY_ROW}, draft_cost=relative_cost, passes=passes)

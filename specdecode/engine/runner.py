@@ -1,188 +1,276 @@
-"""The model runner: owns the KV caches and runs the target's forward passes.
+"""The model runner: owns the KV caches and runs the target's passes.
 
-* `allocate` makes the target's cache and the drafter's per-row state for a batch of rows:
-  contiguous caches by default; a caller that pages (the server) passes `new_cache`, and a
-  drafter that declares a draft model then gets its KV cache made the same way.
-* `prefill` (a fresh batch: every prompt but its last token, from position 0) and
-  `prefill_chunks` (the next tokens of some rows, each from its own cache length) write prompts.
-* `score` is the one target pass of a step: each row's pending tokens + drafts, returning the
-  transformed target probabilities verification needs.
+Caches. A native target's keys and values live in a paged cache (cache/paged.py: blocks shared by
+all rows, reserved at admission, prefix blocks shared between requests); a draft model's too,
+with its own block table per row, reserved and freed with the row. The transformers adapter's
+caches cannot be paged: one slot per row. A drafter without a draft model keeps its per-row state
+from `prepare` (an EAGLE head's features, a layer-skip view's cache), re-made when the engine grows.
 
-A drafter that declares `needs_target_hidden` gets the target's hidden states after every
-target pass (`observe`). Cache rule: a row of the target cache holds `token_ids[:length]`; the
-tokens after that ("pending": normally just the last emitted token) go into the next pass with
-the drafts, so every step is one target forward pass.
+Passes. `prefill` writes the next tokens of some rows' prompts, from each row's cache length, in
+one ragged pass (the draft model's cache too, for rows that may draft). `score` is the one target
+pass of a step: each row's pending tokens + drafts (a chain or a tree), returning what verification
+reads. Cache rule: a row of the target cache holds `token_ids[:length]`; the tokens after that
+("pending": normally the last emitted token) go into the next pass with the drafts.
 """
 from __future__ import annotations
 
-from typing import Callable
+import hashlib
 
 import torch
 
-from ..drafters.base import DraftProposal, Drafter, DrafterState
+from ..cache.blocks import chain_hashes
+from ..cache.paged import PagedKVCache
+from ..drafters.base import DraftProposal, Drafter
 from ..fast import argmax_last, top_k_indices
 from ..forward import ForwardBatch
-from ..sampling import probs_from_logits, transform_logits
+from ..sampling import position_uniforms, probs_from_logits, transform_logits
 from ..structured import allowed_masks, lazy_rows, mask_greedy
 from ..tree import ancestors
+from ..verify_tree import verify_greedy_lists, verify_point_mass, verify_tree
+from .costs import curve_rows, measure_cost_curve
 from .sequence import Sequence
 
-CacheFactory = Callable[[object, int, int], object]     # (model, num_rows, max_len) -> KV cache
+SLACK = 66              # cache positions past a row's context that a padded pass may write (a tree of 64 + 2)
+
+def kv_salt(loaded) -> bytes:
+    """What a model's keys and values depend on besides the tokens: its weights (fingerprint),
+    how they are held (dtype, native formats) and the kernel build that computes them."""
+    from ..fast.linear import kernel_id
+    model = loaded.model
+    fused = "fused" if getattr(model, "fused", None) is not None else "eager"
+    text = f"{loaded.fingerprint}|{loaded.weights_kind}|{getattr(model, 'dtype', '')}|{fused}|{kernel_id()}"
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 class ModelRunner:
-    def __init__(self, target, drafter: Drafter | None = None) -> None:
+    def __init__(self, target, drafter: Drafter | None, rows: int, context: int, num_blocks: int,
+                 block_size: int, state_len: int) -> None:
         self.target = target                      # LoadedModel
         self.model = target.model
         self.drafter = drafter
         self.wants_hidden = drafter is not None and drafter.capabilities.needs_target_hidden
-        draft = drafter.draft_model() if drafter is not None else None
-        self.draft_model = draft.model if draft is not None else None    # a draft model whose cache we make
-        self.cache = None                         # the target's KV cache (allocate)
-        self.draft_cache = None                   # the draft model's KV cache when made here (new_cache given)
-        self.drafter_state: DrafterState | None = None
-
-    # ------------------------------------------------------------------ caches
-    def allocate(self, num_rows: int, max_len: int, new_cache: CacheFactory | None = None) -> None:
-        """Caches for rows 0..num_rows-1 of up to max_len positions: the target's, and the
-        drafter's state (its `prepare`, or with `new_cache` and a draft model, a cache made
-        here and handed over with `use_draft_cache`)."""
-        self.cache = new_cache(self.model, num_rows, max_len) if new_cache else self.model.new_cache(num_rows, max_len)
+        self.draft = drafter.draft_model() if drafter is not None else None   # a draft model's LoadedModel
+        self.rows, self.context = rows, context
+        self.paged = target.native                # the adapter's caches are transformers' own
+        self.cache = self._new_cache(self.model, num_blocks, block_size)
         self.draft_cache = None
-        if self.drafter is None:
-            self.drafter_state = None
-        elif new_cache is not None and self.draft_model is not None:
-            self.draft_cache = new_cache(self.draft_model, num_rows, max_len)
-            self.drafter_state = self.drafter.use_draft_cache(self.draft_cache)
-        else:
-            self.drafter_state = self.drafter.prepare(num_rows, max_len)
+        if self.draft is not None:
+            paged = self.paged and self.draft.native
+            self.draft_cache = self._new_cache(self.draft.model, num_blocks if paged else 0, block_size)
+        self.drafter_state = None                 # the drafter's per-row state (DrafterState)
+        self.state_len = 0                        # positions per row it was prepared for
+        self.reprepare(state_len)
+        self.prefix_note = ""                     # why prefix caching is off, where it is
+
+    def _new_cache(self, model, num_blocks: int, block_size: int):
+        if num_blocks:
+            c = model.config
+            return PagedKVCache(c.num_layers, self.rows, c.num_kv_heads, c.head_dim, self.context + SLACK,
+                                num_blocks, block_size, model.dtype, model.device)
+        return model.new_cache(self.rows, self.context + SLACK)
 
     @property
     def caches(self) -> list:
-        """The KV caches made here (target, then draft when paged by the caller)."""
+        """The KV caches made here (target, then a draft model's)."""
         return [c for c in (self.cache, self.draft_cache) if c is not None]
 
-    def keep(self, row: int, length: int) -> None:
-        """Roll the target cache of `row` back (or forward) to `length` committed positions."""
-        self.cache.truncate(row, length)
+    def reprepare(self, max_len: int) -> None:
+        """(Re)make the drafter's per-row state for every row, `max_len` positions each (rows idle;
+        0: not yet, the first `grow` makes it)."""
+        self.state_len = max_len
+        if self.drafter is None or (max_len == 0 and self.draft_cache is None):
+            self.drafter_state = None
+        elif self.draft_cache is not None:
+            self.drafter_state = self.drafter.use_draft_cache(self.draft_cache)
+        else:
+            self.drafter_state = self.drafter.prepare(self.rows, max_len)
 
-    # ------------------------------------------------------------------ prompts
-    def prefill(self, seqs: list[Sequence]) -> None:
-        """Write all prompt tokens but the last into a fresh target cache (the last one is
-        pending and goes into the first step with the first drafts). A row whose cache already
-        holds its prompt's start (a prefix store's blocks) is prefilled from there, in a pass of
-        its own (a shared pass would pad it past its cache row)."""
-        held = [s for s in seqs if self.cache.lengths[s.row] > 0]
-        for s in held:
-            start, end = self.cache.lengths[s.row], len(s.prompt_ids) - 1
-            if end > start:
-                tokens = torch.tensor([s.prompt_ids[start:end]], device=self.model.device)
-                self.model.run(ForwardBatch.chain(tokens, torch.tensor([start]), torch.tensor([s.row])), self.cache)
-                self.cache.truncate(s.row, end)
-        seqs = [s for s in seqs if self.cache.lengths[s.row] == 0]
-        lengths = [len(s.prompt_ids) - 1 for s in seqs]
-        width = max(lengths, default=0)
-        if width == 0:
-            return
-        tokens = torch.zeros(len(seqs), width, dtype=torch.long)
-        for b, s in enumerate(seqs):
-            tokens[b, :lengths[b]] = torch.tensor(s.prompt_ids[:-1])
-        rows = [s.row for s in seqs]
-        fb = (ForwardBatch.chain(tokens.to(self.model.device), 0) if rows == list(range(self.cache.batch_size))
-              else ForwardBatch.chain(tokens.to(self.model.device), torch.zeros(len(rows), dtype=torch.long),
-                                      torch.tensor(rows)))
-        hidden = self.model.run(fb, self.cache)                                      # no logits
-        if self.wants_hidden:
-            self.drafter.observe(seqs, [0] * len(seqs), hidden)
-        for s, n in zip(seqs, lengths):
-            self.cache.truncate(s.row, n)
+    def grow(self, rows: int, num_blocks: int, state_len: int) -> None:
+        """More rows, blocks or drafter positions per row (between calls: every row idle)."""
+        if rows > self.rows or (self.paged and num_blocks > self.cache.num_blocks):
+            self.rows = max(rows, self.rows)
+            for c in self.caches:
+                if isinstance(c, PagedKVCache):
+                    c.grow(self.rows, num_blocks)
+            if not self.paged:
+                self.cache = self._new_cache(self.model, 0, 0)
+                if self.draft_cache is not None:
+                    self.draft_cache = self._new_cache(self.draft.model, 0, 0)
+            self.reprepare(max(state_len, self.state_len))
+        elif state_len > self.state_len and self.draft_cache is None:
+            self.reprepare(state_len)
 
-    def prefill_chunks(self, chunks: list[tuple[Sequence, int]], draft: bool = False) -> None:
+    # ------------------------------------------------------------------ admission (paged caches)
+    def enable_prefix_caching(self, max_cached_blocks: int | None = None) -> None:
+        """Reuse the keys and values of earlier requests' blocks. Off for the target when the drafter
+        reads the target's hidden states of every token (a matched prefix is never run through it)."""
+        if not self.paged:
+            self.prefix_note = "the transformers adapter's caches are not paged"
+        elif self.wants_hidden:
+            self.prefix_note = "the drafter reads the target's hidden states of every prompt token"
+        else:
+            self.cache.enable_prefix_caching(kv_salt(self.target), max_cached_blocks)
+            if isinstance(self.draft_cache, PagedKVCache):
+                self.draft_cache.enable_prefix_caching(kv_salt(self.draft), max_cached_blocks)
+
+    def match(self, prompt_ids: list[int], drafting: bool, memo: dict) -> dict:
+        """Per cache, the registered blocks the prompt starts with (the same count in each cache the
+        row writes: its draft cache too when it may draft). `memo` keeps the prompt's hashes."""
+        caches = [self.cache] + ([self.draft_cache] if drafting and self.draft_cache is not None else [])
+        if not all(getattr(c, "prefix_caching", False) for c in caches):
+            return {}
+        limit = len(prompt_ids) - 1                 # the last prompt token is the first step's
+        hits = {}
+        for c in caches:
+            if id(c) not in memo:
+                memo[id(c)] = chain_hashes(prompt_ids, c.block_size, c.salt, limit // c.block_size)
+            hits[id(c)] = c.pool.match(memo[id(c)])
+        shortest = min(len(h) for h in hits.values())
+        return {key: h[:shortest] for key, h in hits.items()} if shortest else {}
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a request of `tokens` (prompt + max_tokens) can ever be admitted."""
+        return all(c.blocks_for(tokens) <= c.usable_blocks for c in self.caches if isinstance(c, PagedKVCache))
+
+    def can_admit(self, tokens: int, hits: dict) -> bool:
+        return all(c.can_reserve(tokens, hits.get(id(c), ())) for c in self.caches if isinstance(c, PagedKVCache))
+
+    def admit(self, row: int, tokens: int, hits: dict) -> int:
+        """Reserve the row in every cache, taking the matched blocks; returns the prompt positions they
+        cover (prefill starts there)."""
+        covered = 0
+        for c in self.caches:
+            if isinstance(c, PagedKVCache):
+                blocks = hits.get(id(c), ())
+                c.reserve(row, tokens, blocks)
+                covered = len(blocks) * c.block_size if blocks else covered
+            else:
+                c.reset(row)
+        return covered
+
+    def release(self, row: int) -> None:
+        for c in self.caches:
+            c.release(row) if isinstance(c, PagedKVCache) else c.reset(row)
+        if self.drafter_state is not None and self.draft_cache is None:
+            self.drafter_state.reset(row)           # the drafter's per-row state: the row starts anew
+
+    def register(self, seqs: list[Sequence]) -> None:
+        """Register the rows' newly committed full blocks (every cache that caches prefixes)."""
+        for c in self.caches:
+            if getattr(c, "prefix_caching", False):
+                for s in seqs:
+                    c.commit(s.row, s.token_ids)
+
+    # ------------------------------------------------------------------ passes
+    def prefill(self, chunks: list[tuple[Sequence, int]], draft: bool = False) -> None:
         """Write the next `n` prompt tokens of each (sequence, n) into the target cache (or, with
-        draft, the draft model's cache made here), all rows in one ragged forward pass."""
-        model, cache = (self.draft_model, self.draft_cache) if draft else (self.model, self.cache)
+        `draft`, the draft model's), all rows in one ragged pass without logits."""
+        model, cache = (self.draft.model, self.draft_cache) if draft else (self.model, self.cache)
+        starts = [cache.lengths[s.row] for s, _ in chunks]
         width = max(n for _, n in chunks)
         tokens = torch.zeros(len(chunks), width, dtype=torch.long)                  # [B, width]
-        for b, (s, n) in enumerate(chunks):
-            start = cache.lengths[s.row]
+        for b, ((s, n), start) in enumerate(zip(chunks, starts)):
             tokens[b, :n] = torch.tensor(s.prompt_ids[start:start + n])
         tokens = tokens.clamp(max=model.vocab_size - 1)     # a draft may embed fewer (padding) ids
         device = model.device
-        starts = [cache.lengths[s.row] for s, _ in chunks]
         rows = torch.tensor([s.row for s, _ in chunks], device=device)
         hidden = model.run(ForwardBatch.chain(tokens.to(device), torch.tensor(starts, device=device), rows),
-                           cache)                                                    # no logits
-        if not draft and self.wants_hidden:   # e.g. an EAGLE head reads the target's features of the prompt
+                           cache)                                                    # [B, width, D]
+        if not draft and self.wants_hidden:   # an EAGLE head reads the target's features of the prompt
             self.drafter.observe([s for s, _ in chunks], starts, hidden)
         for (s, n), start in zip(chunks, starts):
             cache.truncate(s.row, start + n)
 
-    # ------------------------------------------------------------------ the step's target pass
+    def cost_curve(self, row: int, max_rows: int) -> dict[int, float]:
+        """The target pass's seconds against its rows (costs.measure_cost_curve), on an idle row."""
+        if self.paged:
+            self.cache.reserve(row, max_rows + 1)
+        try:
+            return measure_cost_curve(self.model, self.cache, row, curve_rows(max_rows))
+        finally:
+            self.release(row)
+
     def score(self, seqs: list[Sequence], proposal: DraftProposal
               ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """One target forward over each row's pending tokens + drafts (a chain or a tree); returns,
-        at the n+1 positions verification needs (position 0 after the last pending token, position
-        i+1 after draft node i), either the transformed target probabilities [B, n+1, vocab] or, when
-        every row is greedy, only their argmax [B, n+1] (all greedy verification reads); and the
-        log-probabilities [B, n+1, vocab] when some row reports them."""
+        """One target pass over each row's pending tokens + drafts; returns, at the n+1 positions
+        verification reads (position 0 after the last pending token, i+1 after draft node i), the
+        transformed target probabilities [B, n+1, vocab], or, when every row is greedy, only their
+        argmax [B, n+1]; and the log-probabilities [B, n+1, vocab] when some row reports them."""
         k = proposal.k
         starts = [self.cache.lengths[s.row] for s in seqs]
         pending = [s.token_ids[start:] for s, start in zip(seqs, starts)]
-        drafts = proposal.tokens.tolist()
-        num_drafted = proposal.num_tokens.tolist()
+        drafts, num_drafted = proposal.tokens.tolist(), proposal.num_tokens.tolist()
         widths = [len(p) + n for p, n in zip(pending, num_drafted)]
         width = max(len(p) for p in pending) + k
         device = self.model.device
-        rows = [p + d[:n] + [0] * (width - len(p) - n) for p, d, n in zip(pending, drafts, num_drafted)]
-        tokens = torch.tensor(rows, dtype=torch.long, device=device)
-        # logits at the last pending token and after each draft: positions len(p)-1 .. len(p)-1+k
-        # (rows with fewer drafts repeat their last real position; verify ignores those)
+        tokens = torch.tensor([p + d[:n] + [0] * (width - len(p) - n) for p, d, n in zip(pending, drafts, num_drafted)],
+                              dtype=torch.long, device=device)                      # [B, width]
+        # logits at the last pending token and after each draft (rows with fewer drafts repeat their
+        # last real position; verification ignores those)
         logit_index = torch.tensor([[min(len(p) - 1 + i, w - 1) for i in range(k + 1)]
-                                    for p, w in zip(pending, widths)], device=device)
-        in_order = [s.row for s in seqs] == list(range(len(seqs))) and len(seqs) == self.cache.batch_size
-        row_ids = None if in_order else torch.tensor([s.row for s in seqs], device=device)
-        if proposal.is_tree and k > 0:
-            fb = ForwardBatch.tree(tokens, torch.tensor(starts), row_ids, [len(p) for p in pending],
-                                   proposal.parents, logit_index)
-        else:
-            same_start = all(x == starts[0] for x in starts)
-            start = starts[0] if same_start and in_order else torch.tensor(starts, device=device)
-            fb = ForwardBatch.chain(tokens, start, row_ids, logit_index)
-        hidden = self.model.run(fb, self.cache)                                      # [B, T, D]
+                                    for p, w in zip(pending, widths)], device=device)  # [B, k+1]
+        rows = torch.tensor([s.row for s in seqs], device=device)
+        start = torch.tensor(starts, device=device)
+        fb = (ForwardBatch.tree(tokens, start, rows, [len(p) for p in pending], proposal.parents, logit_index)
+              if proposal.is_tree and k > 0 else ForwardBatch.chain(tokens, start, rows, logit_index))
+        hidden = self.model.run(fb, self.cache)                                      # [B, width, D]
         logits = self.model.logits(hidden, fb.logit_index)                           # [B, k+1, vocab]
         if self.wants_hidden:
             self.drafter.observe(seqs, starts, hidden)
-        needs_history = any(s.params.uses_penalties for s in seqs)
+        history = any(s.params.uses_penalties for s in seqs)
         lazy = lazy_rows(seqs)           # greedy constrained rows: masks only where the argmax is forbidden
         transformed = transform_logits(
-            logits, [s.params for s in seqs],
-            [s.token_ids for s in seqs] if needs_history else None,
-            [s.prompt_len for s in seqs] if needs_history else None,
-            proposal.tokens.to(device) if k > 0 else None,
-            ancestors(proposal.parents, proposal.num_tokens) if needs_history and proposal.is_tree else None,
+            logits, [s.params for s in seqs], [s.token_ids for s in seqs] if history else None,
+            [s.prompt_len for s in seqs] if history else None, proposal.tokens.to(device) if k > 0 else None,
+            ancestors(proposal.parents, proposal.num_tokens) if history and proposal.is_tree else None,
             allowed_masks(seqs, proposal, logits.shape[-1], skip=lazy))
         all_greedy = all(s.params.greedy for s in seqs)
-        target_tokens = argmax_last(transformed) if all_greedy else None              # [B, k+1] argmax
+        target_tokens = argmax_last(transformed) if all_greedy else None              # [B, k+1]
         if any(lazy):
             if transformed is logits:     # an inference tensor: not writable here
                 transformed = transformed.clone()
             mask_greedy(seqs, proposal, lazy, transformed, target_tokens)
         wanted = self.drafter.capabilities.needs_target_topk if self.drafter is not None else 0
-        if wanted:      # the top-1 of greedy rows is their argmax, already taken (a scan cost lookahead ~20 us a step)
+        if wanted:                        # the top-1 of greedy rows is their argmax, already taken
             top = target_tokens[..., None] if wanted == 1 and target_tokens is not None \
-                else top_k_indices(transformed, wanted)                                     # [B, k+1, wanted]
+                else top_k_indices(transformed, wanted)                               # [B, k+1, wanted]
             self.drafter.observe_topk(seqs, proposal, top)
         probs = None if all_greedy else probs_from_logits(transformed, [s.params for s in seqs])   # [B, k+1, vocab]
-        # log-probabilities as reported to users: log-softmax of the transformed logits (greedy
-        # rows at temperature 1), only when some row asked for them
+        # log-probabilities as reported: log-softmax of the transformed logits (greedy rows at temperature 1)
         wants = any(s.params.logprobs is not None for s in seqs)
         return probs, target_tokens, (transformed.float().log_softmax(dim=-1) if wants else None)
 
-    def compact(self, row: int, first_node_slot: int, accepted_nodes: list[int]) -> None:
-        """After a tree step: move the accepted path (node indices, by depth) of `row` from its
-        nodes' slots (first_node_slot + node) to consecutive slots from first_node_slot, where a
-        chain would have written it. The rest is dropped by the following `keep`."""
-        src = [first_node_slot + node for node in accepted_nodes]
-        dst = [first_node_slot + depth for depth in range(len(accepted_nodes))]
-        if src != dst:
-            self.cache.move(row, src, dst)
+    def verify(self, seqs: list[Sequence], proposal: DraftProposal, target_probs: torch.Tensor | None,
+               target_tokens: torch.Tensor | None) -> tuple[list[list[int]], list[list[int]]]:
+        """Per row the accepted path (node indices by depth) and the emitted tokens (the accepted
+        drafts, then the recovered or bonus token): the verifier that fits the drafts (verify_tree)."""
+        num_drafted = proposal.num_tokens.tolist()
+        if target_probs is None:          # every row greedy: the target's argmax is all it reads
+            links = proposal.parents.tolist() if proposal.is_tree else None
+            paths, emitted = verify_greedy_lists(proposal.tokens.tolist(), links, num_drafted, target_tokens.tolist())
+            return paths, emitted
+        device = target_probs.device      # drafts may come from the host (lookups)
+        greedy = torch.tensor([s.params.greedy for s in seqs], device=device)
+        if proposal.probs is None:        # point masses: each token sampled as plain decoding samples it
+            width = proposal.k + 1        # at its position's uniform (a greedy row reads none)
+            uniforms = torch.tensor([[0.0] * width if s.params.greedy else
+                                     position_uniforms(s.seed, len(s.token_ids), width) for s in seqs],
+                                    dtype=torch.float64).reshape(len(seqs), width)
+            result = verify_point_mass(proposal.tokens.cpu(), proposal.parents, proposal.num_tokens.cpu(),
+                                       target_probs, greedy, uniforms)
+        else:
+            result = verify_tree(proposal.tokens.to(device), proposal.parents, proposal.num_tokens.to(device),
+                                 proposal.probs, target_probs, greedy, [s.generator for s in seqs])
+        paths = [result.accepted_nodes[b, :n].tolist() for b, n in enumerate(result.num_accepted.tolist())]
+        return paths, result.tokens.tolist()
+
+    def commit_row(self, row: int, first_node: int, path: list[int], is_tree: bool) -> None:
+        """A row's cache after its step: a tree's accepted path moved to consecutive slots from the
+        first node's (where a chain would have written it), then the row rolled back to the tokens
+        it committed (the pending ones and the accepted drafts)."""
+        if is_tree and path:
+            src = [first_node + node for node in path]
+            dst = [first_node + depth for depth in range(len(path))]
+            if src != dst:
+                self.cache.move(row, src, dst)
+        self.cache.truncate(row, first_node + len(path))

@@ -330,7 +330,9 @@ class FusedDecoder:
         row_ids = list(range(B)) if fb.rows is None else [int(r) for r in fb.rows.reshape(-1).tolist()]
         R = B * T
         # slots (and a chain's RoPE positions): start + 0..T-1 per row
-        slot = (torch.tensor(starts, dtype=torch.int32)[:, None] + torch.arange(T, dtype=torch.int32)).reshape(R)
+        slot = torch.tensor(starts, dtype=torch.int32)
+        if T > 1:
+            slot = (slot[:, None] + torch.arange(T, dtype=torch.int32)).reshape(R)
         if fb.positions is None:
             pos, low, high = slot, min(starts), max(starts) + T - 1
         else:

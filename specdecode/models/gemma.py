@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..forward import ForwardBatch
-from ..kv_cache import KVCache
+from ..cache.contiguous import KVCache
 from .config import ModelConfig
 from .transformer import Transformer, apply_rope, attention_mask, eager_linear, rope_at, rope_inv_freq
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..fast.quant import QuantWeight
 from ..forward import ForwardBatch
-from ..kv_cache import KVCache
+from ..cache.contiguous import KVCache
 from .config import ModelConfig
 from .interface import HeadRows
 

@@ -30,7 +30,7 @@ from ..params import SamplingParams
 from .auth import DEFAULT_MAX_BODY_BYTES, Guard
 from .tools import ToolParser, decoder, openai_deltas
 from .protocol import ApiError, ParsedRequest, error_body, parse, stream_error
-from .scheduler import Failed, Finished, QueueFull, Request, ShuttingDown, Tokens
+from ..engine.sequence import Failed, Finished, QueueFull, Request, ShuttingDown, Tokens
 
 log = logging.getLogger("specdecode.serve")
 STATIC = Path(__file__).parent / "static"
@@ -187,7 +187,7 @@ class Generation:
         if index and params.seed is not None:
             params = dataclasses.replace(params, seed=(params.seed + index) % 2**63)
         post = lambda event: mailbox.post(queue, (self, event))         # noqa: E731
-        self.request = Request(parsed.prompt_ids, params, self._sink(post, state.scheduler.config.stream_interval_ms),
+        self.request = Request(parsed.prompt_ids, params, self._sink(post, state.engine.config.stream_interval_ms),
                                parsed.speculate, parsed.num_speculative_tokens, after=after)
         tools = parsed.tools             # tools/: the calls are parsed out of the text as it comes
         self.tools = ToolParser(tools.fmt, [f["name"] for f in tools.functions()],
@@ -389,7 +389,7 @@ async def stream_events(gens: list[Generation], queue: asyncio.Queue):
     finally:
         for g in gens:
             if not g.done:
-                g.state.scheduler.abort(g.request.id)
+                g.state.engine.abort(g.request.id)
 
 
 async def client_gone(http: HttpRequest) -> None:
@@ -435,7 +435,7 @@ async def collect(gens: list[Generation], queue: asyncio.Queue, http: HttpReques
         watcher.cancel()
         for g in gens:
             if not g.done:
-                g.state.scheduler.abort(g.request.id)
+                g.state.engine.abort(g.request.id)
     ordered = [results[g] for g in gens]
     speculation = ordered[0][2] if len(ordered) == 1 else [r[2] for r in ordered]
     return JSONResponse(gens[0].envelope([r[0] for r in ordered], usage=merged_usage([r[1] for r in ordered]),
@@ -452,15 +452,15 @@ async def generate(http: HttpRequest, chat: bool) -> Response:
             raise ApiError(400, f"malformed JSON body: {exc}") from None
         parsed = parse(body, state.ctx, chat)
         needed = len(parsed.prompt_ids) + parsed.params.max_tokens
-        if not state.scheduler.engine.fits(needed):
-            cache = state.scheduler.engine.cache
+        if not state.engine.runner.fits(needed):
+            cache = state.engine.runner.cache
             raise ApiError(400, f"prompt ({len(parsed.prompt_ids)} tokens) + max_tokens ({parsed.params.max_tokens}) "
                                 f"needs {cache.blocks_for(needed)} KV blocks of {cache.block_size} tokens, more than "
                                 f"the {cache.usable_blocks} the server has (--num-blocks)", param="max_tokens",
                            code="context_length_exceeded")
-        if parsed.n > state.scheduler.config.max_queue:
+        if parsed.n > state.engine.config.max_queue:
             raise ApiError(400, f"n ({parsed.n}) is more than this server queues at once "
-                                f"({state.scheduler.config.max_queue}, --max-queue)", param="n")
+                                f"({state.engine.config.max_queue}, --max-queue)", param="n")
         queue: asyncio.Queue = asyncio.Queue()
         mailbox = Mailbox.of(http.app.state)
         gens = [Generation(state, parsed, queue, mailbox)]
@@ -469,10 +469,10 @@ async def generate(http: HttpRequest, chat: bool) -> Response:
             g.id, g.created = gens[0].id, gens[0].created
         for i, g in enumerate(gens):
             try:
-                state.scheduler.submit(g.request)
+                state.engine.submit(g.request)
             except (QueueFull, ShuttingDown) as exc:
                 for submitted in gens[:i]:
-                    state.scheduler.abort(submitted.request.id)
+                    state.engine.abort(submitted.request.id)
                 if isinstance(exc, ShuttingDown):
                     raise ApiError(503, str(exc), code="service_unavailable") from None
                 raise ApiError(429, str(exc), code="queue_full") from None
@@ -529,10 +529,10 @@ async def health_probe(app_state) -> tuple[int, str]:
     request = Request([state.health_token], SamplingParams(max_tokens=1, ignore_eos=True),
                       lambda e: mailbox.post(queue, e), speculate=False, internal=True)
     try:
-        state.scheduler.submit(request)
+        state.engine.submit(request)
     except ShuttingDown as exc:
         return 503, f"unhealthy: {exc}"
-    timeout = state.scheduler.config.health_timeout
+    timeout = state.engine.config.health_timeout
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -542,16 +542,16 @@ async def health_probe(app_state) -> tuple[int, str]:
             if isinstance(event, Failed):
                 return 503, f"unhealthy: a one-token generation failed ({event.message})"
     except asyncio.TimeoutError:
-        state.scheduler.abort(request.id)
+        state.engine.abort(request.id)
         return 503, f"unhealthy: a one-token generation did not finish within {timeout:g} s"
 
 
 async def metrics(http: HttpRequest) -> Response:
-    return Response(http.app.state.serve.scheduler.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(http.app.state.serve.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def stats(http: HttpRequest) -> Response:
-    return JSONResponse(http.app.state.serve.scheduler.metrics.stats())
+    return JSONResponse(http.app.state.serve.engine.metrics.stats())
 
 
 async def index(http: HttpRequest) -> Response:
@@ -581,12 +581,12 @@ def create_app(state, api_key: str | None = None, max_body_bytes: int = DEFAULT_
     @asynccontextmanager
     async def lifespan(app):
         if engine_thread:
-            state.scheduler.start()
+            state.engine.start()
         try:
             yield
         finally:
             if engine_thread:
-                state.scheduler.stop()
+                state.engine.stop()
 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),

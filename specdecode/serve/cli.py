@@ -97,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .app import create_app
     from .auth import exposed_without_key
     from .memory import weights_bytes
-    from .scheduler import ServeConfig
+    from ..engine.config import EngineConfig
     from .server import build_state, serve_forever
     if args.method == "model" and args.draft is None:
         raise CliError("--method model needs a draft model: add --draft PATH")
@@ -113,7 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            "cache in memory")
         from .ray_cli import serve_on_ray
         return serve_on_ray(args)
-    config = ServeConfig(max_batch_size=args.max_batch_size, max_queue=args.max_queue, kv_cache_gb=args.kv_cache_gb,
+    config = EngineConfig(max_batch_size=args.max_batch_size, max_queue=args.max_queue, kv_cache_gb=args.kv_cache_gb,
                          max_model_len=args.max_model_len, block_size=args.block_size, num_blocks=args.num_blocks,
                          prefill_chunk=args.prefill_chunk, prefill_stall_ms=args.prefill_stall_ms,
                          num_speculative_tokens=args.k,
@@ -127,17 +127,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
               weights=args.weights, draft_dtype=args.draft_dtype, **drafter_options(args))
     state = build_state(llm, config)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sched = state.scheduler
-    print(f"specdecode serve: {state.ctx.model_names[0]} ({sched.metrics.method}, k={config.num_speculative_tokens}), "
+    engine = state.engine
+    print(f"specdecode serve: {state.ctx.model_names[0]} ({engine.metrics.method}, k={config.num_speculative_tokens}), "
           f"batch {config.max_batch_size}, context {state.ctx.max_model_len}, KV "
-          f"{sched.engine.cache.nbytes() / 2**20:.0f} MiB target + "
-          f"{(sched.engine.draft_cache.nbytes() if sched.engine.draft_cache else 0) / 2**20:.0f} MiB draft, "
+          f"{engine.runner.cache.nbytes() / 2**20:.0f} MiB target + "
+          f"{(engine.runner.draft_cache.nbytes() if engine.runner.draft_cache else 0) / 2**20:.0f} MiB draft, "
           f"weights {weights_bytes(llm.target.model) / 2**20:.0f} MiB; http://{args.host}:{args.port}/",
           file=sys.stderr)
-    cache = sched.engine.cache
+    cache = engine.runner.cache
     print(f"specdecode serve: prefix cache {'on' if cache.prefix_caching else 'off'}"
-          + (f" ({sched.engine.prefix_note})" if sched.engine.prefix_note else "")
-          + "".join(f"; {d.loaded} blocks loaded from {d.dir}" for d in sched.disks), file=sys.stderr)
+          + (f" ({engine.runner.prefix_note})" if engine.runner.prefix_note else "")
+          + "".join(f"; {d.loaded} blocks loaded from {d.dir}" for d in engine.disks), file=sys.stderr)
     if exposed_without_key(args.host, args.api_key):
         print(f"warning: listening on {args.host} without an API key: anyone who can reach this port may use "
               f"the server (set --api-key or SPECDECODE_API_KEY)", file=sys.stderr)

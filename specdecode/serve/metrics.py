@@ -49,16 +49,13 @@ class ServeMetrics:
         self.draft_time = Counter(P + "spec_decode_draft_time_seconds", "Time spent drafting", registry=r)
         self.verify_time = Counter(P + "spec_decode_verify_time_seconds",
                                    "Time spent scoring and verifying (target pass)", registry=r)
-        self.disabled = Counter(P + "spec_decode_auto_disabled", "Automatic switches of speculation to off",
-                                ["scope", "reason"], registry=r)
-        self.enabled = Counter(P + "spec_decode_auto_enabled", "Automatic switches of speculation back on",
-                               ["scope", "reason"], registry=r)
-        self.probes = Counter(P + "spec_decode_probes", "Probe steps speculating while switched off", ["scope"],
-                              registry=r)
         self.shadow = Counter(P + "spec_decode_shadow_drafts",
-                              "Lookup drafts scored for free while a request's speculation was off", registry=r)
-        self.speculating = Gauge(P + "num_requests_speculating", "Running requests with speculation on", registry=r)
-        self.batch_disabled = Gauge(P + "spec_decode_batch_disabled", "1 while speculation is off for the batch",
+                              "Lookup drafts scored for free for requests the last steps did not draft for",
+                              registry=r)
+        self.speculating = Gauge(P + "num_requests_speculating", "Running requests the last step drafted for",
+                                 registry=r)
+        self.batch_disabled = Gauge(P + "spec_decode_batch_disabled",
+                                    "1 while the controller drafts for none of the requests that may draft",
                                     registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS,
                               registry=r)
@@ -163,6 +160,18 @@ class ServeMetrics:
         self.prefix_queries.inc(prompt_tokens)
         self.prefix_hits.inc(cached_tokens)
 
+    def record_tree_of(self, seqs, proposal, paths: list[list[int]], emitted: list[list[int]], decode) -> None:
+        """The dashboard's last verified tree: the widest draft of a step, if any row drafted."""
+        counts = proposal.num_tokens.tolist()
+        widest = max(range(len(seqs)), key=lambda b: counts[b])
+        n = counts[widest]
+        if not n:
+            return
+        tokens = proposal.tokens[widest, :n].tolist()
+        parents = proposal.tree_parents()[widest, :n].tolist()
+        self.record_tree(seqs[widest].request.id, tokens, [decode([t]) for t in tokens], parents, paths[widest],
+                         emitted[widest], [decode([t]) for t in emitted[widest]])
+
     def record_tree(self, request_id: str, tokens: list[int], texts: list[str], parents: list[int],
                     accepted: list[int], emitted: list[int], emitted_texts: list[str]) -> None:
         """The last verified draft (the dashboard draws it): node tokens and parents (-1 = the
@@ -183,14 +192,6 @@ class ServeMetrics:
             self.thread_switches.inc(new)
             self._thread_switches = tuner.switches
 
-    def record_decisions(self, decisions) -> None:
-        for d in decisions:
-            if d.action == "disabled":
-                self.disabled.labels(d.scope, d.reason).inc()
-            elif d.action == "enabled":
-                self.enabled.labels(d.scope, d.reason).inc()
-            else:
-                self.probes.labels(d.scope).inc()
 
     def request_done(self, seq, reason: str, now: float) -> None:
         """A request ended: reason stop/length (success), abort or error."""

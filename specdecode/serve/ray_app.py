@@ -122,12 +122,12 @@ class EngineReplica:
     def __init__(self, spec: dict) -> None:
         from ..api import LLM
         from .app import create_app
-        from .scheduler import ServeConfig
+        from ..engine.config import EngineConfig
         from .server import build_state
         llm = LLM(progress=False, **spec["llm"])
-        self.state = build_state(llm, ServeConfig(**spec["config"]))
+        self.state = build_state(llm, EngineConfig(**spec["config"]))
         self.app = create_app(self.state, max_body_bytes=spec["max_body_bytes"])   # the ingress checks keys
-        self.state.scheduler.start()
+        self.state.engine.start()
         context = serve.get_replica_context()
         self.replica = context.replica_id.unique_id
         self.node = ray.get_runtime_context().get_node_id()
@@ -138,7 +138,7 @@ class EngineReplica:
     def _report_loop(self) -> None:
         registry = None
         while not self.stopped.wait(REPORT_INTERVAL_S):
-            metrics = self.state.scheduler.metrics
+            metrics = self.state.engine.metrics
             try:
                 registry = registry or ray.get_actor(self.registry_name, namespace=NAMESPACE)
                 report = {"metrics": metrics.render().decode(), "stats": metrics.stats(), "pid": os.getpid(),
@@ -155,7 +155,7 @@ class EngineReplica:
             yield item
 
     def check_health(self) -> None:
-        thread = self.state.scheduler.thread
+        thread = self.state.engine.thread
         if thread is None or not thread.is_alive():
             raise RuntimeError("the engine thread is not running")
 
@@ -163,7 +163,7 @@ class EngineReplica:
         stopped = getattr(self, "stopped", None)
         if stopped is not None:
             stopped.set()
-            self.state.scheduler.stop()
+            self.state.engine.stop()
 
 
 class Ingress:
@@ -298,7 +298,7 @@ class Ingress:
 
 
 def build_app(spec: dict):
-    """The bound Serve application. `spec`: llm (LLM kwargs incl. threads), config (ServeConfig
+    """The bound Serve application. `spec`: llm (LLM kwargs incl. threads), config (EngineConfig
     fields), replicas, min_replicas / max_replicas (autoscaling on queue length when either is
     set), imbalance, retries, api_key, max_body_bytes."""
     config = spec["config"]

@@ -11,7 +11,7 @@ import threading
 def ray_spec(args: argparse.Namespace) -> dict:
     """The application's spec from the command line (CliError on inconsistent options)."""
     from ..cli_common import CliError, drafter_options
-    from .scheduler import ServeConfig
+    from ..engine.config import EngineConfig
     low, high = args.min_replicas, args.max_replicas
     if low is not None and high is not None and low > high:
         raise CliError(f"--min-replicas ({low}) must be <= --max-replicas ({high})")
@@ -28,7 +28,7 @@ def ray_spec(args: argparse.Namespace) -> dict:
                   health_timeout=args.health_timeout, served_model_name=args.served_model_name,
                   prefix_cache=args.prefix_cache, prefix_cache_blocks=args.prefix_cache_blocks,
                   max_tokens_default=args.max_tokens_default, stream_interval_ms=args.stream_interval_ms)
-    ServeConfig(**config)                         # ParamError here rather than in every replica
+    EngineConfig(**config)                         # ParamError here rather than in every replica
     llm = dict(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
                dtype=args.dtype, device="cpu", threads=args.threads, fast=not args.eager, weights=args.weights,
                draft_dtype=args.draft_dtype, **drafter_options(args))

@@ -1,21 +1,22 @@
-"""Putting the server together: model checks, memory budget, scheduler, parsing context."""
+"""Putting the server together: model checks, memory budget, the engine core, parsing context."""
 from __future__ import annotations
 
 import sys
 import time
 from dataclasses import dataclass
 
-from ..models.config import ModelError
+from ..engine.config import MAX_CHAIN, EngineConfig
+from ..engine.core import EngineCore
 from ..footprint import kv_bytes_per_token
-from .memory import available_bytes, check_memory, plan_memory, weights_bytes
-from ..engine.engine import MAX_CHAIN
+from ..models.config import ModelError
+from .memory import available_bytes, check_memory, plan_memory
+from .metrics import ServeMetrics
 from .protocol import MAX_K, ServeContext
-from .scheduler import Scheduler, ServeConfig
 
 
 @dataclass
 class ServeState:
-    scheduler: Scheduler
+    engine: EngineCore
     ctx: ServeContext
     tokenizer: object
     health_token: int
@@ -23,7 +24,7 @@ class ServeState:
     health_probe: object = None      # the /health generation in flight (an asyncio future): checks share it
 
 
-def build_state(llm, config: ServeConfig, check_budget: bool = True, available: int | None = None) -> ServeState:
+def build_state(llm, config: EngineConfig, check_budget: bool = True, available: int | None = None) -> ServeState:
     """Everything the app needs, from a loaded `LLM`. Refuses (ModelError / MemoryBudgetError)
     before allocating any KV cache when the models or the memory do not fit the config."""
     target = llm.target
@@ -47,27 +48,30 @@ def build_state(llm, config: ServeConfig, check_budget: bool = True, available: 
                        config.prefill_chunk, context)
     if check_budget:
         check_memory(plan, available if available is not None else available_bytes())
-    scheduler = Scheduler(target, drafter, config, llm.method, plan.weights)
+    engine = EngineCore(target, drafter, config)
     name = config.served_model_name or target.name
+    engine.metrics = ServeMetrics(name, llm.method if drafter else "none",
+                                  config.num_speculative_tokens if drafter else 0, plan.weights,
+                                  {"target": engine.runner.cache, "draft": engine.runner.drafter_state})
     names = tuple(dict.fromkeys([name, target.name, str(target.path)]))
     ctx = ServeContext(target.tokenizer, target.model.vocab_size, context, names, drafter is not None,
-                       scheduler.max_k, tuple(target.eos_token_ids), config.max_tokens_default,
+                       engine.max_k, tuple(target.eos_token_ids), config.max_tokens_default,
                        drafter is not None and drafter.capabilities.drafts_predictions)
     probe = target.tokenizer.encode("ok", add_special=False) or [0]
-    return ServeState(scheduler, ctx, target.tokenizer, probe[0], int(time.time()))
+    return ServeState(engine, ctx, target.tokenizer, probe[0], int(time.time()))
 
 
 def serve_forever(state: ServeState, app, host: str, port: int, log_level: str = "info",
                   shutdown_timeout: float = 30.0) -> int:
     """`specdecode serve`: uvicorn in a thread, the engine loop on this thread (the process's main
-    thread: `Scheduler.start` says why). SIGTERM / SIGINT stop it gracefully: new requests get
+    thread: `EngineCore.start` says why). SIGTERM / SIGINT stop it gracefully: new requests get
     503, those queued or running have `shutdown_timeout` seconds to finish (then an error event /
     503), then the HTTP server closes; a second signal ends the wait at once. Returns the exit code."""
     import signal
     import threading
 
     import uvicorn
-    scheduler = state.scheduler
+    engine = state.engine
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                                            timeout_graceful_shutdown=5))
 
@@ -75,21 +79,21 @@ def serve_forever(state: ServeState, app, host: str, port: int, log_level: str =
         try:
             server.run()
         finally:                                # however the HTTP side ends, the engine loop ends too
-            scheduler.stop()
+            engine.stop()
 
     def on_signal(signum, frame) -> None:       # runs on this thread between two engine iterations
-        draining = scheduler.drain_deadline is not None
-        busy = scheduler.in_flight()
+        draining = engine.drain_deadline is not None
+        busy = engine.in_flight()
         if not draining and busy:
             print(f"specdecode serve: {signal.Signals(signum).name}: no new requests; waiting up to "
                   f"{shutdown_timeout:g} s for {busy} in flight (again to stop now)", file=sys.stderr, flush=True)
-        scheduler.drain(0.0 if draining else shutdown_timeout)
+        engine.drain(0.0 if draining else shutdown_timeout)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     thread = threading.Thread(target=http, name="specdecode-http", daemon=True)
     thread.start()
     try:
-        scheduler.run()
+        engine.run()
     finally:
         server.should_exit = True
         thread.join(timeout=shutdown_timeout + 10)

@@ -12,9 +12,25 @@ forgotten, so a stale block can never be matched).
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
-from ..engine.prefix_store import chain_hashes  # noqa: F401 -- the server names blocks as LLM.generate does
+
+def chain_hashes(tokens: list[int], block_size: int, salt: bytes, count: int, parents: list[bytes] = ()
+                 ) -> list[bytes]:
+    """Hashes of the first `count` full blocks of `tokens`, each covering its parent's hash (the
+    first covers `salt`: what else changes the keys and values, e.g. the model and its dtype).
+    `parents`: hashes already known for the first blocks (extended, not recomputed)."""
+    out = list(parents[:count])
+    previous = out[-1] if out else salt
+    for i in range(len(out), count):
+        block = tokens[i * block_size:(i + 1) * block_size]
+        if len(block) < block_size:
+            break
+        previous = hashlib.blake2b(previous + array("q", block).tobytes(), digest_size=16).digest()
+        out.append(previous)
+    return out
 
 
 class BlockPool:
@@ -28,6 +44,13 @@ class BlockPool:
         self.held = 0                               # blocks with refs > 0
         self.max_idle: int | None = None            # bound on idle registered blocks (None: the pool)
         self.evicted = 0
+
+    def grow(self, num_blocks: int) -> None:
+        """Blocks up to num_blocks - 1 join the free list."""
+        old = len(self.refs)
+        self.refs += [0] * (num_blocks - old)
+        self.hash_of += [None] * (num_blocks - old)
+        self.free = list(range(num_blocks - 1, old - 1, -1)) + self.free
 
     @property
     def available(self) -> int:

@@ -1,0 +1,404 @@
+"""The speculation controller: how many drafts each row of the batch carries in the next step
+(chain tokens or tree nodes), from measured acceptance and costs. One algorithm for a lone request
+and a batch of many.
+
+Gains. Per row and draft size s (a level of LEVELS), the tokens a step at s emits and the nodes it
+proposes, moving averages (`RowSpec.gain`, `RowSpec.nodes`). Drafters order nodes best-first, so
+the draft of a smaller size is a prefix of the one proposed: a step at size S tells what every
+s <= S would have emitted (the accepted path cut at the first node >= s); a step whose row
+proposed fewer nodes than S, or whose chain was rejected inside its draft, tells every larger size
+already measured too. A stateless drafter's rows at size 0 get shadow drafts, never verified,
+scored against the tokens the row then emits: free measurements of every size.
+
+Costs (costs.StepCosts): the target pass against its rows (every row's pending tokens and drafts)
+and drafting, per drafting row and per node.
+
+Choice (`plan`). The sizes that maximise the batch's tokens per second: the sum of the rows' gains
+over the step's predicted seconds. From plain decoding, rows are raised one move at a time, the row
+with the most tokens per added row first, each to the level that gives the most tokens per second,
+while that grows; a row's first move must win MARGIN over its share of plain decoding (the noise of
+the model and what it leaves out). A lone row is the same rule: its best size, plain unless
+drafting wins by MARGIN.
+
+Exploration. After a step that accepted every node, the next size above is a candidate (a long copy
+climbs past k, up to the span of a copying drafter); every EXPLORE steps, the next size above the
+best, up to k. Their gains are estimates (every node accepted; PRIOR over plain decoding) weighed
+like measured ones. A drafter with state pays for every try: a row it does not draft for is probed
+at a small size after a wait that doubles after each probe that does not pay, and never more often
+than PROBE_SHARE of the time allows. New rows of such a drafter start from what the last long row
+measured (`template`, weak evidence: another request's acceptance), drafting at most a probe's
+size until one of their drafts is accepted.
+
+Pinned rows (seeded sampling with a drafter that samples its drafts: the row's random draws follow
+its sizes) decide alone, from their own tokens and acceptance and fixed costs, never from timings,
+so that the seed reproduces the text. `ON` rows draft k every step (`LLM(adaptive=False)`, the
+server's `speculate: true`); `OFF` rows never.
+
+Torch-free: unit-tested on synthetic steps (tests/engine/test_controller.py).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from .costs import StepCosts, fixed_costs
+
+LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+AUTO, ON, OFF = "auto", "on", "off"
+DECAY = 0.7             # weight of the past in a size's moving averages (~3 steps)
+SHADOW_DECAY = 0.9      # ... when a shadow draft updates it: shadows cost nothing, ~10 of them are averaged
+CARRIED_WEIGHT = 0.1    # a gain carried from another row (or a prior) against this row's first step at that size
+PRIOR = 1.2             # an explored size is assumed to decode this much faster than plain decoding
+PRIOR_ACCEPTANCE = 0.7  # per position: what a drafter with state is assumed to reach before any step
+PROBE_ACCEPTANCE = 0.9  # a row is probed only at sizes where drafts accepted this often would pay
+PROBE_SHARE = 0.01      # failed probes take at most this share of plain decoding's time
+PROBE_EVERY = 16        # plain steps before a row's first probe; doubled after each that does not pay,
+MAX_PROBE_EVERY = 256   # up to this
+EXPLORE = 8             # steps between explorations of the next larger size
+MARGIN = 1.05           # drafting must be predicted this much faster than plain decoding
+CARRY_MIN_STEPS = 32    # a finished row becomes the template of new rows only after this many steps
+SHADOW_SHARE = 0.01     # shadow drafts (drafting and scoring) take at most this share of the steps' time
+
+
+def expected_tokens(acceptance: float, size: int) -> float:
+    """Tokens a chain step of `size` drafts emits when each is accepted with probability `acceptance`
+    (1 + a + ... + a^size, the bonus token included)."""
+    return sum(acceptance ** i for i in range(size + 1))
+
+
+@dataclass
+class RowSpec:
+    """One row's speculation state: its gains per size and where its exploration stands."""
+    k: int                                       # drafts per step asked for (0: never drafts)
+    mode: str = AUTO
+    levels: tuple[int, ...] = (0,)               # sizes this row may draft: up to k, or its span
+    pinned: bool = False
+    gain: dict[int, float] = field(default_factory=lambda: {0: 1.0})   # size -> tokens per step
+    nodes: dict[int, float] = field(default_factory=lambda: {0: 0.0})  # size -> nodes proposed per step
+    carried: set[int] = field(default_factory=set)   # sizes whose gain is a prior or another row's
+    size: int = 0                                # the size of the step planned last
+    previous: int = 0                            # the size of the step before it
+    steps: int = 0
+    all_accepted: bool = False                   # the last step accepted every node it drafted
+    untried: bool = False                        # started from the template; no draft accepted yet
+    probe_interval: int = PROBE_EVERY
+    probe_wait: int = PROBE_EVERY
+    probing: bool = False                        # this step is a probe (after plain steps)
+    probed: bool = False                         # the last step was one
+    shadow: tuple | None = None                  # (tokens when drafted, main path, its node indices, proposed)
+
+    def update(self, size: int, emitted: float, proposed: float, decay: float = DECAY,
+               prior: float | None = None) -> None:
+        """Moving averages of a size's tokens and nodes. A first observation at a size is blended
+        with `prior` (as if a step had measured it; default: what the smaller sizes emit), so one
+        unlucky step does not rule a size out and one lucky one does not choose it."""
+        if size not in self.gain:
+            self.gain[size] = prior if prior is not None else max(g for s, g in self.gain.items() if s < size)
+            self.nodes[size] = float(proposed)
+        elif size in self.carried:
+            self.carried.discard(size)
+            decay = CARRIED_WEIGHT
+        self.gain[size] = decay * self.gain[size] + (1 - decay) * emitted
+        self.nodes[size] = decay * self.nodes[size] + (1 - decay) * proposed
+
+    def observe(self, size: int, proposed: int, path: list[int], chains: bool, prior=None) -> None:
+        """A verified step at `size`: `proposed` nodes, `path` the accepted node indices by depth.
+        `prior(nodes)`: the gain a first observation of that many nodes is blended with (None: what
+        the smaller sizes emit)."""
+        self.all_accepted = size > 0 and proposed > 0 and len(path) == proposed
+        self.untried = self.untried and not path
+        decided = proposed < size or (chains and len(path) < proposed)
+        for s in self.levels:
+            if s == 0 or (s > size and not (decided and s in self.gain)):
+                continue
+            emitted = 1 + sum(1 for node in path if node < s)
+            nodes = min(proposed, s) if proposed < size or s <= size else s
+            self.update(s, emitted, nodes, prior=None if s in self.gain or prior is None else prior(nodes))
+
+    def observe_shadow(self, proposed: int, matched: int, nodes: list[int] | None) -> None:
+        """A shadow draft of `proposed` nodes whose main path's first `matched` tokens came true;
+        `nodes`: the path's node indices (a tree's; None: a chain). A size of s nodes is credited
+        with the matched path nodes below s only (a tree's first nodes are mostly siblings)."""
+        for s in self.levels[1:]:
+            hits = matched if nodes is None else sum(1 for node in nodes[:matched] if node < s)
+            self.update(s, 1.0 + min(hits, s), float(min(proposed, s)), SHADOW_DECAY)
+
+    def score_shadow(self, tokens: list[int], finished: bool) -> bool:
+        """Score the pending shadow draft if its outcome is known (a mismatch, its whole length
+        emitted, or the row finished); True if it was scored."""
+        start, path, nodes, proposed = self.shadow
+        out = tokens[start:]
+        matched = next((i for i, (a, b) in enumerate(zip(path, out)) if a != b), min(len(path), len(out)))
+        if matched < len(out) or len(out) >= len(path) or finished:
+            self.observe_shadow(proposed, matched, nodes)
+            self.shadow = None
+            return True
+        return False
+
+
+class SpeculationController:
+    def __init__(self, capabilities, costs: StepCosts, adaptive: bool = True) -> None:
+        caps = capabilities
+        self.costs = costs
+        self.adaptive = adaptive
+        self.shadowed = caps is not None and not caps.has_state     # shadows measure: no probes, no priors
+        self.chains = caps is None or not caps.drafts_trees
+        acceptance = caps.prior_acceptance if caps is not None else None
+        self.prior_acceptance = PRIOR_ACCEPTANCE if acceptance is None else acceptance
+        self.fixed = fixed_costs(caps.relative_cost if caps is not None else 0.0, costs.passes)   # pinned rows' costs
+        self.template: RowSpec | None = None      # the last long row of a drafter with state (new rows start there)
+        self.probe_seconds: float | None = None   # what a probe costs over the plain steps it saves (measured)
+        self.shadow_seconds = 0.0                 # seconds of one step's shadow drafts (drafting + scoring)
+        self.shadow_steps = 0
+
+    # ------------------------------------------------------------------ rows
+    def new_row(self, k: int, mode: str = AUTO, span: int = 0, pinned: bool = False,
+                predicted: bool = False) -> RowSpec:
+        """A row asking for `k` drafts per step; `span`: how far a copying drafter's row may climb
+        past k; `predicted`: the request carries a predicted output (news: drafted from the start)."""
+        if mode == OFF or k <= 0:
+            return RowSpec(0, OFF)
+        mode = mode if self.adaptive else ON
+        top = max(k, span)
+        row = RowSpec(k, mode, tuple(sorted({s for s in LEVELS if s <= top} | {k, top})), pinned)
+        if mode != AUTO or (self.shadowed and not predicted):
+            return row                            # a stateless drafter's row: plain until shadows say otherwise
+        template = self.template
+        if template is not None and not predicted and not pinned:
+            for s in row.levels:
+                if s in template.gain:
+                    row.gain[s], row.nodes[s] = template.gain[s], template.nodes[s]
+                    row.carried.add(s)
+            row.untried = True
+            row.probe_interval = template.probe_interval
+            cap = 2 * PROBE_EVERY                 # where probes keep failing, the wait goes on (across rows)
+            row.probe_wait = (min(template.probe_wait, max(cap, self.probe_floor(self.costs, 1)))
+                              if template.probe_interval > cap else max(PROBE_EVERY, min(template.probe_wait, cap)))
+            return row
+        for s in row.levels[1:]:                  # the prior: every position accepted at prior_acceptance
+            if s <= 4:
+                row.gain[s], row.nodes[s] = expected_tokens(self.prior_acceptance, s), float(s)
+                row.carried.add(s)
+        return row
+
+    def finish_row(self, row: RowSpec) -> None:
+        """A row's request ended: a long row of a drafter with state is where new rows start."""
+        if not self.shadowed and row.mode == AUTO and not row.pinned and \
+                (row.steps >= CARRY_MIN_STEPS or self.template is not None) and len(row.gain) > 1:
+            self.template = row
+
+    # ------------------------------------------------------------------ before a step
+    def plan(self, rows: list[RowSpec], pending: list[int]) -> list[int]:
+        """Each row's draft size for the next step (0: plain); `pending[b]`: the row's tokens that
+        go into the pass besides its drafts (normally 1)."""
+        sizes = [0] * len(rows)
+        free = []
+        for i, r in enumerate(rows):
+            if r.mode == OFF:
+                continue
+            r.steps += 1
+            if r.mode == ON:
+                sizes[i] = r.k
+            elif r.pinned:
+                sizes[i] = self._probe(r, self.fixed) or self._alone(r, self.fixed, pending[i])
+            elif (probe := self._probe(r, self.costs)):
+                sizes[i] = probe
+            else:
+                free.append(i)
+        if free:
+            self._choose(rows, pending, sizes, free)
+        for i, r in enumerate(rows):
+            if r.mode == AUTO:
+                self._after_plan(r, sizes[i])
+        return sizes
+
+    def _choose(self, rows: list[RowSpec], pending: list[int], sizes: list[int], free: list[int]) -> None:
+        """Raise the free rows' sizes while the batch's tokens per second grows (module docstring)."""
+        costs = self.costs
+        total_rows = float(sum(pending))
+        drafting, node_sum, tokens = 0, 0.0, 0.0
+        depth_rows = [0] * (max(max(r.levels) for r in rows) + 1)    # rows drafting at each depth (passes)
+        for i, r in enumerate(rows):
+            s = sizes[i]
+            n = r.nodes.get(s, float(s))
+            total_rows += n
+            node_sum += n
+            drafting += s > 0
+            tokens += r.gain.get(s, 1.0)
+            for d in range(round(n)):
+                depth_rows[d] += 1
+
+        def seconds_with(rows_, drafting_, nodes_, deeper: tuple[int, int] = (0, 0)) -> float:
+            """The step's seconds with the depths deeper[0] .. deeper[1] - 1 one row more."""
+            for d in range(*deeper):
+                depth_rows[d] += 1
+            t = costs.step_seconds(rows_, drafting_, nodes_, depth_rows)
+            for d in range(*deeper):
+                depth_rows[d] -= 1
+            return t
+        seconds = seconds_with(total_rows, drafting, node_sum)
+        share = (MARGIN - 1.0) * tokens / len(rows)           # a row's first move must win this much
+        options = {i: self._options(rows[i], pending[i]) for i in free}
+        heap = []
+        for i in free:
+            if (key := self._steepest(options[i], 0)) is not None:
+                heapq.heappush(heap, (-key, i))
+        while heap:
+            _, i = heapq.heappop(heap)
+            r, now = rows[i], sizes[i]
+            g0, n0 = r.gain.get(now, 1.0), (r.nodes.get(now, float(now)) if now else 0.0)
+            best, best_rate = None, (tokens + (share if now == 0 else 0.0)) / seconds
+            for s, g, n in options[i]:
+                if s <= now:
+                    continue
+                t = seconds_with(total_rows + n - n0, drafting + (now == 0), node_sum + n - n0,
+                                 (round(n0), round(n)))
+                if (tokens + g - g0) / t > best_rate:
+                    best, best_rate = (s, g, n, t), (tokens + g - g0) / t
+            if best is None:
+                continue
+            s, g, n, seconds = best
+            for d in range(round(n0), round(n)):
+                depth_rows[d] += 1
+            sizes[i], tokens = s, tokens + g - g0
+            total_rows, node_sum, drafting = total_rows + n - n0, node_sum + n - n0, drafting + (now == 0)
+            if (key := self._steepest(options[i], s)) is not None:
+                heapq.heappush(heap, (-key, i))
+
+    @staticmethod
+    def _steepest(options: list[tuple[int, float, float]], now: int) -> float | None:
+        """The most tokens per added node of a row's moves above size `now` (None: no move)."""
+        base = next(((g, n) for s, g, n in options if s == now), (1.0, 0.0))
+        keys = [(g - base[0]) / max(n - base[1], 0.5) for s, g, n in options if s > now]
+        return max(keys) if keys else None
+
+    def _options(self, r: RowSpec, pending: int, costs: StepCosts | None = None) -> list[tuple[int, float, float]]:
+        """(size, tokens, nodes) of the sizes a row may take now: those measured up to its cap, and
+        the ones exploration estimates (module docstring)."""
+        costs = costs or self.costs
+        cap = max(r.k, r.size)                   # sizes past k only as far as a climb has reached
+        if r.untried:
+            cap = min(cap, self.probe_size(r))
+        out = [(0, r.gain[0], 0.0)] + [(s, r.gain[s], r.nodes[s]) for s in r.levels[1:] if s <= cap and s in r.gain]
+        measured = max(s for s, _, _ in out)
+        if r.all_accepted and r.size > 0:        # a climb: the next size above, every node accepted
+            above = [s for s in r.levels if s > r.size]
+            if above and not r.untried:
+                out = [o for o in out if o[0] != above[0]] + [(above[0], above[0] + 1.0, float(above[0]))]
+        elif r.steps % EXPLORE == 0 and measured < r.k and not r.untried:   # now and then the next size up to k
+            s = next(s for s in r.levels if s > measured)
+            out.append((s, self.prior(pending, costs)(s), float(s)))
+        return out
+
+    def prior(self, pending: int, costs: StepCosts | None = None):
+        """The gain of n nodes at a size not yet measured: PRIOR times plain decoding's rate at their
+        cost (at most every node accepted)."""
+        costs = costs or self.costs
+        plain = costs.step_seconds(pending, 0, 0.0)
+        return lambda n: min(PRIOR * costs.step_seconds(pending + n, 1, float(n)) / plain, n + 1.0)
+
+    def _alone(self, r: RowSpec, costs: StepCosts, pending: int) -> int:
+        """A pinned row's best size, decided from its own gains at fixed costs."""
+        plain = MARGIN / costs.step_seconds(pending, 0, 0.0)
+        best, best_rate = 0, plain
+        for s, g, n in self._options(r, pending, costs):
+            rate = g / costs.step_seconds(pending + n, 1, n) if s else 0.0
+            if rate > best_rate:
+                best, best_rate = s, rate
+        return best
+
+    # ------------------------------------------------------------------ probes
+    def probe_size(self, r: RowSpec) -> int:
+        """A probe's size: the second level above 0 (or the first)."""
+        return r.levels[min(2, len(r.levels) - 1)]
+
+    def probe_floor(self, costs: StepCosts, pending: int) -> int:
+        """The fewest plain steps between two probes at which failed probes cost at most PROBE_SHARE
+        of plain decoding's time: from their measured cost net of the plain steps their accepted
+        drafts saved, or, before any, what a failed probe is predicted to cost."""
+        plain = costs.step_seconds(pending, 0, 0.0)
+        if self.probe_seconds is not None and costs is self.costs:
+            seconds = self.probe_seconds
+        else:
+            s = 2
+            seconds = costs.step_seconds(pending + s, 1, s) - plain + costs.node_seconds()
+        return math.ceil(max(seconds, 0.0) / (PROBE_SHARE * plain))
+
+    def _probe(self, r: RowSpec, costs: StepCosts) -> int:
+        """A drafter with state: a probe's size if this row's wait after plain steps is over and a
+        probe could pay at PROBE_ACCEPTANCE, else 0."""
+        r.probing = False
+        if self.shadowed or r.size > 0 or len(r.gain) == 1:
+            return 0
+        r.probe_wait -= 1
+        if r.probe_wait > 0:
+            return 0
+        s = self.probe_size(r)
+        plain = 1.0 / costs.step_seconds(1, 0, 0.0)
+        if expected_tokens(PROBE_ACCEPTANCE, s) / costs.step_seconds(1 + s, 1, s) < MARGIN * plain:
+            r.probe_wait = r.probe_interval
+            return 0
+        r.probing = True
+        return s
+
+    def _after_plan(self, r: RowSpec, size: int) -> None:
+        """A probe that did not make drafting win: probe half as often; one that did: the first pace."""
+        if r.probed:
+            r.probed = False
+            if size == 0:
+                r.probe_interval = min(2 * r.probe_interval, MAX_PROBE_EVERY)
+                costs = self.fixed if r.pinned else self.costs
+                r.probe_wait = max(r.probe_interval, self.probe_floor(costs, 1))
+            else:
+                r.probe_interval = PROBE_EVERY
+        elif size == 0 and r.size > 0 and not self.shadowed:    # drafting stopped paying: the first probe
+            costs = self.fixed if r.pinned else self.costs       # waits for the floor too
+            r.probe_wait = max(r.probe_wait, self.probe_floor(costs, 1))
+        r.probed, r.previous, r.size = r.probing, r.size, size
+
+    # ------------------------------------------------------------------ after a step
+    def observe(self, rows: list[RowSpec], sizes: list[int], proposed: list[int], paths: list[list[int]],
+                pass_rows: int, verify_seconds: float, draft_seconds: float, depths: list[int] | None = None) -> None:
+        """A step: per row its planned size, the nodes it proposed and its accepted path (node
+        indices by depth), and its draft's depth (a chain's: its nodes); the pass's rows and the
+        measured seconds of the pass (with verification) and of drafting."""
+        depths = proposed if depths is None else depths
+        costs = self.costs
+        costs.observe_pass(pass_rows, verify_seconds)
+        drafting = sum(1 for s in sizes if s > 0)
+        # a drafter with state drafting after plain steps first catches up on the tokens since (one
+        # pass of its model): counted as one more node per such row, not as dearer nodes
+        catch_up = 0 if self.shadowed else sum(1 for r, s in zip(rows, sizes) if s > 0 and r.previous == 0)
+        deepest = max(depths, default=0)
+        depth_rows = [sum(1 for d in depths if d > level) + (catch_up if level == deepest else 0)
+                      for level in range(deepest + 1)]
+        costs.observe_drafting(draft_seconds, drafting, sum(proposed) + catch_up, depth_rows)
+        probes = [i for i, r in enumerate(rows) if r.probing]
+        if probes:                   # what the probes cost over the plain steps that would have emitted their tokens
+            plain_rows = pass_rows - sum(proposed[i] for i in probes)
+            plain = costs.pass_seconds(plain_rows)
+            emitted = sum(len(paths[i]) for i in probes)
+            extra = (verify_seconds + draft_seconds - plain) / len(probes) - emitted * plain / max(plain_rows, 1)
+            self.probe_seconds = extra if self.probe_seconds is None else DECAY * self.probe_seconds + (1 - DECAY) * extra
+        for r, s, n, path in zip(rows, sizes, proposed, paths):
+            if s > 0 and r.mode != OFF:   # a first observation at a size: shadowed, what smaller sizes emit
+                prior = None if self.shadowed else self.prior(1, self.fixed if r.pinned else costs)
+                r.observe(s, n, path, self.chains, prior)
+
+    # ------------------------------------------------------------------ shadow drafts
+    def shadow_due(self, step_seconds: float) -> bool:
+        """Should this step draft shadows (stateless drafters' rows at size 0)? Every step while they
+        are cheap; every n-th when they cost more than SHADOW_SHARE of a step."""
+        if not self.shadowed:
+            return False
+        self.shadow_steps += 1
+        period = math.ceil(self.shadow_seconds / (SHADOW_SHARE * step_seconds)) if step_seconds > 0 else 1
+        return self.shadow_steps % max(1, period) == 0
+
+    def observe_shadows(self, seconds: float, draft_seconds: float, rows: int, nodes: int) -> None:
+        """One step's shadow drafts cost `seconds` (drafting and scoring), of which `draft_seconds`
+        the drafter's own for `rows` rows and `nodes` nodes (a measurement of drafting like a step's)."""
+        self.shadow_seconds = seconds if not self.shadow_seconds else DECAY * self.shadow_seconds + (1 - DECAY) * seconds
+        if nodes:
+            self.costs.observe_drafting(draft_seconds, rows, nodes)
