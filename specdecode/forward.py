@@ -36,11 +36,12 @@ class ForwardBatch:
     positions: torch.Tensor | None = None     # [B, T] int64 RoPE positions; None = chain (start + t)
     tree_base: torch.Tensor | None = None     # [B, T] int64 first slot of the token's tree part (chain: own slot)
     tree_mask: torch.Tensor | None = None     # [B, T] int64 visible tree slots, bit i = slot tree_base + i
+    lengths: list[int] | None = None          # real tokens per row (the rest is padding, never read); None: T
 
     @staticmethod
     def chain(tokens: torch.Tensor, start: int | torch.Tensor, rows: torch.Tensor | None = None,
-              logit_index: torch.Tensor | None = None) -> "ForwardBatch":
-        return ForwardBatch(tokens, start, rows, logit_index)
+              logit_index: torch.Tensor | None = None, lengths: list[int] | None = None) -> "ForwardBatch":
+        return ForwardBatch(tokens, start, rows, logit_index, lengths=lengths)
 
     @staticmethod
     def tree(tokens: torch.Tensor,        # [B, T]: row b = pending[b] chain tokens, then its nodes, then padding
@@ -48,7 +49,7 @@ class ForwardBatch:
              rows: torch.Tensor | None,   # [B]
              pending: list[int],          # chain tokens per row (>= 1: the last one is the tree's root)
              parents: torch.Tensor,       # [B, n] int64 node parents (-1 = root), specdecode/tree.py
-             logit_index: torch.Tensor | None = None) -> "ForwardBatch":
+             logit_index: torch.Tensor | None = None, lengths: list[int] | None = None) -> "ForwardBatch":
         batch, width = tokens.shape
         n = parents.shape[1]
         start = torch.as_tensor(start, dtype=torch.long).reshape(batch).cpu()
@@ -62,7 +63,7 @@ class ForwardBatch:
             positions[b, m:m + n] = root + node_depths[b]
             base[b, m:m + n] = root + 1
             mask[b, m:m + n] = node_masks[b]
-        return ForwardBatch(tokens, start, rows, logit_index, positions, base, mask)
+        return ForwardBatch(tokens, start, rows, logit_index, positions, base, mask, lengths)
 
     @property
     def is_chain(self) -> bool:

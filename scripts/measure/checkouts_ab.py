@@ -98,9 +98,13 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--model")
     ap.add_argument("--draft")
+    ap.add_argument("--no-prefix-cache", action="store_true",
+                    help="LLM(prefix_cache=False): a call does not find an earlier call's prompt in the cache")
     ap.add_argument("--json", help="write every measurement here")
     args = ap.parse_args()
     options = {k: v for k, v in (("model", args.model), ("draft", args.draft)) if v}
+    if args.no_prefix_cache:
+        options["prefix_cache"] = False
     workers = {"old": Worker(args.old, options), "new": Worker(args.new, options)}
     todo = jobs(args.scenario, args.max_tokens)
     for label, batch, params, k in todo[:2]:                 # warm-up: kernels, cost curves

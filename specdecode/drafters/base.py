@@ -252,8 +252,8 @@ class Drafter(ABC):
         Each row's last prompt token is still to come."""
 
     @abstractmethod
-    def propose(self, seqs: list["Sequence"], max_tokens: list[int]) -> DraftProposal:
-        """Up to max_tokens[b] draft tokens for each sequence (0 allowed). State the matching
+    def propose(self, seqs: list["Sequence"], sizes: list[int]) -> DraftProposal:
+        """Up to sizes[b] draft tokens for each sequence (0 allowed). State the matching
         commit needs goes in the proposal's `step_state`."""
 
     def commit(self, seqs: list["Sequence"], proposal: DraftProposal, num_accepted: list[int]) -> None:

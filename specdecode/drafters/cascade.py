@@ -110,9 +110,9 @@ class CascadeDrafter(Drafter):
     def observe(self, seqs, starts, hidden):
         self.head.observe(seqs, starts, hidden)
 
-    def propose(self, seqs, max_tokens):
+    def propose(self, seqs, sizes):
         drafts: list[list[int] | None] = []
-        for s, k in zip(seqs, max_tokens):
+        for s, k in zip(seqs, sizes):
             found = predicted(s, k)              # a predicted output, where it aligns
             if found:
                 pass
@@ -123,12 +123,12 @@ class CascadeDrafter(Drafter):
             else:
                 found = self.ngram.draft_one(s.token_ids, k, self.ngram.index(s)) if k else []
             drafts.append(found or None)
-        head_rows = [b for b, d in enumerate(drafts) if d is None and max_tokens[b] > 0]
+        head_rows = [b for b, d in enumerate(drafts) if d is None and sizes[b] > 0]
         self.lookup_steps += sum(d is not None for d in drafts)
         self.head_steps += len(head_rows)
         if not head_rows:
             return DraftProposal.from_lists([d or [] for d in drafts])
-        sub = self.head.propose([seqs[b] for b in head_rows], [max_tokens[b] for b in head_rows])
+        sub = self.head.propose([seqs[b] for b in head_rows], [sizes[b] for b in head_rows])
         step_state = (head_rows, sub)            # commit hands the head its own rows and proposal
         if len(head_rows) == len(seqs):
             return DraftProposal(sub.tokens, sub.num_tokens, sub.probs, step_state)

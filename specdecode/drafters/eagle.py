@@ -187,8 +187,8 @@ class EagleDrafter(Drafter):
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
-    def propose(self, seqs, max_tokens):
-        k = max(max_tokens)
+    def propose(self, seqs, sizes):
+        k = max(sizes)
         batch = len(seqs)
         params = [s.params for s in seqs]
         needs_history = any(p.uses_penalties for p in params)
@@ -202,7 +202,7 @@ class EagleDrafter(Drafter):
         starts = [self._catch_up_start(s.row, e) for s, e in zip(seqs, ends)]
         width = max(e - st for st, e in zip(starts, ends))
         if min(ends) == 0:       # a one-token prompt: no target feature yet, so nothing to draft from
-            max_tokens = [0 if e == 0 else m for e, m in zip(ends, max_tokens)]
+            sizes = [0 if e == 0 else m for e, m in zip(ends, sizes)]
             if width == 0:
                 return DraftProposal.empty(batch)
         tokens = torch.zeros(batch, width, dtype=torch.long)
@@ -217,12 +217,12 @@ class EagleDrafter(Drafter):
         for b, s in enumerate(seqs):
             self.cache.truncate(s.row, ends[b])
         if self.tree_topk > 1:
-            return self._propose_tree(rows, ends, feature, max_tokens)
+            return self._propose_tree(rows, ends, feature, sizes)
         # 2. chain: each draft comes from the feature the previous slot predicted. Greedy rows with
         # no logit bias or penalties only need the argmax (a point-mass proposal: verify then
         # accepts a draft iff it is the target's argmax), so the full-vocabulary work is skipped.
         argmax_only = all(p.greedy and not p.logit_bias and not p.uses_penalties for p in params)
-        num_drafts = list(max_tokens)
+        num_drafts = list(sizes)
         for step in range(k):
             confidence = None
             if argmax_only:

@@ -163,7 +163,7 @@ class LayerSkipDrafter(ModelDrafter):
                                                   self.skip_ratio, self.min_agreement)
         self._use(skip)
 
-    def propose(self, seqs, max_tokens):
+    def propose(self, seqs, sizes):
         if self.skip is None:           # not prefilled (a direct caller): choose from this context
             self._choose(seqs[0].token_ids)
-        return super().propose(seqs, max_tokens)
+        return super().propose(seqs, sizes)

@@ -119,9 +119,9 @@ class LookaheadDrafter(Drafter):
         state.catch_up(seq.token_ids)
         return state
 
-    def propose(self, seqs, max_tokens):
+    def propose(self, seqs, sizes):
         trees, cells = [], {}
-        for seq, budget in zip(seqs, max_tokens):
+        for seq, budget in zip(seqs, sizes):
             state = self._state(seq)
             window = state.window_pays(self.window_min_yield)
             tree, where, own = self._tree(state, seq.token_ids[-1], min(int(budget), MAX_TREE_NODES), window)

@@ -22,7 +22,7 @@ from head d-1. So with K heads the tree is at most K deep.
 Tree (the EAGLE-2 rerank of dynamic_tree.py): depth 1's candidates are head 0's top-`topk`
 tokens; at each further depth d the `topk` best candidates of depth d-1 (by path score, the sum of
 the heads' log-probabilities along the path) each get head d-1's top-`topk` tokens as children --
-every node of one depth shares its head's distribution -- and the tree is the `max_tokens[b]`
+every node of one depth shares its head's distribution -- and the tree is the `sizes[b]`
 best candidates overall. It is proposed as point masses (probs None): the tree verifier keeps
 the target's distribution exactly, greedy or sampled.
 
@@ -195,10 +195,10 @@ class MedusaDrafter(Drafter):
         return F.log_softmax(self.lm_head(normed).float(), dim=-1)
 
     @torch.inference_mode()
-    def propose(self, seqs, max_tokens):
+    def propose(self, seqs, sizes):
         batch = len(seqs)
         positions = [len(s.token_ids) - 2 for s in seqs]          # p: the newest target feature
-        budgets = [m if 0 <= p < self.state.known[s.row] else 0 for s, p, m in zip(seqs, positions, max_tokens)]
+        budgets = [m if 0 <= p < self.state.known[s.row] else 0 for s, p, m in zip(seqs, positions, sizes)]
         depth = min(self.tree_depth, max(budgets))
         if depth <= 0:
             return DraftProposal.empty(batch)

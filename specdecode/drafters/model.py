@@ -114,8 +114,8 @@ class ModelDrafter(Drafter):
         return tokens.clamp(max=self.draft_vocab - 1) if self.target_vocab > self.draft_vocab else tokens
 
     @torch.inference_mode()
-    def propose(self, seqs, max_tokens):
-        k = max(max_tokens)
+    def propose(self, seqs, sizes):
+        k = max(sizes)
         batch = len(seqs)
         device = self.model.device
         draft_tokens = torch.zeros(batch, k, dtype=torch.long)
@@ -127,7 +127,7 @@ class ModelDrafter(Drafter):
         # feed: tokens this row's draft cache has not seen yet (catch-up), then one draft at a time
         feed = [s.token_ids[self.cache.lengths[s.row]:] for s in seqs]
         base_len = [len(s.token_ids) for s in seqs]          # step state: the text before the drafts
-        limit = list(max_tokens)                             # per row: drafts kept (early stop lowers it)
+        limit = list(sizes)                             # per row: drafts kept (early stop lowers it)
         for step in range(k):
             if all(step >= n for n in limit):
                 break

@@ -195,9 +195,9 @@ class NgramDrafter(Drafter):
             found = self.indexes[seq] = NgramIndex(self.ngram_min, self.ngram_max)
         return found
 
-    def propose(self, seqs, max_tokens):
+    def propose(self, seqs, sizes):
         return DraftProposal.from_lists([predicted(s, k) or self.draft_one(s.token_ids, k, self.index(s) if k > 0 else None)
-                                         for s, k in zip(seqs, max_tokens)])
+                                         for s, k in zip(seqs, sizes)])
 
 
 def predicted(s, k: int) -> list[int]:

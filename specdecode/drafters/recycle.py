@@ -139,10 +139,10 @@ class RecycleDrafter(Drafter):
                 self.warm(s.token_ids)
                 self.warmed.add(s)
 
-    def propose(self, seqs, max_tokens):
+    def propose(self, seqs, sizes):
         batch = len(seqs)
         self._warm_new(seqs)
-        sizes = [min(int(k), MAX_TREE_NODES) for k in max_tokens]
+        sizes = [min(int(k), MAX_TREE_NODES) for k in sizes]
         n = max(sizes, default=0)
         if n <= 0:
             return DraftProposal.from_trees([[] for _ in range(batch)])   # empty, still a tree

@@ -295,11 +295,11 @@ class SuffixDrafter(Drafter):
         loc.extend(s.token_ids)
         return loc
 
-    def propose(self, seqs, max_tokens):
+    def propose(self, seqs, sizes):
         for seq in [s for s in list(self.local.keys()) if s.finished]:
             self.finish(seq)
         trees = []
-        for s, k in zip(seqs, max_tokens):
+        for s, k in zip(seqs, sizes):
             if k <= 0 or s.finished:
                 trees.append([])
                 continue

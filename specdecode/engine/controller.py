@@ -59,6 +59,7 @@ EXPLORE = 8             # steps between explorations of the next larger size
 MARGIN = 1.05           # drafting must be predicted this much faster than plain decoding
 CARRY_MIN_STEPS = 32    # a finished row becomes the template of new rows only after this many steps
 SHADOW_SHARE = 0.01     # shadow drafts (drafting and scoring) take at most this share of the steps' time
+PLAIN_RECHECK = 8       # steps a plain choice is kept while no row's gains changed (choosing costs ~0.1 ms a step)
 
 
 def expected_tokens(acceptance: float, size: int) -> float:
@@ -87,12 +88,14 @@ class RowSpec:
     probing: bool = False                        # this step is a probe (after plain steps)
     probed: bool = False                         # the last step was one
     shadow: tuple | None = None                  # (tokens when drafted, main path, its node indices, proposed)
+    version: int = 0                             # bumped whenever a gain changes
 
     def update(self, size: int, emitted: float, proposed: float, decay: float = DECAY,
                prior: float | None = None) -> None:
         """Moving averages of a size's tokens and nodes. A first observation at a size is blended
         with `prior` (as if a step had measured it; default: what the smaller sizes emit), so one
         unlucky step does not rule a size out and one lucky one does not choose it."""
+        self.version += 1
         if size not in self.gain:
             self.gain[size] = prior if prior is not None else max(g for s, g in self.gain.items() if s < size)
             self.nodes[size] = float(proposed)
@@ -151,6 +154,8 @@ class SpeculationController:
         self.probe_seconds: float | None = None   # what a probe costs over the plain steps it saves (measured)
         self.shadow_seconds = 0.0                 # seconds of one step's shadow drafts (drafting + scoring)
         self.shadow_steps = 0
+        self.plain_key: tuple | None = None       # the free rows and their gains' versions when all chose plain
+        self.plain_steps = 0                      # steps that kept that choice
 
     # ------------------------------------------------------------------ rows
     def new_row(self, k: int, mode: str = AUTO, span: int = 0, pinned: bool = False,
@@ -207,7 +212,14 @@ class SpeculationController:
             else:
                 free.append(i)
         if free:
-            self._choose(rows, pending, sizes, free)
+            key = (tuple(id(rows[i]) for i in free), sum(rows[i].version for i in free),
+                   sum(rows[i].steps // EXPLORE for i in free))
+            if key == self.plain_key and self.plain_steps < PLAIN_RECHECK:
+                self.plain_steps += 1             # nothing they measured changed: still plain
+            else:
+                self._choose(rows, pending, sizes, free)
+                plain = all(sizes[i] == 0 for i in free)
+                self.plain_key, self.plain_steps = (key if plain else None), 0
         for i, r in enumerate(rows):
             if r.mode == AUTO:
                 self._after_plan(r, sizes[i])

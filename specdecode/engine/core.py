@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from ..drafters.base import DraftProposal
+from ..drafters.base import DraftProposal, DrafterError
 from ..drafters.prediction import prediction_usage
 from ..footprint import kv_bytes_per_token
 from ..params import ParamError
@@ -197,9 +197,9 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 -- fail the batch, keep serving
             log.exception("engine step failed; failing %d request(s)", len(sched.prefilling) + len(sched.running))
             rows, sched.prefilling, sched.running = sched.prefilling + sched.running, [], []
-            for s in rows:
-                self._end(s, "error", Failed(500, f"internal error while generating ({type(exc).__name__}); "
-                                                  f"the request was aborted"))
+            why = str(exc) if isinstance(exc, DrafterError) else f"internal error while generating ({type(exc).__name__})"
+            for s in rows:                # a drafter's own error names what is wrong; anything else is sanitized
+                self._end(s, "error", Failed(500, f"{why}; the request was aborted"))
         self._publish_counts(sched.running)
 
     # ------------------------------------------------------------------ 1. schedule
@@ -354,7 +354,13 @@ class EngineCore:
         if not active:
             return DraftProposal.empty(len(seqs)), ([], None)
         rows = [seqs[i] for i in active]
-        sub = self.drafter.propose(rows, [sizes[i] for i in active]).simplified()
+        sub = self.drafter.propose(rows, [sizes[i] for i in active])
+        if not isinstance(sub, DraftProposal) or sub.tokens.shape[0] != len(rows):
+            raise DrafterError(f"drafter {getattr(self.drafter, 'name', type(self.drafter).__name__)!r}: propose "
+                               f"must return a DraftProposal of {len(rows)} rows (one per sequence), got "
+                               f"{type(sub).__name__}" + (f" of {sub.tokens.shape[0]} rows"
+                                                          if isinstance(sub, DraftProposal) else ""))
+        sub = sub.simplified()
         caps = self.drafter.capabilities
         if sub.probs is None and not caps.has_state and not caps.commit_reads_nodes \
                 and any(s.constraint is not None for s in rows):

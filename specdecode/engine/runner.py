@@ -174,8 +174,8 @@ class ModelRunner:
         tokens = tokens.clamp(max=model.vocab_size - 1)     # a draft may embed fewer (padding) ids
         device = model.device
         rows = torch.tensor([s.row for s, _ in chunks], device=device)
-        hidden = model.run(ForwardBatch.chain(tokens.to(device), torch.tensor(starts, device=device), rows),
-                           cache)                                                    # [B, width, D]
+        hidden = model.run(ForwardBatch.chain(tokens.to(device), torch.tensor(starts, device=device), rows,
+                                              lengths=[n for _, n in chunks]), cache)   # [B, width, D]
         if not draft and self.wants_hidden:   # an EAGLE head reads the target's features of the prompt
             self.drafter.observe([s for s, _ in chunks], starts, hidden)
         for (s, n), start in zip(chunks, starts):
@@ -211,8 +211,8 @@ class ModelRunner:
                                     for p, w in zip(pending, widths)], device=device)  # [B, k+1]
         rows = torch.tensor([s.row for s in seqs], device=device)
         start = torch.tensor(starts, device=device)
-        fb = (ForwardBatch.tree(tokens, start, rows, [len(p) for p in pending], proposal.parents, logit_index)
-              if proposal.is_tree and k > 0 else ForwardBatch.chain(tokens, start, rows, logit_index))
+        fb = (ForwardBatch.tree(tokens, start, rows, [len(p) for p in pending], proposal.parents, logit_index, widths)
+              if proposal.is_tree and k > 0 else ForwardBatch.chain(tokens, start, rows, logit_index, widths))
         hidden = self.model.run(fb, self.cache)                                      # [B, width, D]
         logits = self.model.logits(hidden, fb.logit_index)                           # [B, k+1, vocab]
         if self.wants_hidden:

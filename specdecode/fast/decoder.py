@@ -350,13 +350,21 @@ class FusedDecoder:
             mask = fb.tree_mask.to(torch.int64).reshape(R).contiguous()
         tables = lay.tables.to(torch.int32)                                            # [B, blocks]
         tables = (tables if T == 1 else tables.repeat_interleave(T, 0)).contiguous()  # [R, blocks]
-        hidden = torch.empty(R, self.model.config.hidden_size, dtype=self.dtype)
+        keep = None           # a ragged pass (prefill chunks, drafts of different sizes): its padding is not computed
+        if fb.lengths is not None and sum(fb.lengths) < R:
+            keep = torch.cat([torch.arange(b * T, b * T + n) for b, n in enumerate(fb.lengths) if n])   # [R real]
+            tok, slot, tables = tok[keep], slot[keep], tables[keep].contiguous()
+            pos = slot if fb.positions is None else pos[keep].contiguous()
+            if base is not None:
+                base, mask = base[keep].contiguous(), mask[keep].contiguous()
+        rows_real = R if keep is None else keep.numel()
+        hidden = torch.empty(rows_real, self.model.config.hidden_size, dtype=self.dtype)
         nt = torch.get_num_threads()
         score_len = high + 17
         if self._scores.numel() < nt * ATT_PAIRS * score_len:
             self._scores = torch.empty(nt * ATT_PAIRS * score_len, dtype=torch.float32)
-        for c0 in range(0, R, MAX_T):
-            Rc = min(MAX_T, R - c0)
+        for c0 in range(0, rows_real, MAX_T):
+            Rc = min(MAX_T, rows_real - c0)
             kv = _KV(kbase, vbase, tables.data_ptr() + 4 * c0 * tables.shape[1],
                      tables.shape[1], lay.block, lay.block_stride, lay.key_stride, lay.head_stride)
             rc = self._rows_fn(self._mref, tok.data_ptr() + 8 * c0, pos.data_ptr() + 4 * c0, slot.data_ptr() + 4 * c0,
@@ -366,4 +374,8 @@ class FusedDecoder:
             if rc != 0:
                 raise ValueError("sd_decoder_rows rejected its arguments")
             hidden[c0:c0 + Rc] = self._scratch["hid"][:Rc]
+        if keep is not None:                       # back to [B, T]: padding rows zero
+            full = torch.zeros(R, hidden.shape[1], dtype=self.dtype)
+            full[keep] = hidden
+            hidden = full
         return hidden.view(B, T, -1)

@@ -24,7 +24,7 @@ def controller(curve=CURVE, **kw):
                                               passes=c.has_state))
 
 
-def run(ctrl, rows, steps, accept, propose=None, node_cost=0.0, rng=None):
+def run(ctrl, rows, steps, accept, propose=None, node_cost=0.0, rng=None, curve=CURVE):
     """Drive `ctrl` for `steps` steps: row b accepts each draft with probability accept[b] (a chain);
     `propose(b, size)` how many nodes it proposes (default: all); the pass costs CURVE at its rows;
     a stateless drafter's rows at size 0 get shadow drafts of k tokens (as the engine drafts them).
@@ -49,7 +49,7 @@ def run(ctrl, rows, steps, accept, propose=None, node_cost=0.0, rng=None):
                 a += 1
             paths.append(list(range(a)))
         pass_rows = len(rows) + sum(proposed)
-        ctrl.observe(rows, sizes, proposed, paths, pass_rows, interpolate(CURVE, pass_rows), node_cost * sum(proposed))
+        ctrl.observe(rows, sizes, proposed, paths, pass_rows, interpolate(curve, pass_rows), node_cost * sum(proposed))
     return chosen
 
 
@@ -261,3 +261,23 @@ def test_the_expected_tokens_of_a_chain():
 def test_the_controller_does_not_import_torch():
     code = "import sys, specdecode.engine.controller; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_a_drafter_that_runs_passes_is_priced_per_pass_over_the_rows_drafting():
+    """A draft model drafts a batch's rows in one pass per depth: 4 rows of 2 drafts cost 2 passes over
+    4 rows (CURVE's shape: 1.3 one-row passes each), not 8 one-row passes; so a batch drafts where the
+    same rows priced per node would not."""
+    costs = StepCosts(dict(CURVE), draft_cost=0.5, passes=True)
+    one = costs.node_seconds()
+    assert abs(costs.step_seconds(12, 4, 8, [4, 4]) - (costs.pass_seconds(12) + 2 * 1.3 * one)) < 1e-9
+    costs.observe_drafting(2 * 1.3 * 0.2, 4, 8, [4, 4])       # measured: a pass over one row costs 0.2
+    assert abs(costs.per_node - (0.7 * 0.5 + 0.3 * 0.2)) < 1e-9       # moving toward it from the prior
+    per_node = StepCosts(dict(CURVE), draft_cost=0.5)
+    assert per_node.step_seconds(12, 4, 8, [4, 4]) > costs.step_seconds(12, 4, 8, [4, 4])
+    flat = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.3, 32: 1.8, 64: 3.0}     # memory-bound passes (a GPU)
+    ctrl = controller(flat, has_state=True, relative_cost=0.2)
+    rows = [ctrl.new_row(2) for _ in range(4)]
+    assert all(s > 0 for s in run(ctrl, rows, 40, [0.95] * 4, node_cost=0.2 * 1.05 / 4, curve=flat)[-1])
+    steep = controller(has_state=True, relative_cost=0.2)                # CURVE: a row costs ~0.24 of a step
+    rows = [steep.new_row(2) for _ in range(4)]
+    assert all(s == 0 for s in run(steep, rows, 40, [0.95] * 4, node_cost=0.2)[-1])
