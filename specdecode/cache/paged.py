@@ -39,10 +39,8 @@ SCRATCH = 0          # block 0: target of padding writes, never owned by a row
 
 def _pool(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """A zeroed pool tensor, on the CPU on 2 MB pages where the kernel grants them (madvise, as packed
-    weights get: fast/linear.weight_empty). A decode step reads each row's blocks, scattered over the
-    pool; with 4 KB pages every block costs TLB misses. SmolLM2-135M, 1500 tokens per row, scattered
-    blocks, 2 threads of an AMD EPYC family 26 (Zen 5), alternating: 8 rows 13.4 -> 12.8 ms per step,
-    32 rows 51.9 -> 48.3 ms."""
+    weights get: fast/linear.weight_empty): a decode step reads each row's blocks, scattered over the
+    pool, and with 4 KB pages every block costs TLB misses."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     from ..fast.linear import weight_empty

@@ -205,16 +205,13 @@ class EngineCore:
     # ------------------------------------------------------------------ 1. schedule
     def _admit(self) -> None:
         runner, sched = self.runner, self.scheduler
-        while True:
-            hits: dict = {}
-
-            def fits(request: Request) -> bool:
-                hits.update(runner.match(request.prompt_ids, self._drafts(request), request.prefix_memo))
-                return runner.can_admit(len(request.prompt_ids) + request.params.max_tokens, hits)
-            taken = sched.next_admission(fits)
-            if taken is None:
-                return
-            request, row = taken
+        while (request := sched.head()) is not None:
+            hits = runner.match(request.prompt_ids, self._drafts(request), request.prefix_memo)
+            if not runner.can_admit(len(request.prompt_ids) + request.params.max_tokens, hits):
+                return                                 # FIFO: the head waits for blocks
+            row = sched.take(request)
+            if row is None:
+                continue
             try:
                 s = self._new_sequence(request, row, hits)
             except Exception as exc:  # noqa: BLE001 -- this request fails, the row goes back

@@ -105,23 +105,28 @@ class Scheduler:
         return inbox, rows
 
     # ------------------------------------------------------------------ the engine thread
-    def next_admission(self, fits) -> tuple[Request, int] | None:
-        """The queue's head and a free row, if it can be admitted now: `fits(request)` says whether
-        its blocks can be reserved (FIFO: the head waits for blocks). A later choice of the same
-        prompt waits until the first one's prompt is prefilled (its blocks are then shared)."""
+    def head(self) -> Request | None:
+        """The queue's head if a row is free for it (FIFO: it waits for blocks, the rest behind it); a
+        later choice of the same prompt waits until the first one's prompt is prefilled (its blocks
+        are then shared)."""
         if not self.free_rows:
             return None
         with self.cond:
-            if not self.inbox:
+            request = self.inbox[0] if self.inbox else None
+            if request is not None and request.after is not None and (
+                    any(s.request.id == request.after for s in self.prefilling)
+                    or any(r.id == request.after for r in self.inbox)):
                 return None
-            request = self.inbox[0]
-            if request.after is not None and (any(s.request.id == request.after for s in self.prefilling)
-                                              or any(r.id == request.after for r in self.inbox)):
-                return None
-            if not fits(request):
+            return request
+
+    def take(self, request: Request) -> int | None:
+        """Admit `request`, the head `head` returned: out of the queue, into a free row (returned);
+        None if it is no longer the head (aborted, or a health check came first)."""
+        with self.cond:
+            if not self.inbox or self.inbox[0] is not request:
                 return None
             self.inbox.popleft()
-        return request, self.free_rows.pop()
+        return self.free_rows.pop()
 
     def place(self, seq: Sequence) -> None:
         (self.prefilling if seq.prefilled < seq.prefill_target else self.running).append(seq)

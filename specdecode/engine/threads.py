@@ -1,28 +1,18 @@
 """How many threads a step's passes use, chosen from measured step times.
 
-The fused decoder splits each pass between OpenMP threads that meet at a barrier after every
-phase (a few hundred per step). On an idle machine every thread has a core and more threads are
-faster. When another process is busy on one of the cores, the thread that shares it is
-descheduled for whole time slices and every barrier waits for it: on a 2-core AMD EPYC with a
-busy loop on one core the embedded model decoded 92-180 tok/s on 2 threads and 132-243 on 1.
+The fused decoder's OpenMP threads meet at a barrier after every phase of a pass. When another
+process is busy on one of the cores, the thread that shares it is descheduled for whole time slices
+and every barrier waits for it: fewer threads are then faster (docs/models.md, "Threads").
 
 The tuner runs the steps on the current count and now and then tries the other one for `trial`
 steps (its first step, which wakes the other threads, left out). A trial step is compared only with
-steps of the same size run on the current count within the last `period` steps: a pass's cost is far
-from proportional to its rows (a verify pass of 8 rows costs ~1.5 steps of one row), and with
-adaptive drafting adjacent steps differ in size, so a time per row taken across sizes would let a
-trial of large passes "win" against steps of one row (it did: the server then prefilled and decoded
-on one thread for dozens of steps, 1.7x slower). Sizes are matched in buckets (exact up to 8 rows,
-then within a quarter); a trial step without a match extends the trial, up to 4 x `trial` steps. The
-trial's count is kept when the median of its time-per-row ratios to the matched steps is below
-1 / (1 + `margin`), else the current count stays. Trials cost time when they lose (on an idle machine
-a 1-thread step is ~1.6x a 2-thread one), so the wait between them doubles after each lost trial
-(from `period`, 64, up to `max_period`, 512 steps: under 2% of an idle machine's time) and goes back
-to `period` after a switch. A machine that becomes busy, or idle again, is followed within
-`max_period` steps (a few seconds), and at once when steps of a size suddenly take SLOW times as long
-as the last ones of that size, twice in a row: with many processes busy on the cores a 2-thread step
-took 0.5-9 s where it took ~10 ms (the threads waiting at the barriers for each other's time slice),
-and 512 steps of that are minutes.
+steps of the same size (rows) run on the current count within the last `period` steps, since a
+pass's cost is far from proportional to its rows; sizes are matched in buckets (exact up to 8 rows,
+then within a quarter), and a trial step without a match extends the trial, up to 4 x `trial` steps.
+The trial's count is kept when the median of its time-per-row ratios to the matched steps is below
+1 / (1 + `margin`). Trials cost time when they lose, so the wait between them doubles after each
+lost trial (from `period` up to `max_period` steps) and goes back to `period` after a switch; steps of
+a size suddenly SLOW times as long as the last ones of that size, twice in a row, start a trial at once.
 """
 from __future__ import annotations
 
