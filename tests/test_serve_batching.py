@@ -134,7 +134,7 @@ def test_a_request_drafts_only_once_its_shadow_drafts_come_true(tiny_models, mon
     from specdecode.engine.controller import SpeculationController
     # shadows every step: how often they run follows measured times (tests/engine/test_controller.py), and
     # on the tiny model a step is so short that timing noise spaces them out
-    monkeypatch.setattr(SpeculationController, "shadow_due", lambda self, seconds: True)
+    monkeypatch.setattr(SpeculationController, "shadow_due", lambda self, seconds, young=False: True)
     llm = LLM(model=str(tiny_models["llama"]), method="ngram", dtype="fp32", progress=False)
     prompt = llm.tokenizer.encode(TEXTS[2])
     params = SamplingParams(max_tokens=90, ignore_eos=True)

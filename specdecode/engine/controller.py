@@ -59,6 +59,7 @@ EXPLORE = 8             # steps between explorations of the next larger size
 MARGIN = 1.05           # drafting must be predicted this much faster than plain decoding
 CARRY_MIN_STEPS = 32    # a finished row becomes the template of new rows only after this many steps
 SHADOW_SHARE = 0.01     # shadow drafts (drafting and scoring) take at most this share of the steps' time
+YOUNG = 16              # a row's first steps, drafting shadows at every step
 PLAIN_RECHECK = 8       # steps a plain choice is kept while no row's gains changed (choosing costs ~0.1 ms a step)
 
 
@@ -399,12 +400,15 @@ class SpeculationController:
                 r.observe(s, n, path, self.chains, prior)
 
     # ------------------------------------------------------------------ shadow drafts
-    def shadow_due(self, step_seconds: float) -> bool:
+    def shadow_due(self, step_seconds: float, young: bool = False) -> bool:
         """Should this step draft shadows (stateless drafters' rows at size 0)? Every step while they
-        are cheap; every n-th when they cost more than SHADOW_SHARE of a step."""
+        are cheap, or while a row is `young` (its first YOUNG steps: a short answer is over before
+        rationed shadows find that it copies); every n-th when they cost more than SHADOW_SHARE of a step."""
         if not self.shadowed:
             return False
         self.shadow_steps += 1
+        if young:
+            return True
         period = math.ceil(self.shadow_seconds / (SHADOW_SHARE * step_seconds)) if step_seconds > 0 else 1
         return self.shadow_steps % max(1, period) == 0
 

@@ -35,7 +35,7 @@ from ..params import ParamError
 from ..structured import FORCED_MAX, grammar_tokenizer, trim_drafts
 from ..tree import MAX_TREE_NODES, depths
 from .config import MAX_CHAIN, SPAN, EngineConfig
-from .controller import AUTO, OFF, ON, SpeculationController
+from .controller import AUTO, OFF, ON, YOUNG, SpeculationController
 from .costs import StepCosts
 from .runner import SLACK, ModelRunner
 from .scheduler import Scheduler
@@ -373,7 +373,8 @@ class EngineCore:
         of every size, scored after the step), as often as their cost allows."""
         idle = [i for i, (s, k) in enumerate(zip(seqs, sizes)) if k == 0 and s.spec.mode == AUTO
                 and s.spec.shadow is None and not s.spec.pinned and s.draft_room(s.spec.k, self.context) > 0]
-        if not idle or not self.controller.shadow_due(self.costs.pass_seconds(len(seqs))):
+        young = any(seqs[i].spec.steps < YOUNG for i in idle)
+        if not idle or not self.controller.shadow_due(self.costs.pass_seconds(len(seqs)), young):
             return
         started = time.perf_counter()
         rows = [seqs[i] for i in idle]

@@ -180,6 +180,7 @@ def test_costly_shadows_come_every_few_steps():
     assert all(ctrl.shadow_due(1.0) for _ in range(5))
     ctrl.observe_shadows(4 * SHADOW_SHARE, 0.0, 1, 0)
     assert sum(ctrl.shadow_due(1.0) for _ in range(40)) == 10
+    assert all(ctrl.shadow_due(1.0, young=True) for _ in range(5))     # a young row: every step
 
 
 def test_a_costly_drafter_starts_small_and_a_hopeless_one_never_drafts():

@@ -71,7 +71,7 @@ def test_a_calls_outputs_do_not_depend_on_how_many_prompts_it_holds(tiny_models)
 
 def test_rows_that_never_draft_never_reach_the_drafter_and_shadows_are_one_call(tiny_models, monkeypatch):
     llm = LLM(model=str(tiny_models["llama"]), dtype="fp32", progress=False, method="none")
-    monkeypatch.setattr(SpeculationController, "shadow_due", lambda self, seconds: True)
+    monkeypatch.setattr(SpeculationController, "shadow_due", lambda self, seconds, young=False: True)
     spy = Spy()
     core = offline.offline_core(llm.target, spy, 4)
     offline.prepare(core, 3, 64)
