@@ -90,7 +90,8 @@ class LLM:
     model: None (the embedded SmolLM2-135M-Instruct), a .gguf file or an HF directory.
     draft: a draft model path (method "model"); method: "cascade", "eagle", "ngram", "model", "none" or
     any drafter registered with `specdecode.drafters.registry.register` or the `specdecode.drafters`
-    entry-point group (default: see default_method); drafter_path: a trained drafter directory (methods "eagle", "cascade").
+    entry-point group (default: see default_method); drafter_path: a trained drafter directory (methods "eagle",
+    "cascade").
     num_speculative_tokens: draft length k; 0 means plain decoding.
     dtype: None (a GGUF file computes on its own quantized weights, anything else in bf16), "auto"
     (the checkpoint's own: a GGUF file's quantized weights, an HF directory's torch_dtype), or dense
@@ -204,7 +205,8 @@ class LLM:
         if num_speculative_tokens is not None:
             check_num_speculative_tokens(num_speculative_tokens, self.drafter)
         if on_tokens is not None and not callable(on_tokens):
-            raise ParamError(f"on_tokens must be a callable (seq, new_token_ids) or None, got {type(on_tokens).__name__}")
+            raise ParamError(f"on_tokens must be a callable (seq, new_token_ids) or None, "
+                             f"got {type(on_tokens).__name__}")
         ids = [list(p) if isinstance(p, (list, tuple)) and (not p or isinstance(p[0], int)) else self.encode(p, chat)
                for p in prompt_list]   # an empty list is an empty prompt (ParamError), not an empty chat
         seqs = run(self.core, ids, params, num_speculative_tokens, on_tokens)

@@ -140,13 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the answer is expected to repeat most of this file (e.g. the file being edited): "
                           "drafts follow it, re-aligning after each change (OpenAI's Predicted Outputs; - for stdin)")
     gen.set_defaults(run=cmd_generate)
-    from .serve.cli import add_serve_parser          # `specdecode serve` lives in specdecode/serve
+    from .serve.cli import add_serve_parser  # `specdecode serve` lives in specdecode/serve
     add_serve_parser(sub)
-    from .bench import add_parser as add_bench_parser   # `specdecode bench` lives in specdecode/bench
+    from .bench import add_parser as add_bench_parser  # `specdecode bench` lives in specdecode/bench
     add_bench_parser(sub)
-    from .distill.cli import add_parser as add_distill_parser   # `specdecode distill`: specdecode/distill
+    from .distill.cli import add_parser as add_distill_parser  # `specdecode distill`: specdecode/distill
     add_distill_parser(sub)
-    from .info import add_parser as add_info_parser   # `specdecode info`: what this machine runs (info.py)
+    from .info import add_parser as add_info_parser  # `specdecode info`: what this machine runs (info.py)
     add_info_parser(sub)
     return parser
 

@@ -120,7 +120,8 @@ def _check_models_used(args: argparse.Namespace) -> None:
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="target: a .gguf file or an HF directory (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--model", default=None,
+                   help="target: a .gguf file or an HF directory (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--draft", default=None, help="draft model (.gguf or HF directory) sharing the target's tokenizer")
     g.add_argument("--method", default=None, choices=method_choices(),
                    help="drafter (default: cascade with --draft or --drafter, else ngram; eagle and "

@@ -40,7 +40,7 @@ class ForwardBatch:
 
     @staticmethod
     def chain(tokens: torch.Tensor, start: int | torch.Tensor, rows: torch.Tensor | None = None,
-              logit_index: torch.Tensor | None = None, lengths: list[int] | None = None) -> "ForwardBatch":
+              logit_index: torch.Tensor | None = None, lengths: list[int] | None = None) -> ForwardBatch:
         return ForwardBatch(tokens, start, rows, logit_index, lengths=lengths)
 
     @staticmethod
@@ -49,7 +49,7 @@ class ForwardBatch:
              rows: torch.Tensor | None,   # [B]
              pending: list[int],          # chain tokens per row (>= 1: the last one is the tree's root)
              parents: torch.Tensor,       # [B, n] int64 node parents (-1 = root), specdecode/tree.py
-             logit_index: torch.Tensor | None = None, lengths: list[int] | None = None) -> "ForwardBatch":
+             logit_index: torch.Tensor | None = None, lengths: list[int] | None = None) -> ForwardBatch:
         batch, width = tokens.shape
         n = parents.shape[1]
         start = torch.as_tensor(start, dtype=torch.long).reshape(batch).cpu()

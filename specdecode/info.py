@@ -149,7 +149,8 @@ def model_paths(path: Path, kern: dict) -> dict:
                          f"(give a .gguf file or a Hugging Face directory)")
     if path.is_dir():
         return {"path": str(path), "format": "Hugging Face directory", "groups": [],
-                "note": f"dense weights in the checkpoint's dtype: bf16 {kern['dense_bf16']}, fp32 {kern['dense_fp32']}"}
+                "note": f"dense weights in the checkpoint's dtype: bf16 {kern['dense_bf16']}, "
+                        f"fp32 {kern['dense_fp32']}"}
     if not path.is_file():
         raise ModelError(f"--model: no such file or directory: {path}")
     try:
@@ -159,7 +160,7 @@ def model_paths(path: Path, kern: dict) -> dict:
     native = kern["isa"] != "none"
     tied = not any(gguf == "output.weight" for _, gguf, _, _ in tensors)
     groups: dict[tuple[str, str], int] = {}
-    for hf, gguf, qtype, shape in tensors:
+    for hf, _gguf, qtype, shape in tensors:
         name = type_name(qtype)
         if hf is None:
             verdict = "not read by the native decoder"
@@ -170,7 +171,8 @@ def model_paths(path: Path, kern: dict) -> dict:
         elif native and kept_as_stored(hf, qtype, shape):
             layout = "16-column layout" if repacks16(qtype, 0, shape[0], shape[1]) else "file layout"
             amx = f", AMX int8 tiles from {kern['qamx_min_rows']} rows" if kern["amx_int8"] and layout[0] == "1" else ""
-            verdict = f"native ({kern['path']}, {layout}{amx})" + (" [tied LM head]" if hf.startswith("model.embed") else "")
+            tied = " [tied LM head]" if hf.startswith("model.embed") else ""
+            verdict = f"native ({kern['path']}, {layout}{amx}){tied}"
         else:
             why = "no native kernel for this type" if native else "native kernels unavailable"
             verdict = f"dequantized to bf16 at load ({why}): {kern['dense_bf16']}"
@@ -273,7 +275,8 @@ def format_text(r: dict) -> str:
         lines.append("env         " + " ".join(f"{n}={v}" for n, v in r["env"].items()))
     if "model" in r:
         m = r["model"]
-        lines.append(f"--model     {m['path']} ({m['format']}" + (f", {m['architecture']})" if m.get("architecture") else ")"))
+        arch = f", {m['architecture']}" if m.get("architecture") else ""
+        lines.append(f"--model     {m['path']} ({m['format']}{arch})")
         lines += [f"  {g['type']:<8} {g['tensors']:>4} x  {g['path']}" for g in m["groups"]]
         if m.get("note"):
             lines.append(f"  note      {m['note']}")

@@ -27,7 +27,7 @@ deterministic and identical for drafter and target, which is all losslessness ne
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
@@ -38,7 +38,7 @@ __all__ = ["transform_logits", "probs_from_logits", "sample", "sample_at", "unif
 
 # None (torch default RNG) | one torch.Generator for the whole batch (vectorized draws) |
 # a list of len batch with one torch.Generator (or None) per row (per-row draws).
-Generators = Union[torch.Generator, Sequence[Optional[torch.Generator]], None]
+Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
 
 def _uses_filters(p: SamplingParams, vocab: int) -> bool:

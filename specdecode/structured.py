@@ -102,7 +102,7 @@ class GrammarTokenizer:
         """Is `token` special to llguidance (a grammar names it `<[id]>`; its text does not match it)?"""
         return bool(self.ll.is_special_token(int(token)))
 
-    def constraint(self, structured: Structured) -> "Constraint":
+    def constraint(self, structured: Structured) -> Constraint:
         from llguidance import LLMatcher
         matcher = LLMatcher(self.ll, structured.grammar())
         if matcher.is_error():
@@ -339,7 +339,8 @@ def structured_from_body(body: dict) -> tuple[Structured | None, str | None]:
     fmt = body.get("response_format")
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-            raise ParamError(f"response_format must be {{'type': 'text' | 'json_object' | 'json_schema'}}, got {fmt!r:.80}")
+            raise ParamError(f"response_format must be {{'type': 'text' | 'json_object' | 'json_schema'}}, "
+                             f"got {fmt!r:.80}")
         if fmt["type"] == "json_object":
             asked.append(("response_format", Structured("json_object")))
         elif fmt["type"] == "json_schema":

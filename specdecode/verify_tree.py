@@ -258,7 +258,8 @@ def _walk(draft_tokens: torch.Tensor,   # [batch, n] int64
     accepted = [p + [-1] * (n - len(p)) for p in paths]
     num = torch.tensor([len(p) for p in paths], dtype=torch.long)
     return TreeVerifyResult(tokens=torch.tensor(tokens, dtype=torch.long).reshape(batch, n + 1), num_accepted=num,
-                            num_emitted=num + 1, accepted_nodes=torch.tensor(accepted, dtype=torch.long).reshape(batch, n))
+                            num_emitted=num + 1,
+                            accepted_nodes=torch.tensor(accepted, dtype=torch.long).reshape(batch, n))
 
 
 def verify_greedy_lists(drafts: list[list[int]],           # [batch][n] draft tokens, row b valid in [:num_draft[b]]

@@ -105,8 +105,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="measure nothing: rebuild results.json, report.md and plots from --out/measurements.jsonl")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_bench)
-    from .serve_cli import add_serve_parser     # `specdecode bench serve ...`: the server load generator
-    from .sessions_cli import add_sessions_parser   # `specdecode bench sessions ...`: multi-turn sessions
+    from .serve_cli import add_serve_parser  # `specdecode bench serve ...`: the server load generator
+    from .sessions_cli import add_sessions_parser  # `specdecode bench sessions ...`: multi-turn sessions
     sub = p.add_subparsers(dest="bench_command", title="benchmark a server", metavar="{serve,sessions}")
     add_serve_parser(sub)
     add_sessions_parser(sub)
@@ -166,7 +166,8 @@ def config_from(args: argparse.Namespace) -> dict:
            "prompts_per_task": args.prompts_per_task or defaults["prompts_per_task"],
            "max_tokens": args.max_tokens or defaults["max_tokens"], "temperature": args.temperature,
            "seed": args.seed, "systems": args.systems, "methods": args.methods, "ks": args.ks,
-           "model": args.model, "draft": args.draft, "drafter": args.drafter, "dtype": args.dtype, "weights": args.weights,
+           "model": args.model, "draft": args.draft, "drafter": args.drafter, "dtype": args.dtype,
+           "weights": args.weights,
            "draft_dtype": args.draft_dtype, "threads": args.threads, "adaptive": args.adaptive,
            "eager": args.eager, "resume": args.resume, "json_schema": _schema(args.json_schema),
            "drafter_options": _drafter_options(args)}
@@ -192,7 +193,8 @@ def config_from(args: argparse.Namespace) -> dict:
                         ("--threads", args.threads)):
         if value is not None:
             words += [flag, str(value)]
-    words += (["--dtype", args.dtype] if args.dtype else []) + (["--weights", args.weights] if args.weights != "auto" else [])
+    words += ["--dtype", args.dtype] if args.dtype else []
+    words += ["--weights", args.weights] if args.weights != "auto" else []
     words += (["--draft-dtype", args.draft_dtype] if args.draft_dtype else [])
     words += (["--eager"] if args.eager else [])
     words += ([] if args.adaptive is None else ["--adaptive" if args.adaptive else "--no-adaptive"])
@@ -205,8 +207,8 @@ def config_from(args: argparse.Namespace) -> dict:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..cli_common import CliError
-    from .runner import build_outputs, measure
     from .report import console_summary
+    from .runner import build_outputs, measure
     from .store import Store
 
     if args.rebuild and args.resume:

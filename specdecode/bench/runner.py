@@ -34,6 +34,7 @@ def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
 
 def machine_info(threads: int, llamacpp_version: str | None) -> dict:
     import transformers
+
     from ..fast.linear import cpu_label
     cpu = cpu_label()
     cores = usable_cpus()

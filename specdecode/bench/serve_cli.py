@@ -298,7 +298,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop()
     config = {key: getattr(args, key) for key in (
-        "concurrency", "rate", "max_concurrency", "num_requests", "duration", "warmup", "compare_speculation", "compare_auto",
+        "concurrency", "rate", "max_concurrency", "num_requests", "duration", "warmup", "compare_speculation",
+        "compare_auto",
         "rounds", "speculate", "tasks", "prompts_file", "max_tokens", "temperature", "ignore_eos", "seed",
         "request_timeout", "sample_interval")}
     config.update(extra_body=extra, slo_ttft_ms=args.slo_ttft, slo_tpot_ms=args.slo_tpot,

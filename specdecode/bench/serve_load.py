@@ -117,7 +117,8 @@ async def stream_chunks(client: httpx.AsyncClient, path: str, body: dict, timeou
                 chunk = json.loads(data)
                 if isinstance(chunk, dict) and chunk.get("error"):
                     err = chunk["error"]
-                    raise StreamFailed("stream error: " + str(err.get("message", err) if isinstance(err, dict) else err))
+                    message = err.get("message", err) if isinstance(err, dict) else err
+                    raise StreamFailed(f"stream error: {message}")
                 yield chunk
     except httpx.TimeoutException:
         raise StreamFailed(f"timeout after {timeout_s:g} s") from None

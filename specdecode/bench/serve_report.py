@@ -96,7 +96,8 @@ def _comparison_table(levels: list[dict], key: str, arm: str, label: str, title:
         return []
     fmt = lambda v, spec=".2f": "–" if v is None else format(v, spec)   # noqa: E731
     lines = ["", f"## {title}", "",
-             f"| load | TPOT p50 off ms | TPOT p50 {label} ms | TPOT ratio off/{label} | output tok/s ratio {label}/off |",
+             f"| load | TPOT p50 off ms | TPOT p50 {label} ms | TPOT ratio off/{label} "
+             f"| output tok/s ratio {label}/off |",
              "|---|---|---|---|---|"]
     for lv in compared:
         c, off, other = lv[key], lv["arms"]["off"], lv["arms"][arm]
@@ -115,7 +116,8 @@ def markdown(results: dict) -> str:
              + ("; ignore_eos" if cfg["ignore_eos"] else "") + ".",
              f"SLOs for goodput: TTFT {cfg['slo_ttft_ms'] or '–'} ms, TPOT {cfg['slo_tpot_ms'] or '–'} ms. "
              "Times in ms as p50 / p99; TPOT = (latency - TTFT) / (tokens - 1); ITL = gap between streamed chunks."
-             + (f" Server arguments: `{' '.join(results['server']['args'])}`." if results["server"].get("args") else ""),
+             + (f" Server arguments: `{' '.join(results['server']['args'])}`."
+                if results["server"].get("args") else ""),
              "", "| load | speculation | requests | failed | req/s | output tok/s | goodput req/s | TTFT ms | TPOT ms "
              "| ITL ms | tokens/step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for level in results["levels"]:

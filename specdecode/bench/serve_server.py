@@ -63,13 +63,13 @@ class LocalServer:
         self.timeout_s = startup_timeout_s
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> "LocalServer":
+    def __enter__(self) -> LocalServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self) -> "LocalServer":
+    def start(self) -> LocalServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         try:

@@ -33,7 +33,6 @@ from .sessions_report import build, markdown, write
 from .sessions_run import Settings, probe, run_group
 
 
-
 def add_sessions_parser(sub) -> argparse.ArgumentParser:
     from ..cli_common import DtypeAction, comma_list, number, positive_int
     p = sub.add_parser("sessions", help="multi-turn sessions (code edits, tool loops, documents) through a server: "
@@ -226,7 +225,8 @@ def run_own(args, sessions, settings_of, t0: float, notes: list[str], out: Path)
                 server.start()
                 ready = time.perf_counter() - started
                 settings = settings_of(asyncio.run(first_model(server.url)))
-                got, texts, caps, ran = asyncio.run(run_on(server.url, sessions, args, settings, arms, cache, t0, notes))
+                got, texts, caps, ran = asyncio.run(run_on(server.url, sessions, args, settings, arms, cache, t0,
+                                                           notes))
             finally:
                 server.stop()
             records += got
@@ -271,7 +271,8 @@ def cmd_bench_sessions(args: argparse.Namespace) -> int:
     if held:
         kinds = ", ".join(dict.fromkeys(r["kind"] for r in held))
         notes.append(f"{len(held)} turns ({kinds}) came in one chunk (a server that holds the text of a request "
-                     "with `tools` back to parse calls from it, as specdecode's does): their TTFT is the whole answer's time and they have no "
+                     "with `tools` back to parse calls from it, as specdecode's does): their TTFT is the whole "
+                     "answer's time and they have no "
                      "decode rate; compare them by output tok/s")
     if args.prediction and not any(r["accepted_prediction_tokens"] is not None for r in records):
         notes.append("prediction sent, but the server reports no accepted_prediction_tokens")
@@ -280,10 +281,11 @@ def cmd_bench_sessions(args: argparse.Namespace) -> int:
         "prediction", "request_timeout", "compare_speculation", "speculate", "compare_prefix_cache", "one_server",
         "interleave", "round_robin")}
     config.update(extra_body=extra, command=command_line(args))
-    from ..engine.threads import usable_cpus      # (torch: cpu_info reads the kernels' module too)
+    from ..engine.threads import usable_cpus  # (torch: cpu_info reads the kernels' module too)
     results = {"schema": "specdecode-bench-sessions/1", "config": config,
                "machine": {**cpu_info(), "cores": usable_cpus(), "platform": platform.platform(),
-                           "python": platform.python_version(), "load_average_start": load_start, "load_average_end": load_average(),
+                           "python": platform.python_version(), "load_average_start": load_start,
+                           "load_average_end": load_average(),
                            "duration_s": round(time.perf_counter() - t0, 1)},
                "server": {"url": args.url, "local": args.url is None, "model": runs[0]["model"],
                           "args": serve_args(args) if args.url is None else None, "runs": runs},

@@ -127,7 +127,8 @@ def parse_session(row, where: str) -> Session:
         if not isinstance(value, str) or not value.strip():
             raise SessionDataError(f"{where}: a {kind} session needs '{field}', a non-empty string")
         if turns[0].user.count(PLACEHOLDER[kind]) != 1:
-            raise SessionDataError(f"{where}: turns[0].user must hold {PLACEHOLDER[kind]} once (where the {field} goes)")
+            raise SessionDataError(f"{where}: turns[0].user must hold {PLACEHOLDER[kind]} once "
+                                   f"(where the {field} goes)")
         content[field] = value
     title = row.get("title", sid)
     return Session(sid, kind, str(title), tuple(turns), system, tools, **content)

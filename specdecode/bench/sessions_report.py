@@ -35,7 +35,9 @@ def share(rows) -> float | None:
 def decode_rate(rows) -> float | None:
     """(output tokens - 1) / (e2e - TTFT), summed over the turns with a decode rate."""
     timed = [r for r in rows if r["decode_tok_s"] is not None]
-    return _ratio(sum(r["output_tokens"] - 1 for r in timed), sum(r["e2e"] - r["ttft"] for r in timed), 3) if timed else None
+    if not timed:
+        return None
+    return _ratio(sum(r["output_tokens"] - 1 for r in timed), sum(r["e2e"] - r["ttft"] for r in timed), 3)
 
 
 def output_rate(rows) -> float | None:
@@ -107,8 +109,10 @@ def pick(records, kind, cache, arm):
 
 def paired(rows_a, rows_b):
     """The turns both arms completed (by session and turn)."""
-    keys = {(r["session"], r["turn"]) for r in rows_a if r["ok"]} & {(r["session"], r["turn"]) for r in rows_b if r["ok"]}
-    return ([r for r in rows_a if (r["session"], r["turn"]) in keys], [r for r in rows_b if (r["session"], r["turn"]) in keys])
+    def key(r):
+        return r["session"], r["turn"]
+    keys = {key(r) for r in rows_a if r["ok"]} & {key(r) for r in rows_b if r["ok"]}
+    return [r for r in rows_a if key(r) in keys], [r for r in rows_b if key(r) in keys]
 
 
 def compare(records: list[dict], greedy: bool) -> dict:
@@ -139,7 +143,8 @@ def compare(records: list[dict], greedy: bool) -> dict:
                 "kind": kind, "arm": arm,
                 "ttft_turn1_ratio_off_over_on": _ratio(s_off["ttft_turn1_p50_s"], s_on["ttft_turn1_p50_s"]),
                 "ttft_later_ratio_off_over_on": _ratio(s_off["ttft_later_p50_s"], s_on["ttft_later_p50_s"]),
-                "output_tok_s_ratio_on_over_off": _ratio(output_rate(paired(on, off)[0]), output_rate(paired(on, off)[1])),
+                "output_tok_s_ratio_on_over_off": _ratio(output_rate(paired(on, off)[0]),
+                                                         output_rate(paired(on, off)[1])),
                 "identity": identity(on, off) if greedy else None})
     return out
 
@@ -193,8 +198,9 @@ def markdown(results: dict) -> str:
              + f", model `{server['model']}`" + (f", args `{' '.join(server['args'])}`" if server.get("args") else "")
              + f". Max tokens {cfg['max_tokens']}, temperature {cfg['temperature']:g}"
              + (", prediction sent on edit turns" if cfg["prediction"] else "")
-             + (f", {cfg['interleave']} sessions interleaved ({'one after another' if cfg['round_robin'] else 'at once'}"
-                " at each turn)" if cfg["interleave"] > 1 else ", one session at a time") + ".", "",
+             + (f", {cfg['interleave']} sessions interleaved "
+                f"({'one after another' if cfg['round_robin'] else 'at once'} at each turn)"
+                if cfg["interleave"] > 1 else ", one session at a time") + ".", "",
              "TTFT in seconds (p50 over sessions); decode tok/s = (tokens - 1) / (e2e - TTFT) summed over turns "
              "streamed in 2+ chunks; output tok/s = tokens / e2e (prefill included); cached = cached prompt tokens "
              "/ prompt tokens of later turns; accepted = accepted / drafted tokens of the speculation.", "",
@@ -207,7 +213,8 @@ def markdown(results: dict) -> str:
         acc = "–" if s["accepted_tokens"] is None else f"{s['accepted_tokens']} / {_f(s['drafted_tokens'], 'd')}"
         lines.append(f"| {s['kind']} | {_label(s['cache'], s['arm'], caches)} | {s['sessions']} | {s['turns']} "
                      f"({s['failed']}) | {_f(s['ttft_turn1_p50_s'], '.3f')} | {_f(s['ttft_later_p50_s'], '.3f')} / "
-                     f"{_f(s['ttft_later_max_s'], '.3f')} | {_f(s['decode_tok_s'], '.1f')} | {_f(s['output_tok_s'], '.1f')} "
+                     f"{_f(s['ttft_later_max_s'], '.3f')} | {_f(s['decode_tok_s'], '.1f')} | "
+                     f"{_f(s['output_tok_s'], '.1f')} "
                      f"| {_f(None if s['cached_share_later'] is None else 100 * s['cached_share_later'], '.0f', ' %')} "
                      f"| {acc} | {pred} | {s['tool_calls']} |")
     comp = results["comparison"]
@@ -215,10 +222,12 @@ def markdown(results: dict) -> str:
         lines += ["", "## Speculation on vs off", "",
                   "Over the turns both arms completed; identical = greedy answers equal turn by turn (the "
                   "losslessness check; compared up to a session's first divergence).", "",
-                  "| kind | prefix cache | turns | speed-up, output tok/s | speed-up, decode tok/s | identical answers |",
+                  "| kind | prefix cache | turns | speed-up, output tok/s | speed-up, decode tok/s "
+                  "| identical answers |",
                   "|---|---|---|---|---|---|"]
         for c in comp["speculation"]:
-            lines.append(f"| {c['kind']} | {c['cache']} | {c['paired_turns']} | {_f(c['speedup_output_tok_s'], '.2f', 'x')} "
+            lines.append(f"| {c['kind']} | {c['cache']} | {c['paired_turns']} "
+                         f"| {_f(c['speedup_output_tok_s'], '.2f', 'x')} "
                          f"| {_f(c['speedup_decode_tok_s'], '.2f', 'x')} | {_identity_text(c['identity'])} |")
     if comp["prefix_cache"]:
         lines += ["", "## Prefix cache on vs off", "",
@@ -233,8 +242,9 @@ def markdown(results: dict) -> str:
         lines += ["", "## Notes", ""] + [f"- {note}" for note in results["notes"]]
     failed = [r for r in records if not r["ok"]]
     if failed:
-        lines += ["", "## Failed turns", ""] + [f"- {r['session']} turn {r['turn']} ({_label(r['cache'], r['arm'], caches)}): "
-                                                f"{r['error']}" for r in failed[:20]]
+        lines += ["", "## Failed turns", ""]
+        lines += [f"- {r['session']} turn {r['turn']} ({_label(r['cache'], r['arm'], caches)}): {r['error']}"
+                  for r in failed[:20]]
     return "\n".join(lines) + "\n"
 
 
@@ -256,7 +266,8 @@ def turn_table(records: list[dict], kind: str, caches: set) -> list[str]:
             cached = [r["cached_tokens"] for r in mine if r["cached_tokens"] is not None]
             cols.append(f"{_f(_median(r['ttft'] for r in mine), '.3f')}"
                         + (f" ({sum(cached) / len(cached):.0f})" if cached else ""))
-        lines.append(f"| {turn} | {_f(sum(prompts) / len(prompts) if prompts else None, '.0f')} | " + " | ".join(cols) + " |")
+        mean_prompt = sum(prompts) / len(prompts) if prompts else None
+        lines.append(f"| {turn} | {_f(mean_prompt, '.0f')} | " + " | ".join(cols) + " |")
     return lines
 
 

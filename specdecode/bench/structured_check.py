@@ -47,7 +47,8 @@ def check(llm, prompts: list[dict], schemas: dict[str, dict], k: int = 8, batch_
         outs = []
         for start in range(0, len(prompts), batch_size):
             chunk = range(start, min(start + batch_size, len(prompts)))
-            params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i if temperature else None,
+            params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                     seed=seed + i if temperature else None,
                                      structured=structured[prompts[i]["schema"]]) for i in chunk]
             outs += llm.generate([ids[i] for i in chunk], params, num_speculative_tokens=spec_k)
         return outs

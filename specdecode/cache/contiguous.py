@@ -64,7 +64,7 @@ class KVCache:
         for r in rows:
             self.lengths[r] = 0
 
-    def layout(self, rows: list[int], starts: list[int], num_tokens: int) -> "CacheLayout":
+    def layout(self, rows: list[int], starts: list[int], num_tokens: int) -> CacheLayout:
         """Addresses of the entries a pass writes and reads, for native kernels (see CacheLayout)."""
         if max(starts) + num_tokens > self.max_len:
             raise ValueError(f"positions up to {max(starts) + num_tokens - 1} exceed the cache ({self.max_len})")

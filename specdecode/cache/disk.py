@@ -74,8 +74,9 @@ class DiskPrefixCache:
                 payload = f.read(self.payload_bytes + 1)
         except (OSError, ValueError, UnicodeDecodeError):
             header, payload = None, b""
-        ok = (isinstance(header, dict) and header.get("format") == FORMAT and header.get("salt") == self.cache.salt.hex()
-              and header.get("geometry") == self.geometry and header.get("hash") == path.stem
+        ok = (isinstance(header, dict) and header.get("format") == FORMAT
+              and header.get("salt") == self.cache.salt.hex() and header.get("geometry") == self.geometry
+              and header.get("hash") == path.stem
               and len(payload) == self.payload_bytes == header.get("bytes")
               and hashlib.blake2b(payload, digest_size=16).hexdigest() == header.get("checksum"))
         if not ok:

@@ -16,9 +16,10 @@ takes the registered blocks its prompt starts with (`match`, then `reserve(..., 
 prefilled from there. Shared blocks are never written: a row only writes at positions >= its
 length, and a matched prefix ends at or before it (rollback never goes below a row's committed
 length), so no copy-on-write is needed. Reservations count what a row may still allocate, and
-holding an idle cached block takes it out of what can be handed out. Writes past a row's reservation are padding of a ragged batch (slots after a
-row's own drafts, drafts past its token budget); they go to a scratch block that is never a
-real position of any row, are masked by attention and never read back.
+holding an idle cached block takes it out of what can be handed out. Writes past a row's
+reservation are padding of a ragged batch (slots after a row's own drafts, drafts past its token
+budget); they go to a scratch block that is never a real position of any row, are masked by
+attention and never read back.
 
 `write` has the contract of `KVCache.write`: it stores the keys/values of one layer and
 returns this layer's keys/values for the rows, `[B, kv_heads, L, head_dim]`, gathered from

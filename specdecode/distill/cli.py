@@ -16,7 +16,8 @@ from pathlib import Path
 
 def add_parser(sub) -> argparse.ArgumentParser:
     from ..cli_common import number, positive_int
-    p = sub.add_parser("distill", help="train a drafter (EAGLE-style head, Medusa heads or small draft LM) for a target",
+    p = sub.add_parser("distill",
+                       help="train a drafter (EAGLE-style head, Medusa heads or small draft LM) for a target",
                        description=__doc__.split("\n\n")[1] if __doc__ else None)
     p.add_argument("--target", default=None, help="target model: .gguf or HF directory (default: embedded SmolLM2)")
     p.add_argument("--out", required=True, help="output directory (corpus, features, checkpoints, drafter)")
@@ -80,10 +81,10 @@ def _validate(args) -> None:
 def cmd_distill(args: argparse.Namespace) -> int:
     import torch
 
+    from ..cli_common import CliError
     from ..models.loader import load_model
     from .corpus import build_corpus, load_corpus
     from .features import corpus_features
-    from ..cli_common import CliError
     _validate(args)
     if args.threads:
         torch.set_num_threads(args.threads)

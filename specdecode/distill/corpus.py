@@ -21,11 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
-import torch
-
-from ..drafters.base import DraftProposal, Drafter, DrafterCapabilities
+from ..drafters.base import Drafter, DrafterCapabilities, DraftProposal
 from ..engine import offline
 from ..params import SamplingParams
 from . import prompts as P

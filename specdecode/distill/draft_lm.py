@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .features import FeatureSet
 from ..drafters.format import write_meta
 from ..drafters.head import target_layer_weights
+from .features import FeatureSet
 from .train import batches, bf16_autocast_pays, split
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")

@@ -44,7 +44,7 @@ class FeatureSet:
         torch.save(self.__dict__, path)
 
     @staticmethod
-    def load(path: Path) -> "FeatureSet":
+    def load(path: Path) -> FeatureSet:
         return FeatureSet(**torch.load(path, weights_only=True))
 
 

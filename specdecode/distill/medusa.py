@@ -125,7 +125,8 @@ class MedusaTrainer(Trainer):
         from ..cli_common import CliError
         saved = torch.load(path, weights_only=False, map_location="cpu")["config"].get("heads")
         if saved is None:
-            raise CliError(f"--resume: {path} is not a checkpoint of Medusa heads (train --kind medusa in another --out)")
+            raise CliError(f"--resume: {path} is not a checkpoint of Medusa heads "
+                           f"(train --kind medusa in another --out)")
         if saved != self.config.heads:
             raise CliError(f"--resume: the checkpoint in {path} has {saved} heads, --heads is {self.config.heads}")
         super().load_checkpoint(path)

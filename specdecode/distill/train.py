@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .features import FeatureSet
 from ..drafters.head import EagleHead, rope_tables
+from .features import FeatureSet
 
 IGNORE = -100
 
@@ -119,7 +119,8 @@ class Trainer:
         self.to_draft = self.to_draft.to(self.device)
         self.embed = model.embed.float().to(self.device)
         self.final_norm = model.final_norm.float().to(self.device)
-        self.lm_head = model.lm_head_weight.index_select(0, vocab.to(model.lm_head_weight.device)).float().to(self.device)
+        head = model.lm_head_weight
+        self.lm_head = head.index_select(0, vocab.to(head.device)).float().to(self.device)
         self.eps = model.config.rms_norm_eps
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                            betas=(0.9, 0.95))

@@ -61,7 +61,7 @@ class DraftProposal:
         """[batch, n] parents, a chain's too."""
         return self.parents if self.parents is not None else chain_parents(self.tokens.shape[0], self.k)
 
-    def simplified(self) -> "DraftProposal":
+    def simplified(self) -> DraftProposal:
         """This proposal with `parents` dropped when every row's tree is in fact a chain (the chain
         path is cheaper: no tree masks, no compaction)."""
         if self.parents is None or self.k == 0:
@@ -96,10 +96,10 @@ class DraftProposal:
         return paths
 
     @staticmethod
-    def empty(batch: int) -> "DraftProposal":
+    def empty(batch: int) -> DraftProposal:
         return DraftProposal(torch.zeros(batch, 0, dtype=torch.long), torch.zeros(batch, dtype=torch.long), None)
 
-    def scatter(self, rows: list[int], batch: int, k: int | None = None) -> "DraftProposal":
+    def scatter(self, rows: list[int], batch: int, k: int | None = None) -> DraftProposal:
         """This proposal (made for a subset of a batch) placed at `rows` of a batch of `batch`
         rows, k columns (default self.k); the other rows get no drafts."""
         k = self.k if k is None else k
@@ -119,7 +119,7 @@ class DraftProposal:
         return DraftProposal(tokens, num_tokens, probs, parents=parents)
 
     @staticmethod
-    def from_lists(drafts: list[list[int]]) -> "DraftProposal":
+    def from_lists(drafts: list[list[int]]) -> DraftProposal:
         """Point-mass chain proposal from per-row token lists (ragged)."""
         k = max((len(d) for d in drafts), default=0)
         # two tensors built from lists: a lookup drafter proposes at every step, shadows included,
@@ -128,7 +128,7 @@ class DraftProposal:
         return DraftProposal(tokens, torch.tensor([len(d) for d in drafts], dtype=torch.long), None)
 
     @staticmethod
-    def from_trees(trees: list[list[tuple[int, int]]]) -> "DraftProposal":
+    def from_trees(trees: list[list[tuple[int, int]]]) -> DraftProposal:
         """Point-mass tree proposal from per-row lists of (token, parent) nodes in topological
         order (parent -1: the root). Raises ValueError on a malformed tree. Where every row's tree
         is a chain (a prediction's draft, a lookup's one continuation), a chain proposal: the
@@ -246,30 +246,30 @@ class Drafter(ABC):
         caller for that model, e.g. paged) as the draft KV cache; return it as the state."""
         raise NotImplementedError(f"drafter {type(self).__name__} declares no draft model")
 
-    def prefill(self, seqs: list["Sequence"]) -> None:
+    def prefill(self, seqs: list[Sequence]) -> None:
         """Called once per sequence when its prompt is in the target's cache (and in the draft
         model's, which the engine prefills itself): per-request set-up (an index of the prompt).
         Each row's last prompt token is still to come."""
 
     @abstractmethod
-    def propose(self, seqs: list["Sequence"], sizes: list[int]) -> DraftProposal:
+    def propose(self, seqs: list[Sequence], sizes: list[int]) -> DraftProposal:
         """Up to sizes[b] draft tokens for each sequence (0 allowed). State the matching
         commit needs goes in the proposal's `step_state`."""
 
-    def commit(self, seqs: list["Sequence"], proposal: DraftProposal, num_accepted: list[int]) -> None:
+    def commit(self, seqs: list[Sequence], proposal: DraftProposal, num_accepted: list[int]) -> None:
         """Feedback after verification of `proposal` (the one this drafter's propose returned for
         these seqs, or an empty one when the engine did not ask for drafts this step): the first
         num_accepted[b] drafts were kept and seqs[b].token_ids already holds them plus one
         recovered/bonus token."""
 
-    def observe(self, seqs: list["Sequence"], starts: list[int],
+    def observe(self, seqs: list[Sequence], starts: list[int],
                 hidden: torch.Tensor,      # [batch, T, hidden] target states before the final norm
                 ) -> None:
         """Called (only when capabilities.needs_target_hidden) after every target pass, prefill
         included: hidden[b, t] belongs to position starts[b] + t of seqs[b]. Positions past what
         the step commits (rejected drafts, padding) are overwritten by later passes."""
 
-    def observe_topk(self, seqs: list["Sequence"], proposal: DraftProposal,
+    def observe_topk(self, seqs: list[Sequence], proposal: DraftProposal,
                      topk_ids: torch.Tensor,   # [batch, n+1, needs_target_topk] int64
                      ) -> None:
         """Called (only when capabilities.needs_target_topk > 0) after every step's target pass,

@@ -30,11 +30,11 @@ import dataclasses
 import torch
 
 from ..engine.controller import expected_tokens
-from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterError, DrafterState
-from .registry import register
+from .base import Drafter, DrafterCapabilities, DrafterError, DrafterState, DraftProposal
 from .eagle import EagleDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter, predicted
+from .registry import register
 from .suffix import SuffixDrafter
 
 LOOKUPS = ("ngram", "suffix")

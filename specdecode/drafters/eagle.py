@@ -24,15 +24,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .head import head_block
+from ..cache.contiguous import KVCache
 from ..footprint import weights_bytes
 from ..forward import ForwardBatch
-from ..cache.contiguous import KVCache
 from ..sampling import probs_from_logits, sample, transform_logits
 from ..tree import walk_path
-from .base import ContiguousState, DraftProposal, Drafter, DrafterCapabilities, DrafterError, DrafterState
+from .base import ContiguousState, Drafter, DrafterCapabilities, DrafterError, DrafterState, DraftProposal
 from .dynamic_tree import Candidates, expand, select_nodes
 from .features import PendingFeatures
+from .head import head_block
 from .registry import register
 
 MAX_TREE_TOPK = 16     # children per expanded node (and frontier width) of a dynamic tree
@@ -163,7 +163,8 @@ class EagleDrafter(Drafter):
         num = tokens.shape[1]
         end, first = start + num, int(self.head_from[row])
         cos, sin = self.cos[start:end][None, None], self.sin[start:end][None, None]
-        mask = None if num == 1 else torch.ones(num, end - first, dtype=torch.bool, device=self.device).tril(start - first)
+        mask = (None if num == 1
+                else torch.ones(num, end - first, dtype=torch.bool, device=self.device).tril(start - first))
 
         def attend(q, k, v):
             cache_k, cache_v = self.cache.keys[0], self.cache.values[0]

@@ -93,7 +93,8 @@ def check_target(meta: dict, target, path: Path) -> bool:
     if want.get("vocab_size") not in (None, target.model.config.vocab_size):
         raise DrafterError(f"drafter {path} was trained for a target with {want['vocab_size']} tokens; "
                            f"{target.name} has {target.model.config.vocab_size}")
-    if want.get("hidden_size") not in (None, target.model.config.hidden_size) and meta.get("kind") in ("eagle", "medusa"):
+    width = want.get("hidden_size")
+    if width not in (None, target.model.config.hidden_size) and meta.get("kind") in ("eagle", "medusa"):
         raise DrafterError(f"{meta['kind']} drafter {path} reads features of width {want['hidden_size']}; "
                            f"{target.name} has hidden size {target.model.config.hidden_size}")
     if want.get("fingerprint") and target.fingerprint and want["fingerprint"] != target.fingerprint:

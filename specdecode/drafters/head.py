@@ -17,8 +17,8 @@ sequence) and by the drafter (a one-layer KV cache, position-addressed like the 
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -72,8 +72,8 @@ def head_block(p: Mapping, config: HeadConfig,
 
 
 def rope_tables(config: HeadConfig, length: int, dtype: torch.dtype, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    cfg = type("RopeCfg", (), {"head_dim": config.head_dim, "rotary_dim": config.head_dim, "rope_theta": config.rope_theta,
-                               "rope_scaling": None})
+    cfg = type("RopeCfg", (), {"head_dim": config.head_dim, "rotary_dim": config.head_dim,
+                               "rope_theta": config.rope_theta, "rope_scaling": None})
     angles = torch.outer(torch.arange(length, dtype=torch.float32), rope_inv_freq(cfg))
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
@@ -103,7 +103,7 @@ class EagleHead(nn.Module):
         self.register_buffer("draft_vocab", torch.arange(c.draft_vocab_size), persistent=True)
 
     @staticmethod
-    def from_target(target_model, draft_vocab: torch.Tensor) -> "EagleHead":
+    def from_target(target_model, draft_vocab: torch.Tensor) -> EagleHead:
         """A head shaped like one target layer, initialised from the target's last layer; fc keeps
         nn.Linear's random init (an identity on the feature part would start the head predicting
         the target's *current* token with high confidence: a poor start)."""

@@ -43,7 +43,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ..tree import MAX_TREE_NODES, walk_path
-from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterError
+from .base import Drafter, DrafterCapabilities, DrafterError, DraftProposal
 from .registry import register
 
 POOL_PER_KEY = 16          # n-grams kept per first token (least recently seen dropped)

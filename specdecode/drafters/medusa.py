@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterError
 from ..tree import walk_path
+from .base import Drafter, DrafterCapabilities, DrafterError, DraftProposal
 from .dynamic_tree import Candidates, select_nodes
 from .features import PendingFeatures
 from .registry import register

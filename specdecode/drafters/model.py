@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 from ..footprint import weights_bytes
-from ..forward import ForwardBatch
 from ..models.config import ModelError
 from ..sampling import probs_from_logits, sample, transform_logits
-from .base import ContiguousState, DraftProposal, Drafter, DrafterCapabilities, DrafterError, DrafterState
+from .base import ContiguousState, Drafter, DrafterCapabilities, DrafterError, DrafterState, DraftProposal
 from .registry import register
 from .vocab_rank import frequent_ids
+
 
 def check_same_tokenizer(target, draft) -> None:
     """Refuse a pair whose vocabularies differ, naming both models and the first difference."""

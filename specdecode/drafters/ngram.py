@@ -19,7 +19,7 @@ import weakref
 
 import numpy as np
 
-from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterError
+from .base import Drafter, DrafterCapabilities, DrafterError, DraftProposal
 from .registry import register
 
 TEXT_MIN_CHARS = 3          # characters of a text match per token of ngram_min (shorter: no draft)
@@ -103,7 +103,7 @@ def longest_text_match(text: str, min_chars: int = TEXT_MIN_CHARS, max_chars: in
 class TokenTexts:
     """Each vocabulary entry's text (as it reads inside a longer text), and the tokenizer to
     tokenize a continuation; built once per tokenizer."""
-    _built: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+    _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __init__(self, tokenizer) -> None:
         backend = tokenizer.backend
@@ -116,7 +116,7 @@ class TokenTexts:
         self.texts, self.tokenizer = texts, tokenizer
 
     @classmethod
-    def of(cls, tokenizer) -> "TokenTexts":
+    def of(cls, tokenizer) -> TokenTexts:
         found = cls._built.get(tokenizer)
         if found is None:
             found = cls._built[tokenizer] = cls(tokenizer)
@@ -196,7 +196,8 @@ class NgramDrafter(Drafter):
         return found
 
     def propose(self, seqs, sizes):
-        return DraftProposal.from_lists([predicted(s, k) or self.draft_one(s.token_ids, k, self.index(s) if k > 0 else None)
+        return DraftProposal.from_lists([predicted(s, k)
+                                         or self.draft_one(s.token_ids, k, self.index(s) if k > 0 else None)
                                          for s, k in zip(seqs, sizes)])
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ..tree import MAX_TREE_NODES
-from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterError
+from .base import Drafter, DrafterCapabilities, DrafterError, DraftProposal
 from .registry import register
 
 SMALL_FILL = 256        # batch x nodes up to which a draft is filled node by node (_propose_small)
@@ -69,7 +69,7 @@ def template(k: int, n: int = MAX_TREE_NODES) -> tuple[np.ndarray, np.ndarray, n
 class TableState:
     """`DrafterState` view of the shared table: bytes only (nothing per row to reset or cut)."""
 
-    def __init__(self, drafter: "RecycleDrafter") -> None:
+    def __init__(self, drafter: RecycleDrafter) -> None:
         self.drafter = drafter
 
     def nbytes(self) -> int:

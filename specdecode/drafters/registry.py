@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from typing import TYPE_CHECKING, Callable, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from ..models.loader import LoadedModel
@@ -82,7 +83,7 @@ def method_names() -> list[str]:
     return list(dict.fromkeys([*BUILTIN, *_registered, *_entry_points()]))
 
 
-def drafter_class(method: str) -> "type[Drafter]":
+def drafter_class(method: str) -> type[Drafter]:
     if method in _registered:
         return _registered[method]
     if method in BUILTIN:
@@ -129,7 +130,7 @@ def check_drafter_options(method: str, options: dict) -> None:
                                 f"{', '.join(known) or '(none)'}")
 
 
-def build_drafter(method: str, target: "LoadedModel", **options) -> "Drafter":
+def build_drafter(method: str, target: LoadedModel, **options) -> Drafter:
     """A drafter of `method` for `target`; options are passed to its constructor (each drafter
     takes what it knows: draft=, drafter_path=, ngram_min=, ... and ignores the rest)."""
     return drafter_class(method)(target, **options)

@@ -41,10 +41,9 @@ from collections import deque
 import numpy as np
 
 from ..tree import MAX_TREE_NODES
-from .base import DraftProposal, Drafter, DrafterCapabilities, DrafterError
+from .base import Drafter, DrafterCapabilities, DrafterError, DraftProposal
 from .ngram import predicted
 from .registry import register
-
 
 SMALL_OCCURRENCES = 16  # candidate occurrences up to which a draft is found element by element (_draft_small)
 
@@ -218,7 +217,7 @@ def _int(name: str, value, lo: int, hi: int) -> int:
 class SuffixState:
     """`DrafterState` over the per-request indexes (and the global one, in the byte counts)."""
 
-    def __init__(self, drafter: "SuffixDrafter") -> None:
+    def __init__(self, drafter: SuffixDrafter) -> None:
         self.drafter = drafter
 
     def nbytes(self) -> int:

@@ -393,7 +393,8 @@ class SpeculationController:
             plain = costs.pass_seconds(plain_rows)
             emitted = sum(len(paths[i]) for i in probes)
             extra = (verify_seconds + draft_seconds - plain) / len(probes) - emitted * plain / max(plain_rows, 1)
-            self.probe_seconds = extra if self.probe_seconds is None else DECAY * self.probe_seconds + (1 - DECAY) * extra
+            past = 0.0 if self.probe_seconds is None else DECAY * self.probe_seconds
+            self.probe_seconds = extra if self.probe_seconds is None else past + (1 - DECAY) * extra
         for r, s, n, path in zip(rows, sizes, proposed, paths):
             if s > 0 and r.mode != OFF:   # a first observation at a size: shadowed, what smaller sizes emit
                 prior = None if self.shadowed else self.prior(1, self.fixed if r.pinned else costs)
@@ -415,6 +416,7 @@ class SpeculationController:
     def observe_shadows(self, seconds: float, draft_seconds: float, rows: int, nodes: int) -> None:
         """One step's shadow drafts cost `seconds` (drafting and scoring), of which `draft_seconds`
         the drafter's own for `rows` rows and `nodes` nodes (a measurement of drafting like a step's)."""
-        self.shadow_seconds = seconds if not self.shadow_seconds else DECAY * self.shadow_seconds + (1 - DECAY) * seconds
+        past = DECAY if self.shadow_seconds else 0.0
+        self.shadow_seconds = past * self.shadow_seconds + (1 - past) * seconds
         if nodes:
             self.costs.observe_drafting(draft_seconds, rows, nodes)

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from ..drafters.base import DraftProposal, DrafterError
+from ..drafters.base import DrafterError, DraftProposal
 from ..drafters.prediction import prediction_usage
 from ..footprint import kv_bytes_per_token
 from ..params import ParamError
@@ -197,7 +197,8 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 -- fail the batch, keep serving
             log.exception("engine step failed; failing %d request(s)", len(sched.prefilling) + len(sched.running))
             rows, sched.prefilling, sched.running = sched.prefilling + sched.running, [], []
-            why = str(exc) if isinstance(exc, DrafterError) else f"internal error while generating ({type(exc).__name__})"
+            why = (str(exc) if isinstance(exc, DrafterError)
+                   else f"internal error while generating ({type(exc).__name__})")
             for s in rows:                # a drafter's own error names what is wrong; anything else is sanitized
                 self._end(s, "error", Failed(500, f"{why}; the request was aborted"))
         self._publish_counts(sched.running)

@@ -8,7 +8,7 @@ cache's bound, so a later chat turn finds the earlier turns' blocks.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ..footprint import kv_bytes_per_token
 from ..params import SamplingParams

@@ -20,7 +20,7 @@ import torch
 
 from ..cache.blocks import chain_hashes
 from ..cache.paged import PagedKVCache
-from ..drafters.base import DraftProposal, Drafter
+from ..drafters.base import Drafter, DraftProposal
 from ..fast import argmax_last, top_k_indices
 from ..forward import ForwardBatch
 from ..sampling import position_uniforms, probs_from_logits, transform_logits

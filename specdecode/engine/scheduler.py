@@ -36,7 +36,8 @@ class PrefillBudget:
         """One prefill pass of `tokens` prompt tokens took `seconds` (a draft model's included)."""
         if tokens > 0 and seconds > 0:
             rate = seconds / tokens
-            self.per_token_s = rate if self.per_token_s is None else (1 - SMOOTHING) * self.per_token_s + SMOOTHING * rate
+            past = self.per_token_s if self.per_token_s is not None else rate
+            self.per_token_s = (1 - SMOOTHING) * past + SMOOTHING * rate
 
 
 class Scheduler:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -55,7 +55,7 @@ class SpecStats:
             if i < num_accepted:
                 self.accepted_per_position[i] += 1
 
-    def merge(self, other: "SpecStats") -> None:
+    def merge(self, other: SpecStats) -> None:
         for name in ("steps", "drafted", "accepted", "emitted", "nodes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for i in range(len(other.drafted_per_position)):
@@ -108,11 +108,11 @@ class Tokens:
     logprobs: list | None = None   # per id (token, logprob, [(token, logprob)] top N) when asked
     sequence: object = field(default=None, repr=False, compare=False)   # the row (Sequence) they were appended to
 
-    def copy(self) -> "Tokens":
+    def copy(self) -> Tokens:
         return Tokens(list(self.ids), list(self.kinds), None if self.logprobs is None else list(self.logprobs),
                       self.sequence)
 
-    def extend(self, later: "Tokens") -> None:
+    def extend(self, later: Tokens) -> None:
         """Append a later event's tokens of the same choice (several steps as one)."""
         self.ids += later.ids
         self.kinds += later.kinds

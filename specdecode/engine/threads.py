@@ -23,7 +23,6 @@ from statistics import median
 
 import torch
 
-
 SLOW = 4.0              # a step this many times its size's recent time is a sudden slowdown
 
 

@@ -82,7 +82,7 @@ def why_not(model) -> str | None:
     return None
 
 
-def fused_decoder(model) -> "FusedDecoder | None":
+def fused_decoder(model) -> FusedDecoder | None:
     """A FusedDecoder for `model`, or None when unavailable (see why_not)."""
     if why_not(model) is not None:
         return None

@@ -37,12 +37,12 @@ __all__ = ["PackedLinear", "available", "reason", "self_check", "isa", "kernel_p
            "cpu_field", "kernel_cache", "features"]
 
 _SRC = Path(__file__).with_name("kernels.c")
-_SOURCES = (_SRC, *(_SRC.with_name(n) for n in ("decoder.c", "decoder_ops.c", "decoder_attn.c", "quant.c", "quant16.c", "quant16_amx.c",
-                                                  "quant_dequant.c",
+_SOURCES = (_SRC, *(_SRC.with_name(n) for n in ("decoder.c", "decoder_ops.c", "decoder_attn.c", "quant.c", "quant16.c",
+                                                  "quant16_amx.c", "quant_dequant.c",
                                                   "avx512_compat.h", "quant16_avx2.c")))  # #included
 # -mamx-*: the AMX kernels compile on any x86 CPU; they only run where the CPU has AMX (checked at load)
-_CFLAGS = ["-O3", "-march=native", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-fopenmp", "-shared", "-fPIC", "-std=gnu11",
-           "-ffp-contract=off", "-Wno-psabi"]
+_CFLAGS = ["-O3", "-march=native", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-fopenmp", "-shared", "-fPIC",
+           "-std=gnu11", "-ffp-contract=off", "-Wno-psabi"]
 # CPUs without (all of) AVX512 compile the same kernels through SIMDe (avx512_compat.h): its headers
 # come from Debian's libsimde-dev (/usr/include/simde) or SPECDECODE_SIMDE_INCLUDE=DIR
 _AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
@@ -153,7 +153,8 @@ def _compile() -> Path:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     flags = _CFLAGS + [f"-DSD_QPREFETCH={_qprefetch_bytes()}"]
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(flags + [cc, version]).encode()).hexdigest()[:16]
+    sources = b"".join(p.read_bytes() for p in _SOURCES)
+    key = hashlib.sha256(sources + " ".join(flags + [cc, version]).encode()).hexdigest()[:16]
     so = _CACHE / f"kernels-{key}.so"
     if so.exists():
         return so

@@ -66,7 +66,7 @@ class QuantWeight:
     in_features: int
 
     @classmethod
-    def from_blocks(cls, qtype: int, data, shape: tuple[int, int]) -> "QuantWeight":
+    def from_blocks(cls, qtype: int, data, shape: tuple[int, int]) -> QuantWeight:
         out, inp = int(shape[0]), int(shape[1])
         if qtype not in NATIVE_TYPES:
             raise ValueError(f"{type_name(qtype)} has no native kernel (native: {', '.join(NATIVE_TYPES.values())})")
@@ -74,7 +74,7 @@ class QuantWeight:
         return cls([(qtype, raw)], inp)
 
     @classmethod
-    def cat(cls, weights: list["QuantWeight"]) -> "QuantWeight":
+    def cat(cls, weights: list[QuantWeight]) -> QuantWeight:
         """Row-wise concatenation (q|k|v, gate|up); runs of the same type merge into one segment."""
         if len({w.in_features for w in weights}) != 1:
             raise ValueError("QuantWeight.cat: different in_features")
@@ -98,14 +98,14 @@ class QuantWeight:
     def type_names(self) -> str:
         return "+".join(type_name(t) for t, _ in self.segments)
 
-    def permute_rows(self, order: Tensor) -> "QuantWeight":
+    def permute_rows(self, order: Tensor) -> QuantWeight:
         """Rows reordered (one segment only): llama.cpp's q/k row permutation undone."""
         if len(self.segments) != 1:
             raise ValueError("permute_rows needs a single segment")
         qtype, data = self.segments[0]
         return QuantWeight([(qtype, data[order].contiguous())], self.in_features)
 
-    def select_rows(self, ids: Tensor) -> "QuantWeight":     # ids [n] int64, ascending
+    def select_rows(self, ids: Tensor) -> QuantWeight:     # ids [n] int64, ascending
         """The rows `ids` (ascending) as stored, each segment's kept in order (a reduced LM head)."""
         segs, first = [], 0
         for qtype, data in self.segments:

@@ -16,20 +16,22 @@
 The fused C decoder (fast/decoder.c) runs them too, batch invariant as for the other families; the
 eager path here is the reference and runs what it does not take (layer skipping, long batched
 prefills, no native kernels). GGUF files (llama.cpp's gemma2 / gemma3) store each norm weight with
-the 1 already added (convert_hf_to_gguf.py); `gguf_norm_shift` (models/gemma_config.py) names the tensors read back minus 1.
+the 1 already added (convert_hf_to_gguf.py); `gguf_norm_shift` (models/gemma_config.py) names the
+tensors read back minus 1.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ..forward import ForwardBatch
 from ..cache.contiguous import KVCache
+from ..forward import ForwardBatch
 from .config import ModelConfig
 from .transformer import Transformer, apply_rope, attention_mask, eager_linear, rope_at, rope_inv_freq
+
 
 def fp32_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm: x normalized in float32 times `weight` (1 + the stored weight, float32),

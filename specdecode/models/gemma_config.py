@@ -3,7 +3,8 @@ file's metadata, and written back as a config.json (the GGUF cache). Apart from 
 (the decoder) so that models/config.py can read Gemma configs without importing the decoder."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .errors import ModelError
 

@@ -332,7 +332,7 @@ def _hf_name(name: str, arch: str | None = None) -> str | None:
     if name == "output.weight":
         return "lm_head.weight"
     parts = name.split(".")
-    from .gemma_config import GGUF_NAMES      # llama.cpp's names of Gemma's four layer norms
+    from .gemma_config import GGUF_NAMES  # llama.cpp's names of Gemma's four layer norms
     if arch in ("gemma2", "gemma3") and parts[0] == "blk" and parts[2] in GGUF_NAMES:
         return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
     if arch == "phi3" and parts[0] == "blk" and parts[2] in _PHI3_NAMES:   # llama.cpp's fused phi3 tensors
@@ -365,7 +365,8 @@ def read_config(reader, path: Path | str = "the GGUF file") -> ModelConfig:
     """The native config of a file of a NATIVE_ARCHS architecture; ModelError if a tensor it needs is missing."""
     arch = _field(reader, "general.architecture")
     if arch not in NATIVE_ARCHS:
-        raise ModelError(f"{path}: GGUF architecture {arch!r} has no native decoder (native: {', '.join(NATIVE_ARCHS)})")
+        raise ModelError(f"{path}: GGUF architecture {arch!r} has no native decoder "
+                         f"(native: {', '.join(NATIVE_ARCHS)})")
     g = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))

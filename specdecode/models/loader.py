@@ -22,7 +22,8 @@ from .dtypes import ALIASES, QUANTIZED, canonical_dtype
 from .interface import CausalLM
 
 DEFAULT_MODEL = "smollm2"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}   # canonical names (dtypes.py)
+# canonical names (dtypes.py)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_decoder(config: ModelConfig, weights: dict, make_linear=None):
@@ -107,6 +108,7 @@ def weights_fingerprint(weights: dict[str, torch.Tensor]) -> str:
     names, shapes and a strided sample of every tensor rounded to bf16. Drafters record it to
     say which target they were trained for."""
     import hashlib
+
     from ..fast.quant import QuantWeight
     digest = hashlib.sha256()
     for name in sorted(weights):
@@ -237,7 +239,8 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
         arch = inspect_file(path)          # not GGUF, truncated, or no architecture: one clear error
         if arch not in NATIVE_ARCHS:       # transformers reads it, or it is refused naming the file
             if requant or weights == "native":
-                raise ModelError(f"{'dtype ' + requant if requant else '--weights native'}: {path} is a {arch} GGUF file, "
+                asked = "dtype " + requant if requant else "--weights native"
+                raise ModelError(f"{asked}: {path} is a {arch} GGUF file, "
                                  f"which has no native decoder here (native: {', '.join(NATIVE_ARCHS)})")
             return _load_gguf_adapter(path, name, arch, torch_dtype or torch.bfloat16, torch_device, started)
     if requant == "q4_0" and path.is_file() and native_weights_reason(path, torch_dtype, torch_device, fast) is None:
@@ -342,8 +345,8 @@ def quantize_projections(weights: dict, kind: str, cache_key: str = "") -> None:
     """Every projection and the output matrix (the embedding when tied) quantized in place:
     "int8" per output channel, or "q4_0" blocks. Matrices whose rows the kernels cannot take
     (not a multiple of 64 weights) stay dense; quantized ones (a GGUF file's blocks) are dequantized
-    exactly first. With a `cache_key` (the weights' fingerprint) Q4_0 blocks are kept under $SPECDECODE_CACHE/requantized, so later loads skip the
-    quantization (~100 M weights/s)."""
+    exactly first. With a `cache_key` (the weights' fingerprint) Q4_0 blocks are kept under
+    $SPECDECODE_CACHE/requantized, so later loads skip the quantization."""
     from ..fast.quant import QuantWeight, quantize_int8
     weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
     keys = [k for k in weights if (k.endswith("proj.weight") or k == "lm_head.weight") and not weights[k].shape[1] % 64]
@@ -357,6 +360,7 @@ def quantize_projections(weights: dict, kind: str, cache_key: str = "") -> None:
             weights[key] = quantize_int8(dense(key).to(torch.bfloat16))
         return
     from safetensors.torch import load_file, save_file
+
     from .gguf import cache_root
     cached = cache_root() / "requantized" / f"{cache_key}-{kind}.safetensors" if cache_key else None
     blocks = load_file(str(cached)) if cached is not None and cached.is_file() else {}

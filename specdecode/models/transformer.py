@@ -20,17 +20,16 @@ References: Touvron et al. 2023 (Llama), Su et al. 2021 (RoPE), Ainslie et al. 2
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ..cache.contiguous import KVCache
 from ..fast.quant import QuantWeight
 from ..forward import ForwardBatch
-from ..cache.contiguous import KVCache
 from .config import ModelConfig
 from .interface import HeadRows
-
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 

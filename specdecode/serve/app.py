@@ -13,24 +13,24 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from ..engine.sequence import Failed, Finished, QueueFull, Request, ShuttingDown, Tokens
 from ..params import SamplingParams
 from .auth import DEFAULT_MAX_BODY_BYTES, Guard
-from .tools import ToolParser, decoder, openai_deltas
 from .protocol import ApiError, ParsedRequest, error_body, parse, stream_error
-from ..engine.sequence import Failed, Finished, QueueFull, Request, ShuttingDown, Tokens
+from .tools import ToolParser, decoder, openai_deltas
 
 log = logging.getLogger("specdecode.serve")
 STATIC = Path(__file__).parent / "static"
@@ -48,7 +48,7 @@ class Mailbox:
         self.loop, self.items, self.lock, self.scheduled = loop, [], threading.Lock(), False
 
     @staticmethod
-    def of(app_state) -> "Mailbox":
+    def of(app_state) -> Mailbox:
         """The running loop's mailbox (made on first use)."""
         loop = asyncio.get_running_loop()
         boxes = app_state.__dict__.setdefault("_mailboxes", {})

@@ -94,10 +94,10 @@ def uses_ray(args: argparse.Namespace) -> bool:
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..api import LLM
     from ..cli_common import CliError, drafter_options
+    from ..engine.config import EngineConfig
     from .app import create_app
     from .auth import exposed_without_key
     from .memory import weights_bytes
-    from ..engine.config import EngineConfig
     from .server import build_state, serve_forever
     if args.method == "model" and args.draft is None:
         raise CliError("--method model needs a draft model: add --draft PATH")
@@ -106,7 +106,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.prefix_cache_dir is not None and not args.prefix_cache:
         raise CliError("--prefix-cache-dir needs the prefix cache: drop --no-prefix-cache")
     if not 0 <= args.prefix_cache_dir_size <= 1e6:
-        raise CliError(f"--prefix-cache-dir-size must be a number of GB in [0, 1e6], got {args.prefix_cache_dir_size:g}")
+        raise CliError(f"--prefix-cache-dir-size must be a number of GB in [0, 1e6], "
+                       f"got {args.prefix_cache_dir_size:g}")
     if uses_ray(args):
         if args.prefix_cache_dir is not None:
             raise CliError("--prefix-cache-dir applies to one server; with --replicas each replica keeps its own "

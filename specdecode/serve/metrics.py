@@ -272,7 +272,7 @@ class ServeMetrics:
                     "acceptance_per_position": [round(a / d, 4) if d else 0.0
                                                 for a, d in zip(self.accepted_pos, self.drafted_pos)],
                     "tree_nodes_mean": round(t["nodes"] / t["row_steps"], 4) if t["row_steps"] else 0.0,
-                    "tree_nodes_histogram": {("<=%d" % b if i < len(NODE_BUCKETS) else ">%d" % NODE_BUCKETS[-1]): c
+                    "tree_nodes_histogram": {(f"<={b}" if i < len(NODE_BUCKETS) else f">{NODE_BUCKETS[-1]}"): c
                                              for i, (b, c) in enumerate(zip(NODE_BUCKETS + (NODE_BUCKETS[-1],),
                                                                             self.node_counts))},
                     "last_tree": self.last_tree,

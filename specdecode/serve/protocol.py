@@ -104,7 +104,8 @@ def _int(body: dict, name: str, low: int, high: int | None = None):
     if isinstance(value, bool) or not isinstance(value, int):
         raise _bad(name, f"must be an integer, got {value!r}")
     if value < low or (high is not None and value > high):
-        raise _bad(name, f"must be in [{low}, {high}], got {value}" if high is not None else f"must be >= {low}, got {value}")
+        bound = f"must be in [{low}, {high}]" if high is not None else f"must be >= {low}"
+        raise _bad(name, f"{bound}, got {value}")
     return value
 
 

@@ -28,8 +28,8 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
@@ -121,8 +121,8 @@ class EngineReplica:
 
     def __init__(self, spec: dict) -> None:
         from ..api import LLM
-        from .app import create_app
         from ..engine.config import EngineConfig
+        from .app import create_app
         from .server import build_state
         llm = LLM(progress=False, **spec["llm"])
         self.state = build_state(llm, EngineConfig(**spec["config"]))

@@ -116,7 +116,7 @@ class BackgroundServer:
         self.server = self.thread = None
         self.url = ""
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         import socket
         import threading
 

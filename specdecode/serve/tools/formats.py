@@ -1,11 +1,13 @@
 """Each model family's tool-call format, read from the model's chat template and vocabulary.
 
-| format | a call as the model writes it | chosen when |
-| --- | --- | --- |
-| `hermes` (Hermes 2/3, Qwen2.5, Qwen3, SmolLM3) | `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` | the template writes `<tool_call>`; also the fallback |
-| `llama3` (Llama 3.1-3.3) | `{"name": ..., "parameters": {...}}` (`<|python_tag|>` before it is accepted) | the template writes `<|python_tag|>`, or `"parameters"` with `<|start_header_id|>` |
-| `mistral` | `[TOOL_CALLS] [{"name": ..., "arguments": {...}}]` | `[TOOL_CALLS]` is in the template or the vocabulary |
-| `phi4` (Phi-4-mini) | `<|tool_call|>[{"name": ..., "arguments": {...}}]<|/tool_call|>` | the vocabulary has `<|tool_call|>` and `<|/tool_call|>` |
+* `hermes` (Hermes 2/3, Qwen2.5, Qwen3, SmolLM3): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`;
+  chosen when the template writes `<tool_call>`; also the fallback.
+* `llama3` (Llama 3.1-3.3): `{"name": ..., "parameters": {...}}` (`<|python_tag|>` before it is accepted); chosen
+  when the template writes `<|python_tag|>`, or `"parameters"` with `<|start_header_id|>`.
+* `mistral`: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`; chosen when `[TOOL_CALLS]` is in the template
+  or the vocabulary.
+* `phi4` (Phi-4-mini): `<|tool_call|>[{"name": ..., "arguments": {...}}]<|/tool_call|>`; chosen when the
+  vocabulary has `<|tool_call|>` and `<|/tool_call|>`.
 
 A marker the vocabulary holds as one token (Qwen's `<tool_call>`, Mistral's `[TOOL_CALLS]`) is that
 token: the grammar of a forced call names it by id (`<[id]>` in llguidance's Lark) when llguidance

@@ -249,7 +249,7 @@ class ToolParser:
         return False
 
     def _in_text(self, out: list, final: bool) -> bool:
-        text, fmt = self.text, self.fmt
+        text = self.text
         hits = [(text.find(o, self.pos), o) for o in self.openers]
         hits = [(at, o) for at, o in hits if at >= 0]
         lead, bare_at, fenced = self._skip(self.pos), None, False
