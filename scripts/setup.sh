@@ -25,7 +25,7 @@ fi
 # SIMDe headers (Debian's libsimde-dev): the native kernels are written for AVX512; on a CPU
 # without (all of) it they compile through SIMDe (specdecode/fast/avx512_compat.h); without them
 # specdecode runs its eager torch path there (slower) and says why. Installed on AVX512 hosts too
-# (headers only), so the test suite also compiles the AVX2 build there (tests/test_fast.py).
+# (headers only), so the test suite also compiles the AVX2 build there (tests/fast/test_fast.py).
 if [ ! -f /usr/include/simde/x86/avx512.h ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsimde-dev; } \
         >/dev/null 2>&1 || echo "setup: could not install libsimde-dev; the native kernels need it on CPUs without AVX512" >&2

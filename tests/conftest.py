@@ -158,3 +158,49 @@ def make_seq(request_id, prompt_ids, params, eos_token_ids=(), row: int = 0):
     from specdecode.engine.sequence import Request, Sequence
     request = Request(list(prompt_ids), params, sink=lambda event: None, id=request_id)
     return Sequence(request, tuple(eos_token_ids), row, RowSpec(0))
+
+
+# The speculative loop against plain decoding on the tiny Llama: engine/test_drafts.py, test_stops.py,
+# test_sampling_params.py, test_api_inputs.py, drafters/test_draft_model.py. (Shared helpers live here,
+# not in a conftest.py of a subfolder: a second conftest would shadow this one for `from conftest import`.)
+PROMPTS = [
+    "the quick brown fox jumps over the lazy dog. the quick brown fox",
+    "def add(a, b):\n    return a + b\n",
+    "Summarize the following text. The cat sat on the mat.",
+    "1 2 3 4 5 6 7 8",
+]
+DRAFTERS = ["ngram", "model", "self"]
+
+
+@pytest.fixture(scope="module")
+def llms(tiny_models):
+    """Plain / ngram / draft-model / self-draft engines over the same tiny Llama target."""
+    from specdecode import LLM
+    target = str(tiny_models["llama"])
+    opts = dict(dtype="fp32", progress=False, adaptive=False)
+    return {
+        "ngram": LLM(model=target, method="ngram", **opts),
+        "model": LLM(model=target, draft=str(tiny_models["llama_draft"]), method="model", **opts),
+        "self": LLM(model=target, draft=target, method="model", draft_confidence=0.0, **opts),   # full chains
+    }
+
+
+_PLAIN: dict[str, list] = {}
+
+
+def plain(llms, prompts, params):
+    """Plain decoding (k = 0) of the target, memoized: many tests compare to the same runs."""
+    key = repr((prompts, params))
+    if key not in _PLAIN:
+        _PLAIN[key] = llms["ngram"].generate(prompts, params, num_speculative_tokens=0)
+    return _PLAIN[key]
+
+
+def step_sizes(llm, prompts, params, k):
+    """Run and record how many tokens each step appended, per row."""
+    sizes: dict[int, list[int]] = {}
+
+    def on_tokens(seq, tokens):
+        sizes.setdefault(seq.request_id, []).append(len(tokens))
+    out = llm.generate(prompts, params, num_speculative_tokens=k, on_tokens=on_tokens)
+    return out, [sizes[i] for i in range(len(out))]

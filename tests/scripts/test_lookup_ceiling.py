@@ -7,7 +7,7 @@ import pytest
 
 from specdecode import LLM, SamplingParams
 
-spec = importlib.util.spec_from_file_location("lookup_ceiling", Path(__file__).parents[1] / "scripts" / "lookup_ceiling.py")
+spec = importlib.util.spec_from_file_location("lookup_ceiling", Path(__file__).parents[2] / "scripts" / "lookup_ceiling.py")
 ceiling = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ceiling)
 COSTS = ceiling.cost_table(list(ceiling.DEFAULT_COSTS), 16)

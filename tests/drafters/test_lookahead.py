@@ -1,7 +1,7 @@
 """Lookahead decoding (`lookahead`): the window is a tree whose ancestor paths are the paper's
 attention pattern, the Jacobi step updates it from the target's top-1, the pool learns, the
 proposal respects its budget, and greedy output through the engine equals plain decoding
-(native and eager). Its sampled distribution is tested in test_e2e_sampling.py."""
+(native and eager). Its sampled distribution is tested in tests/engine/test_e2e_sampling.py."""
 import pytest
 import torch
 

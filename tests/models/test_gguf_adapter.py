@@ -12,7 +12,7 @@ import torch
 from specdecode import LLM, SamplingParams
 from specdecode.models.config import ModelError
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from gguf_writer import write_gguf  # noqa: E402
 
 EOS = "<|im_end|>"
@@ -45,7 +45,7 @@ def gpt2_gguf(tmp_path_factory, cache) -> Path:
 
 
 def cli(model: Path, cache_dir: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, SPECDECODE_CACHE=str(cache_dir), PYTHONPATH=str(Path(__file__).parents[1]))
+    env = dict(os.environ, SPECDECODE_CACHE=str(cache_dir), PYTHONPATH=str(Path(__file__).parents[2]))
     return subprocess.run([sys.executable, "-m", "specdecode.cli", "generate", "hi", "--model", str(model),
                            "--max-tokens", "2", "--threads", "1"], capture_output=True, text=True, timeout=300, env=env)
 

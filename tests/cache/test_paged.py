@@ -1,0 +1,70 @@
+"""The paged KV cache (cache/paged.py) without a server: the logits of the contiguous cache through
+ragged steps with rollbacks, and its block accounting (reserve, allocate, roll back, release)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.cache.contiguous import KVCache
+from specdecode.cache.paged import CacheFull, PagedKVCache
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target(tiny_models):
+    from specdecode.models.loader import load_model
+    return load_model(str(tiny_models["qwen2"]), dtype="fp32", progress=False)
+
+
+def paged_for(model, rows=4, max_len=96, num_blocks=64, block_size=4):
+    c = model.config
+    return PagedKVCache(c.num_layers, rows, c.num_kv_heads, c.head_dim, max_len, num_blocks, block_size,
+                        model.dtype, model.device)
+
+
+def test_paged_cache_gives_the_logits_of_the_contiguous_cache(target):
+    """Ragged prefill + ragged multi-token steps with rollbacks: same logits as KVCache."""
+    model = target.model
+    c = model.config
+    dense = KVCache(c.num_layers, 3, c.num_kv_heads, c.head_dim, 96, model.dtype)
+    paged = paged_for(model, rows=5)
+    rows = [3, 0, 4]                     # arbitrary paged rows for dense rows 0, 1, 2
+    for r in rows:
+        paged.reserve(r, 80)
+    gen = torch.Generator().manual_seed(0)
+    lengths = [0, 0, 0]
+    for step, width in enumerate([11, 1, 4, 3, 6, 2]):
+        tokens = torch.randint(0, model.vocab_size, (3, width), generator=gen)
+        starts = torch.tensor(lengths)
+        want = model.forward(tokens, dense, starts, rows=torch.arange(3))
+        got = model.forward(tokens, paged, starts, rows=torch.tensor(rows))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        keep = [width - (b + step) % width for b in range(3)]      # ragged acceptance, some rollback
+        for b in range(3):
+            lengths[b] += keep[b]
+            dense.truncate(b, lengths[b])
+            paged.truncate(rows[b], lengths[b])
+    assert [paged.lengths[r] for r in rows] == lengths
+
+
+def test_blocks_follow_the_tokens_held_and_return_on_release(target):
+    paged = paged_for(target.model, rows=2, num_blocks=9, block_size=4)      # 8 usable blocks
+    assert paged.can_reserve(32) and not paged.can_reserve(33)
+    paged.reserve(0, 20)                              # 5 blocks reserved, none allocated yet
+    assert paged.used_blocks == 0 and paged.used_bytes() == 0
+    with pytest.raises(CacheFull):
+        paged.reserve(1, 16)                          # 4 more blocks: over the 8
+    tokens = torch.randint(0, 50, (1, 6))
+    target.model.forward(tokens, paged, torch.tensor([0]), rows=torch.tensor([0]))
+    assert paged.used_blocks == 2                     # positions 0..5 -> blocks 0 and 1
+    paged.truncate(0, 4)                              # rolled back to a block boundary: block 1 freed
+    assert paged.used_blocks == 1
+    target.model.forward(torch.randint(0, 50, (1, 30)), paged, torch.tensor([4]), rows=torch.tensor([0]))
+    assert paged.used_blocks == 5                     # capped at the reservation; the rest went to scratch
+    paged.truncate(0, 20)
+    paged.release(0)
+    assert paged.used_blocks == 0 and paged.reserved_blocks == 0 and paged.lengths[0] == 0
+    paged.reserve(1, 32)                              # the whole pool is free again
+    with pytest.raises(ValueError, match="row 1 is in use"):
+        paged.reserve(1, 4)
