@@ -41,7 +41,8 @@ def make_model(folder: Path, arch: str, seed: int, layers: int = 2, hidden: int 
     folder.mkdir(parents=True, exist_ok=True)
     make_tokenizer(folder)
     vocab = json.loads((folder / "tokenizer.json").read_text())
-    vocab_size = len(vocab["model"]["vocab"]) + len([t for t in vocab["added_tokens"] if t["id"] >= len(vocab["model"]["vocab"])])
+    base = len(vocab["model"]["vocab"])
+    vocab_size = base + len([t for t in vocab["added_tokens"] if t["id"] >= base])
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
                   rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie, eos_token_id=2, bos_token_id=None,

@@ -5,8 +5,8 @@ ids is one prompt."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import PROMPTS
+
 from specdecode import LLM, ParamError, SamplingParams
 from specdecode.drafters.base import DrafterError
 from specdecode.models.config import ModelError

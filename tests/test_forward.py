@@ -3,8 +3,8 @@ in the fused native decoder (contiguous and paged caches), within float toleranc
 after compaction the cache holds what a chain pass would have written."""
 import pytest
 import torch
-
 from conftest import make_model
+
 from specdecode.fast import linear as fast_linear
 from specdecode.forward import ForwardBatch
 from specdecode.models.loader import load_model
@@ -82,14 +82,15 @@ def test_tree_pass_equals_chain_per_path(models, arch, dtype, fast, cache_kind):
     index = torch.arange(1, n + 2)[None]                                 # root (last pending) + every node
     fb = ForwardBatch.tree(tokens, torch.tensor([35]), torch.tensor([1]), [2], parents, index)
     tree_logits = _logits(model, fb, cache)[0]                            # [n+1, vocab]
-    tol = dict(rtol=0, atol=0) if fast else dict(rtol=2e-2 if dtype == "bf16" else 1e-4, atol=2e-2 if dtype == "bf16" else 1e-4)
+    eps = 2e-2 if dtype == "bf16" else 1e-4
+    tol = dict(rtol=0, atol=0) if fast else dict(rtol=eps, atol=eps)
     for node in range(n):
         path = _path(node)
         ref_cache = new_cache(1)
         model.run(ForwardBatch.chain(prompt[None, :-2], torch.tensor([0]), row0, none), ref_cache)
         chain = torch.cat([prompt[-2:], nodes[path]])[None]
-        ref = _logits(model, ForwardBatch.chain(chain, torch.tensor([35]), row0, torch.tensor([[1, chain.shape[1] - 1]])),
-                      ref_cache)[0]
+        span = torch.tensor([[1, chain.shape[1] - 1]])
+        ref = _logits(model, ForwardBatch.chain(chain, torch.tensor([35]), row0, span), ref_cache)[0]
         torch.testing.assert_close(tree_logits[0], ref[0], **tol)
         torch.testing.assert_close(tree_logits[node + 1], ref[1], **tol, msg=f"node {node} path {path}")
     # compaction: keep the path to node 8 (depth 4), then one more token sees the chain's cache

@@ -8,7 +8,6 @@ import pytest
 
 from specdecode import ParamError, SamplingParams
 
-
 BAD_PARAMS = [
     ("temperature", -1.0), ("temperature", float("nan")), ("temperature", "1"), ("temperature", 101.0),
     ("top_k", -1), ("top_k", 1.5), ("top_k", True),

@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from specdecode import LLM, SamplingParams
+from specdecode.engine.config import EngineConfig
 from specdecode.params import ParamError
 from specdecode.serve.app import create_app
-from specdecode.engine.config import EngineConfig
 from specdecode.serve.server import BackgroundServer, build_state
 from specdecode.structured import Structured, structured_from_body
 
@@ -67,9 +67,11 @@ def test_sampled_outputs_validate_and_tree_drafter(llm):
 
 
 def test_regex_choice_and_grammar(llm):
-    out = llm.generate(["What is 6 times 7?"], SamplingParams(max_tokens=12, structured=Structured("regex", r"[0-9]{1,3}")))[0]
+    number = SamplingParams(max_tokens=12, structured=Structured("regex", r"[0-9]{1,3}"))
+    out = llm.generate(["What is 6 times 7?"], number)[0]
     assert re.fullmatch(r"[0-9]{1,3}", out.text)
-    out = llm.generate(["Is the sky blue?"], SamplingParams(max_tokens=8, structured=Structured("choice", ["yes", "no"])))[0]
+    choice = SamplingParams(max_tokens=8, structured=Structured("choice", ["yes", "no"]))
+    out = llm.generate(["Is the sky blue?"], choice)[0]
     assert out.text in ("yes", "no")
     gbnf = 'root ::= "The answer is " ("yes" | "no") "."'
     out = llm.generate(["Is water wet?"], SamplingParams(max_tokens=16, structured=Structured("grammar", gbnf)))[0]
@@ -196,8 +198,9 @@ def test_greedy_masks_only_where_the_argmax_is_forbidden(llm):
 def test_forbidden_drafts_are_trimmed_before_the_pass(llm):
     """A draft node the grammar forbids, and its subtree, is dropped before the target pass
     (chains and trees); allowed nodes keep their order and parents."""
-    from specdecode.drafters.base import DraftProposal
     from conftest import make_seq
+
+    from specdecode.drafters.base import DraftProposal
     from specdecode.structured import grammar_tokenizer, trim_drafts
     tok = llm.tokenizer
     structured = Structured("json_schema", SCHEMAS[0])

@@ -9,10 +9,9 @@ import shutil
 
 import pytest
 
-from specdecode.engine.config import SPAN
-
 from specdecode.bench import aggregate
 from specdecode.cli import main
+from specdecode.engine.config import SPAN
 
 ROW_KEYS = {"system", "method", "k", "task", "tokens_per_s", "tokens_per_s_total", "speedup",
             "speedup_vs_transformers_plain", "mean_accepted_length", "identical_share", "acceptance_per_position",

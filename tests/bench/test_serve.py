@@ -54,7 +54,7 @@ def test_counts_and_files(compared):
     assert len(requests) == 2 * 2 * 6                # levels x arms x requests
     for level in results["levels"]:
         assert set(level["arms"]) == {"on", "off"}
-        for arm, s in level["arms"].items():
+        for s in level["arms"].values():
             assert (s["requests"], s["completed"], s["failed"]) == (6, 6, 0), s
             assert s["output_tokens"] > 0 and s["request_throughput"] > 0 and s["goodput"] == s["request_throughput"]
         # interleaved: on,off then off,on, 3 requests per round

@@ -14,8 +14,16 @@ import sys
 import pytest
 
 from specdecode.bench.serve_server import LocalServer, child_env
-from specdecode.bench.sessions_data import (KINDS, Conversation, SessionDataError, Session, Turn, last_code_block,
-                                            load, parse_session)
+from specdecode.bench.sessions_data import (
+    KINDS,
+    Conversation,
+    Session,
+    SessionDataError,
+    Turn,
+    last_code_block,
+    load,
+    parse_session,
+)
 from specdecode.bench.sessions_run import add_call_delta
 from specdecode.cli import main
 
@@ -152,7 +160,8 @@ def test_tool_calls_and_text_answers_grow_the_conversation():
 
 
 def test_edit_sessions_track_the_current_file():
-    s = Session("e", "edit", "e", (Turn("{file}\nrename f"), Turn("add x"), Turn("docstring")), file="def f():\n    pass\n")
+    s = Session("e", "edit", "e", (Turn("{file}\nrename f"), Turn("add x"), Turn("docstring")),
+                file="def f():\n    pass\n")
     conv = Conversation(s, turns=2)
     assert conv.turns == 2 and conv.file == s.file
     assert conv.next_messages(0)[0]["content"] == "```python\ndef f():\n    pass\n```\n\nrename f"
@@ -170,7 +179,8 @@ def test_streamed_tool_call_deltas_accumulate():
     add_call_delta(calls, {"index": 0, "function": {"name": "weather", "arguments": '{"city": '}})
     add_call_delta(calls, {"index": 0, "function": {"arguments": '"Oslo"}'}})
     add_call_delta(calls, {"index": 1, "id": "c1", "function": {"name": "f", "arguments": {"a": 1}}})
-    assert calls == [{"id": "c0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+    assert calls == [{"id": "c0", "type": "function",
+                      "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
                      {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
 
 
@@ -264,7 +274,7 @@ def test_own_servers_with_and_without_prefix_cache(model_dir, tiny_file, tmp_pat
     assert "--no-prefix-cache" in runs[1]["args"] and "--no-prefix-cache" not in runs[0]["args"]
     assert all((out / r["log"]).exists() for r in runs)
     turns = results["turns"]
-    assert [(r["cache"], r["turn"]) for r in turns] == [("on", 1), ("on", 2), ("on", 3), ("off", 1), ("off", 2), ("off", 3)]
+    assert [(r["cache"], r["turn"]) for r in turns] == [(cache, turn) for cache in ("on", "off") for turn in (1, 2, 3)]
     assert all(r["ok"] for r in turns)
     assert [r["cached_tokens"] > 0 for r in turns if r["cache"] == "on"] == [False, True, True]
     assert all(r["cached_tokens"] == 0 for r in turns if r["cache"] == "off")
@@ -293,7 +303,8 @@ def test_options(capsys, server, tiny_file, tmp_path):
         assert main(["bench", "sessions", "--out", str(tmp_path / "o"), *bad]) == 2, bad
         err = capsys.readouterr().err
         assert words in err and len(err.strip().splitlines()) == 1, (bad, err)
-    for bad, words in ((["--kinds", "chat"], "--kinds: unknown 'chat'"), (["--interleave", "0"], "--interleave must be"),
+    for bad, words in ((["--kinds", "chat"], "--kinds: unknown 'chat'"),
+                       (["--interleave", "0"], "--interleave must be"),
                        (["--turns", "0"], "--turns must be >= 1")):
         with pytest.raises(SystemExit) as exc:
             main(["bench", "sessions", *bad])

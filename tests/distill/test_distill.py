@@ -72,7 +72,7 @@ def test_distill_draft_lm(tiny_models, distilled, tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     drafter = out / "drafter"
     assert json.loads((drafter / "drafter.json").read_text())["kind"] == "draft-lm"
-    from transformers import AutoModelForCausalLM      # a standard HF checkpoint
+    from transformers import AutoModelForCausalLM  # a standard HF checkpoint
     hf = AutoModelForCausalLM.from_pretrained(str(drafter))
     assert hf.config.num_hidden_layers == 2
     llm = LLM(model=str(tiny_models["llama"]), draft=str(drafter), dtype="fp32", progress=False)

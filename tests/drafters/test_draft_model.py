@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import PROMPTS
+
 from specdecode import LLM, SamplingParams
 from specdecode.drafters.base import DrafterError
 
@@ -60,8 +60,9 @@ def test_draft_with_another_tokenizer(tiny_models, other_tokenizer_models, which
 def test_draft_with_padded_embedding_table(tiny_models, tmp_path):
     """Same tokenizer, different embedding-table sizes (e.g. Qwen2.5-0.5B 151936 rows vs
     Qwen2.5-7B 152064): works, and greedy output equals plain, both ways round."""
-    from safetensors.torch import load_file, save_file
     import shutil
+
+    from safetensors.torch import load_file, save_file
     results = {}
     for rows in (320, 296):                        # 296 < 300: the draft cannot embed tokens 296..299
         folder = tmp_path / f"rows{rows}"

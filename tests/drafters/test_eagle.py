@@ -6,12 +6,12 @@ import warnings
 
 import pytest
 import torch
-
 from conftest import assert_drafts_accepted_and_exact
+
 from specdecode import LLM, SamplingParams
+from specdecode.drafters.base import DrafterError
 from specdecode.drafters.format import DrafterMismatchWarning, save_eagle
 from specdecode.drafters.head import EagleHead
-from specdecode.drafters.base import DrafterError
 from specdecode.models.loader import load_model
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick brown fox",
@@ -290,6 +290,7 @@ def test_a_long_catch_up_computes_only_the_window_and_never_reads_before_it(tiny
     assert llm.generate([PROMPTS[0]], params, num_speculative_tokens=4)[0].token_ids == expected[0]
     assert all(len(o.token_ids) == 30 for o in llm.generate(PROMPTS, sampled, num_speculative_tokens=4))
     from conftest import make_seq
+
     from specdecode.forward import ForwardBatch
     drafter, model = llm.drafter, llm.target.model
     widths, original = [], drafter._pass
@@ -334,7 +335,8 @@ def test_the_one_row_pass_equals_the_general_pass(tiny_models, heads):
     for start, num in ((3, 6), (9, 1), (10, 1)):
         tokens = torch.randint(0, llm.target.model.vocab_size, (1, num))
         features = torch.randn(1, num, llm.target.model.config.hidden_size)
-        general = drafter._pass(rows, [start], tokens, features, ForwardBatch.chain(tokens, torch.tensor([start]), rows))
+        batch = ForwardBatch.chain(tokens, torch.tensor([start]), rows)
+        general = drafter._pass(rows, [start], tokens, features, batch)
         one = drafter._pass(rows, [start], tokens, features)
         torch.testing.assert_close(one, general)
 

@@ -92,7 +92,8 @@ def test_draft_never_writes_the_target_cache(tiny_models):
     assert isinstance(llm.drafter.model, SkipView) and llm.drafter.model.skip == frozenset({1})
 
 
-@pytest.mark.parametrize("options,match", [({"skip_layers": [7]}, "skip_layers"), ({"skip_layers": [0, 1, 2]}, "skip_layers"),
+@pytest.mark.parametrize("options,match", [({"skip_layers": [7]}, "skip_layers"),
+                                           ({"skip_layers": [0, 1, 2]}, "skip_layers"),
                                            ({"skip_layers": "a,b"}, "skip_layers"), ({"skip_ratio": 1.5}, "skip_ratio"),
                                            ({"min_agreement": -1}, "min_agreement"),
                                            ({"calibration_tokens": 2}, "calibration_tokens")])

@@ -5,15 +5,14 @@ import json
 
 import pytest
 import torch
+from conftest import assert_drafts_accepted_and_exact, run_engine
 
-from conftest import assert_drafts_accepted_and_exact
 from specdecode import LLM, SamplingParams
 from specdecode.cli import main
 from specdecode.drafters.base import DrafterError
 from specdecode.drafters.format import save_medusa
 from specdecode.drafters.medusa import MedusaConfig, MedusaHeads
 from specdecode.drafters.registry import build_drafter
-from conftest import run_engine
 from specdecode.forward import ForwardBatch
 from specdecode.models.loader import load_model
 from specdecode.tree import depths, validate
@@ -216,10 +215,10 @@ def test_medusa_in_the_server_stays_lossless_with_mixed_and_switching_rows(tiny_
     import asyncio
 
     import httpx
-
     from conftest import post_completions
-    from specdecode.serve.app import create_app
+
     from specdecode.engine.config import EngineConfig
+    from specdecode.serve.app import create_app
     from specdecode.serve.server import BackgroundServer, build_state
     llm = LLM(model=str(tiny_models["llama"]), method="medusa", drafter_path=str(heads["llama"]), dtype="fp32",
               progress=False)

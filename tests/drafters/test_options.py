@@ -10,8 +10,10 @@ from specdecode.drafters.base import DrafterError
 from specdecode.drafters.registry import check_drafter_options, drafter_option_names
 
 
-@pytest.mark.parametrize("text,expected", [("tree_topk=8", ("tree_topk", 8)), ("min_confidence=0.25", ("min_confidence", 0.25)),
-                                           ("fast=false", ("fast", False)), ("drafter_path=/x/y", ("drafter_path", "/x/y")),
+@pytest.mark.parametrize("text,expected", [("tree_topk=8", ("tree_topk", 8)),
+                                           ("min_confidence=0.25", ("min_confidence", 0.25)),
+                                           ("fast=false", ("fast", False)),
+                                           ("drafter_path=/x/y", ("drafter_path", "/x/y")),
                                            (" ngram_max = 4", ("ngram_max", 4))])
 def test_values_are_parsed(text, expected):
     key, value = drafter_option(text)
@@ -90,9 +92,10 @@ def test_frequent_ids_ranks_by_counts_and_keeps_the_end(tmp_path, monkeypatch):
     """frequent_ids: the ids the corpus uses most, then unseen ids in id order; the ids to keep are
     always in; ascending; the counts are cached per vocabulary and corpus (a second call reads no
     text); the default corpus is the standard library with pydoc's English topics first."""
+    from conftest import make_tokenizer
+
     from specdecode.drafters import vocab_rank
     from specdecode.tokenizer import Tokenizer
-    from conftest import make_tokenizer
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     make_tokenizer(tmp_path)
     tok = Tokenizer(tmp_path)

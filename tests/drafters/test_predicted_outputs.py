@@ -10,12 +10,12 @@ import openai
 import pytest
 
 from specdecode import LLM, SamplingParams
-from specdecode.drafters.prediction import PredictionIndex, prediction_usage
 from specdecode.drafters.base import DrafterCapabilities
+from specdecode.drafters.prediction import PredictionIndex, prediction_usage
+from specdecode.engine.config import EngineConfig
 from specdecode.engine.controller import SpeculationController
 from specdecode.engine.costs import StepCosts
 from specdecode.serve.app import create_app
-from specdecode.engine.config import EngineConfig
 from specdecode.serve.server import BackgroundServer, build_state
 
 

@@ -13,10 +13,10 @@ import json
 import httpx
 import pytest
 import torch
-
 from conftest import post_completions
+
 from specdecode import LLM, SamplingParams
-from specdecode.drafters.base import DraftProposal, Drafter, DrafterCapabilities
+from specdecode.drafters.base import Drafter, DrafterCapabilities, DraftProposal
 from specdecode.drafters.registry import ENTRY_POINT_GROUP, method_names, register, unregister
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -138,8 +138,8 @@ def test_cli_offers_and_runs_a_drafter_from_outside(tiny_models, request, source
 
 
 def test_server_runs_and_accounts_a_drafter_from_outside(tiny_models, bigram):
-    from specdecode.serve.app import create_app
     from specdecode.engine.config import EngineConfig
+    from specdecode.serve.app import create_app
     from specdecode.serve.server import BackgroundServer, build_state
     llm = LLM(model=str(tiny_models["llama"]), method=bigram, num_speculative_tokens=4, dtype="fp32",
               progress=False)

@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import make_seq as new_seq
 
-from specdecode.drafters.base import DraftProposal, DrafterError
+from specdecode.drafters.base import DrafterError, DraftProposal
 from specdecode.drafters.recycle import RecycleDrafter, template
 from specdecode.drafters.registry import build_drafter, method_names
 from specdecode.drafters.suffix import LocalIndex, SuffixDrafter
-from conftest import make_seq as new_seq
 from specdecode.params import SamplingParams
 from specdecode.tree import depths, validate
 
@@ -282,7 +282,7 @@ def test_small_drafts_element_by_element_equal_the_array_paths(monkeypatch):
     suffix = suffix_mod.SuffixDrafter(None)
     for _ in range(3):
         suffix.glob.add([rng.randrange(12) for _ in range(150)])
-    for trial in range(60):
+    for _trial in range(60):
         loc = suffix_mod.LocalIndex()
         vocab = rng.choice([5, 20, 50])
         loc.extend([rng.randrange(vocab) for _ in range(rng.randrange(2, 200))])

@@ -6,8 +6,17 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from specdecode.engine.controller import (AUTO, CARRY_MIN_STEPS, OFF, ON, PROBE_EVERY, SHADOW_SHARE, RowSpec,
-                                          SpeculationController, expected_tokens)
+from specdecode.engine.controller import (
+    AUTO,
+    CARRY_MIN_STEPS,
+    OFF,
+    ON,
+    PROBE_EVERY,
+    SHADOW_SHARE,
+    RowSpec,
+    SpeculationController,
+    expected_tokens,
+)
 from specdecode.engine.costs import StepCosts, interpolate
 
 CURVE = {1: 1.0, 2: 1.05, 4: 1.3, 8: 2.2, 16: 4.1, 32: 8.0, 64: 16.0}

@@ -5,10 +5,10 @@ calls without losing its prefix cache."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import run_engine
+
 from specdecode import LLM, SamplingParams
-from specdecode.drafters.base import DraftProposal, Drafter, DrafterCapabilities
+from specdecode.drafters.base import Drafter, DrafterCapabilities, DraftProposal
 from specdecode.engine import offline
 from specdecode.engine.config import EngineConfig
 from specdecode.engine.controller import SpeculationController

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import PROMPTS, plain, step_sizes
+
 from specdecode import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,7 +66,7 @@ def test_a_drafter_reading_the_targets_top_k_gets_it_at_every_position(tiny_mode
     """A drafter that declares needs_target_topk gets, every step, the target's top-k token ids at
     each scored position, best first; for greedy rows the top-1 is the argmax the step already took
     (not scanned again: a scan cost lookahead ~20 us a step), and it is the token the step emits."""
-    from specdecode.drafters.base import DraftProposal, Drafter, DrafterCapabilities
+    from specdecode.drafters.base import Drafter, DrafterCapabilities, DraftProposal
     from specdecode.drafters.registry import register, unregister
 
     class TopRecorder(Drafter):

@@ -23,8 +23,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdecode import LLM
-from specdecode import SamplingParams
+from specdecode import LLM, SamplingParams
 from specdecode.engine import offline
 from specdecode.sampling import probs_from_logits, transform_logits
 
@@ -51,7 +50,8 @@ def models(tmp_path_factory):
     target = conftest.make_model(root / "target", "llama", seed=11, layers=2)
     draft = conftest.make_model(root / "draft", "llama", seed=12, layers=1)
     opts = dict(dtype="fp32", progress=False, adaptive=False)
-    return {"spec": LLM(model=str(target), draft=str(draft), method="model", **opts), "draft": LLM(model=str(draft), **opts)}
+    return {"spec": LLM(model=str(target), draft=str(draft), method="model", **opts),
+            "draft": LLM(model=str(draft), **opts)}
 
 
 def exact_joint(llm: LLM, prompt: list[int]) -> dict[tuple[int, ...], float]:
@@ -284,8 +284,8 @@ def test_constrained_sampling_matches_plain_constrained_distribution(setup, mode
     counts: Counter = Counter()
     drafted = accepted = 0
     for start in range(0, n, ROWS_PER_CALL):
-        outs = llm.generate([prompt] * ROWS_PER_CALL, [constrained(5_000_000 + start + i) for i in range(ROWS_PER_CALL)],
-                            num_speculative_tokens=K)
+        seeded = [constrained(5_000_000 + start + i) for i in range(ROWS_PER_CALL)]
+        outs = llm.generate([prompt] * ROWS_PER_CALL, seeded, num_speculative_tokens=K)
         counts.update(tuple(o.token_ids) for o in outs)
         drafted += sum(o.stats["drafted_tokens"] for o in outs)
         accepted += sum(o.stats["accepted_tokens"] for o in outs)

@@ -21,8 +21,9 @@ def run(llm, k, prompts=PROMPTS, max_tokens=40):
 @pytest.mark.parametrize("method", ["ngram", "model", "self"])
 def test_greedy_equality(tiny_models, arch, method):
     draft = {"ngram": None, "model": tiny_models[arch + "_draft"], "self": tiny_models[arch]}[method]
-    llm = LLM(model=str(tiny_models[arch]), draft=str(draft) if draft else None, dtype="fp32", progress=False, adaptive=False,
-              method="ngram" if method == "ngram" else "model", **({"draft_confidence": 0.0} if method == "self" else {}))
+    llm = LLM(model=str(tiny_models[arch]), draft=str(draft) if draft else None, dtype="fp32", progress=False,
+              adaptive=False, method="ngram" if method == "ngram" else "model",
+              **({"draft_confidence": 0.0} if method == "self" else {}))
     plain = run(llm, 0)
     for k in (1, 3, 5):
         spec = run(llm, k)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
+from specdecode.engine.config import EngineConfig
 from specdecode.params import ParamError
 from specdecode.sampling import transform_logits
 from specdecode.serve.app import create_app
-from specdecode.engine.config import EngineConfig
 from specdecode.serve.server import BackgroundServer, build_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,7 +35,7 @@ def test_same_with_speculation_on_and_off(tiny_models, method):
     assert spec.token_ids == plain.token_ids and spec.logprobs == plain.logprobs
     assert spec.stats["mean_accepted_length"] > 1.2                       # drafts were accepted
     assert len(spec.logprobs) == len(spec.token_ids)
-    for token, value, top in spec.logprobs:
+    for _token, value, top in spec.logprobs:
         assert len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] and value <= top[0][1] + 1e-6
         assert value <= 0.0
 

@@ -49,7 +49,7 @@ def test_a_ragged_pass_computes_only_real_tokens_and_equals_the_padded_one(targe
         calls = []
         inner = model.fused._rows_fn
 
-        def spy(*args):
+        def spy(*args, calls=calls, inner=inner):
             calls.append(args[6])                            # the rows computed in that call
             return inner(*args)
         model.fused._rows_fn = spy

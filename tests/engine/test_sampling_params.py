@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from conftest import DRAFTERS, PROMPTS, plain
+
 from specdecode import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import DRAFTERS, PROMPTS, plain, step_sizes
+
 from specdecode import ParamError, SamplingParams
 
 EOS = 2          # <|im_end|> in the tiny tokenizer (conftest)

@@ -3,10 +3,9 @@ decoys (the true token is never the first child) makes every step accept a path 
 first branch, so compaction runs at every step. Greedy output stays identical to plain decoding
 (also with a repetition penalty, which is counted along each node's own path), native and eager."""
 import pytest
-import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.drafters.base import DraftProposal, Drafter, DrafterCapabilities
+from specdecode.drafters.base import Drafter, DrafterCapabilities, DraftProposal
 from specdecode.drafters.registry import register, unregister
 from specdecode.params import ParamError
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import make_model
+
 from specdecode.fast import linear as fast_linear
 from specdecode.fast.decoder import MAX_T, fused_decoder, why_not
 from specdecode.forward import ForwardBatch
@@ -336,6 +336,7 @@ def test_kernels_compile_for_avx2_cpus(tmp_path):
     a change that only builds on AVX512 / AMX hosts is caught here too (e.g. an AMX-only symbol)."""
     import shutil
     import subprocess
+
     from specdecode.fast import linear
     if not linear._simde_available() or not shutil.which("gcc"):
         pytest.skip("needs gcc and the SIMDe headers (libsimde-dev)")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_model
+
 from specdecode.fast.quant import I8, NATIVE_TYPES, QuantLinear, QuantWeight, native_reason, quantize_int8
 
 needs_quant = pytest.mark.skipif(native_reason() is not None, reason=str(native_reason()))
@@ -123,13 +123,14 @@ def test_unsupported_shapes_are_refused_clearly():
 def _quantized_tiny(folder, qtypes=(8, 2), head=False):
     """A tiny Llama whose projections (and LM head if `head`) are quantized (alternating formats)
     with the gguf package."""
+    import json
+
     from gguf.quants import quantize
 
     from specdecode.fast import make_linear
     from specdecode.models.config import ModelConfig
     from specdecode.models.loader import read_weights
     from specdecode.models.transformer import Transformer
-    import json
     config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     weights = read_weights(folder, torch.float32, torch.device("cpu"), progress=False)
     quantized = {}
@@ -229,6 +230,7 @@ def test_q4_0_draft_is_requantized_once_and_cached(tiny_models, tmp_path, monkey
     package's), kept under $SPECDECODE_CACHE/requantized and read back bitwise by the next load,
     which quantizes nothing."""
     from gguf import quants
+
     from specdecode.models.loader import load_model
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     first = load_model(str(tiny_models["llama_draft"]), "q4_0", progress=False)
@@ -248,6 +250,7 @@ def test_q4_0_draft_from_a_gguf_file_requantizes_its_blocks(tmp_path, monkeypatc
     It is the default for a GGUF draft whose Q4_0 copy streams >= 20% fewer bytes (the embedded
     Q4_1 file with its Q8_0 head: 22%), not for a dense model directory."""
     from gguf.quants import quantize
+
     from specdecode import LLM, SamplingParams
     from specdecode.fast.quant import QuantWeight
     from specdecode.models.gguf import native_weights
@@ -271,7 +274,7 @@ def test_q4_0_draft_from_a_gguf_file_requantizes_its_blocks(tmp_path, monkeypatc
     plain = target.generate(["The capital of France is"], params, num_speculative_tokens=0)
     spec = target.generate(["The capital of France is"], params, num_speculative_tokens=4)     # k every step
     assert spec[0].token_ids == plain[0].token_ids and spec[0].stats["acceptance_rate"] > 0.2
-    from specdecode.forward import ForwardBatch   # a close copy: its next-token choices mostly agree
+    from specdecode.forward import ForwardBatch  # a close copy: its next-token choices mostly agree
     ids = torch.tensor([draft.tokenizer.encode("The capital of France is Paris. It is known for the Eiffel "
                                                "Tower, the Louvre and its cafes. " * 3)])
     top1 = [m.logits(m.run(ForwardBatch.chain(ids, 0), m.new_cache(1, ids.shape[1]))).argmax(-1)

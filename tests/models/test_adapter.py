@@ -8,8 +8,8 @@ from specdecode import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def tiny_gpt2(tmp_path_factory):
-    from transformers import GPT2Config, GPT2LMHeadModel
     from conftest import make_tokenizer
+    from transformers import GPT2Config, GPT2LMHeadModel
     folder = tmp_path_factory.mktemp("gpt2")
     make_tokenizer(folder)
     torch.manual_seed(0)

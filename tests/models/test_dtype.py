@@ -21,7 +21,8 @@ ACCEPTED = "auto, bfloat16 (bf16), float32 (fp32, float), float16 (fp16, half)"
 
 def test_names_and_aliases():
     assert DTYPE_NAMES == PARSER_NAMES          # the CLI uses the one parser
-    assert set(DTYPES) == {canonical_dtype(n) for n in DTYPE_NAMES} - {"auto"}   # every canonical name has a torch dtype
+    # every canonical name has a torch dtype
+    assert set(DTYPES) == {canonical_dtype(n) for n in DTYPE_NAMES} - {"auto"}
     for names, canonical, dtype in ((("bf16", "bfloat16", "BFloat16", "BF16"), "bfloat16", torch.bfloat16),
                                     (("fp32", "float32", "float", "FLOAT"), "float32", torch.float32),
                                     (("fp16", "float16", "half", "Half"), "float16", torch.float16)):
@@ -48,9 +49,9 @@ def test_auto_takes_the_checkpoint_dtype(tiny_models, tmp_path):
     assert LLM(model=str(folder), dtype="auto", progress=False).target.model.dtype == want
     assert LLM(model=str(folder), dtype="Float", progress=False).target.model.dtype == torch.float32
     assert LLM(model=str(folder), dtype=torch.float32, progress=False).target.model.dtype == torch.float32
-    with pytest.raises(ModelError, match=f"^dtype: unknown dtype 'float64'; accepted"):
+    with pytest.raises(ModelError, match="^dtype: unknown dtype 'float64'; accepted"):
         LLM(model=str(folder), dtype="float64", progress=False)
-    with pytest.raises(ModelError, match=f"^draft_dtype: unknown dtype 'bf8'; accepted"):
+    with pytest.raises(ModelError, match="^draft_dtype: unknown dtype 'bf8'; accepted"):
         LLM(model=str(folder), draft=str(folder), draft_dtype="bf8", progress=False)
 
 

@@ -12,15 +12,15 @@ import json
 
 import pytest
 import torch
-
 from conftest import CORPUS, assert_tree_paths_match_chains
+
 from specdecode import LLM, SamplingParams
+from specdecode.cache.paged import PagedKVCache
 from specdecode.fast import decoder as fast_decoder
 from specdecode.fast import linear as fast_linear
 from specdecode.forward import ForwardBatch
 from specdecode.models.config import ModelConfig, ModelError
 from specdecode.models.loader import load_model
-from specdecode.cache.paged import PagedKVCache
 
 WINDOW = 8
 HEAD_DIM = 16
@@ -298,7 +298,8 @@ def test_gguf_loads_natively(gemma, tmp_path, monkeypatch, weights):
     if arch == "gemma2":         # (the window, head_dim etc. come from transformers' GGUF key table)
         metadata = {"gemma2.attn_logit_softcapping": 4.0, "gemma2.final_logit_softcapping": 8.0}
     else:
-        metadata = {"gemma3.rope.freq_base": 1e6, "gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 2.0}
+        metadata = {"gemma3.rope.freq_base": 1e6, "gemma3.rope.scaling.type": "linear",
+                    "gemma3.rope.scaling.factor": 2.0}
     gguf = write_gguf(tmp_path / f"{arch}.gguf", ref, arch, path / "tokenizer.json", "<eos>", bos_token="<bos>",
                       metadata=metadata, norm_shift=1.0)
     lm = load_model(str(gguf), dtype="fp32" if weights == "dense" else None, progress=False, weights=weights)

@@ -8,14 +8,14 @@ import json
 
 import pytest
 import torch
-
 from conftest import assert_tree_paths_match_chains, make_tokenizer
+
 from specdecode import LLM, SamplingParams
+from specdecode.cache.paged import PagedKVCache
 from specdecode.fast import linear as fast_linear
 from specdecode.forward import ForwardBatch
 from specdecode.models.config import ModelConfig
 from specdecode.models.loader import load_model
-from specdecode.cache.paged import PagedKVCache
 
 WINDOW = 8
 

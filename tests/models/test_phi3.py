@@ -9,14 +9,14 @@ import json
 
 import pytest
 import torch
-
 from conftest import make_tokenizer
+from test_mistral import greedy_reference
+
 from specdecode import LLM, SamplingParams
 from specdecode.fast import decoder as fast_decoder
 from specdecode.fast import linear as fast_linear
 from specdecode.models.config import ModelConfig, ModelError
 from specdecode.models.loader import load_model
-from test_mistral import greedy_reference
 
 WINDOW = 12
 

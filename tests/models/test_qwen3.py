@@ -3,8 +3,8 @@ bias. A tiny random Qwen3 saved by transformers' own class: logits against trans
 and fused, and greedy speculative output identical to plain decoding."""
 import pytest
 import torch
-
 from conftest import make_model
+
 from specdecode import LLM, SamplingParams
 from specdecode.fast import linear as fast_linear
 from specdecode.models.loader import load_model

@@ -2,10 +2,9 @@
 greedy equality of speculative and plain decoding on Spec-Bench prompts."""
 import pytest
 import torch
+from conftest import run_engine
 
 from specdecode import SamplingParams, datasets
-from specdecode.api import LLM
-from conftest import run_engine
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +22,7 @@ def encode(lm, prompt):
 def test_gguf_loading_matches_transformers_gguf_loader(smollm2):
     """transformers dequantizes and un-permutes the same GGUF on its own: logits must agree."""
     from transformers import AutoModelForCausalLM
+
     from specdecode.models.loader import default_model_path
     path = default_model_path()
     ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
@@ -60,7 +60,8 @@ def test_greedy_self_draft_accepts_everything(smollm2):
     prompts = [encode(smollm2, p) for p in spec_bench_prompts()[:4]]
     params = [SamplingParams(max_tokens=24, ignore_eos=True)] * len(prompts)
     plain = run_engine(smollm2, None, 0, prompts, params)
-    spec = run_engine(smollm2, ModelDrafter(smollm2, draft=smollm2, draft_confidence=0.0), 3, prompts, params, adaptive=False)
+    drafter = ModelDrafter(smollm2, draft=smollm2, draft_confidence=0.0)
+    spec = run_engine(smollm2, drafter, 3, prompts, params, adaptive=False)
     for a, b in zip(plain, spec):
         assert a.output_ids == b.output_ids
         assert b.stats.acceptance_rate == 1.0

@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from specdecode import LLM
+from specdecode.engine.config import EngineConfig
 from specdecode.serve.app import create_app
 from specdecode.serve.memory import MemoryBudgetError, check_memory, plan_memory
-from specdecode.engine.config import EngineConfig
 from specdecode.serve.server import BackgroundServer, build_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")

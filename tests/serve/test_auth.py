@@ -8,9 +8,9 @@ import openai
 import pytest
 
 from specdecode import LLM
+from specdecode.engine.config import EngineConfig
 from specdecode.serve.app import create_app
 from specdecode.serve.auth import exposed_without_key
-from specdecode.engine.config import EngineConfig
 from specdecode.serve.server import BackgroundServer, build_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")

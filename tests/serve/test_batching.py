@@ -16,12 +16,12 @@ import time
 import httpx
 import openai
 import pytest
-
 from conftest import post_completions
+
 from specdecode import LLM, SamplingParams
-from specdecode.drafters.base import DraftProposal, Drafter
-from specdecode.serve.app import create_app
+from specdecode.drafters.base import Drafter, DraftProposal
 from specdecode.engine.config import EngineConfig
+from specdecode.serve.app import create_app
 from specdecode.serve.server import BackgroundServer, build_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")

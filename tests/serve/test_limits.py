@@ -9,10 +9,10 @@ import time
 import pytest
 
 from specdecode import LLM
+from specdecode.engine.config import EngineConfig
 from specdecode.params import ParamError
 from specdecode.serve.app import create_app
 from specdecode.serve.protocol import ApiError, ServeContext, parse
-from specdecode.engine.config import EngineConfig
 from specdecode.serve.server import BackgroundServer, build_state
 from specdecode.tokenizer import Tokenizer
 

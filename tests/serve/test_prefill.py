@@ -11,10 +11,10 @@ import openai
 import pytest
 
 from specdecode import LLM, SamplingParams
+from specdecode.engine.config import EngineConfig
+from specdecode.engine.scheduler import PrefillBudget
 from specdecode.params import ParamError
 from specdecode.serve.app import create_app
-from specdecode.engine.scheduler import PrefillBudget
-from specdecode.engine.config import EngineConfig
 from specdecode.serve.server import BackgroundServer, build_state
 
 
@@ -133,15 +133,18 @@ def test_a_short_prompt_is_not_queued_behind_a_long_prefill(tiny_models):
         return inner(chunks, draft)
     sched.runner.prefill = recording
     done = {name: threading.Event() for name in ("long", "short")}
+
+    def sink_for(name):
+        return lambda event: done[name].set() if isinstance(event, Finished) else None
     sched.start()
     try:
         with sched.hold():
             for name, ids in (("long", long_ids), ("short", short_ids)):
-                sink = (lambda name: lambda event: done[name].set() if isinstance(event, Finished) else None)(name)
-                sched.submit(Request(ids, SamplingParams(max_tokens=2, ignore_eos=True), sink))
+                sched.submit(Request(ids, SamplingParams(max_tokens=2, ignore_eos=True), sink_for(name)))
         assert done["long"].wait(60) and done["short"].wait(60)
     finally:
         sched.stop()
     short_pass = next(i for i, p in enumerate(passes) if any(length == len(short_ids) for length, _ in p))
     assert short_pass == 0, passes                      # with the long prompt's first chunk, not after its last
-    assert sum(n for p in passes for length, n in p if length == len(long_ids)) == len(long_ids) - 1   # the last: by a step
+    # every prompt token but the last (a step's) in prefill passes
+    assert sum(n for p in passes for length, n in p if length == len(long_ids)) == len(long_ids) - 1

@@ -5,7 +5,6 @@ with an error event, not a cut connection."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess

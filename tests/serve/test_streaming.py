@@ -36,8 +36,8 @@ def test_streamed_text_never_shows_a_stop_string(stop):
 def test_held_tokens_post_one_merged_event_then_the_last():
     """A non-streamed choice's sink keeps its tokens on the engine thread: nothing is posted per
     step; at the end one Tokens event with every id, kind and logprob in order, then the final event."""
-    from specdecode.serve.app import HeldTokens
     from specdecode.engine.sequence import Failed, Finished, Tokens
+    from specdecode.serve.app import HeldTokens
     posted = []
     sink = HeldTokens(posted.append)
     sink(Tokens([1, 2], ["accepted", "bonus"], [-0.1, -0.2]))
@@ -84,7 +84,7 @@ def test_paced_tokens_send_the_first_at_once_then_at_most_every_interval(monkeyp
 
 @pytest.mark.parametrize("bad", [-1, 10_001, "20", True, float("nan")])
 def test_bad_stream_interval_is_refused_by_name(bad):
-    from specdecode.params import ParamError
     from specdecode.engine.config import EngineConfig
+    from specdecode.params import ParamError
     with pytest.raises(ParamError, match=r"stream_interval_ms must be a number of milliseconds in \[0, 10000\]"):
         EngineConfig(stream_interval_ms=bad)

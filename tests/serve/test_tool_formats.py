@@ -17,8 +17,8 @@ import torch
 from pydantic import BaseModel, Field
 
 from specdecode import LLM
-from specdecode.serve.app import create_app
 from specdecode.engine.config import EngineConfig
+from specdecode.serve.app import create_app
 from specdecode.serve.server import BackgroundServer, build_state
 from specdecode.serve.tools import HERMES, ToolParser, ToolSpec, with_tools
 
@@ -266,7 +266,8 @@ def test_a_template_without_tool_turns_gets_them_as_text(tiny_models):
                                           '{"city": "Rome"}}\n</tool_call>')
         text = tok.apply_chat_template(messages)
         assert text.index("Rome") < text.index("12:00") < text.index("13:00")
-    assert messages[2]["content"] == "<tool_response>\n12:00\n</tool_response>\n<tool_response>\n13:00\n</tool_response>"
+    assert messages[2]["content"] == ("<tool_response>\n12:00\n</tool_response>\n"
+                                      "<tool_response>\n13:00\n</tool_response>")
 
 
 def test_parser_units():
@@ -290,7 +291,8 @@ def test_parser_units():
         ("ok", [("f", '{"a": [1, "}"]}')])
     assert streamed(HERMES, '<tool_call>{"arguments": {"x": 1}, "name": "g"}</tool_call> then') == \
         ("then", [("g", '{"x": 1}')])
-    assert streamed(HERMES, '<tool_call>{"name": "h", "arguments": "{\\"x\\": 2}"}</tool_call>')[1] == [("h", '{"x": 2}')]
+    text = '<tool_call>{"name": "h", "arguments": "{\\"x\\": 2}"}</tool_call>'
+    assert streamed(HERMES, text)[1] == [("h", '{"x": 2}')]
     assert streamed(HERMES, "Hello <tool_ca world") == ("Hello <tool_ca world", [])
     assert streamed(HERMES, "<tool_call>{not json}</tool_call>")[1] == []
     assert streamed(HERMES, '<tool_call>\n{"name": "f", "arguments": {"a": 1') == ("", [("f", '{"a": 1')])
@@ -329,7 +331,8 @@ def test_parser_units():
     cut.result('<tool_call>\n{"name": "Person", "arguments": {"age": 1')          # a stop string cut it
     assert cut.tool_calls() and not cut.calls_complete()
     # parallel_tool_calls false: the first call only, nothing after it
-    two = 'ok <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call> bye'
+    two = ('ok <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call> bye')
     assert streamed(HERMES, two) == ("okbye", [("f", "{}"), ("g", "{}")])
     assert streamed(HERMES, two, max_calls=1) == ("ok", [("f", "{}")])
     assert streamed(mistral, '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]',
@@ -340,7 +343,7 @@ def test_a_long_answer_streams_through_the_parser():
     """Decided text is dropped as the answer grows (no copy of the whole answer per step); what
     comes out is the text, then a call after it."""
     parser, out = ToolParser(HERMES, ["Person"]), []
-    words = ["word%d " % i for i in range(3000)]
+    words = [f"word{i} " for i in range(3000)]
     for w in words:
         out += parser.feed(w)
     out += parser.feed('<tool_call>\n{"name": "Person", "arguments": {"age": 1}}\n</tool_call>') + parser.finish()

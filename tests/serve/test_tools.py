@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from specdecode import LLM
-from specdecode.serve.app import create_app
 from specdecode.engine.config import EngineConfig
+from specdecode.serve.app import create_app
 from specdecode.serve.server import BackgroundServer, build_state
 from specdecode.serve.tools import extract_calls
 
@@ -54,7 +54,8 @@ def test_named_tool_choice_gives_a_valid_call(client):
                                             max_tokens=80, temperature=0, stream=True))
     deltas = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
     # as OpenAI streams a call: index, id, type and name first, then the arguments in pieces
-    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_") and deltas[0].type == "function"
+    assert deltas[0].function.name == "get_weather" and deltas[0].type == "function"
+    assert deltas[0].id.startswith("call_")
     assert len(deltas) >= 2 and all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
