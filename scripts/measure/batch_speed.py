@@ -4,9 +4,9 @@ translation, code, QA, RAG) x --copies requests, greedy, --max-tokens each. `LLM
 call of 4 or more requests through the server's scheduler (continuous batching, serve/offline.py);
 the "lockstep" arms run the same call on the offline engine's fixed batch (`LLM.engine().generate`).
 
-    python scripts/batch_speed.py                     # embedded model, native weights, 24 requests
-    python scripts/batch_speed.py --dtype bf16 --rounds 3
-    python scripts/batch_speed.py --spec-bench 64 --max-tokens 64 --lockstep   # ragged: Spec-Bench prompts
+    python scripts/measure/batch_speed.py                     # embedded model, native weights, 24 requests
+    python scripts/measure/batch_speed.py --dtype bf16 --rounds 3
+    python scripts/measure/batch_speed.py --spec-bench 64 --max-tokens 64 --lockstep   # ragged: Spec-Bench prompts
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))    # this checkout's specdecode
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))    # this checkout's specdecode
 
 PROMPTS = ["Write a friendly reply to a colleague who asked how the weekend was.",
            "Summarize: The city council met on Tuesday to discuss the new bike lanes. Residents raised concerns about "

@@ -5,7 +5,7 @@ without max_tokens; the client's pydantic helpers. Exit code 1 when a call does 
 `tool_calls` with the Person's three fields.
 
     specdecode serve --model qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --port 8020 &
-    python scripts/check_tool_calls.py --base-url http://127.0.0.1:8020/v1
+    python scripts/measure/check_tool_calls.py --base-url http://127.0.0.1:8020/v1
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 3. Cost of one verify pass of k+1 tokens, k = 1..8, relative to one decode step.
 4. N-gram speculation on Spec-Bench summarization and RAG prompts: speed-up and mean accepted length.
 
-Usage: python scripts/perf_core.py [--dtype bf16] [--tokens 128] [--repeats 3] [--prompts 5] [--json out.json]
+Usage: python scripts/measure/perf_core.py [--dtype bf16] [--tokens 128] [--repeats 3] [--prompts 5] [--json out.json]
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Where a step's time goes outside the target's forward pass and LM head, per drafting method.
 
-    python scripts/step_overhead.py --methods eagle,ngram [--task qa] [--rounds 3] [--plain]
+    python scripts/measure/step_overhead.py --methods eagle,ngram [--task qa] [--rounds 3] [--plain]
 
 Each method (and plain decoding) answers one Spec-Bench prompt for 128 tokens `--rounds` times on
 one loaded target; the target's `run` and `logits` are timed, and the rest of each step is what the

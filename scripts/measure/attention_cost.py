@@ -6,7 +6,7 @@ kernels of git revision REF are compiled too (same flags) and the two builds alt
 round in the same process, so machine noise hits both alike; the table gives the median and the
 minimum of the single steps of each build.
 
-Usage: python scripts/attention_cost.py [--base main] [--ctx 300 1500] [--batch 1 8 32]
+Usage: python scripts/measure/attention_cost.py [--base main] [--ctx 300 1500] [--batch 1 8 32]
                                         [--rounds 5] [--steps 10] [--scatter] [--threads 1 --cputime]
 --scatter: the rows take their blocks one at a time in a random order, so a row's blocks lie
 scattered in the pool as when many requests grow at once (default: each row's blocks in order).
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's specdecode, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # this checkout's specdecode, not an installed one
 
 
 def cpu_name() -> str:
@@ -106,7 +106,7 @@ def main() -> None:
     print(f"{'CPU' if args.cputime else 'wall'} ms per {'decode step' if args.tokens == 1 else f'pass of {args.tokens} tokens per row'}: median (min) of {args.rounds} rounds x {args.steps} steps"
           + (f" (builds alternate: {' / '.join(libs)})" if len(libs) > 1 else ""))
     rng = random.Random(0)
-    text = llm.tokenizer.encode(Path(__file__).resolve().parents[1].joinpath("README.md").read_text())
+    text = llm.tokenizer.encode(Path(__file__).resolve().parents[2].joinpath("README.md").read_text())
     text = (text * (max(args.ctx) // len(text) + 1))[:max(args.ctx)]
     for ctx in args.ctx:
         for B in args.batch:

@@ -1,6 +1,6 @@
 """How much of each method's gain comes from outputs that repeat themselves.
 
-    python scripts/repetition_share.py benchmarks/RUN_DIR [--ngram 4] [--threshold 0.5]
+    python scripts/analysis/repetition_share.py benchmarks/RUN_DIR [--ngram 4] [--threshold 0.5]
 
 Reads a `specdecode bench` run's measurements.jsonl. For every prompt, the *self-repeat share*
 of its plain output is the fraction of output tokens that lookup on the output itself predicts:

@@ -1,6 +1,6 @@
 """How often a draft model agrees with its target, against how sure the target is, per answer.
 
-    python scripts/draft_agreement.py --model TARGET.gguf --draft DRAFT.gguf [--per-task 4] [--max-tokens 128]
+    python scripts/analysis/draft_agreement.py --model TARGET.gguf --draft DRAFT.gguf [--per-task 4] [--max-tokens 128]
 
 For the first --per-task Spec-Bench prompts of six tasks and as many HumanEval prompts: the target's
 greedy answer, then both models teacher-forced over prompt + answer; per position the target's top

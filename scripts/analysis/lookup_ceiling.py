@@ -6,7 +6,7 @@ drafts would be accepted. This script replays those outputs step by step, exactl
 engine would run them (context = prompt + output so far; drafts capped so the output never
 passes its length; a step emits the accepted drafts plus one target token), and prices each
 step with the measured cost of a verify pass of k+1 tokens relative to one decode step
-(`scripts/perf_core.py`, benchmarks/CORE.md). Reported per policy:
+(`scripts/measure/perf_core.py`, benchmarks/CORE.md). Reported per policy:
 
 * mean accepted length (bonus included) and decode speed-up = tokens / summed step costs;
 * the check that matters first: the replay of the shipped n-gram drafter must reproduce the
@@ -15,7 +15,7 @@ step with the measured cost of a verify pass of k+1 tokens relative to one decod
   so an upper bound for any length rule); a tree of the m latest distinct lookup continuations
   verified in one pass (rows of the prefix tree priced by the same table); perfect drafts.
 
-Usage: python scripts/lookup_ceiling.py benchmarks/full [--costs 1.09,1.15,...] [--json out.json]
+Usage: python scripts/analysis/lookup_ceiling.py benchmarks/full [--costs 1.09,1.15,...] [--json out.json]
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Prints per turn the prompt tokens, the cached prompt tokens the server reports a
 to the first text). Greedy, 48 tokens per answer.
 
     specdecode serve --port 8000 &
-    python scripts/chat_turns.py --url http://127.0.0.1:8000
+    python scripts/measure/chat_turns.py --url http://127.0.0.1:8000
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))    # this checkout's specdecode
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))    # this checkout's specdecode
 
 QUESTIONS = ["Who is mentioned?", "Summarize the second text.", "What numbers appear?", "Give a title.",
              "Anything else?"]

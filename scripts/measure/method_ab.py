@@ -1,9 +1,9 @@
 """Each drafting method against plain decoding, per prompt, arms alternating (one process).
 
-    python scripts/method_ab.py --methods eagle,recycle,medusa [--rounds 3] [--model PATH] [--max-tokens 128]
-    python scripts/method_ab.py --methods cascade --model TARGET.gguf --draft DRAFT.gguf   # a pair
-    python scripts/method_ab.py --methods eagle --trace      # + a line per call (sizes chosen per step: 0 = plain)
-    python scripts/method_ab.py --methods cascade ... --drafter-option draft_context=64   # (as `generate`)
+    python scripts/measure/method_ab.py --methods eagle,recycle,medusa [--rounds 3] [--model PATH] [--max-tokens 128]
+    python scripts/measure/method_ab.py --methods cascade --model TARGET.gguf --draft DRAFT.gguf   # a pair
+    python scripts/measure/method_ab.py --methods eagle --trace      # + a line per call (sizes chosen per step: 0 = plain)
+    python scripts/measure/method_ab.py --methods cascade ... --drafter-option draft_context=64   # (as `generate`)
 
 One generation per cell (what `specdecode bench` runs) moves by +-5-10% on a 2-core host whose
 speed drifts; here every prompt runs each method `--rounds` times between two plain runs, in an

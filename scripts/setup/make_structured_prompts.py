@@ -3,7 +3,7 @@ specdecode/data/json_extract/schemas/ (person, product, event, recipe, book), ea
 instruction to extract it as JSON. Every text is composed here from small word lists with a fixed
 seed (written for this project; no third-party text), so the file is reproducible:
 
-    python scripts/make_structured_prompts.py
+    python scripts/setup/make_structured_prompts.py
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import json
 import random
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent.parent / "specdecode" / "data" / "json_extract" / "validation.jsonl"
+OUT = Path(__file__).resolve().parents[2] / "specdecode" / "data" / "json_extract" / "validation.jsonl"
 PER_SCHEMA = 100
 
 FIRST = ["Maria", "Tom", "Aiko", "Lars", "Fatima", "Diego", "Chen", "Olga", "Samuel", "Priya", "Jonas", "Amara",

@@ -1,6 +1,6 @@
 """Does a draft model's reduced LM head (`head_vocab`, FR-Spec) agree with its target as often as its whole head?
 
-    python scripts/head_vocab_agreement.py --model TARGET.gguf --draft DRAFT.gguf [--per-task 3] [--sizes 32768,65536]
+    python scripts/analysis/head_vocab_agreement.py --model TARGET.gguf --draft DRAFT.gguf [--per-task 3] [--sizes 32768,65536]
 
 For the first --per-task prompts of six Spec-Bench tasks and of HumanEval: the target's greedy answer
 (128 tokens at most), then the draft teacher-forced over prompt + answer; per position, whether the
@@ -18,7 +18,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.datasets import humaneval, spec_bench
 from specdecode.drafters.vocab_rank import frequent_ids
 
-from draft_agreement import logits_over       # scripts/ (this script's folder is first on sys.path)
+from draft_agreement import logits_over       # scripts/analysis/ (this script's folder is first on sys.path)
 
 TASKS = ("multi_turn", "summarization", "translation", "qa", "rag", "math_reasoning")
 
