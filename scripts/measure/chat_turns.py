@@ -42,9 +42,11 @@ def main() -> int:
             if chunk.usage:
                 usage = chunk.usage
         details = getattr(usage, "prompt_tokens_details", None)
-        print(f"turn {turn + 1}: prompt {usage.prompt_tokens} tokens, cached {details.cached_tokens if details else '-'}, "
+        cached = details.cached_tokens if details else "-"
+        print(f"turn {turn + 1}: prompt {usage.prompt_tokens} tokens, cached {cached}, "
               f"TTFT {ttft:.3f} s, answer {time.perf_counter() - started:.2f} s")
-        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]}]
+        messages += [{"role": "assistant", "content": text},
+                     {"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]}]
     return 0
 
 

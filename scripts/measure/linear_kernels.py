@@ -9,7 +9,8 @@ alike; before each M it waits (up to 2 minutes) for a CPU more than 90% idle. Pr
 and M the median (or --stat min) time of one pass and the weight bytes it read per second.
 Methods (default: all): read (the bandwidth probe), F.linear-bf16, F.linear-fp32, mkldnn-bf16,
 mkl-fp32, PackedLinear-bf16, PackedLinear-fp32, C-amx, C-avx512bf16, C-fp32 (the kernels of
-specdecode/fast/kernels.c called directly). Needs ~2.5 GB of RAM; 2 threads.
+specdecode/fast/kernels.c called directly; C-amx only where the CPU has AMX and the kernel allows
+it). Needs ~2.5 GB of RAM; 2 threads.
 """
 from __future__ import annotations
 
@@ -36,19 +37,20 @@ METHODS = ("read", "F.linear-bf16", "F.linear-fp32", "mkldnn-bf16", "mkl-fp32", 
 
 
 def kernels():
-    """The native kernel library (compiled as specdecode loads it), its entry points typed."""
+    """The native kernel library (compiled as specdecode loads it), its entry points typed, and
+    whether the AMX kernels may run here."""
     from specdecode.fast import linear
     linear._load()
     lib = ctypes.CDLL(str(linear._compile()))
-    print("amx_init", lib.sd_amx_init())
-    P, I = ctypes.c_void_p, ctypes.c_int
-    lib.sd_pack_bf16.argtypes = [P, P, I, I, I, I]
-    lib.sd_pack_fp32.argtypes = [P, P, I, I, I]
+    amx = linear.kernel_plan()["amx_bf16"] and lib.sd_amx_init() == 0
+    P, N = ctypes.c_void_p, ctypes.c_int
+    lib.sd_pack_bf16.argtypes = [P, P, N, N, N, N]
+    lib.sd_pack_fp32.argtypes = [P, P, N, N, N]
     for f in (lib.sd_linear_bf16_amx, lib.sd_linear_bf16_avx512):
-        f.argtypes, f.restype = [P, I, P, P, P, I, I, I, I, I, I], None
-    lib.sd_linear_fp32.argtypes, lib.sd_linear_fp32.restype = [P, I, P, P, P, I, I, I, I, I], None
-    lib.sd_read_bw.argtypes, lib.sd_read_bw.restype = [P, ctypes.c_size_t, I], ctypes.c_float
-    return lib
+        f.argtypes, f.restype = [P, N, P, P, P, N, N, N, N, N, N], None
+    lib.sd_linear_fp32.argtypes, lib.sd_linear_fp32.restype = [P, N, P, P, P, N, N, N, N, N], None
+    lib.sd_read_bw.argtypes, lib.sd_read_bw.restype = [P, ctypes.c_size_t, N], ctypes.c_float
+    return lib, amx
 
 
 def torch_method(weights, dtype, call):
@@ -146,8 +148,14 @@ def main() -> int:
         p.error(f"unknown method(s) {', '.join(sorted(unknown))}; choose from {', '.join(METHODS)}")
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
-    lib = kernels()
-    chosen = methods(lib, set(args.methods or METHODS))
+    lib, amx = kernels()
+    want = set(args.methods or METHODS)
+    if not amx and "C-amx" in want:               # its instructions would kill the process
+        if args.methods:
+            p.error("C-amx needs AMX, which this CPU (or its kernel) does not allow")
+        want.discard("C-amx")
+    print(f"AMX: {'yes' if amx else 'no (C-amx skipped)'}")
+    chosen = methods(lib, want)
     stat = min if args.stat == "min" else statistics.median
     print(f"{'method':14s} " + " ".join(f"{f'M={m}':>15s}" for m in ROWS))
     results: dict[str, list[float]] = {name: [] for name in chosen}

@@ -59,6 +59,7 @@ def main() -> None:
               f"{agree / total:.1%} over {total} positions of {len(ids)} prompts")
     if args.llamacpp:
         from llama_cpp import Llama
+
         from specdecode.models.loader import default_model_path
         path = str(args.model or default_model_path())
         llm = Llama(model_path=path, n_ctx=args.tokens + 8, logits_all=True, n_threads=args.threads, verbose=False)

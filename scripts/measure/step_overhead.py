@@ -3,36 +3,45 @@
     python scripts/measure/step_overhead.py --methods eagle,ngram [--task qa] [--rounds 3] [--plain]
 
 Each method (and plain decoding) answers one Spec-Bench prompt for 128 tokens `--rounds` times on
-one loaded target; the target's `run` and `logits` are timed, and the rest of each step is what the
-engine, the draft budget and the drafter cost. `--plain` holds every budget at plain decoding (the
-cost of a method that never drafts: its hooks, its bookkeeping, its shadow drafts). Prints per
-method microseconds per step in all, outside the model, and in each timed part (each wrapper adds
-~0.5 us). The same work with cold caches costs several times its microbenchmark: after a step's pass
-a torch call took ~10 us, so this measures in place.
+one loaded target (the bench's way: one engine core per method); the target's `run` and `logits`
+are timed, and the rest of each step is what the engine core, the speculation controller and the
+drafter cost. `--plain` holds every row at draft size 0 after the controller has chosen (the cost of
+a method that never drafts: the controller's bookkeeping, the drafter's hooks, its shadow drafts).
+Prints per method microseconds per step in all, outside the model, and in each timed part (each
+wrapper adds ~0.5 us; parts nest: `core._shadow` holds the drafter's shadow `propose` calls). The
+same work with cold caches costs several times its microbenchmark: after a step's pass a torch
+call took ~10 us, so this measures in place.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import sys
 import time
+from pathlib import Path
 
-from specdecode import LLM
-from specdecode.bench.systems import Cell, SpecdecodeSystem
-from specdecode.datasets import spec_bench
-from specdecode.engine import budget as budget_module
-from specdecode.engine import engine as engine_module
-from specdecode.engine import runner as runner_module
-from specdecode.engine import shadows as shadows_module
-from specdecode.fast.linear import cpu_label
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))    # this checkout's specdecode
+
+TOKENS = 128
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--methods", required=True, help="comma-separated drafting methods (as `generate --method`)")
     p.add_argument("--task", default="qa", help="the Spec-Bench task whose first prompt is answered")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--plain", action="store_true", help="every budget held at plain decoding")
+    p.add_argument("--plain", action="store_true", help="every row held at draft size 0 after the controller chose")
     args = p.parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+
+    from specdecode import LLM
+    from specdecode.bench.systems import Cell, SpecdecodeSystem
+    from specdecode.datasets import spec_bench
+    from specdecode.engine import runner as runner_module
+    from specdecode.engine.controller import RowSpec, SpeculationController
+    from specdecode.engine.core import EngineCore
+    from specdecode.fast.linear import cpu_label
     spent: collections.Counter = collections.Counter()
 
     def timed(owner, name: str, label: str) -> None:
@@ -47,43 +56,51 @@ def main() -> None:
         setattr(owner, name, wrapper)
 
     if args.plain:
-        next_size = budget_module.DraftBudget.next_size
+        plan = SpeculationController.plan
 
-        def plain(self) -> int:
-            next_size(self)
-            self.size, self.chosen[-1], self.probed = 0, 0, False
-            return 0
-        budget_module.DraftBudget.next_size = plain
+        def held_plain(self, rows, pending):
+            sizes = plan(self, rows, pending)            # the controller's bookkeeping, as it would run
+            for r in rows:                               # ... then plain, as if it had chosen 0
+                r.size, r.probing, r.probed = 0, False, False
+            return [0] * len(sizes)
+        SpeculationController.plan = held_plain
     llm = LLM(None, method="none", num_speculative_tokens=0, progress=False, prefix_cache=False)
     timed(llm.target.model, "run", "model")
     timed(llm.target.model, "logits", "model")
-    for owner, name in ((budget_module.DraftBudget, "next_size"), (budget_module.DraftBudget, "observe"),
-                        (shadows_module.ShadowDrafts, "propose"), (shadows_module.ShadowDrafts, "score"),
-                        (runner_module, "transform_logits"), (engine_module, "verify_greedy_lists")):
-        timed(owner, name, f"{getattr(owner, '__name__', '')}.{name}")
+    for owner, name, label in ((SpeculationController, "plan", "controller.plan"),
+                               (SpeculationController, "observe", "controller.observe"),
+                               (EngineCore, "_shadow", "core._shadow"),
+                               (RowSpec, "score_shadow", "row.score_shadow"),
+                               (runner_module, "transform_logits", "transform_logits"),
+                               (runner_module, "verify_greedy_lists", "verify_greedy_lists")):
+        timed(owner, name, label)
     system = SpecdecodeSystem(llm)
     methods = [m for m in args.methods.split(",") if m]
+    for m in methods:
+        if not system.supports(m):
+            raise SystemExit(f"method {m!r} cannot run here: {system.skipped.get(m, 'unknown method')}")
     cells = {"plain": Cell("specdecode", "plain", 0), **{m: Cell("specdecode", m, 5) for m in methods}}
     for m in methods:
         drafter = system.drafter(m, 5)
         for name in ("propose", "observe", "observe_topk", "commit"):
-            if hasattr(drafter, name):
-                timed(drafter, name, f"drafter.{name}")
+            timed(drafter, name, f"drafter.{name}")
     question = next(q for q in spec_bench() if q.task == args.task)
     ids = llm.encode(question.text, question.chat)
-    for m in cells:                                        # first-call costs
+    for m in cells:                                        # first-call costs (cost curve, kernels)
         system.run(cells[m], ids, 16, 0.0, 0)
-    print(f"{cpu_label()}, {args.task}, 128 tokens x {args.rounds}" + (", budgets held plain" if args.plain else ""))
+    print(f"{cpu_label()}, {args.task}, {TOKENS} tokens x {args.rounds}"
+          + (", rows held plain" if args.plain else ""))
     for m in cells:
         spent.clear()
         steps = seconds = 0.0
         for _ in range(args.rounds):
-            got = system.run(cells[m], ids, 128, 0.0, 0)
+            got = system.run(cells[m], ids, TOKENS, 0.0, 0)
             steps, seconds = steps + got["steps"], seconds + got["seconds"]
         parts = "  ".join(f"{k}={v / steps * 1e6:.1f}" for k, v in spent.most_common() if k != "model")
-        print(f"{m:11s} {seconds / steps * 1e6:6.0f} us/step, outside the model {(seconds - spent['model']) / steps * 1e6:5.0f}"
-              f" | {parts}", flush=True)
+        outside = (seconds - spent["model"]) / steps * 1e6
+        print(f"{m:11s} {seconds / steps * 1e6:6.0f} us/step, outside the model {outside:5.0f} | {parts}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -73,8 +73,10 @@ def recipe(rng: random.Random) -> str:
     servings, minutes = rng.randint(1, 8), rng.choice([15, 20, 30, 45, 60, 90, 120])
     items = rng.sample([i for i in INGREDIENTS if not veg or i not in ("chicken", "beef", "fish")], rng.randint(2, 5))
     note = "It is vegetarian." if veg else "It contains meat or fish."
-    return rng.choice([f"This {dish} serves {servings} and takes {minutes} minutes. You need {', '.join(items)}. {note}",
-                       f"A {dish} for {servings} people, ready in {minutes} minutes, made with {' and '.join(items)}. {note}"])
+    return rng.choice([f"This {dish} serves {servings} and takes {minutes} minutes. "
+                       f"You need {', '.join(items)}. {note}",
+                       f"A {dish} for {servings} people, ready in {minutes} minutes, "
+                       f"made with {' and '.join(items)}. {note}"])
 
 
 def book(rng: random.Random) -> str:
