@@ -107,7 +107,7 @@ def main() -> int:
         options["prefix_cache"] = False
     workers = {"old": Worker(args.old, options), "new": Worker(args.new, options)}
     todo = jobs(args.scenario, args.max_tokens)
-    for label, batch, params, k in todo[:2]:                 # warm-up: kernels, cost curves
+    for _, batch, _, k in todo[:2]:                          # warm-up: kernels, cost curves
         for w in workers.values():
             w.call(batch[:1], [{"max_tokens": 8}], k)
     seen: dict[tuple[str, str], list[float]] = {}
@@ -130,7 +130,8 @@ def main() -> int:
     for label, *_ in todo:
         old, new = statistics.median(seen[(label, "old")]), statistics.median(seen[(label, "new")])
         ratios.append(new / old)
-        print(f"{label:<16}{old:>11.1f}{new:>11.1f}{new / old:>9.3f}  {outputs[(label, 'old')] == outputs[(label, 'new')]}")
+        same = outputs[(label, "old")] == outputs[(label, "new")]
+        print(f"{label:<16}{old:>11.1f}{new:>11.1f}{new / old:>9.3f}  {same}")
     print(f"{'geometric mean':<38}{statistics.geometric_mean(ratios):>9.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))

@@ -2,7 +2,7 @@
 speculation changes nothing under greedy decoding.
 
 The workload is specdecode/data/json_extract/validation.jsonl (100 prompts for each of the 5
-schemas in schemas/, written for this project by scripts/make_structured_prompts.py). Each
+schemas in schemas/, written for this project by scripts/setup/make_structured_prompts.py). Each
 prompt runs under its own schema (one batch mixes schemas), greedy with speculation off and on
 (outputs must be token-identical) and sampled with speculation on. Run it with:
 

@@ -36,7 +36,7 @@ typedef struct {
 
 /* Software prefetch of the keys (values) of kv head h, through the block table: into L1 two chunks
  * ahead and into L2 eight ahead (0: off).  Without it a row's blocks, scattered in a paged pool, are
- * read at a few GB/s.  scripts/attention_micro.c (one thread, SmolLM2-135M's shapes, 8 rows of 1500
+ * read at a few GB/s.  scripts/measure/attention_micro.c (one thread, SmolLM2-135M's shapes, 8 rows of 1500
  * keys, AMD EPYC family 26 (Zen 5), CPU time, best of 4 alternating runs, before the stream below),
  * blocks scattered / in order: none 45.0 / 34.6 ms, L1 at 2 chunks 19.5 / 12.1, L1 at 4 17.4 / 10.8,
  * L1 at 2 + L2 at 8 16.8 / 10.4. */

@@ -123,7 +123,7 @@ def kernel_plan(flags: set[str] | None = None) -> dict:
 
 
 # Software prefetch (PREFETCHT2, this many bytes ahead of each weight block) in the quantized kernels,
-# on Intel CPUs and AMD Zen 5 (family 26) and later.  2-core Sapphire Rapids, scripts/verify_cost.py,
+# on Intel CPUs and AMD Zen 5 (family 26) and later.  2-core Sapphire Rapids, scripts/measure/verify_cost.py,
 # 0 -> 2048 alternating, three rounds: SmolLM2-135M Q4_1 at context 300, 1 / 4 / 8 rows 5.9-6.4 ->
 # 4.9-5.2 / 7.9-9.0 -> 6.3-6.7 / 10.4-12.0 -> 9.0-9.3 ms; Qwen2.5-Coder-1.5B Q4_K_M at 256, 5 rows
 # 72.5-72.9 -> 62.1-65.7 ms (1 row unchanged).  2-core AMD EPYC family 26 (Zen 5), the 1.5B at 800,

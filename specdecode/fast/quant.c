@@ -39,7 +39,7 @@ enum { GQ_Q4_0 = 2, GQ_Q4_1 = 3, GQ_Q5_0 = 6, GQ_Q5_1 = 7, GQ_Q8_0 = 8, GQ_Q4_K 
 #define SD_QROWS 8         /* activation rows sharing one decode of a weight block */
 /* Activation rows are quantized to int8 with one scale per 32 k (llama.cpp's Q8_0 / Q8_1 blocks; its
  * K formats use one per 256, Q8_K).  Per 32 k an activation outlier spoils 31 values instead of 255:
- * against the same weights in fp32 (scripts/native_quality.py, 16 Spec-Bench prompts), SmolLM2-135M
+ * against the same weights in fp32 (scripts/measure/native_quality.py, 16 Spec-Bench prompts), SmolLM2-135M
  * Q4_1's mean KL divergence fell from 0.024 to 0.0054 and Qwen2.5-Coder-1.5B Q4_K_M's (whose
  * activations have large outliers) from 0.064 to 0.0031.
  * The side data q_quantize_rows keeps per activation row (row stride QS_STRIDE(K) floats): the sums

@@ -1,4 +1,4 @@
-"""The offline replay of lookup drafting (scripts/lookup_ceiling.py) against the engine."""
+"""The offline replay of lookup drafting (scripts/analysis/lookup_ceiling.py) against the engine."""
 import importlib.util
 from pathlib import Path
 
@@ -7,7 +7,8 @@ import pytest
 
 from specdecode import LLM, SamplingParams
 
-spec = importlib.util.spec_from_file_location("lookup_ceiling", Path(__file__).parents[2] / "scripts" / "lookup_ceiling.py")
+SCRIPT = Path(__file__).parents[2] / "scripts" / "analysis" / "lookup_ceiling.py"
+spec = importlib.util.spec_from_file_location("lookup_ceiling", SCRIPT)
 ceiling = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ceiling)
 COSTS = ceiling.cost_table(list(ceiling.DEFAULT_COSTS), 16)

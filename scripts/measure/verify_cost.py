@@ -1,11 +1,12 @@
 """Cost of one target pass against its number of rows (what a verified draft node costs).
 
-    python scripts/verify_cost.py [--model PATH] [--context 256] [--threads 2] [--rows 1,2,4,8] [--rounds 3]
+    python scripts/measure/verify_cost.py [--model PATH] [--context 256] [--threads 2] [--rows 1,2,4,8] [--rounds 3]
 
 Prints, for each row count (default 1..64) at the given context, the time of a forward pass that
 returns logits for every row (median of --repeats passes; with --rounds N the row counts are swept N
 times and the least median is kept, which steadies a noisy host), and its ratio to the first row
-count's (the curve engine/budget.py measures at start-up). Same weights as `specdecode generate` loads them (a GGUF file: its own quantization).
+count's (the curve the engine measures at start-up: engine/costs.py, `measure_cost_curve`). Same
+weights as `specdecode generate` loads them (a GGUF file: its own quantization).
 """
 from __future__ import annotations
 

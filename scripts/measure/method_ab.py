@@ -1,37 +1,37 @@
 """Each drafting method against plain decoding, per prompt, arms alternating (one process).
 
-    python scripts/method_ab.py --methods eagle,recycle,medusa [--rounds 3] [--model PATH] [--max-tokens 128]
-    python scripts/method_ab.py --methods cascade --model TARGET.gguf --draft DRAFT.gguf   # a pair
-    python scripts/method_ab.py --methods eagle --trace      # + a line per call (sizes chosen per step: 0 = plain)
-    python scripts/method_ab.py --methods cascade ... --drafter-option draft_context=64   # (as `generate`)
+    python scripts/measure/method_ab.py --methods eagle,recycle,medusa [--rounds 3] [--model PATH] [--max-tokens 128]
+    python scripts/measure/method_ab.py --methods cascade --model TARGET.gguf --draft DRAFT.gguf   # a pair
+    python scripts/measure/method_ab.py --methods eagle --trace   # + a line per call (sizes chosen per step: 0 = plain)
+    python scripts/measure/method_ab.py --methods cascade ... --drafter-option head_vocab=32768   # (as `generate`)
 
 One generation per cell (what `specdecode bench` runs) moves by +-5-10% on a 2-core host whose
 speed drifts; here every prompt runs each method `--rounds` times between two plain runs, in an
 order that alternates between rounds and prompts, and the per-prompt ratio is the median over
 rounds of each method's time against the mean of the plain runs around it. The prompts are
 the bench's six held-out kinds: the first Spec-Bench prompt of multi_turn, summarization,
-translation, qa and rag, and HumanEval/0. Each method's LLM keeps its draft budgets between calls,
-as a long-running process does. Prints per method the ratio over all six prompts (sum of plain
-medians / sum of the method's; with the range of each round's own), each prompt's, and whether every
-output equals plain decoding's.
+translation, qa and rag, and HumanEval/0. Each method's engine core keeps its speculation
+controller (the costs and acceptance it measured) between calls, as a long-running process does.
+Prints per method the ratio over all six prompts (sum of plain medians / sum of the method's; with
+the range of each round's own), each prompt's, and whether every output equals plain decoding's.
 
 Every arm runs on one loaded target (the bench's way: `SpecdecodeSystem`): separate `LLM`s each load
 their own copy of the weights, and where a copy lands in memory moves its decoding speed (three
 identical plain LLMs in one process: 370, 371 and 388 ms for the same answer). A drafter that
 remembers finished outputs (suffix, recycle) is put back before each generation to what it knew
 after the warm-up, so it never drafts its own answer to the same prompt from an earlier round; the
-draft budgets carry from call to call.
+controller's measurements carry from call to call.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-from specdecode import LLM, SamplingParams
+from specdecode import LLM
 from specdecode.bench.systems import Cell, SpecdecodeSystem
 from specdecode.cli_common import drafter_option
 from specdecode.datasets import humaneval, spec_bench
+from specdecode.engine.controller import SpeculationController
 from specdecode.fast.linear import cpu_label
 
 TASKS = ("multi_turn", "summarization", "translation", "humaneval", "qa", "rag")
@@ -47,7 +47,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--trace", action="store_true", help="a line per method call: its ratio, steps, drafts, times "
-                                                        "and the draft size its budget chose at each step")
+                                                        "and the draft size the controller chose at each step")
     args = p.parse_args()
     if args.rounds < 1 or args.max_tokens < 1:
         raise SystemExit(f"--rounds and --max-tokens must be >= 1, got {args.rounds} / {args.max_tokens}")
@@ -63,14 +63,25 @@ def main() -> None:
     ids = [llm.encode(p.text, p.chat) for p in prompts]
     warm_up = llm.encode("Write a haiku about the sea.", True)      # none of the six prompts
 
+    chosen: list[int] = []                                 # the size planned at each step of the call running
+    plan = SpeculationController.plan
+
+    def recording(self, rows, pending):
+        sizes = plan(self, rows, pending)
+        chosen.append(sizes[0] if sizes else 0)
+        return sizes
+    SpeculationController.plan = recording
+
     def run(m: str, prompt_ids: list[int]) -> dict:
         if memory.get(m) is not None:                      # what the drafter knew before the rounds
             system.drafter(m, cells[m].k).restore(memory[m])
-        return system.run(cells[m], prompt_ids, args.max_tokens, 0.0, 0)
+        chosen.clear()
+        got = system.run(cells[m], prompt_ids, args.max_tokens, 0.0, 0)
+        got["sizes"] = list(chosen)
+        return got
 
     def trace(r: int, task: str, m: str, got: dict, baseline: float) -> None:
-        budget = system.budgets.get((m, cells[m].k), {}).get(cells[m].k)
-        sizes = "".join(str(min(x, 9)) for x in budget.chosen[-got["steps"]:]) if budget is not None else "-"
+        sizes = "".join(str(min(x, 9)) for x in got["sizes"]) or "-"
         print(f"r{r} {task:13s} {m} x{baseline / got['seconds']:.2f} steps {got['steps']} drafted {got['drafted']} "
               f"accepted {got['accepted']} ms: draft {got['draft_s'] * 1e3:.0f} verify {got['verify_s'] * 1e3:.0f} "
               f"prefill {got['prefill_s'] * 1e3:.0f} plain {baseline * 1e3:.0f} | sizes {sizes}", flush=True)
@@ -80,9 +91,10 @@ def main() -> None:
         run(m, warm_up)
         drafter = system.drafter(m, cells[m].k)
         memory[m] = drafter.memory() if drafter is not None else None
-    if args.trace and system.cost_curves.get(5):          # measured once, by the first adaptive call
-        print("cost curve (rows: ms):", {r: round(t * 1e3, 2) for r, t in sorted(system.cost_curves[5].items())},
-              flush=True)
+    if args.trace:                                         # measured by each method's core at its first call
+        for m in methods:
+            curve = system.cores[m, cells[m].k].costs.curve
+            print(f"{m} cost curve (rows: ms):", {r: round(t * 1e3, 2) for r, t in sorted(curve.items())}, flush=True)
     times: dict[tuple[str, int], list[float]] = {(m, i): [] for m in cells for i in range(len(prompts))}
     ratios: dict[tuple[str, int], list[float]] = {(m, i): [] for m in methods for i in range(len(prompts))}
     outputs: dict[tuple[str, int], list[int]] = {}
@@ -111,12 +123,13 @@ def main() -> None:
         mine = [statistics.median(times[m, i]) for i in range(len(prompts))]
         same = all(outputs[m, i] == outputs["plain", i] for i in range(len(prompts)))
         per = [statistics.median(ratios[m, i]) for i in range(len(prompts))]
-        cells = " ".join(f"{t}:{x:.2f}" for t, x in zip(TASKS, per))
+        per_prompt = " ".join(f"{t}:{x:.2f}" for t, x in zip(TASKS, per))
         # each round's own "all" (its plain runs over its method runs): how far one round moves it
-        rounds = [sum(times["plain", i][r] for i in range(len(prompts))) / sum(times[m, i][r] for i in range(len(prompts)))
+        n = len(prompts)
+        rounds = [sum(times["plain", i][r] for i in range(n)) / sum(times[m, i][r] for i in range(n))
                   for r in range(args.rounds)]
         print(f"{m:11s} all {sum(plain) / sum(mine):.3f} (rounds {min(rounds):.3f}-{max(rounds):.3f})  "
-              f"min {min(per):.2f}  {cells}  identical: {'yes' if same else 'NO'}")
+              f"min {min(per):.2f}  {per_prompt}  identical: {'yes' if same else 'NO'}")
 
 
 if __name__ == "__main__":

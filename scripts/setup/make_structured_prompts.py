@@ -3,7 +3,7 @@ specdecode/data/json_extract/schemas/ (person, product, event, recipe, book), ea
 instruction to extract it as JSON. Every text is composed here from small word lists with a fixed
 seed (written for this project; no third-party text), so the file is reproducible:
 
-    python scripts/make_structured_prompts.py
+    python scripts/setup/make_structured_prompts.py
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import json
 import random
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent.parent / "specdecode" / "data" / "json_extract" / "validation.jsonl"
+OUT = Path(__file__).resolve().parents[2] / "specdecode" / "data" / "json_extract" / "validation.jsonl"
 PER_SCHEMA = 100
 
 FIRST = ["Maria", "Tom", "Aiko", "Lars", "Fatima", "Diego", "Chen", "Olga", "Samuel", "Priya", "Jonas", "Amara",
@@ -73,8 +73,10 @@ def recipe(rng: random.Random) -> str:
     servings, minutes = rng.randint(1, 8), rng.choice([15, 20, 30, 45, 60, 90, 120])
     items = rng.sample([i for i in INGREDIENTS if not veg or i not in ("chicken", "beef", "fish")], rng.randint(2, 5))
     note = "It is vegetarian." if veg else "It contains meat or fish."
-    return rng.choice([f"This {dish} serves {servings} and takes {minutes} minutes. You need {', '.join(items)}. {note}",
-                       f"A {dish} for {servings} people, ready in {minutes} minutes, made with {' and '.join(items)}. {note}"])
+    return rng.choice([f"This {dish} serves {servings} and takes {minutes} minutes. "
+                       f"You need {', '.join(items)}. {note}",
+                       f"A {dish} for {servings} people, ready in {minutes} minutes, "
+                       f"made with {' and '.join(items)}. {note}"])
 
 
 def book(rng: random.Random) -> str:

@@ -5,14 +5,14 @@
 # (64 tokens, Spec-Bench prompts, each level its own prompts) after a warm-up run on HumanEval prompts.
 #
 #   VLLM_PY=/path/to/vllm-venv/bin/python LLAMACPP_PY=/path/to/llamacpp-venv/bin/python \
-#       bash scripts/serve_peers.sh [OUT_DIR]
+#       bash scripts/measure/serve_peers.sh [OUT_DIR]
 #
 # Installing the peers (their own venvs, out of specdecode's): docs/benchmarking.md. A peer whose
 # python is not given is skipped. The embedded model's dense
 # HF directory for vLLM is the one `specdecode info --model` / the HF export writes under
 # ~/.cache/specdecode/converted/ (bf16 weights from the same file); set EMBEDDED_HF to override.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${1:-benchmarks/serve-peers}
 SD=${SD:-.venv/bin/specdecode}
 M15=${M15:-$HOME/.cache/specdecode/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf}

@@ -4,8 +4,8 @@ plain, with the default drafter, and with the original file as a predicted outpu
 per round. Greedy; prints per arm the median tok/s (prefill included and decode only), mean
 accepted length, the speed-ups over plain, and whether every answer was identical to plain's.
 
-    python scripts/edit_speed.py --model ~/.cache/specdecode/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
-    python scripts/edit_speed.py --sessions 2 --rounds 3 --max-tokens 700 --json edit.json
+    python scripts/measure/edit_speed.py --model ~/.cache/specdecode/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+    python scripts/measure/edit_speed.py --sessions 2 --rounds 3 --max-tokens 700 --json edit.json
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))    # this checkout's specdecode
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))    # this checkout's specdecode
 
 
 def main() -> int:

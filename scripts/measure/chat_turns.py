@@ -5,7 +5,7 @@ Prints per turn the prompt tokens, the cached prompt tokens the server reports a
 to the first text). Greedy, 48 tokens per answer.
 
     specdecode serve --port 8000 &
-    python scripts/chat_turns.py --url http://127.0.0.1:8000
+    python scripts/measure/chat_turns.py --url http://127.0.0.1:8000
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))    # this checkout's specdecode
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))    # this checkout's specdecode
 
 QUESTIONS = ["Who is mentioned?", "Summarize the second text.", "What numbers appear?", "Give a title.",
              "Anything else?"]
@@ -42,9 +42,11 @@ def main() -> int:
             if chunk.usage:
                 usage = chunk.usage
         details = getattr(usage, "prompt_tokens_details", None)
-        print(f"turn {turn + 1}: prompt {usage.prompt_tokens} tokens, cached {details.cached_tokens if details else '-'}, "
+        cached = details.cached_tokens if details else "-"
+        print(f"turn {turn + 1}: prompt {usage.prompt_tokens} tokens, cached {cached}, "
               f"TTFT {ttft:.3f} s, answer {time.perf_counter() - started:.2f} s")
-        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]}]
+        messages += [{"role": "assistant", "content": text},
+                     {"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]}]
     return 0
 
 

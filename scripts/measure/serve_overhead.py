@@ -3,12 +3,13 @@
 client, non-streamed and streamed), alternating arm by arm per prompt so that a noisy CPU spreads
 over all of them. Greedy, `--max-tokens` tokens per answer (EOS ignored), prefill included.
 
-    python scripts/serve_overhead.py                                   # embedded model, 6 prompts x 2 rounds
-    python scripts/serve_overhead.py --model qwen2.5-coder-1.5b-q4_k_m.gguf --max-tokens 128
+    python scripts/measure/serve_overhead.py                                   # embedded model, 6 prompts x 2 rounds
+    python scripts/measure/serve_overhead.py --model qwen2.5-coder-1.5b-q4_k_m.gguf --max-tokens 128
 
-Arms: offline / server / server-stream / server-stream-raw, each plain (k = 0; `speculate: false`) and speculative
-(the default drafter; the server's automatic policy). Prints median tok/s per arm and the ratio of
-each server arm to the offline arm of the same kind; `--json FILE` keeps every measurement.
+Arms: offline / server / server-stream / server-stream-raw, each plain (k = 0; `speculate: false`) and
+speculative (the default drafter; each row's draft size chosen by the speculation controller). Prints
+median tok/s per arm and the ratio of each server arm to the offline arm of the same kind; `--json FILE`
+keeps every measurement.
 `server-stream-raw` reads the same stream with httpx, line by line, without parsing the chunks: the
 server's streaming cost without the openai client's (pydantic per chunk), which shares the cores.
 """

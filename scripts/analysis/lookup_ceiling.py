@@ -6,7 +6,7 @@ drafts would be accepted. This script replays those outputs step by step, exactl
 engine would run them (context = prompt + output so far; drafts capped so the output never
 passes its length; a step emits the accepted drafts plus one target token), and prices each
 step with the measured cost of a verify pass of k+1 tokens relative to one decode step
-(`scripts/perf_core.py`, benchmarks/CORE.md). Reported per policy:
+(`scripts/measure/perf_core.py`; benchmarks/RESULTS.md, "Verify-pass cost"). Reported per policy:
 
 * mean accepted length (bonus included) and decode speed-up = tokens / summed step costs;
 * the check that matters first: the replay of the shipped n-gram drafter must reproduce the
@@ -15,7 +15,7 @@ step with the measured cost of a verify pass of k+1 tokens relative to one decod
   so an upper bound for any length rule); a tree of the m latest distinct lookup continuations
   verified in one pass (rows of the prefix tree priced by the same table); perfect drafts.
 
-Usage: python scripts/lookup_ceiling.py benchmarks/full [--costs 1.09,1.15,...] [--json out.json]
+Usage: python scripts/analysis/lookup_ceiling.py benchmarks/full [--costs 1.09,1.15,...] [--json out.json]
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ import numpy as np
 from specdecode import LLM, datasets
 from specdecode.drafters.ngram import latest_match, lookup, occurrences
 
-# verify pass of k+1 tokens / one decode step, k = 1..8: benchmarks/CORE.md (AVX512-BF16, 2 threads)
+# verify pass of k+1 tokens / one decode step, k = 1..8: the embedded model in bf16 (Zen 4, 2 threads),
+# benchmarks/RESULTS.md, "Verify-pass cost"
 DEFAULT_COSTS = (1.09, 1.15, 1.18, 1.20, 1.24, 1.29, 1.30, 1.41)
 
 
@@ -143,7 +144,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("bench_dir", type=Path, help="output directory of a greedy `specdecode bench` run")
     parser.add_argument("--costs", default=",".join(map(str, DEFAULT_COSTS)),
-                        help="verify pass of k+1 tokens / one decode step for k = 1, 2, ... (default: CORE.md)")
+                        help="verify pass of k+1 tokens / one decode step for k = 1, 2, ... "
+                             "(default: benchmarks/RESULTS.md's, embedded model in bf16)")
     parser.add_argument("--k-max", type=int, default=12, help="longest draft tried (default 12)")
     parser.add_argument("--tasks", default=None, help="only these tasks (comma-separated; default all of the run)")
     parser.add_argument("--goal", type=float, default=2.5, help="end-to-end speed-up to size the drafts for")

@@ -1,6 +1,6 @@
 """How close the native quantized path stays to the same weights in fp32.
 
-    python scripts/native_quality.py [--model PATH] [--prompts 8] [--tokens 300]
+    python scripts/measure/native_quality.py [--model PATH] [--prompts 8] [--tokens 300]
 
 Teacher-forces the first tokens of Spec-Bench questions (every `len // prompts`-th of the 480)
 through the model on its native quantized weights and through the same weights dequantized to fp32
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from specdecode.models.loader import load_model
 
-QUESTIONS = Path(__file__).resolve().parents[1] / "specdecode/data/spec_bench/question.jsonl"
+QUESTIONS = Path(__file__).resolve().parents[2] / "specdecode/data/spec_bench/question.jsonl"
 
 
 def main() -> None:
@@ -59,6 +59,7 @@ def main() -> None:
               f"{agree / total:.1%} over {total} positions of {len(ids)} prompts")
     if args.llamacpp:
         from llama_cpp import Llama
+
         from specdecode.models.loader import default_model_path
         path = str(args.model or default_model_path())
         llm = Llama(model_path=path, n_ctx=args.tokens + 8, logits_all=True, n_threads=args.threads, verbose=False)

@@ -2,7 +2,7 @@
  * cache shaped like SmolLM2-135M (30 layers, 3 kv heads x 3 q heads, head_dim 64, block 16), random
  * keys and values.  Built against a kernels.c source tree (e.g. another revision's, to compare):
  *   gcc -O3 -march=native -fopenmp -std=gnu11 -ffp-contract=off -mamx-tile -mamx-bf16 -mamx-int8 \
- *       -Wno-psabi -I specdecode/fast scripts/attention_micro.c -o /tmp/am -lm
+ *       -Wno-psabi -I specdecode/fast scripts/measure/attention_micro.c -o /tmp/am -lm
  *   /tmp/am CTX ROWS REPS [scatter [rowmajor]]
  * Prints the minimum and median over REPS of one decode step's attention (all layers, kv heads and
  * rows) in ms, and a checksum of the outputs.  scatter=1: the rows' blocks in a random order in the

@@ -1,6 +1,7 @@
 """Does a draft model's reduced LM head (`head_vocab`, FR-Spec) agree with its target as often as its whole head?
 
-    python scripts/head_vocab_agreement.py --model TARGET.gguf --draft DRAFT.gguf [--per-task 3] [--sizes 32768,65536]
+    python scripts/analysis/head_vocab_agreement.py --model TARGET.gguf --draft DRAFT.gguf [--per-task 3] \
+        [--sizes 32768,65536]
 
 For the first --per-task prompts of six Spec-Bench tasks and of HumanEval: the target's greedy answer
 (128 tokens at most), then the draft teacher-forced over prompt + answer; per position, whether the
@@ -17,10 +18,17 @@ import torch
 from specdecode import LLM, SamplingParams
 from specdecode.datasets import humaneval, spec_bench
 from specdecode.drafters.vocab_rank import frequent_ids
-
-from draft_agreement import logits_over       # scripts/ (this script's folder is first on sys.path)
+from specdecode.forward import ForwardBatch
 
 TASKS = ("multi_turn", "summarization", "translation", "qa", "rag", "math_reasoning")
+
+
+def logits_over(model, ids: list[int]) -> torch.Tensor:      # -> [len(ids), vocab]
+    """A native model's logits at every position of `ids` (one pass, a fresh cache)."""
+    cache = model.new_cache(1, len(ids) + 8)
+    fb = ForwardBatch.chain(torch.tensor([ids]), 0, torch.arange(1))
+    with torch.inference_mode():
+        return model.logits(model.run(fb, cache), fb.logit_index)[0].float()
 
 
 def main() -> None:
@@ -63,9 +71,9 @@ def main() -> None:
     print("per task (agreement, tokens pooled):")
     for task in dict.fromkeys(t for t, _ in prompts):
         print(f"{task:14s} " + "  ".join(f"{n} {pooled[task, n][0] / pooled[task, n][1]:.3f}" for n in heads))
-    print("all            " + "  ".join(
-        f"{n} {sum(v[0] for (t, m), v in pooled.items() if m == n) / sum(v[1] for (t, m), v in pooled.items() if m == n):.3f}"
-        for n in heads))
+    right = {n: sum(v[0] for (_, m), v in pooled.items() if m == n) for n in heads}
+    tokens = {n: sum(v[1] for (_, m), v in pooled.items() if m == n) for n in heads}
+    print("all            " + "  ".join(f"{n} {right[n] / tokens[n]:.3f}" for n in heads))
 
 
 if __name__ == "__main__":

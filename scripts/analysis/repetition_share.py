@@ -1,6 +1,6 @@
 """How much of each method's gain comes from outputs that repeat themselves.
 
-    python scripts/repetition_share.py benchmarks/RUN_DIR [--ngram 4] [--threshold 0.5]
+    python scripts/analysis/repetition_share.py benchmarks/RUN_DIR [--ngram 4] [--threshold 0.5]
 
 Reads a `specdecode bench` run's measurements.jsonl. For every prompt, the *self-repeat share*
 of its plain output is the fraction of output tokens that lookup on the output itself predicts:
@@ -57,14 +57,14 @@ def main() -> None:
         own = {(r["task"], str(r["prompt_id"])): r for r in runs if (r["method"], r["k"]) == (method, k)}
         keys = [key for key in own if key in plain]
 
-        def speed(group):
+        def speed(group, own=own):
             spec_s = sum(own[key]["seconds"] for key in group)
             plain_s = sum(plain[key]["seconds"] for key in group)
             spec_tok = sum(own[key]["tokens"] for key in group)
             plain_tok = sum(plain[key]["tokens"] for key in group)
             return (spec_tok / spec_s) / (plain_tok / plain_s) if spec_s and plain_s and plain_tok else float("nan")
 
-        def saved(group):    # plain seconds minus the method's, per token of the method's output
+        def saved(group, own=own):    # plain seconds minus the method's, per token of the method's output
             return sum(plain[key]["seconds"] - own[key]["seconds"] * plain[key]["tokens"] / max(own[key]["tokens"], 1)
                        for key in group)
 

@@ -6,7 +6,7 @@
 3. Cost of one verify pass of k+1 tokens, k = 1..8, relative to one decode step.
 4. N-gram speculation on Spec-Bench summarization and RAG prompts: speed-up and mean accepted length.
 
-Usage: python scripts/perf_core.py [--dtype bf16] [--tokens 128] [--repeats 3] [--prompts 5] [--json out.json]
+Usage: python scripts/measure/perf_core.py [--dtype bf16] [--tokens 128] [--repeats 3] [--prompts 5] [--json out.json]
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def main() -> int:
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
         dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-        hf = AutoModelForCausalLM.from_pretrained(str(llm.target.path), dtype=dtype).eval()
+        hf = AutoModelForCausalLM.from_pretrained(str(llm.target.dense_path()), dtype=dtype).eval()
         time_plain_hf(hf, ids, 8)
     native, base = [], []
     for _ in range(args.repeats):
@@ -106,7 +106,8 @@ def main() -> int:
                           "floor_ms_per_token": floor_ms, "measured_ms_per_token": measured_ms,
                           "fraction_of_floor": floor_ms / measured_ms}
     print(f"2. roofline: {weight_bytes / 1e6:.0f} MB of weights per token, read bandwidth {bandwidth:.1f} GB/s "
-          f"-> floor {floor_ms:.2f} ms/token; measured {measured_ms:.2f} ms/token = {floor_ms / measured_ms:.0%} of the floor")
+          f"-> floor {floor_ms:.2f} ms/token; measured {measured_ms:.2f} ms/token = "
+          f"{floor_ms / measured_ms:.0%} of the floor")
 
     # 3. verify cost
     costs = verify_costs(llm.target.model)

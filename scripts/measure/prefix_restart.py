@@ -4,7 +4,7 @@ is stopped with SIGTERM (a graceful stop writes what the cache holds), started a
 DIR, and asked two other questions on the same document. Prints prompt tokens, cached tokens and
 TTFT (streamed, to the first text) of each question and what DIR holds.
 
-    python scripts/prefix_restart.py [--model PATH] [--dir DIR]
+    python scripts/measure/prefix_restart.py [--model PATH] [--dir DIR]
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))    # this checkout's specdecode
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))    # this checkout's specdecode
 
 
 def ask(client, model: str, document: str, question: str) -> str:

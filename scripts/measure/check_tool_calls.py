@@ -5,7 +5,7 @@ without max_tokens; the client's pydantic helpers. Exit code 1 when a call does 
 `tool_calls` with the Person's three fields.
 
     specdecode serve --model qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --port 8020 &
-    python scripts/check_tool_calls.py --base-url http://127.0.0.1:8020/v1
+    python scripts/measure/check_tool_calls.py --base-url http://127.0.0.1:8020/v1
 """
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ def main() -> int:
                 ok = a_person(r)
                 good &= ok
                 print(f"{label:8s} T={temperature} stream={stream!s:5s} finish={r['finish']} calls={r['calls']} "
-                      f"content={r['content']!r:.40} tokens={len(r['ids'])} {r['seconds']:.1f}s {'ok' if ok else 'FAIL'}")
+                      f"content={r['content']!r:.40} tokens={len(r['ids'])} {r['seconds']:.1f}s "
+                      f"{'ok' if ok else 'FAIL'}")
     for label, choice in (("named", NAMED), ("required", "required"), ("auto", "auto")):
         on, off = (ask(client, model, choice, 0.0, False, speculate=s) for s in (True, False))
         same = on["ids"] == off["ids"] and on["calls"] == off["calls"]
@@ -93,9 +94,11 @@ def main() -> int:
         name: str
         age: int
         city: str
-    parsed = client.chat.completions.parse(model=model, messages=MESSAGES, tools=[openai.pydantic_function_tool(Person)],
-                                           tool_choice=NAMED, temperature=0)
-    print("parse(tools=[pydantic_function_tool(Person)]):", repr(parsed.choices[0].message.tool_calls[0].function.parsed_arguments))
+    parsed = client.chat.completions.parse(model=model, messages=MESSAGES,
+                                           tools=[openai.pydantic_function_tool(Person)], tool_choice=NAMED,
+                                           temperature=0)
+    call = parsed.choices[0].message.tool_calls[0]
+    print("parse(tools=[pydantic_function_tool(Person)]):", repr(call.function.parsed_arguments))
     parsed = client.chat.completions.parse(model=model, messages=MESSAGES, response_format=Person, temperature=0)
     print("parse(response_format=Person):", repr(parsed.choices[0].message.parsed))
     print("all good" if good else "FAILED")

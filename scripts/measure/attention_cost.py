@@ -1,12 +1,12 @@
 """Cost of one decode step at long contexts (attention), old kernels vs new, alternating.
 
-One decode step (1 token per row; --tokens N: a verify pass of N) of the embedded model through FusedDecoder.forward_rows on a
-PagedKVCache (block 16) + the LM head, for several contexts and batch sizes.  With --base REF the
-kernels of git revision REF are compiled too (same flags) and the two builds alternate round by
-round in the same process, so machine noise hits both alike; the table gives the median and the
-minimum of the single steps of each build.
+One decode step (1 token per row; --tokens N: a verify pass of N) of the embedded model through
+FusedDecoder.forward_rows on a PagedKVCache (block 16) + the LM head, for several contexts and batch
+sizes.  With --base REF the kernels of git revision REF are compiled too (same flags) and the two
+builds alternate round by round in the same process, so machine noise hits both alike; the table
+gives the median and the minimum of the single steps of each build.
 
-Usage: python scripts/attention_cost.py [--base main] [--ctx 300 1500] [--batch 1 8 32]
+Usage: python scripts/measure/attention_cost.py [--base main] [--ctx 300 1500] [--batch 1 8 32]
                                         [--rounds 5] [--steps 10] [--scatter] [--threads 1 --cputime]
 --scatter: the rows take their blocks one at a time in a random order, so a row's blocks lie
 scattered in the pool as when many requests grow at once (default: each row's blocks in order).
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's specdecode, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # this checkout's specdecode, not an installed one
 
 
 def cpu_name() -> str:
@@ -55,10 +55,10 @@ def build_rev(rev: str) -> Path:
 
 def use_lib(fused, lib) -> None:
     """Point a FusedDecoder's native entry points at `lib` (same struct layouts)."""
-    P, I = ctypes.c_void_p, ctypes.c_int
+    P, N = ctypes.c_void_p, ctypes.c_int
     rows_fn, head_fn = lib.sd_decoder_rows, lib.sd_decoder_head
-    rows_fn.argtypes, rows_fn.restype = [P, P, P, P, P, P, I, P, I, P, I], I
-    head_fn.argtypes, head_fn.restype = [P, P, I, P, I], I
+    rows_fn.argtypes, rows_fn.restype = [P, P, P, P, P, P, N, P, N, P, N], N
+    head_fn.argtypes, head_fn.restype = [P, P, N, P, N], N
     fused._rows_fn, fused._head_fn = rows_fn, head_fn
 
 
@@ -89,9 +89,9 @@ def main() -> None:
     clock = time.thread_time if args.cputime else time.perf_counter
 
     from specdecode import LLM
+    from specdecode.cache.paged import PagedKVCache
     from specdecode.fast import linear as lin
     from specdecode.forward import ForwardBatch
-    from specdecode.cache.paged import PagedKVCache
 
     llm = LLM(method="none")
     m = llm.target.model
@@ -103,10 +103,12 @@ def main() -> None:
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; model {c.num_layers} layers, "
           f"{c.num_heads} q / {c.num_kv_heads} kv heads, head_dim {c.head_dim}, {m.dtype}; "
           f"paged block 16{', scattered blocks' if args.scatter else ''}")
-    print(f"{'CPU' if args.cputime else 'wall'} ms per {'decode step' if args.tokens == 1 else f'pass of {args.tokens} tokens per row'}: median (min) of {args.rounds} rounds x {args.steps} steps"
+    unit = "decode step" if args.tokens == 1 else f"pass of {args.tokens} tokens per row"
+    clock_name = "CPU" if args.cputime else "wall"
+    print(f"{clock_name} ms per {unit}: median (min) of {args.rounds} rounds x {args.steps} steps"
           + (f" (builds alternate: {' / '.join(libs)})" if len(libs) > 1 else ""))
     rng = random.Random(0)
-    text = llm.tokenizer.encode(Path(__file__).resolve().parents[1].joinpath("README.md").read_text())
+    text = llm.tokenizer.encode(Path(__file__).resolve().parents[2].joinpath("README.md").read_text())
     text = (text * (max(args.ctx) // len(text) + 1))[:max(args.ctx)]
     for ctx in args.ctx:
         for B in args.batch:
@@ -131,7 +133,7 @@ def main() -> None:
             fb = ForwardBatch.chain(x, torch.tensor([ctx] * B), torch.arange(B))
             none = torch.arange(args.tokens).repeat(B, 1)
             times = {name: [] for name in libs}
-            for rnd in range(args.rounds):
+            for _ in range(args.rounds):
                 for name, lib in libs.items():
                     use_lib(fused, lib)
                     for _ in range(2):
