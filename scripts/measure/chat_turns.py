@@ -2,7 +2,7 @@
 Spec-Bench summarization and RAG texts (~2.9k tokens on the embedded model) and a question, then
 five short follow-up questions, each turn re-sending the whole conversation (as chat clients do).
 Prints per turn the prompt tokens, the cached prompt tokens the server reports and TTFT (streamed,
-to the first text). Greedy, 48 tokens per answer.
+to the first text), and the decode speed after it. Greedy, 48 tokens per answer.
 
     specdecode serve --port 8000 &
     python scripts/measure/chat_turns.py --url http://127.0.0.1:8000
@@ -43,8 +43,10 @@ def main() -> int:
                 usage = chunk.usage
         details = getattr(usage, "prompt_tokens_details", None)
         cached = details.cached_tokens if details else "-"
-        print(f"turn {turn + 1}: prompt {usage.prompt_tokens} tokens, cached {cached}, "
-              f"TTFT {ttft:.3f} s, answer {time.perf_counter() - started:.2f} s")
+        answer = time.perf_counter() - started
+        decode = (usage.completion_tokens - 1) / max(answer - ttft, 1e-9)
+        print(f"turn {turn + 1}: prompt {usage.prompt_tokens} tokens, cached {cached}, TTFT {ttft:.3f} s, "
+              f"answer {answer:.2f} s, {usage.completion_tokens} tokens, {decode:.0f} tok/s after the first")
         messages += [{"role": "assistant", "content": text},
                      {"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]}]
     return 0

@@ -168,9 +168,9 @@ class SpeculationController:
         mode = mode if self.adaptive else ON
         top = max(k, span)
         row = RowSpec(k, mode, tuple(sorted({s for s in LEVELS if s <= top} | {k, top})), pinned)
-        if mode != AUTO or (self.shadowed and not predicted):
-            return row                            # a stateless drafter's row: plain until shadows say otherwise
-        template = self.template
+        if mode != AUTO:
+            return row
+        template = self.template                  # only a drafter with state has one (finish_row)
         if template is not None and not predicted and not pinned:
             for s in row.levels:
                 if s in template.gain:
@@ -182,7 +182,11 @@ class SpeculationController:
             row.probe_wait = (min(template.probe_wait, max(cap, self.probe_floor(self.costs, 1)))
                               if template.probe_interval > cap else max(PROBE_EVERY, min(template.probe_wait, cap)))
             return row
-        for s in row.levels[1:]:                  # the prior: every position accepted at prior_acceptance
+        # the prior: every position accepted at prior_acceptance, up to 4 drafts. A stateless drafter's
+        # row starts there too: its first proposal is verified (the first verified step weighs 0.9
+        # against the prior, so one miss ends it), where plain-first waited for several shadows to
+        # come true and a short answer that copies was half over before it drafted
+        for s in row.levels[1:]:
             if s <= 4:
                 row.gain[s], row.nodes[s] = expected_tokens(self.prior_acceptance, s), float(s)
                 row.carried.add(s)

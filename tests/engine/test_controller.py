@@ -152,11 +152,15 @@ def test_drafting_costs_per_node_and_per_drafting_row_with_no_zero_prior():
 
 
 def test_shadow_drafts_start_a_stateless_drafters_rows_drafting():
-    """A lookup's rows start plain; shadows are averaged over ~10 of them: where one shadow in ten
-    has its first token right, a lucky one does not start drafting; a run that comes true does."""
+    """A lookup's row drafts its first proposal at once (the prior); once a verified draft missed, it
+    runs plain and shadows are averaged over ~10 of them: where one shadow in ten has its first
+    token right, a lucky one does not start drafting again; a run that comes true does."""
     curve = {1: 1.0, 2: 1.1, 4: 1.4, 8: 2.2}
     ctrl = controller(curve)
     row = ctrl.new_row(4)
+    size = ctrl.plan([row], [1])[0]
+    assert size > 0
+    ctrl.observe([row], [size], [size], [[]], 1 + size, interpolate(curve, 1 + size), 0.0)   # wrong at once
     assert ctrl.plan([row], [1]) == [0]
     for _ in range(40):
         row.shadow = (3, [4, 5, 6, 7], None, 4)

@@ -81,8 +81,9 @@ def test_rows_that_never_draft_never_reach_the_drafter_and_shadows_are_one_call(
     assert all(len(tokens) == 12 for tokens, _ in out)
     seen = {r for call in spy.proposed for r in call}
     assert seen == {"job0", "job2"} and "job1" not in spy.committed | spy.prefilled
-    # wrong drafts: the rows decode plain and every step drafts their shadows in one call
-    assert out[0][1].speculation["drafted_tokens"] == 0
+    # wrong drafts: a row's first proposal is verified (the prior), then it decodes plain and every
+    # step drafts its shadows in one call
+    assert 0 < out[0][1].speculation["drafted_tokens"] <= 4
     assert max(len(call) for call in spy.proposed) == 2 and len(spy.proposed) >= 10
 
 
