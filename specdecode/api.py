@@ -35,14 +35,14 @@ class RequestOutput:
 
 def default_method(draft: object | None, target: LoadedModel | None = None, drafter_path: str | None = None) -> str:
     """cascade with a draft model (suffix-index lookup where the text repeats at length, the draft
-    model elsewhere: on the pair's HumanEval runs 1.48-1.50x against the draft model's 1.39-1.41x,
-    benchmarks/RESULTS.md); with a trained drafter directory: medusa for Medusa heads, cascade
-    (EAGLE head + n-gram) for an EAGLE head; else ngram.
+    model elsewhere: a lookup path costs nothing to draft, so where the text repeats it beats the
+    draft model's tokens; docs/drafters.md, "What was tried"); with a trained drafter directory:
+    medusa for Medusa heads, cascade (EAGLE head + n-gram) for an EAGLE head; else ngram.
 
-    The EAGLE drafter shipped for the embedded model is not the default: on the quick benchmark
-    (benchmarks/RESULTS.md) it does not beat n-gram drafting on this project's CPU, where a
-    verify pass costs ~0.17 decode steps per extra token; use it with `method="eagle"` or
-    `"cascade"`."""
+    The EAGLE drafter shipped for the embedded model is not the default: every extra token of a
+    verify pass costs a fraction of a decode step on a CPU, and the head's acceptance does not win
+    that back against n-gram drafting (docs/drafters.md, "Trained drafters"); use it with
+    `method="eagle"` or `"cascade"`."""
     if draft is not None:
         return "cascade"
     if drafter_path is not None:

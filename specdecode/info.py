@@ -97,7 +97,7 @@ def kernels(flags: set[str] | None = None) -> dict:
            "compiler": os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc"),
            "simde": _simde_dir(), "cache_dir": str(linear.kernel_cache()), "qamx_min_rows": qamx_min_rows()}
     if flags is None and plan["isa"] != "none":
-        got = linear.features()                      # compiles on first use (~1 s), then cached
+        got = linear.features()                      # compiles on first use, then cached
         out["loaded"] = got["isa"] != "none"
         out["reason"] = got["reason"]
         if not out["loaded"]:                        # e.g. the compiler failed: the eager path runs

@@ -205,7 +205,7 @@ def _apply_filters(out: torch.Tensor, params: Sequence[SamplingParams], rows: li
     """top_k, then top_p, then min_p on the (already temperature-scaled) rows, in place.
 
     Each filter is a per-(row, position) logit cutoff; rows where a filter is disabled get a
-    cutoff of -inf. (Avoid exp() of -inf entries: on CPU it is ~20x slower than softmax.)
+    cutoff of -inf. (Avoid exp() of -inf entries: on CPU it is far slower than softmax.)
     """
     vocab = out.shape[-1]
     device = out.device
@@ -229,7 +229,7 @@ def _apply_filters(out: torch.Tensor, params: Sequence[SamplingParams], rows: li
     if any(p < 1.0 for p in top_p):
         # The nucleus is usually a few hundred tokens at most: look for its cutoff among the top
         # `candidates` logits and widen only if some row's nucleus does not end inside them --
-        # a full sort of a 49k vocabulary costs ~20x more than topk(256).
+        # a full sort of the whole vocabulary costs many times a topk(256).
         if not all(p >= 1.0 or k < vocab for p, k in zip(top_p, top_k)):
             window = None                      # some top_p row has no top_k: its own window
         cutoff = _nucleus_cutoff(sub, _row_tensor(top_p, device), window)

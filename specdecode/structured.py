@@ -1,10 +1,10 @@
 """Structured output: a grammar decides which tokens may come next, losslessly under speculation.
 
 The grammar engine is llguidance (Microsoft's, the one behind guidance and in vLLM / SGLang /
-llama.cpp): a Rust Earley parser over the tokenizer's whole vocabulary, ~50 us per token mask on
-the embedded 49k vocabulary, JSON schema / regex / Lark (and GBNF through its converter), and it
-computes forced tokens itself. `Structured` says what to follow; `Constraint` follows it for one
-sequence.
+llama.cpp): a Rust Earley parser over the tokenizer's whole vocabulary, fast enough to mask every
+scored position of a step (docs/structured-output.md, "How it stays lossless, and fast"), JSON
+schema / regex / Lark (and GBNF through its converter), and it computes forced tokens itself.
+`Structured` says what to follow; `Constraint` follows it for one sequence.
 
 Lossless: the allowed-token mask is the first step of the shared logits transform
 (`sampling.transform_logits(allowed=...)`), computed at every position a target pass scores:
@@ -17,9 +17,9 @@ is only a wasted node).
 
 Greedy rows need no whole masks: the masked argmax is the unmasked argmax whenever the grammar
 allows that token (the mask only sets others to -inf, first, and every later step of the transform
-is per token), so `mask_greedy` checks the argmax at each scored position (a parser step, a few
-microseconds) and computes the mask (~100-150 us on a 49k vocabulary) only where the grammar
-forbids it. Rows that report log-probabilities or sample get every mask.
+is per token), so `mask_greedy` checks the argmax at each scored position (one parser step) and
+computes the mask (a walk over the whole vocabulary, far dearer) only where the grammar forbids it.
+Rows that report log-probabilities or sample get every mask.
 
 Forced tokens (jump-forward): where the grammar allows exactly one continuation, those tokens
 (`Constraint.forced`) have probability 1 under the masked target distribution whatever the logits
@@ -89,7 +89,7 @@ class Structured:
 
 
 class GrammarTokenizer:
-    """The target's vocabulary as llguidance sees it (built once per tokenizer, ~1 s)."""
+    """The target's vocabulary as llguidance sees it (built once per tokenizer: it reads every token)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         from llguidance import LLTokenizer
@@ -180,7 +180,7 @@ class Constraint:
                 return True
             if m.is_stopped():
                 return None
-            if m.compute_ff_bytes():     # (~1 us; forced tokens come from forced bytes, ~30 us)
+            if m.compute_ff_bytes():     # (cheap; the dearer forced tokens only where bytes are forced)
                 forced = m.compute_ff_tokens()
                 return int(token) == forced[0] if forced else None
             if token in self.eos_token_ids:

@@ -262,9 +262,9 @@ class PagedKVCache:
         return slot_block.to(dev), slot_offset.to(dev), table.to(dev), key_len
 
     def layout(self, rows: list[int], starts: list[int], num_tokens: int) -> CacheLayout:
-        """Block tables of a pass for native kernels (grows the rows like a pass's first write). A
-        row's table changes once per block, so its int32 tensor is kept until then (every step
-        builds the tables: ~0.1 ms of Python a step where the small model's step is ~3 ms)."""
+        """Block tables of a pass for native kernels (grows the rows like a pass's first write). A row's
+        table changes once per block, so its int32 tensor is kept until then (every step builds the
+        tables, and building them anew in Python is a visible share of a small model's step)."""
         _, block, heads, head_dim = self.keys[0].shape
         for row, s in zip(rows, starts):
             self._grow(row, s + num_tokens)

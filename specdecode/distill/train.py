@@ -58,7 +58,8 @@ class TrainState:
 
 def bf16_autocast_pays(device: torch.device) -> bool:
     """bf16 autocast speeds training up on GPUs and on CPUs whose oneDNN has bf16 GEMMs (AVX-512 and
-    up); elsewhere (AVX2-only CPUs) torch falls back to a scalar bf16 GEMM ~50x slower than fp32."""
+    up); elsewhere (AVX2-only CPUs) torch falls back to a scalar bf16 GEMM, far slower than fp32
+    (docs/training.md, "What was tried")."""
     if device.type != "cpu":
         return True
     try:

@@ -86,7 +86,8 @@ class DraftProposal:
 
     def main_paths(self) -> list[tuple[list[int], list[int]]]:
         """Per row (main_path_nodes, main_path), converting each tensor once (shadow drafts read
-        every row's path at plain steps, where a few tensor reads per row cost ~30 us)."""
+        every row's path at plain steps, where tensor reads per row add up: specdecode/engine/README.md,
+        "Rules the code keeps")."""
         counts, tokens = self.num_tokens.tolist(), self.tokens.tolist()
         parents = self.parents.tolist() if self.parents is not None else None
         paths = []
@@ -123,7 +124,7 @@ class DraftProposal:
         """Point-mass chain proposal from per-row token lists (ragged)."""
         k = max((len(d) for d in drafts), default=0)
         # two tensors built from lists: a lookup drafter proposes at every step, shadows included,
-        # and a tensor per row (and a copy into a zeroed one) cost ~30 us there
+        # where a tensor per row (and a copy into a zeroed one) would cost more than the drafting
         tokens = torch.tensor([list(d) + [0] * (k - len(d)) for d in drafts], dtype=torch.long).reshape(len(drafts), k)
         return DraftProposal(tokens, torch.tensor([len(d) for d in drafts], dtype=torch.long), None)
 
@@ -132,7 +133,8 @@ class DraftProposal:
         """Point-mass tree proposal from per-row lists of (token, parent) nodes in topological
         order (parent -1: the root). Raises ValueError on a malformed tree. Where every row's tree
         is a chain (a prediction's draft, a lookup's one continuation), a chain proposal: the
-        verifier's cheaper path, without `simplified`'s tensor test (37-400 us a step)."""
+        verifier's cheaper path, without `simplified`'s tensor test (dear at every step of a
+        lookup drafter)."""
         if all(p == i - 1 for nodes in trees for i, (_, p) in enumerate(nodes)):
             return DraftProposal.from_lists([[t for t, _ in nodes] for nodes in trees])
         n = max((len(t) for t in trees), default=0)

@@ -14,10 +14,10 @@ finished outputs; its tree's main path is the draft). A row takes that path wher
 to give more than the second drafter: the expected accepted tokens of each (1 + a + ... + a^n less
 the bonus token, with a the acceptance per token each source has had so far: the second drafter's,
 and lookup paths' of about that length, from priors), the second drafter's less its drafting time in
-target steps (`relative_cost` per token). So a path of 3 is taken over 5 tokens of a 0.5B draft at
-0.35 of a step each, where the old rule (a path at least the step's draft size) dropped it, and
-one-token matches, right about a third of the time, are not. `lookup_min_tokens=N` (1-64) restores
-a fixed length threshold.
+target steps (`relative_cost` per token). So a short path is taken over a longer chain of a draft
+model whose tokens each cost a good share of a step, and one-token matches, often coincidences, are
+not. `lookup_min_tokens=N` (1-64) sets a fixed length threshold instead (docs/drafters.md, "What
+was tried").
 
 Lookup drafts are point masses. When the head samples (probs given) in the same step, a lookup
 row gets one-hot distributions, which is the exact distribution its draft came from, so
@@ -39,9 +39,8 @@ from .suffix import SuffixDrafter
 
 LOOKUPS = ("ngram", "suffix")
 # acceptance per token of each source before it is measured: the draft model's, and lookup paths' by
-# their length (a long match is a copy, one of a token or two often a coincidence; measured on the
-# 1.5B / 0.5B pair over six Spec-Bench / HumanEval prompts: 0.36, 0.55, 0.71, 0.88 and 0.80 for paths
-# of 1, 2, 3, 4-7 and 8+ tokens, 0.67 for the 0.5B draft)
+# their length (a long match is a copy, one of a token or two often a coincidence; where the values
+# come from: docs/drafters.md, "The methods")
 PRIORS = {"head": 0.6, "lookup1": 0.4, "lookup2": 0.55, "lookup3": 0.7, "lookup4": 0.8, "lookup8": 0.85}
 LENGTHS = (1, 2, 3, 4, 8)               # the lookup length buckets above
 PRIOR_WEIGHT = 4.0                      # ... worth this many observed tokens

@@ -94,8 +94,8 @@ class EagleDrafter(Drafter):
         self.final_norm = model.final_norm
         self.lm_head = link(model.lm_head_weight.index_select(0, self.draft_vocab).contiguous(), None)
         self.vocab = model.vocab_size
-        # priors of the draft budget: a head pass reads its layer and LM-head rows (the embedded model's: 0.12
-        # of the target's weight bytes; 0.43 ms against a 2.4-2.9 ms step), and the held-out acceptance
+        # priors of the draft budget: a head pass reads its layer and LM-head rows, so its cost is their share of
+        # the target's weight bytes (a pass is bound by the bytes it reads); and the held-out acceptance
         head_bytes = (sum(weights[f"{name}.weight"].numel() for name in ("fc", "qkv", "o", "gate_up", "down"))
                       + self.draft_vocab.numel() * model.config.hidden_size) * self.embed.element_size()
         self.capabilities = replace(self.capabilities, relative_cost=head_bytes / max(weights_bytes(model), 1),
@@ -110,8 +110,9 @@ class EagleDrafter(Drafter):
     def prepare(self, batch_size: int, max_len: int) -> DrafterState:
         c = self.config
         room = 64 if self.tree_topk > 1 else 0       # a tree's head slots past the row's end (< 64 bits)
-        # keys and values in float32: on a CPU attention over ~660 bfloat16 slots took 0.24-0.3 ms a
-        # pass (of 0.7), float32's 0.04 ms; the cache is one layer
+        # keys and values in float32: on a CPU attention over bfloat16 keys is several times slower and a
+        # large share of a head pass at a long context (docs/drafters.md, "Trained drafters"); the cache
+        # is one layer, so the bytes are few
         self.cache = KVCache(1, batch_size, c.num_kv_heads, c.head_dim, max_len + room, torch.float32, self.device)
         self.features = torch.zeros(batch_size, max_len, c.hidden_size, dtype=self.dtype, device=self.device)
         self.head_from = torch.zeros(batch_size, dtype=torch.long)
@@ -159,7 +160,7 @@ class EagleDrafter(Drafter):
         """`_pass` of one row's chain (the single-request case): it writes the cache row in place
         and attends to a view of the slots it computed (head_from .. start+T-1), with no mask at one
         slot and a causal one (T x slots) at a catch-up, where the general pass copies the row's
-        cache and masks every slot before it (0.08 + 0.2 ms a pass at ~660 slots)."""
+        cache and masks every slot before it (at a long context, a good share of a head pass)."""
         num = tokens.shape[1]
         end, first = start + num, int(self.head_from[row])
         cos, sin = self.cos[start:end][None, None], self.sin[start:end][None, None]
@@ -264,8 +265,8 @@ class EagleDrafter(Drafter):
         """The first head slot the catch-up to `end` computes: where the head's cache ends, but
         no more than `catch_up_window` slots back. Slots skipped stay out of every later pass's
         attention (`head_from`): a head that has not drafted for a whole prompt (the prefill, or
-        plain steps while the budget did not draft) would otherwise run over all of it, 19-28 ms
-        on the embedded model's ~700-token prompts (8-11 plain steps) for a probe of two drafts;
+        plain steps while the budget did not draft) would otherwise run over all of it, costing
+        several plain steps for a probe of a few drafts (docs/drafters.md, "Trained drafters");
         the head reads mostly the feature before it, little of the context far back."""
         start = self.cache.lengths[row]
         if start < int(self.head_from[row]):     # cut back below what it had computed (a new sequence)

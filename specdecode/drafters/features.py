@@ -6,12 +6,12 @@ import torch
 
 class PendingFeatures:
     """Target features not yet copied into a drafter's [rows, max_len, D] `features` (EAGLE, Medusa):
-    `observe` follows every target pass, and copying one row's feature there took ~16 us a plain step
-    (0.6% of the embedded model's step). Per row, a run of consecutive positions is kept as the pass
-    outputs themselves and written by one copy when the drafter reads (`flush`), or when a pass writes
-    elsewhere in the row (earlier positions again: later writes win, as they would have). A run keeps
-    only its last `keep` positions: a drafter reads no feature further back than that (an EAGLE
-    head's catch-up window, Medusa's newest feature and its tree)."""
+    `observe` follows every target pass, where a copy per row and step is a torch call, dear right after
+    a pass (specdecode/engine/README.md, "Rules the code keeps"). Per row, a run of consecutive
+    positions is kept as the pass outputs themselves and written by one copy when the drafter reads
+    (`flush`), or when a pass writes elsewhere in the row (earlier positions again: later writes win, as
+    they would have). A run keeps only its last `keep` positions: a drafter reads no feature further
+    back than that (an EAGLE head's catch-up window, Medusa's newest feature and its tree)."""
 
     def __init__(self, features: torch.Tensor, keep: int) -> None:    # features: [rows, max_len, D]
         self.features, self.keep = features, keep

@@ -72,9 +72,8 @@ def read_meta(path: Path, kind: str | None = None) -> dict:
 
 
 HELD_OUT_SHARE = 0.5    # of a head's held-out first-draft acceptance, what its draft budget assumes at the start:
-                        # the held-out text is the distill corpus (the target's own answers); on Spec-Bench the
-                        # embedded model's EAGLE head is accepted ~0.29 per position (mean accepted length 1.40
-                        # at k 5) where it was 0.54 held out
+                        # the held-out text is the distill corpus (the target's own answers), which a head
+                        # predicts far better than other prompts (docs/training.md, "What was tried")
 
 
 def prior_acceptance(meta: dict) -> float | None:

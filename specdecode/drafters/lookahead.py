@@ -24,11 +24,11 @@ the whole tree (the adaptive draft size, `k`) keeps a prefix: the candidates, th
 window columns as fit; the columns that were not verified are not updated that step.
 
 The window is drafted only while it pays: every verified row costs a fraction of a target step on a
-CPU (~0.12-0.2 here), so each request counts the tokens accepted on window nodes (nodes the
-candidates did not already hold) per window node drafted, and leaves the window out while that
-yield is below `window_min_yield` (default 0.15 tokens per node; 0 = always draft it), except on
-every WINDOW_PROBE-th step, which keeps the Jacobi iteration moving. Without the window the
-drafter is a lookup over its pool.
+CPU (benchmarks/RESULTS.md, "Verify-pass cost"), so each request counts the tokens accepted on
+window nodes (nodes the candidates did not already hold) per window node drafted, and leaves the
+window out while that yield is below `window_min_yield` (default 0.15 tokens per node; 0 = always
+draft it), except on every WINDOW_PROBE-th step, which keeps the Jacobi iteration moving. Without
+the window the drafter is a lookup over its pool.
 
 State: per request (keyed by the Sequence object in a WeakKeyDictionary, so it ends with the
 request), window and pool; propose only catches the pool up with the text (idempotent: the server

@@ -49,10 +49,9 @@ class ModelDrafter(Drafter):
             raise DrafterError(f"draft_confidence must be a number in [0, 1), got {draft_confidence!r}")
         # stop drafting a row once the draft's probability of its own token falls below this (HF's
         # dynamic schedule; 0 = always draft k): saves draft passes the target would likely reject. Its
-        # probability under the softmax, for greedy rows too (whose sampling distribution is one-hot:
-        # before 2026-11-27 greedy rows always drafted k). The 1.5B / 0.5B pair's first draft tokens
-        # (greedy, 21 Spec-Bench / HumanEval prompts) were accepted 11-33% of the time below a draft
-        # probability of 0.4, 35-67% at 0.4-0.8, 94% above 0.9
+        # probability under the softmax, for greedy rows too (whose sampling distribution is one-hot,
+        # and says nothing of the draft's confidence). Below the default the target rarely agrees
+        # (docs/drafters.md, "The methods")
         self.draft_confidence = float(draft_confidence)
         if draft is None:
             raise DrafterError("method 'model' needs a draft model (--draft PATH / LLM(draft=...))")

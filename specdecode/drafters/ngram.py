@@ -8,10 +8,9 @@ the same tokens: after a quote or a bracket (`Maria` in `{"name": "Maria`) it lo
 space it has in the prompt (` Maria`), so token lookup finds nothing where the text plainly
 repeats -- most of every value of structured output copied from its prompt. When the longest
 earlier occurrence of the text's last characters is longer than the token match, the characters
-that followed it are tokenized and drafted instead. Measured on this project's 2-core CPUs
-(benchmarks/RESULTS.md) it raises the accepted length (40 JSON extractions: 2.71 -> 2.90) but not
-the speed (1.72x -> 1.70x; 28 Spec-Bench prompts 1.00x -> 0.98x): its extra drafts cost rows of
-the pass about as much as they save. Where a row is nearly free (a GPU) it should pay.
+that followed it are tokenized and drafted instead. On a CPU it raises the accepted length but not
+the speed: its extra drafts cost rows of the pass about as much as they save, hence off by default
+(docs/structured-output.md, "What was tried"). Where a row is nearly free (a GPU) it should pay.
 """
 from __future__ import annotations
 
@@ -184,7 +183,7 @@ class NgramDrafter(Drafter):
 
     def prefill(self, seqs) -> None:
         """Index each prompt now (prefill time), not in the first draft (a one-time cost there
-        made drafting look dear to the draft budget)."""
+        would make drafting look dear to the draft budget)."""
         for s in seqs:
             self.index(s).match(s.token_ids)
 

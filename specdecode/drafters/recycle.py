@@ -129,8 +129,8 @@ class RecycleDrafter(Drafter):
         self.table[a[empty], 0] = b[empty]
 
     def prefill(self, seqs) -> None:
-        """The warm start now (prefill time), not in the first draft: a one-time cost there made
-        drafting look dear to the draft budget."""
+        """The warm start now (prefill time), not in the first draft: a one-time cost there would
+        make drafting look dear to the draft budget."""
         self._warm_new(seqs)
 
     def _warm_new(self, seqs) -> None:
@@ -166,9 +166,10 @@ class RecycleDrafter(Drafter):
         return compact(tok, self.parent[:n])
 
     def _propose_small(self, roots: list[int], budget: list[int]) -> DraftProposal:
-        """The template fill and compaction of `propose` node by node in Python, for a few nodes:
-        the array path's ~15 numpy calls cost 0.3-0.4 ms right after a target pass (an eighth of the
-        embedded model's step, at every drafting step and every shadow draft); this ~20 us. Same
+        """The template fill and compaction of `propose` node by node in Python, for a few nodes: right
+        after a target pass each of the array path's numpy calls is dear, and together they cost a
+        visible share of a small model's step, at every drafting step and every shadow draft
+        (specdecode/engine/README.md, "Rules the code keeps"); this loop costs a fraction of that. Same
         trees (the template is topological: a node's parent comes before it)."""
         parent, rank = self.parent_list, self.rank_list
         rows = []
@@ -212,9 +213,9 @@ class RecycleDrafter(Drafter):
 
     def _observe_lists(self, seqs, proposal, topk_ids) -> bool:   # topk_ids: [B, n+1, K']
         """observe_topk in a few Python operations: it runs at every step, right after a target pass
-        that left the caches cold, where its array path cost ~130 us (~5% of a step of the embedded
-        model; a drafting step's 62 us on average, on the same table). False (nothing written) where
-        a row is not a distinct top-K, which the array path mends."""
+        that left the caches cold, where each numpy call of its array path is dear
+        (specdecode/engine/README.md, "Rules the code keeps"). False (nothing written) where a row
+        is not a distinct top-K, which the array path mends."""
         k = min(self.k, topk_ids.shape[2])
         top = topk_ids.tolist()                    # one conversion (torch slicing costs more)
         drafts = proposal.tokens.tolist() if proposal.k else None

@@ -281,8 +281,8 @@ class SuffixDrafter(Drafter):
 
     def prefill(self, seqs) -> None:
         """Index each prompt now (prefill time): the first draft would otherwise build it, and
-        that one-time cost made drafting look dear to the draft budget (a tiny model's first step
-        measured 20 plain steps of drafting, and it never drafted again)."""
+        that one-time cost, many plain steps' worth on a small model, would be measured as the cost
+        of drafting and price the drafter out for good."""
         for s in seqs:
             self._index(s)
 
@@ -341,10 +341,11 @@ class SuffixDrafter(Drafter):
 
     def _draft_small(self, found: list[tuple[np.ndarray, np.ndarray, int]], query: list[int],
                      budget: int) -> list[tuple[int, int]]:
-        """`draft`'s match, continuations and tree for a few occurrences, element by element in
-        Python: the array path's ~30 numpy calls cost ~0.4 ms right after a target pass (a sixth of
-        the embedded model's step, at every drafting step and shadow draft); this ~30 us. The same
-        tree (match_lengths, continuations, grow_tree)."""
+        """`draft`'s match, continuations and tree for a few occurrences, element by element in Python:
+        right after a target pass the array path's numpy calls cost a visible share of a small model's
+        step, at every drafting step and shadow draft, and this loop a fraction of that
+        (specdecode/engine/README.md, "Rules the code keeps"). The same tree (match_lengths,
+        continuations, grow_tree)."""
         lengths = []
         for hay, ends, _ in found:
             mine = []

@@ -29,7 +29,7 @@ import torch
 from ..models.gguf import cache_root
 from .base import DrafterError
 
-CORPUS_BYTES = 8 << 20           # text read for the counts (the stdlib's ~160 MB is sampled down to this)
+CORPUS_BYTES = 8 << 20           # text read for the counts (the stdlib, many times larger, is sampled down to this)
 CORPUS_VERSION = 1               # bump when the default corpus or its sampling changes
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "turtledemo", "lib2to3", "encodings"}
 

@@ -60,7 +60,7 @@ MARGIN = 1.05           # drafting must be predicted this much faster than plain
 CARRY_MIN_STEPS = 32    # a finished row becomes the template of new rows only after this many steps
 SHADOW_SHARE = 0.01     # shadow drafts (drafting and scoring) take at most this share of the steps' time
 YOUNG = 16              # a row's first steps, drafting shadows at every step
-PLAIN_RECHECK = 8       # steps a plain choice is kept while no row's gains changed (choosing costs ~0.1 ms a step)
+PLAIN_RECHECK = 8       # steps a plain choice is kept while no row's gains changed (choosing is Python every step)
 
 
 def expected_tokens(acceptance: float, size: int) -> float:

@@ -38,7 +38,7 @@ make_linear.fused_decoder = fused_decoder
 def top_k_indices(values: torch.Tensor,          # [..., n] float32 (a step's logits)
                   k: int) -> torch.Tensor:       # -> [..., k] int64, best first
     """Indices of the k largest values along the last dimension, best first: the native scan on a
-    contiguous float32 CPU tensor (~5 us for a 49k vocabulary where torch.topk takes 50-90; a
+    contiguous float32 CPU tensor (one pass over the values, many times faster than torch.topk; a
     tie keeps the lower index first, -1 where a row has fewer than k values above -inf), else
     torch.topk. Token recycling reads the target's top-k at every step, also where it does not
     draft."""
@@ -54,13 +54,13 @@ def top_k_indices(values: torch.Tensor,          # [..., n] float32 (a step's lo
 def argmax_last(values: torch.Tensor) -> torch.Tensor:     # [..., n] -> [...] int64
     """Index of the largest value along the last dimension (a tie: the lower index): the native
     scan on a contiguous float32 CPU tensor, else torch. A greedy step takes its target tokens so:
-    torch's max over a 49k vocabulary cost 26-90 us of the embedded model's ~2.7 ms step (the
-    largest cost outside the model's pass), the scan ~5. A row with nothing but NaN or -inf goes
-    to torch, which answers for it as plain torch code would."""
+    torch's max over a whole vocabulary is the largest cost of a small model's step outside its
+    pass, and the scan is a fraction of it (specdecode/engine/README.md, "Rules the code keeps"). A
+    row with nothing but NaN or -inf goes to torch, which answers for it as plain torch code would."""
     scan = _topk_fn() if values.device.type == "cpu" and values.dtype == torch.float32 else None
     if scan is not None and values.is_contiguous() and values.numel():
-        # as few torch calls as can be: after a step's pass each costs ~10 us (its code and data left
-        # the caches), and top_k_indices(values, 1)[..., 0] checked with a min took ~64 us there
+        # as few torch calls as can be: right after a step's pass each is dear (its code and data left
+        # the caches), so top_k_indices(values, 1)[..., 0] checked with a min would cost several
         out = torch.empty(values.shape[:-1], dtype=torch.int64)
         scan(values.data_ptr(), values.numel() // values.shape[-1], values.shape[-1], 1, out.data_ptr())
         if -1 not in out.view(-1).tolist():

@@ -1,8 +1,8 @@
 """Fast small-batch linear layers for CPU decoding (batch 1, 1..16 token rows).
 
-PyTorch's CPU GEMV for a handful of rows reaches only ~35-50% of the memory bandwidth on this
-machine (bf16 worse than fp32).  ``PackedLinear`` repacks a weight once into a blocked layout and
-calls a tiny native kernel (``kernels.c`` beside this file) through ctypes:
+PyTorch's CPU GEMV for a handful of rows reaches well below the memory bandwidth (bf16 worse than
+fp32; specdecode/fast/README.md, "Results").  ``PackedLinear`` repacks a weight once into a blocked
+layout and calls a tiny native kernel (``kernels.c`` beside this file) through ctypes:
 
     bf16 weights:  AMX tiles (any row count), else AVX512-BF16; fp32 accumulation
     fp32 weights:  AVX512F FMA
@@ -123,15 +123,10 @@ def kernel_plan(flags: set[str] | None = None) -> dict:
 
 
 # Software prefetch (PREFETCHT2, this many bytes ahead of each weight block) in the quantized kernels,
-# on Intel CPUs and AMD Zen 5 (family 26) and later.  2-core Sapphire Rapids, scripts/measure/verify_cost.py,
-# 0 -> 2048 alternating, three rounds: SmolLM2-135M Q4_1 at context 300, 1 / 4 / 8 rows 5.9-6.4 ->
-# 4.9-5.2 / 7.9-9.0 -> 6.3-6.7 / 10.4-12.0 -> 9.0-9.3 ms; Qwen2.5-Coder-1.5B Q4_K_M at 256, 5 rows
-# 72.5-72.9 -> 62.1-65.7 ms (1 row unchanged).  2-core AMD EPYC family 26 (Zen 5), the 1.5B at 800,
-# two alternations each: 1 / 6 / 8 / 16 / 32 / 64 rows 21.9-22.2 -> 16.7-17.4, 42.9-43.3 -> 34.6-34.8,
-# 60.8-60.9 -> 39.6, 100.3-100.5 -> 69.2-69.4, 154.1-154.6 -> 128.0-128.6, 271.0-271.8 -> 251.4-253.1
-# ms (the 135M, whose weights sit largely in cache: unchanged).  On AMD Zen 4 (family 25) an earlier
-# PREFETCHT0 build was slower than the hardware prefetcher alone (1.5B step 43 -> 31 ms without) and
-# PREFETCHT2 is unmeasured there, so Zen 4 and older AMD cores keep 0.
+# on Intel CPUs and AMD Zen 5 (family 26) and later: there it shortens passes whose weights stream from
+# memory (weights that sit in cache gain nothing). On older AMD cores the hardware prefetcher alone beat
+# a PREFETCHT0 build and PREFETCHT2 is untried, so they keep 0 (docs/models.md, "What was tried";
+# specdecode/fast/README.md, "Prefetch and unrolled rows").
 QPREFETCH_BYTES = 2048
 
 
@@ -235,10 +230,10 @@ def _libc():
 
 def weight_empty(numel: int, dtype: torch.dtype) -> Tensor:
     """torch.empty(numel) for packed weights, asked to live on 2 MB transparent huge pages (Linux
-    madvise(MADV_HUGEPAGE), before the first write): a decode step streams every weight byte once,
-    and with 4 KB pages each page ends the hardware prefetcher's run and costs a TLB miss (1.5B
-    Q4_K_M MLP weights on a 2-core Sapphire Rapids: 14.3 -> 17.3 GB/s). Where the kernel says no
-    (THP "never", not Linux) it is a plain torch.empty. SPECDECODE_HUGEPAGES=0 turns it off."""
+    madvise(MADV_HUGEPAGE), before the first write): a decode step streams every weight byte once, and
+    with 4 KB pages each page ends the hardware prefetcher's run and costs a TLB miss, which lowers the
+    bandwidth a step reaches (specdecode/fast/README.md, "Huge pages"). Where the kernel says no (THP
+    "never", not Linux) it is a plain torch.empty. SPECDECODE_HUGEPAGES=0 turns it off."""
     size = torch.empty(0, dtype=dtype).element_size()
     nbytes = numel * size
     libc = _libc()

@@ -1,10 +1,10 @@
 """GGUF -> Hugging Face layout conversion, cached on disk.
 
-Reading a GGUF file with the `gguf` package and converting its tokenizer takes ~20 s on
-2 cores; so the first load converts the file once into a plain HF directory
+Reading a GGUF file with the `gguf` package and converting its tokenizer is slow (Python over
+every tensor and token); so the first load converts the file once into a plain HF directory
 (config.json, model.safetensors in float32, tokenizer.json, tokenizer_config.json) under
 the cache, keyed by the file's size and a hash of its head and tail. Later loads read
-that directory in well under a second.
+that directory, which is quick.
 
 A file of an architecture without a native decoder that transformers' GGUF reader knows is
 converted once by transformers instead (`adapter_dir`) and runs through HFAdapter. Every load

@@ -77,7 +77,7 @@ class Mailbox:
 class HeldTokens:
     """The sink of a non-streamed choice: its tokens are kept on the engine thread, merged, and
     posted with its last event, so the event loop is woken once per answer instead of once per
-    step (on a 2-core machine each wake-up takes a core from the engine's pass)."""
+    step (on a machine of few cores each wake-up takes a core from the engine's pass)."""
 
     def __init__(self, post: Callable[[object], None]) -> None:
         self.post, self.held = post, None

@@ -117,7 +117,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
 def drain(timeout: float, hurry: threading.Event, quiet: bool = False) -> bool:
     """New requests get 503 at the ingress; those in flight get up to `timeout` seconds to finish
     (`hurry`: a second signal) before the application goes; False when the ingress did not answer
-    (not deployed yet). Ray Serve's own shutdown closes its HTTP proxy first, which cut every
+    (not deployed yet). Ray Serve's own shutdown closes its HTTP proxy first, which would cut every
     stream in flight."""
     import time
 

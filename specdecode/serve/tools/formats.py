@@ -11,9 +11,9 @@
 
 A marker the vocabulary holds as one token (Qwen's `<tool_call>`, Mistral's `[TOOL_CALLS]`) is that
 token: the grammar of a forced call names it by id (`<[id]>` in llguidance's Lark) when llguidance
-treats it as a special token, since a special token does not match its text spelled out (a quoted
-`"<tool_call>"` let the mask allow the token while the matcher refused to consume it, and a forced
-call repeated `<tool_call>` until max_tokens); and the decoder keeps it in the text the parser reads
+treats it as a special token, since a special token does not match its text spelled out (with a
+quoted `"<tool_call>"` the mask allows the token while the matcher refuses to consume it, and a forced
+call repeats `<tool_call>` until max_tokens); and the decoder keeps it in the text the parser reads
 (a special token is otherwise skipped when decoding). The whitespace between a marker and the JSON,
 and the arguments' key, are read from the template's own rendering of a call when it renders one.
 Families whose templates define no tool format (Phi-3, Gemma 2/3) get the Hermes format through a

@@ -172,8 +172,8 @@ def as_text(messages: list[dict], fmt: ToolFormat, tokenizer) -> list[dict]:
     """Earlier tool turns that the chat template does not write, written into the turns' text: an
     assistant turn's calls in the model's own format after its content, and tool results (for a
     template without the role) as a user turn of `<tool_response>` blocks, as Hermes' and Qwen's
-    templates write them. SmolLM2's template wrote an empty assistant turn for a call, so the
-    model never saw the call it had made."""
+    templates write them. A template like SmolLM2's writes an empty assistant turn for a call,
+    so the model would never see the call it had made."""
     calls_written, results_written = renders_tool_turns(tokenizer)
     out: list[dict] = []
     for m in messages:
