@@ -7,6 +7,9 @@
 * `--help` of every subcommand renders.
 * Every relative link (and its #anchor, for a Markdown target) in those files and in benchmarks/ points
   to something that exists.
+* The CLI's help and the docs agree: every --method is in docs/drafters.md, the methods that read
+  --drafter, what the native kernels do with activations, and every docs/ page#anchor a help text
+  points to exists; the terms its outputs use are defined once, in docs/drafters.md#terms.
 Parse only: nothing is loaded or run."""
 from __future__ import annotations
 
@@ -259,3 +262,60 @@ def test_readme_is_short_and_links_every_guide():
     assert len(readme.splitlines()) <= 200
     guides = {Path(t).name for t in links(ROOT / "README.md") if t.startswith("docs/")}
     assert guides >= {p.name for p in (ROOT / "docs").glob("*.md")}, "a guide in docs/ is not linked from README.md"
+
+
+# --------------------------------------------------------------------------- help and docs agree
+
+def help_text(*command: str) -> str:
+    out = io.StringIO()
+    with pytest.raises(SystemExit), contextlib.redirect_stdout(out):
+        build_parser().parse_args([*command, "--help"])
+    return " ".join(out.getvalue().split())
+
+
+def test_every_method_is_in_the_drafters_guide():
+    from specdecode.cli_common import method_choices
+    table = {m for m in re.findall(r"^\| `([\w-]+)`", (ROOT / "docs" / "drafters.md").read_text(), flags=re.M)}
+    missing = [m for m in method_choices() if m not in table]
+    assert not missing, f"--method choices missing from docs/drafters.md's table: {missing}"
+
+
+def test_the_methods_that_read_a_drafter_directory_agree():
+    from specdecode.cli_common import DRAFTER_DIR_METHODS
+    from specdecode.drafters.registry import drafter_option_names, method_names
+    readers = [m for m in method_names() if "drafter_path" in drafter_option_names(m)]
+    assert sorted(DRAFTER_DIR_METHODS.split(", ")) == sorted(readers)
+    assert f"(methods {DRAFTER_DIR_METHODS})" in help_text("generate")
+    guide = " ".join((ROOT / "docs" / "drafters.md").read_text().split())
+    sentence = re.search(r"([^.]*) without `--draft` read a drafter directory", guide).group(1)
+    assert sorted(re.findall(r"`([\w-]+)`", sentence)) == sorted(readers), sentence
+
+
+def test_native_activations_are_said_alike():
+    from specdecode.cli_common import NATIVE_ACTIVATIONS
+    from specdecode.info import _describe
+    assert NATIVE_ACTIVATIONS in help_text("generate")
+    described = _describe({"isa": "avx512", "qamx_min_rows": 12, "amx_int8": False, "amx_bf16": False,
+                           "loaded": False})
+    assert NATIVE_ACTIVATIONS in described["gguf"]
+    assert NATIVE_ACTIVATIONS in " ".join((ROOT / "docs" / "models.md").read_text().split())
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench", "bench serve", "distill", "info"])
+def test_every_doc_a_help_text_points_to_exists(command):
+    for target in re.findall(r"\bdocs/[\w-]+\.md(?:#[\w-]+)?", help_text(*command.split())):
+        file, _, anchor = target.partition("#")
+        assert (ROOT / file).is_file(), target
+        assert not anchor or anchor in anchors(ROOT / file), target
+
+
+def test_the_terms_are_defined_once_where_outputs_point():
+    guide = (ROOT / "docs" / "drafters.md").read_text()
+    assert "terms" in anchors(ROOT / "docs" / "drafters.md")
+    terms = guide[guide.index("## Terms"):guide.index("\n## ", guide.index("## Terms") + 1)]
+    for term in ("acceptance rate", "mean accepted length", "accepted", "recovered", "bonus"):
+        assert f"**{term}**" in terms, term
+    assert "docs/drafters.md#terms" in help_text("generate")
+    for doc in USER_DOCS:                       # one definition: the other pages link to it
+        if doc.name != "drafters.md":
+            assert "**acceptance rate**" not in doc.read_text(), rel(doc)
