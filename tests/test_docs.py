@@ -8,8 +8,9 @@
 * Every relative link (and its #anchor, for a Markdown target) in those files and in benchmarks/ points
   to something that exists.
 * The CLI's help and the docs agree: every --method is in docs/drafters.md, the methods that read
-  --drafter, what the native kernels do with activations, and every docs/ page#anchor a help text
-  points to exists; the terms its outputs use are defined once, in docs/drafters.md#terms.
+  --drafter, what the native kernels do with activations, every serve option documented, and every
+  docs/ page#anchor a help text points to exists; the terms its outputs use are defined once, in
+  docs/drafters.md#terms.
 Parse only: nothing is loaded or run."""
 from __future__ import annotations
 
@@ -319,3 +320,13 @@ def test_the_terms_are_defined_once_where_outputs_point():
     for doc in USER_DOCS:                       # one definition: the other pages link to it
         if doc.name != "drafters.md":
             assert "**acceptance rate**" not in doc.read_text(), rel(doc)
+
+
+
+def test_every_serve_option_is_documented():
+    docs = (ROOT / "docs" / "serving.md").read_text() + (ROOT / "docs" / "ray.md").read_text()
+    shared = option_strings(subparsers(build_parser())["generate"])      # the model options: docs/models.md
+    missing = [flag for flag in option_strings(subparsers(build_parser())["serve"])
+               if flag.startswith("--") and flag not in shared and flag != "--help"
+               and not re.search(re.escape(flag) + r"(?![\w-])", docs)]
+    assert not missing, f"serve options in neither docs/serving.md nor docs/ray.md: {missing}"
