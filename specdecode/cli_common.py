@@ -11,6 +11,12 @@ import argparse
 
 from .models.dtypes import DTYPE_NAMES, DtypeAction, accepted  # noqa: F401  (torch-free; DTYPE_NAMES re-exported)
 
+# The methods that read `--drafter DIR` (the registry's drafters with a `drafter_path` option;
+# tests/test_docs.py holds this, the help and docs/drafters.md to the registry)
+DRAFTER_DIR_METHODS = "eagle, eagle2, medusa, cascade"
+# What the native kernels do with activations (said alike in --help, `specdecode info` and docs/models.md)
+NATIVE_ACTIVATIONS = "bf16 activations, quantized to int8 per row and block of 32 values for each matrix product"
+
 
 class CliError(ValueError):
     """A bad command-line argument."""
@@ -113,7 +119,7 @@ def _check_models_used(args: argparse.Namespace) -> None:
     for flag, value, option in (("--draft", getattr(args, "draft", None), "draft"),
                                 ("--drafter", getattr(args, "drafter", None), "drafter_path")):
         if value is not None and (method == "none" or option not in drafter_option_names(method)):
-            users = "model, cascade" if option == "draft" else "eagle, eagle2, medusa, cascade"
+            users = "model, cascade" if option == "draft" else DRAFTER_DIR_METHODS
             raise CliError(f"{flag} {value}: method {method!r} does not use it ({users} do); leave it out "
                            f"or pick one of those")
 
@@ -124,12 +130,13 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="target: a .gguf file or an HF directory (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--draft", default=None, help="draft model (.gguf or HF directory) sharing the target's tokenizer")
     g.add_argument("--method", default=None, choices=method_choices(),
-                   help="drafter (default: cascade with --draft or --drafter, else ngram; eagle and "
-                        "cascade use the drafter shipped for the embedded model when no --drafter is given (cascade "
-                        "with --draft: suffix-index lookup where the text repeats at length, else the draft model); "
-                        "drafters registered by other packages are listed too)")
+                   help="drafter (default: cascade with --draft or --drafter, else ngram; none: plain decoding; "
+                        f"{DRAFTER_DIR_METHODS} use the drafter shipped for the embedded model when no --drafter "
+                        "is given (cascade with --draft: suffix-index lookup where the text repeats at length, else "
+                        "the draft model); drafters registered by other packages are listed too; every method: "
+                        "docs/drafters.md)")
     g.add_argument("--drafter", default=None, metavar="DIR",
-                   help="trained drafter directory from `specdecode distill` (methods eagle, cascade)")
+                   help=f"trained drafter directory from `specdecode distill` (methods {DRAFTER_DIR_METHODS})")
     g.add_argument("-k", "--num-speculative-tokens", dest="k", type=positive_int("-k", 0, 64), default=5,
                    help="draft tokens per step (chains, up to 32) or draft tree nodes (tree drafters: recycle, "
                         "suffix, lookahead, eagle2, medusa; up to 64); 0 = plain decoding (default 5)")
@@ -146,14 +153,15 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "quantized weights, an HF directory in its config's torch_dtype); default: a GGUF file "
                         "on its own quantized weights (--weights native), anything else in bf16")
     g.add_argument("--weights", default="auto", choices=["auto", "native", "dense"],
-                   help="native: a GGUF file's quantized weights as stored (bf16 activations); dense: dequantized "
-                        "to --dtype; auto (default): native for a GGUF file unless --dtype is given")
+                   help=f"native: a GGUF file's quantized weights as stored ({NATIVE_ACTIVATIONS}); dense: "
+                        "dequantized to --dtype; auto (default): native for a GGUF file unless --dtype is given")
     g.add_argument("--draft-dtype", default=None, action=DtypeAction, allow_int8=True,
                    help="the draft model's dtype if not the target's; int8 quantizes its weights per channel, "
                         "q4_0 re-quantizes them to 4-bit blocks (a cheaper draft; still lossless), auto keeps "
                         "a GGUF file's own; default: q4_0 for a GGUF draft whose Q4_0 copy reads >= 20%% fewer "
                         "bytes, else the target's dtype")
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
+    g.add_argument("--device", default="cpu",
+                   help="cpu (the default, also with a GPU present), cuda, cuda:N, or auto (cuda when available)")
     g.add_argument("--threads", type=positive_int("--threads", 1, 1024), default=None,
                    help="CPU threads (default: torch's choice)")
     g.add_argument("--eager", action="store_true", help="disable the fast kernels (reference eager path)")

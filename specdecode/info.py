@@ -16,6 +16,8 @@ import shutil
 from importlib import metadata
 from pathlib import Path
 
+from .cli_common import NATIVE_ACTIVATIONS
+
 # /proc/cpuinfo flag -> the name users know; the kernels' own lists (fast.linear) decide what each means
 FLAGS = {"avx512f": "AVX512F", "avx512bw": "AVX512BW", "avx512vl": "AVX512VL", "avx512_vnni": "AVX512-VNNI",
          "avx512_bf16": "AVX512-BF16", "amx_tile": "AMX-TILE", "amx_int8": "AMX-INT8", "amx_bf16": "AMX-BF16",
@@ -114,8 +116,8 @@ def _describe(k: dict) -> dict:
         amx = (f"; passes of {amx_rows}+ rows (verify, prefill) on AMX int8 tiles" if k["amx_int8"]
                else "; no AMX-INT8 tiles (passes of many rows stay on VNNI)")
         return {"path": "avx512-vnni+amx" if k["amx_int8"] else "avx512-vnni",
-                "gguf": "the file's own blocks, AVX512-VNNI int8 dot products (VPDPBUSD), activations quantized "
-                        "per 32 k" + amx,
+                "gguf": f"the file's own blocks, AVX512-VNNI int8 dot products (VPDPBUSD), {NATIVE_ACTIVATIONS}"
+                        + amx,
                 "dense_bf16": "AMX bf16 tiles (TDPBF16PS)" if k["amx_bf16"] else "AVX512-BF16 (VDPBF16PS)",
                 "dense_fp32": "AVX512F FMA",
                 "why": "AVX512F/BW/VL, AVX512-BF16 and AVX512-VNNI are native" + (

@@ -2,7 +2,7 @@
 `python -m pytest -q tests/test_cuda.py`): greedy speculative decoding equals plain decoding for
 the chain, tree and draft-model drafters and a predicted output, a ragged batch included, and a
 seeded sampled request gives the same text with speculation on and off. The CPU-only parts stay
-off there (no fused decoder, so no prefix store)."""
+off there (no fused decoder, so no prefix cache)."""
 from __future__ import annotations
 
 import pytest
@@ -22,7 +22,7 @@ def test_speculative_equals_plain_on_cuda(tiny_models, method):
     draft = str(tiny_models["llama_draft"]) if method == "model" else None
     llm = LLM(model=str(tiny_models["llama"]), draft=draft, method=method, dtype="fp32", device="cuda",
               progress=False)
-    assert llm.target.model.device.type == "cuda" and llm.prefix_store is None
+    assert llm.target.model.device.type == "cuda" and not llm.core.config.prefix_cache
     tok = llm.tokenizer
     ids = [tok.encode(p) for p in PROMPTS]
     greedy = SamplingParams(max_tokens=40, ignore_eos=True)

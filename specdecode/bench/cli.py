@@ -77,7 +77,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="draft tokens per step; a list (e.g. 1,3,5,8) measures each (default 5)")
     s.add_argument("--drafter-option", dest="drafter_options", action="append", default=[], metavar="KEY=VALUE",
                    type=drafter_option,
-                   help="an option of the drafters that take it (as for generate), e.g. draft_context=256; "
+                   help="an option of the drafters that take it (as for generate), e.g. head_vocab=32768; "
                         "repeatable; methods whose drafter has no such option run without it")
     s.add_argument("--adaptive", default=None, action=argparse.BooleanOptionalAction,
                    help="specdecode chooses each step's draft size up to k from measured costs (default: on; "

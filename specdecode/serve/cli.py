@@ -17,7 +17,9 @@ def add_serve_parser(sub) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=positive_int("--port", 0, 65535), default=8000, help="default 8000")
-    g.add_argument("--served-model-name", default=None, help="model name in the API (default: --model as given)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients send and /v1/models lists (default: --model as given; smollm2 "
+                        "for the embedded model)")
     g.add_argument("--max-batch-size", type=positive_int("--max-batch-size", 1, 1024), default=16,
                    help="requests decoded together (default 16)")
     g.add_argument("--max-queue", type=positive_int("--max-queue", 1), default=64,
@@ -67,7 +69,7 @@ def add_serve_parser(sub) -> None:
                         "(default: env SPECDECODE_API_KEY, else none)")
     g.add_argument("--max-body-bytes", type=positive_int("--max-body-bytes", 1), default=DEFAULT_MAX_BODY_BYTES,
                    help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES})")
-    r = p.add_argument_group("scale-out on Ray Serve (pip install 'specdecode[ray]')")
+    r = p.add_argument_group("scale-out on Ray Serve (installed by scripts/setup/setup.sh; docs/ray.md)")
     r.add_argument("--replicas", type=positive_int("--replicas", 1, 4096), default=1,
                    help="engine replicas behind one OpenAI API (default 1: this process, no Ray); each uses "
                         "--threads cores (default: the cores / the replicas)")

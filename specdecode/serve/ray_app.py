@@ -48,6 +48,9 @@ REPORT_INTERVAL_S = 1.0
 STALE_AFTER_S = 5 * REPORT_INTERVAL_S      # a replica silent this long is left out of /metrics
 APP_EXIT_S = 1.0                           # an app call may take this long to end after its response
 REPLICA_GONE = (RayActorError, ActorUnavailableError)
+SERVE_LOGGER = "ray.serve"
+# serve.run starts Serve again without options and says so; serve.start before it applied them
+RESTART_NOTICE = "New http_options/controller_options will not be applied"
 HOP_HEADERS = {"host", "content-length", "authorization", "connection", "transfer-encoding"}
 
 
@@ -325,6 +328,24 @@ def build_app(spec: dict):
     return ingress.bind(engine.bind(spec), spec)
 
 
+class dropped_log(logging.Filter):
+    """Within `with`: drop `logger`'s records whose message contains `text`."""
+
+    def __init__(self, logger: str, text: str) -> None:
+        super().__init__()
+        self.logger, self.text = logging.getLogger(logger), text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+    def __enter__(self):
+        self.logger.addFilter(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeFilter(self)
+
+
 def replica_threads(replicas: int) -> int:
     """Cores per replica when --threads is not given: the cluster's CPUs over the replicas (the
     most there can be), at most the largest node's CPUs (a replica runs on one node)."""
@@ -352,7 +373,8 @@ def start(spec: dict, host: str, port: int, ray_address: str | None, app_name: s
                                                                              spec.get("max_replicas") or 0))))
     serve.start(http_options={"host": host, "port": port})
     try:
-        serve.run(build_app(spec), name=app_name, route_prefix="/")
+        with dropped_log(SERVE_LOGGER, RESTART_NOTICE):
+            serve.run(build_app(spec), name=app_name, route_prefix="/")
     except RuntimeError as exc:        # Ray's message names the deployment; the replica's error is in its status
         app = serve.status().applications.get(app_name)
         details = [d.message for d in app.deployments.values() if d.message] if app is not None else []

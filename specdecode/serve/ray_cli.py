@@ -38,6 +38,11 @@ def ray_spec(args: argparse.Namespace) -> dict:
             "retries": args.replica_retries, "api_key": args.api_key, "max_body_bytes": args.max_body_bytes}
 
 
+def plural(count: int, word: str) -> str:
+    """`1 thread`, `2 threads`."""
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
 def deploy_error(exc: Exception) -> str:
     """The replica's own error (a bad model path, a memory budget) out of Ray's report: the last
     `SomeError: message` line, without the traceback."""
@@ -55,7 +60,8 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     try:
         import ray.serve  # noqa: F401
     except ImportError:
-        raise CliError("--replicas / --ray-address need Ray Serve: pip install 'specdecode[ray]'") from None
+        raise CliError("--replicas / --ray-address need Ray Serve: pip install -e '.[ray]' in the specdecode "
+                       "repository (scripts/setup/setup.sh installs it)") from None
     from . import ray_app
     spec = ray_spec(args)
     stop, hurry = threading.Event(), threading.Event()
@@ -98,8 +104,9 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     scaling = (f"autoscaling {spec['min_replicas'] or 1}..{spec['max_replicas'] or 'unbounded'}"
                if spec["min_replicas"] is not None or spec["max_replicas"] is not None else "fixed")
     model = args.served_model_name or args.model or "the default model"
-    print(f"specdecode serve: {spec['replicas']} replicas ({scaling}) of {model}, "
-          f"{spec['llm']['threads']} threads each, on {where}; http://{args.host}:{args.port}/", file=sys.stderr)
+    print(f"specdecode serve: {plural(spec['replicas'], 'replica')} ({scaling}) of {model}, "
+          f"{plural(spec['llm']['threads'], 'thread')} each, on {where}; http://{args.host}:{args.port}/",
+          file=sys.stderr)
     if exposed_without_key(args.host, args.api_key):
         print(f"warning: listening on {args.host} without an API key: anyone who can reach this port may use "
               f"the server (set --api-key or SPECDECODE_API_KEY)", file=sys.stderr)
@@ -148,14 +155,21 @@ def drain(timeout: float, hurry: threading.Event, quiet: bool = False) -> bool:
 
 
 def leave(ray_address: str | None) -> None:
-    """Remove the application: a joined cluster keeps Serve and its other applications; the
-    local Ray instance stops."""
+    """Remove the application (its replicas shut down gracefully), then leave Ray: a joined
+    cluster keeps Serve and its other applications; the local Ray instance stops with its Serve
+    controller. (serve.shutdown() there made Ray print that the controller's graceful_shutdown
+    task failed, the controller having killed itself.)"""
     import ray
     from ray import serve
+    from ray.serve.exceptions import RayServeException
 
     from .ray_app import APP_NAME
-    if ray_address:
+    if not ray.is_initialized():                 # stopped before Ray was up (Serve would start it again)
+        return
+    try:
         serve.delete(APP_NAME)
-    else:
-        serve.shutdown()
+    except RayServeException:                    # stopped before Serve was up: nothing to remove
+        pass
+    except Exception as exc:  # noqa: BLE001 -- e.g. a replica slow to go: leave anyway, say so
+        print(f"specdecode serve: could not remove the application ({type(exc).__name__}: {exc})", file=sys.stderr)
     ray.shutdown()

@@ -90,7 +90,7 @@ def test_llamacpp_skip_note(run):
     results = json.loads((run / "results.json").read_text())
     if llamacpp_installed():
         pytest.skip("llama-cpp-python is installed")
-    assert "llama.cpp: skipped — pip install 'specdecode[llamacpp]'" in results["notes"]
+    assert "llama.cpp: skipped — pip install -e '.[llamacpp]' in the specdecode repository" in results["notes"]
     assert "llama.cpp: skipped" in (run / "report.md").read_text()
     assert not any(r["system"] == "llama.cpp" for r in results["rows"])
 

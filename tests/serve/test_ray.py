@@ -203,7 +203,7 @@ def test_command_line_checks_and_replica_errors():
     from specdecode.cli import build_parser
     from specdecode.cli_common import CliError
     from specdecode.serve.cli import uses_ray
-    from specdecode.serve.ray_cli import deploy_error, ray_spec
+    from specdecode.serve.ray_cli import deploy_error, plural, ray_spec
     parse = lambda *a: build_parser().parse_args(["serve", *a])      # noqa: E731
     assert not uses_ray(parse()) and uses_ray(parse("--replicas", "2")) and uses_ray(parse("--ray-address", "auto"))
     spec = ray_spec(parse("--replicas", "3", "--max-batch-size", "6", "--min-replicas", "2", "--max-replicas", "4"))
@@ -219,6 +219,31 @@ def test_command_line_checks_and_replica_errors():
               "RuntimeError: Traceback (most recent call last):\n  File \"loader.py\", line 191, in load_model\n"
               "specdecode.models.config.ModelError: model not found: /nope (give a .gguf file)")
     assert deploy_error(RuntimeError(report)) == "model not found: /nope (give a .gguf file)"
+    assert (plural(1, "thread"), plural(2, "replica"), plural(0, "thread")) == ("1 thread", "2 replicas", "0 threads")
+
+
+def test_ray_serve_restart_notice_is_dropped_only_within():
+    """serve.run after serve.start logs that the (default) http_options are not applied: specdecode's own
+    doing, dropped while it deploys; other records of the logger pass, and after `with` that one too."""
+    import logging
+
+    from specdecode.serve.ray_app import RESTART_NOTICE, SERVE_LOGGER, dropped_log
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger(SERVE_LOGGER)
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        notice = f'Connecting to existing Serve app in namespace "serve". {RESTART_NOTICE}.'
+        with dropped_log(SERVE_LOGGER, RESTART_NOTICE):
+            logger.info(notice)
+            logger.info("Application 'specdecode' is ready")
+        logger.info(notice)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert seen == ["Application 'specdecode' is ready", notice]
 
 
 def test_affinity_router_keeps_a_conversation_within_the_imbalance():

@@ -150,7 +150,12 @@ def test_sigterm_drains_the_ray_replicas_and_leaves_no_process_behind():
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
-    assert "stopped" in err
+    assert "stopped" in err, err[-3000:]
+    import re
+    started = re.search(r"specdecode serve: (\d+ replicas?) \(fixed\) of .*?, (\d+ threads?) each", err)
+    assert started is None or started.groups() == ("2 replicas", "1 thread"), started.group(0)  # (or still starting)
+    # Ray's notices of what specdecode did itself: Serve started twice, the controller killed at the stop
+    assert "will not be applied" not in err and "graceful_shutdown failed" not in err, err[-3000:]
     data = [json.loads(d) for kind, d in events if kind == "data" and d != "[DONE]"]
     assert events[-1] == ("data", "[DONE]") and data[-1]["choices"][0]["finish_reason"] == "length"   # in full
     assert refused is None or (refused.status_code == 503 and refused.json()["error"]["code"] == "service_unavailable")
