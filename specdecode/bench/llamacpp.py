@@ -1,6 +1,6 @@
 """llama.cpp through `llama-cpp-python` on the same GGUF file: plain decoding and its
 prompt-lookup drafter (`LlamaPromptLookupDecoding`). An optional extra
-(`pip install 'specdecode[llamacpp]'`, which builds llama.cpp from source): when it is
+(`.venv/bin/pip install -e '.[llamacpp]'` from the clone, which builds llama.cpp from source): when it is
 missing, the target is not a GGUF file, or a 2-token test generation in a child process
 fails (a crashing build would otherwise take the whole run down), it is skipped with a note.
 
