@@ -160,9 +160,11 @@ class SpeculationController:
 
     # ------------------------------------------------------------------ rows
     def new_row(self, k: int, mode: str = AUTO, span: int = 0, pinned: bool = False,
-                predicted: bool = False) -> RowSpec:
+                predicted: bool = False, sampled: bool = False) -> RowSpec:
         """A row asking for `k` drafts per step; `span`: how far a copying drafter's row may climb
-        past k; `predicted`: the request carries a predicted output (news: drafted from the start)."""
+        past k; `predicted`: the request carries a predicted output (news: drafted from the start);
+        `sampled`: temperature > 0 (a lookup's draft is then accepted with the target's probability
+        of each token, below the prior: such a row starts plain and its shadows decide)."""
         if mode == OFF or k <= 0:
             return RowSpec(0, OFF)
         mode = mode if self.adaptive else ON
@@ -182,9 +184,11 @@ class SpeculationController:
             row.probe_wait = (min(template.probe_wait, max(cap, self.probe_floor(self.costs, 1)))
                               if template.probe_interval > cap else max(PROBE_EVERY, min(template.probe_wait, cap)))
             return row
+        if self.shadowed and sampled and not predicted:
+            return row
         # the prior: every position accepted at prior_acceptance, up to 4 drafts. A stateless drafter's
-        # row starts there too: its first proposal is verified (the first verified step weighs 0.9
-        # against the prior, so one miss ends it), where plain-first waited for several shadows to
+        # greedy row starts there too: its first proposal is verified (the first verified step weighs
+        # 0.9 against the prior, so one miss ends it), where plain-first waited for several shadows to
         # come true and a short answer that copies was half over before it drafted
         for s in row.levels[1:]:
             if s <= 4:

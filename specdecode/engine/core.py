@@ -247,7 +247,7 @@ class EngineCore:
             pinned = params.seed is not None and not params.greedy and self.drafter.capabilities.has_state
             spec = self.controller.new_row(k, ON if request.speculate else AUTO,
                                            span=min(SPAN, self.max_k) if copies else 0, pinned=pinned,
-                                           predicted=params.prediction is not None)
+                                           predicted=params.prediction is not None, sampled=not params.greedy)
         s = Sequence(request, self.target.eos_token_ids, row, spec, self.target.model.device)
         s.prefilled = s.stats.cached_tokens = covered
         if params.prediction is not None:
@@ -374,7 +374,10 @@ class EngineCore:
         of every size, scored after the step), as often as their cost allows."""
         idle = [i for i, (s, k) in enumerate(zip(seqs, sizes)) if k == 0 and s.spec.mode == AUTO
                 and s.spec.shadow is None and not s.spec.pinned and s.draft_room(s.spec.k, self.context) > 0]
-        young = any(seqs[i].spec.steps < YOUNG for i in idle)
+        # a young greedy row shadows every step (a short answer that copies is found early); a sampled
+        # row's shadows are rationed from the start: their hidden cost (the passes after them ran
+        # slower) outweighed what a sampled row's drafts win
+        young = any(seqs[i].spec.steps < YOUNG and seqs[i].request.params.greedy for i in idle)
         if not idle or not self.controller.shadow_due(self.costs.pass_seconds(len(seqs)), young):
             return
         started = time.perf_counter()
