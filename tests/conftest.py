@@ -83,6 +83,32 @@ async def post_completions(url: str, jobs) -> list[dict]:
         return await asyncio.gather(*(one(*job) for job in jobs))
 
 
+def mixed_rows_through_server(llm, texts: list[str]) -> tuple[list, list, list, str, dict]:
+    """Eight greedy requests at once through a small server (3 rows, 4-token blocks, 16-token prefill
+    chunks): every third with speculation off, every third forced on, the rest automatic; prompts
+    from `texts`, every other one doubled. Returns (jobs, each job's plain `LLM.generate` tokens,
+    the answers, the /metrics text, the /api/stats JSON); a job is (prompt, extra body, max_tokens)."""
+    import asyncio
+
+    import httpx
+
+    from specdecode import SamplingParams
+    from specdecode.engine.config import EngineConfig
+    from specdecode.serve.app import create_app
+    from specdecode.serve.server import BackgroundServer, build_state
+    jobs = [(texts[i % len(texts)] * (1 + i % 2), {0: {}, 1: {"speculate": False}, 2: {"speculate": True}}[i % 3],
+             20 + 4 * i) for i in range(8)]
+    wants = [llm.generate([llm.tokenizer.encode(p)], SamplingParams(max_tokens=n, ignore_eos=True),
+                          num_speculative_tokens=0)[0].token_ids for p, _, n in jobs]
+    state = build_state(llm, EngineConfig(max_batch_size=3, block_size=4, prefill_chunk=16, max_model_len=200,
+                                         served_model_name="tiny"))
+    with BackgroundServer(create_app(state)) as server:
+        outs = asyncio.run(post_completions(server.url, [(p, n, extra) for p, extra, n in jobs]))
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        stats = httpx.get(server.url + "/api/stats", timeout=10).json()
+    return jobs, wants, outs, text, stats
+
+
 def assert_drafts_accepted_and_exact(target, drafter, question: str, max_tokens: int) -> None:
     """Greedy generation of a chat `question` with `drafter` (k=4, fixed size) equals plain decoding,
     and some of its drafts are accepted (a shipped, trained drafter)."""

@@ -377,7 +377,7 @@ class EngineCore:
         # a young greedy row shadows every step (a short answer that copies is found early); a sampled
         # row's shadows are rationed from the start: their hidden cost (the passes after them ran
         # slower) outweighed what a sampled row's drafts win
-        young = any(seqs[i].spec.steps < YOUNG and seqs[i].request.params.greedy for i in idle)
+        young = any(seqs[i].spec.steps < YOUNG and seqs[i].params.greedy for i in idle)
         if not idle or not self.controller.shadow_due(self.costs.pass_seconds(len(seqs)), young):
             return
         started = time.perf_counter()

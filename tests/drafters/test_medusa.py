@@ -212,25 +212,10 @@ def test_medusa_in_the_server_stays_lossless_with_mixed_and_switching_rows(tiny_
     """In the server (paged target cache, chunked prefill, rows with speculation off, automatic
     switching) the heads' per-row features stay right: greedy outputs equal plain decoding, and
     the feature state is accounted and freed when requests end."""
-    import asyncio
-
-    import httpx
-    from conftest import post_completions
-
-    from specdecode.engine.config import EngineConfig
-    from specdecode.serve.app import create_app
-    from specdecode.serve.server import BackgroundServer, build_state
+    from conftest import mixed_rows_through_server
     llm = LLM(model=str(tiny_models["llama"]), method="medusa", drafter_path=str(heads["llama"]), dtype="fp32",
               progress=False)
-    jobs = [(PROMPTS[i % 3] * (1 + i % 2), {0: {}, 1: {"speculate": False}, 2: {"speculate": True}}[i % 3], 20 + 4 * i)
-            for i in range(8)]
-    wants = [llm.generate([llm.tokenizer.encode(p)], SamplingParams(max_tokens=n, ignore_eos=True),
-                          num_speculative_tokens=0)[0].token_ids for p, _, n in jobs]
-    state = build_state(llm, EngineConfig(max_batch_size=3, block_size=4, prefill_chunk=16, max_model_len=200,
-                                         served_model_name="tiny"))
-    with BackgroundServer(create_app(state)) as server:
-        outs = asyncio.run(post_completions(server.url, [(p, n, extra) for p, extra, n in jobs]))
-        stats = httpx.get(server.url + "/api/stats", timeout=10).json()
+    jobs, wants, outs, _, stats = mixed_rows_through_server(llm, PROMPTS[:3])
     assert [o["choices"][0]["token_ids"] for o in outs] == wants
     assert sum(o["speculation"]["accepted_tokens"] for o in outs) > 0
     assert all(o["speculation"]["drafted_tokens"] == 0 for o, job in zip(outs, jobs) if job[1] == {"speculate": False})

@@ -16,7 +16,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import post_completions
+from conftest import mixed_rows_through_server
 
 from specdecode import LLM, SamplingParams
 from specdecode.drafters.base import Drafter, DraftProposal
@@ -173,17 +173,7 @@ def test_eagle_head_in_the_server_stays_lossless_with_mixed_and_switching_rows(t
     path = save_eagle(head, tmp_path / "eagle", target, {"note": "untrained"})
     llm = LLM(model=str(tiny_models["llama"]), method=method, drafter_path=str(path), dtype="fp32",
               progress=False)
-    jobs = [(TEXTS[i % 5] * (1 + i % 2), {0: {}, 1: {"speculate": False}, 2: {"speculate": True}}[i % 3], 20 + 4 * i)
-            for i in range(8)]
-    wants = [llm.generate([llm.tokenizer.encode(p)], SamplingParams(max_tokens=n, ignore_eos=True),
-                          num_speculative_tokens=0)[0].token_ids for p, _, n in jobs]
-    state = build_state(llm, EngineConfig(max_batch_size=3, block_size=4, prefill_chunk=16, max_model_len=200,
-                                         served_model_name="tiny"))
-
-    with BackgroundServer(create_app(state)) as server:
-        outs = asyncio.run(post_completions(server.url, [(p, n, extra) for p, extra, n in jobs]))
-        text = httpx.get(server.url + "/metrics", timeout=10).text
-        stats = httpx.get(server.url + "/api/stats", timeout=10).json()
+    jobs, wants, outs, text, stats = mixed_rows_through_server(llm, TEXTS[:5])
     assert [o["choices"][0]["token_ids"] for o in outs] == wants
     assert sum(o["speculation"]["drafted_tokens"] for o in outs) > 0
     assert all(o["speculation"]["drafted_tokens"] == 0 for o, job in zip(outs, jobs) if job[1] == {"speculate": False})
