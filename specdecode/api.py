@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -225,3 +225,30 @@ class LLM:
                                          logprobs=s.logprobs[:s.num_output] if s.params.logprobs is not None else None))
         return outputs
 
+
+    def infill(self, prefix: str, suffix: str, sampling_params: SamplingParams | None = None,
+               extra: list[tuple[str, str]] | None = None, filename: str = "") -> RequestOutput:
+        """Fill in the middle: the code between `prefix` and `suffix` (an editor's cursor), in the
+        format the model was trained with (specdecode/fim.py); `extra`: (file name, text) of other
+        files as context. A model whose vocabulary has no FIM tokens is a ParamError naming it."""
+        ids, stop_ids = self.fim_prompt(prefix, suffix, extra or [], filename)
+        params = sampling_params or SamplingParams()
+        params = replace(params, stop_token_ids=list(dict.fromkeys(params.stop_token_ids + stop_ids)))
+        out = self.generate(ids, params)[0]
+        out.prompt = prefix
+        return out
+
+    def fim_prompt(self, prefix: str, suffix: str, extra: list[tuple[str, str]] = (),
+                   filename: str = "") -> tuple[list[int], list[int]]:
+        """(prompt token ids, the token ids that end the middle) for fill-in-the-middle."""
+        from . import fim
+        if not isinstance(prefix, str) or not isinstance(suffix, str):
+            raise ParamError("prefix and suffix must be strings")
+        fmt = fim.detect(self.tokenizer, self.target.eos_token_ids)
+        if fmt is None:
+            raise ParamError(f"suffix: {self.target.name} has no fill-in-the-middle tokens in its vocabulary "
+                             f"(code models such as Qwen2.5-Coder, StarCoder2, CodeLlama, DeepSeek-Coder and "
+                             f"Codestral have them)")
+        bos = self.tokenizer.token_id(self.tokenizer.bos_token) if self.tokenizer.add_bos else None
+        ids = fmt.prompt_ids(self.tokenizer, prefix, suffix, extra, filename, bos=bos)
+        return ids, list(fmt.stop_token_ids)

@@ -106,6 +106,17 @@ def sampling_params(args: argparse.Namespace):
         raise option_error(exc) from None
 
 
+def suffix_option(value: str) -> str:
+    """--suffix TEXT, or the text of the file --suffix @FILE names."""
+    from .cli_common import CliError
+    if not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"--suffix {value}: cannot read it ({exc})") from None
+
+
 def prediction_option(args: argparse.Namespace) -> str | None:
     """The text of --prediction FILE (- for stdin), or None."""
     from .cli_common import CliError
@@ -150,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prediction", metavar="FILE", default=None,
                      help="the answer is expected to repeat most of this file (e.g. the file being edited): "
                           "drafts follow it, re-aligning after each change (OpenAI's Predicted Outputs; - for stdin)")
+    gen.add_argument("--suffix", metavar="TEXT|@FILE", default=None,
+                     help="fill in the middle: the prompt is the code before the cursor, this the code after it "
+                          "(@FILE reads a file); the model's FIM format, no chat template (code models: "
+                          "Qwen2.5-Coder, StarCoder2, CodeLlama, DeepSeek-Coder, Codestral)")
     gen.set_defaults(run=cmd_generate)
     from .serve.cli import add_serve_parser  # `specdecode serve` lives in specdecode/serve
     add_serve_parser(sub)
@@ -197,7 +212,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
               progress=not args.json, drafter_path=args.drafter, weights=args.weights, draft_dtype=args.draft_dtype,
               adaptive=args.adaptive, prefix_cache=False,   # --compare times full prefills of the same prompt
               **drafter_options(args))
-    ids = llm.encode(prompt, chat=args.chat)
+    if args.suffix is None:
+        ids = llm.encode(prompt, chat=args.chat)
+    else:                                       # fill in the middle: the prompt is the prefix
+        ids, stop_ids = llm.fim_prompt(prompt, suffix_option(args.suffix))
+        params.stop_token_ids = list(dict.fromkeys(params.stop_token_ids + stop_ids))
     check_room(len(ids), params.max_tokens, llm.target.model.max_len, "--max-tokens")   # before any generation
     # warm-up on the prompt's first tokens, so that the first measured run does not pay one-time costs
     # (allocations, kernels); the drafter then forgets it (and, with --compare, each timed run)

@@ -22,7 +22,8 @@ class ParamError(ValueError):
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "logit_bias", "seed", "max_tokens", "stop", "ignore_eos")
+                   "frequency_penalty", "logit_bias", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos")
+MAX_STOP_TOKEN_IDS = 64
 
 
 def _check(ok: bool, message: str) -> None:
@@ -57,6 +58,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 128
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)   # end the output like EOS (kept with ignore_eos)
     ignore_eos: bool = False
     structured: object = None       # specdecode.structured.Structured: the output follows a grammar
     logprobs: int | None = None     # report each emitted token's log-probability and the top N (0..20)
@@ -101,6 +103,11 @@ class SamplingParams:
                f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop)
         _check(len(self.stop) <= 16, f"stop accepts at most 16 strings, got {len(self.stop)}")
+        _check(isinstance(self.stop_token_ids, (list, tuple)) and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+               and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids (integers >= 0), "
+               f"got {self.stop_token_ids!r:.80}")
+        self.stop_token_ids = list(self.stop_token_ids)
 
         _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)

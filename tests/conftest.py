@@ -21,12 +21,16 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def make_tokenizer(folder: Path, vocab_size: int = 300) -> None:
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+FIM_SPECIALS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+
+
+def make_tokenizer(folder: Path, vocab_size: int = 300, specials: tuple[str, ...] = ()) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS + list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS * 4, trainer)
     tok.save(str(folder / "tokenizer.json"))
@@ -35,11 +39,13 @@ def make_tokenizer(folder: Path, vocab_size: int = 300) -> None:
 
 
 def make_model(folder: Path, arch: str, seed: int, layers: int = 2, hidden: int = 64, heads: int = 4,
-               kv_heads: int = 2, tie: bool = True, rope_scaling=None, scale: float = 1.0) -> Path:
-    """A random model saved like any HF checkpoint. `scale` sharpens the output distribution."""
+               kv_heads: int = 2, tie: bool = True, rope_scaling=None, scale: float = 1.0,
+               specials: tuple[str, ...] = ()) -> Path:
+    """A random model saved like any HF checkpoint. `scale` sharpens the output distribution;
+    `specials`: special tokens besides the chat ones (e.g. FIM_SPECIALS)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
     folder.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(folder)
+    make_tokenizer(folder, specials=specials)
     vocab = json.loads((folder / "tokenizer.json").read_text())
     base = len(vocab["model"]["vocab"])
     vocab_size = base + len([t for t in vocab["added_tokens"] if t["id"] >= base])

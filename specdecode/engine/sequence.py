@@ -166,7 +166,7 @@ class Sequence:
         self.prompt_ids = list(request.prompt_ids)
         self.token_ids = list(request.prompt_ids)  # prompt + output, grows as tokens are committed
         self.params = params
-        self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
+        self.eos_token_ids = (() if params.ignore_eos else tuple(eos_token_ids)) + tuple(params.stop_token_ids)
         self.row = row                             # cache row in target and draft caches
         self.spec = spec                           # speculation state (controller.py)
         self.constraint = None                     # structured output's grammar state (structured.py)
