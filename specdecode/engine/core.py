@@ -64,6 +64,10 @@ class EngineCore:
         self.target = target
         self.drafter = drafter if config.num_speculative_tokens > 0 else None
         caps = self.drafter.capabilities if self.drafter is not None else None
+        if caps is not None and caps.drafts_trees and not target.model.supports_trees:
+            raise DrafterError(f"method {self.drafter.name!r} drafts trees, and {target.name} verifies chains only "
+                               f"(recurrent layers, or the transformers adapter): use a chain drafter such as "
+                               f"ngram or model")
         self.context = config.max_model_len or target.model.max_len
         self.max_k = MAX_TREE_NODES if caps is not None and caps.drafts_trees else MAX_CHAIN
         rows = rows or config.max_batch_size

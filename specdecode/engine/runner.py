@@ -63,6 +63,8 @@ class ModelRunner:
         self.prefix_note = ""                     # why prefix caching is off, where it is
 
     def _new_cache(self, model, num_blocks: int, block_size: int):
+        if num_blocks and hasattr(model, "new_paged_cache"):     # a model with more than keys and values
+            return model.new_paged_cache(self.rows, self.context + SLACK, num_blocks, block_size)
         if num_blocks:
             c = model.config
             return PagedKVCache(c.num_layers, self.rows, c.num_kv_heads, c.head_dim, self.context + SLACK,
@@ -108,6 +110,8 @@ class ModelRunner:
             self.prefix_note = "the transformers adapter's caches are not paged"
         elif self.wants_hidden:
             self.prefix_note = "the drafter reads the target's hidden states of every prompt token"
+        elif any(getattr(c, "recurrent", False) for c in self.caches):
+            self.prefix_note = "the model's recurrent layers keep a state per row, not per block"
         else:
             self.cache.enable_prefix_caching(kv_salt(self.target), max_cached_blocks)
             if isinstance(self.draft_cache, PagedKVCache):

@@ -19,7 +19,7 @@ from typing import Any
 from .errors import ModelError
 from .gemma_config import gemma_fields, gemma_hf_config
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_5")
 GEMMA_ARCHS = ("gemma2", "gemma3")
 SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3")
 
@@ -50,6 +50,9 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None      # scores scaled by this**-0.5; None = head_dim (Gemma)
     attn_logit_softcapping: float | None = None     # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: float | None = None    # logits -> cap * tanh(logits / cap) (Gemma 2)
+    linear_layers: tuple[bool, ...] | None = None   # Gated DeltaNet layers (Qwen3.5); the rest attention
+    linear_attention: dict[str, int] | None = None  # their geometry: key_heads, value_heads, key_dim,
+                                                    # value_dim, conv_kernel (models/qwen3_5.py)
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -67,6 +70,10 @@ class ModelConfig:
                              f"even number of rotary dims of head_dim {self.head_dim} (got {self.rotary_dim})")
         if self.sliding_layers is not None:          # a tuple also when read back from JSON
             object.__setattr__(self, "sliding_layers", tuple(bool(x) for x in self.sliding_layers))
+        if self.linear_layers is not None:
+            object.__setattr__(self, "linear_layers", tuple(bool(x) for x in self.linear_layers))
+            if len(self.linear_layers) != self.num_layers:
+                raise ModelError(f"layer_types names {len(self.linear_layers)} layers, the model has {self.num_layers}")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
             raise ModelError(f"layer_types names {len(self.sliding_layers)} layers, the model has {self.num_layers}")
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
@@ -97,8 +104,10 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "")
+        if model_type == "qwen3_5" and isinstance(cfg.get("text_config"), dict):
+            cfg, model_type = {**cfg["text_config"], "model_type": "qwen3_5_text"}, "qwen3_5_text"
         arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama",
-                "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}.get(model_type)
+                "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5"}.get(model_type)
         if arch is None:
             raise ModelError(f"model_type {model_type!r} is not native")
         if arch in GEMMA_ARCHS:
@@ -108,12 +117,24 @@ class ModelConfig:
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         rope_theta = cfg.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0
         rope.pop("rope_theta", None)
-        partial = float(cfg.get("partial_rotary_factor") or rope.pop("partial_rotary_factor", None) or 1.0)
+        partial = float(cfg.get("partial_rotary_factor") or rope.pop("partial_rotary_factor", None)
+                        or (0.25 if arch == "qwen3_5" else 1.0))     # Qwen3.5's default: a quarter of each head
         rope.pop("partial_rotary_factor", None)
         if rope.get("rope_type", rope.get("type")) in (None, "default"):
             rope = {}
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        hybrid = {}
+        if arch == "qwen3_5":
+            types = cfg.get("layer_types") or ["full_attention" if (i + 1) % cfg.get("full_attention_interval", 4)
+                                               == 0 else "linear_attention" for i in range(cfg["num_hidden_layers"])]
+            hybrid = {"linear_layers": tuple(t == "linear_attention" for t in types),
+                      "linear_attention": {"key_heads": cfg["linear_num_key_heads"],
+                                           "value_heads": cfg["linear_num_value_heads"],
+                                           "key_dim": cfg["linear_key_head_dim"],
+                                           "value_dim": cfg["linear_value_head_dim"],
+                                           "conv_kernel": cfg["linear_conv_kernel_dim"]}}
+            # mrope_section: text positions are the same on its three grids, which is plain RoPE
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
@@ -131,9 +152,10 @@ class ModelConfig:
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_5"),
             sliding_window=_hf_window(cfg, model_type),
             partial_rotary_factor=partial,
+            **hybrid,
         )
 
     def to_hf(self) -> dict[str, Any]:

@@ -29,10 +29,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_decoder(config: ModelConfig, weights: dict, make_linear=None):
-    """The decoder for `config`: Gemma 2 / Gemma 3 in models/gemma.py, the rest in models/transformer.py."""
+    """The decoder for `config`: Gemma 2 / Gemma 3 in models/gemma.py, Qwen3.5 in models/qwen3_5.py,
+    the rest in models/transformer.py."""
     from .gemma import GemmaTransformer
+    from .qwen3_5 import Qwen35Transformer
     from .transformer import Transformer, eager_linear
-    cls = GemmaTransformer if config.is_gemma else Transformer
+    cls = GemmaTransformer if config.is_gemma else Qwen35Transformer if config.arch == "qwen3_5" else Transformer
     return cls(config, weights, make_linear or eager_linear)
 
 

@@ -1,0 +1,135 @@
+"""The cache of a hybrid model (Qwen3.5: Gated DeltaNet layers between attention layers): the
+attention layers' keys and values in a paged cache, and each recurrent layer's state per row.
+
+A recurrent layer's state after position p is not a slice of something written by position, so
+rollback cannot be a length change of it alone. The rule kept here: a row's state is always the
+state after its cache length (`lengths[row]`), and a pass never changes it. A pass records, per
+row, what it started from and what its tokens add (`record`); `truncate(row, length)` then sets
+the state at the new length: the pass's final state when every token is kept (prefill, a fully
+accepted chain), else the state replayed from the pass's start over the kept tokens (a chain
+verified up to its first rejected draft). So to the engine, rollback stays a length change.
+
+Only chains: a tree's nodes would each need the state of their own path (`move` refuses). Prefix
+caching is off for such a model (the runner says why): a shared block holds keys and values, not
+the recurrent state at its end.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .paged import PagedKVCache
+
+REPLAY_TOKENS = 80      # passes up to this many tokens keep what a replay needs (verification passes)
+
+
+@dataclass
+class Pending:
+    """What one pass did to a row's recurrent layers, until the row's next `truncate`."""
+    start: int                       # the row's length when the pass ran
+    width: int                       # its real tokens in the pass
+    conv_inputs: list                # per layer [conv_dim, kernel-1 + width]: the state, then the inputs
+    finals: list                     # per layer [heads, dk, dv] float32: the state after `width` tokens
+    steps: list | None               # per layer (keys, values, decay, beta) of its tokens ([width, ...]
+                                     # each), or None: a long pass, kept whole or not at all
+
+
+class HybridCache(PagedKVCache):
+    recurrent = True                 # rows hold recurrent state (no prefix blocks shared)
+
+    def __init__(self, num_attention_layers: int, num_recurrent_layers: int, conv_dim: int, conv_kernel: int,
+                 heads: int, key_dim: int, value_dim: int, num_rows: int, num_kv_heads: int, head_dim: int,
+                 max_len: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(max(num_attention_layers, 1), num_rows, num_kv_heads, head_dim, max_len, num_blocks,
+                         block_size, dtype, device)
+        self.state_shapes = ((conv_dim, conv_kernel - 1), (heads, key_dim, value_dim))
+        self.conv = [torch.zeros(num_rows, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
+                     for _ in range(num_recurrent_layers)]                  # [rows, conv_dim, kernel-1]
+        self.ssm = [torch.zeros(num_rows, heads, key_dim, value_dim, dtype=torch.float32, device=device)
+                    for _ in range(num_recurrent_layers)]                   # [rows, heads, dk, dv]
+        self.passes: dict[int, Pending] = {}     # row -> its last pass, until truncate
+
+    # ------------------------------------------------------------ read by a pass
+    def states(self, layer: int, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conv and recurrent states of `rows` at their cache lengths: [B, conv_dim, kernel-1],
+        [B, heads, dk, dv] (copies: a pass never changes them)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        return self.conv[layer][index], self.ssm[layer][index]
+
+    def record(self, layer: int, rows: list[int], starts: list[int], widths: list[int],
+               conv_inputs: torch.Tensor,      # [B, conv_dim, kernel-1 + T]
+               finals: torch.Tensor,           # [B, heads, dk, dv] after each row's `width` tokens
+               steps: tuple | None) -> None:   # (keys [B,T,H,dk], values [B,T,H,dv], decay [B,T,H], beta [B,T,H])
+        """What a pass computed for one recurrent layer (layers in order, from 0)."""
+        for b, (row, start, width) in enumerate(zip(rows, starts, widths)):
+            if layer == 0:
+                self.passes[row] = Pending(start, width, [], [], [] if steps is not None else None)
+            p = self.passes[row]
+            p.conv_inputs.append(conv_inputs[b, :, :self.state_shapes[0][1] + width])
+            p.finals.append(finals[b])
+            if p.steps is not None:
+                p.steps.append(tuple(t[b, :width] for t in steps))
+
+    # ------------------------------------------------------------ lengths
+    def truncate(self, row: int, length: int) -> None:
+        super().truncate(row, length)
+        p = self.passes.pop(row, None)
+        if length == 0:
+            self._zero(row)
+        elif p is not None and length != p.start:
+            kept = length - p.start
+            if not 0 < kept <= p.width or (kept < p.width and p.steps is None):
+                raise RuntimeError(f"recurrent state: row {row} cannot go to length {length} after a pass of "
+                                   f"{p.width} tokens from {p.start}")
+            span = self.state_shapes[0][1]               # kernel - 1 inputs
+            for layer in range(len(self.conv)):
+                self.conv[layer][row] = p.conv_inputs[layer][:, kept:kept + span]
+                if kept == p.width:
+                    self.ssm[layer][row] = p.finals[layer]
+                else:                                     # the row's state is still the pass's start
+                    state = self.ssm[layer][row]
+                    for t in range(kept):
+                        state = delta_step(state, *(x[t] for x in p.steps[layer]))
+                    self.ssm[layer][row] = state
+
+    def release(self, row: int) -> None:
+        super().release(row)
+        self.passes.pop(row, None)
+        self._zero(row)
+
+    def reserve(self, row: int, tokens: int, hits: list[int] = ()) -> None:
+        if hits:
+            raise RuntimeError("a hybrid model's cache does not share prefix blocks")
+        super().reserve(row, tokens, hits)
+        self._zero(row)
+
+    def move(self, row: int, src: list[int], dst: list[int]) -> None:
+        if src != dst:
+            raise RuntimeError("a model with recurrent layers verifies chains only")
+
+    def grow(self, num_rows: int, num_blocks: int) -> None:
+        more = num_rows - self.batch_size
+        super().grow(num_rows, num_blocks)
+        if more > 0:
+            self.conv = [torch.cat([c, c.new_zeros(more, *c.shape[1:])]) for c in self.conv]
+            self.ssm = [torch.cat([s, s.new_zeros(more, *s.shape[1:])]) for s in self.ssm]
+
+    def _zero(self, row: int) -> None:
+        for conv, ssm in zip(self.conv, self.ssm):
+            conv[row].zero_()
+            ssm[row].zero_()
+
+
+def delta_step(state: torch.Tensor,   # [..., H, dk, dv] float32
+               key: torch.Tensor,     # [..., H, dk]
+               value: torch.Tensor,   # [..., H, dv]
+               decay: torch.Tensor,   # [..., H] log decay (<= 0)
+               beta: torch.Tensor,    # [..., H]
+               ) -> torch.Tensor:
+    """One token of the gated delta rule: S <- S * exp(g) + k (beta (v - S^T k))^T."""
+    state = state * decay.exp()[..., None, None]
+    recalled = (state * key[..., None]).sum(dim=-2)                          # [..., H, dv]
+    return state + key[..., None] * ((value - recalled) * beta[..., None])[..., None, :]
+
