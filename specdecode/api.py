@@ -87,8 +87,9 @@ def check_prompt(prompt) -> None:
 class LLM:
     """A target model plus (optionally) a drafter.
 
-    model: None (the embedded SmolLM2-135M-Instruct), a .gguf file or an HF directory.
-    draft: a draft model path (method "model"); method: "cascade", "eagle", "ngram", "model", "none" or
+    model: None (the embedded SmolLM2-135M-Instruct), a .gguf file, an HF directory or a Hugging Face id
+    (ORG/NAME, ORG/NAME:QUANT, ORG/NAME/FILE.gguf; models/hub.py).
+    draft: a draft model, named as model is (method "model"); method: "cascade", "eagle", "ngram", "model", "none" or
     any drafter registered with `specdecode.drafters.registry.register` or the `specdecode.drafters`
     entry-point group (default: see default_method); drafter_path: a trained drafter directory (methods "eagle",
     "cascade").

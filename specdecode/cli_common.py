@@ -127,8 +127,12 @@ def _check_models_used(args: argparse.Namespace) -> None:
 def add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None,
-                   help="target: a .gguf file or an HF directory (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--draft", default=None, help="draft model (.gguf or HF directory) sharing the target's tokenizer")
+                   help="target: a .gguf file, an HF directory, or a Hugging Face id ORG/NAME, ORG/NAME:QUANT (the "
+                        "GGUF file with that quant tag), ORG/NAME/FILE.gguf; an existing path wins; downloads go to "
+                        "huggingface_hub's cache, HF_HUB_OFFLINE=1 uses it only (docs/models.md; default: embedded "
+                        "SmolLM2-135M-Instruct)")
+    g.add_argument("--draft", default=None,
+                   help="draft model sharing the target's tokenizer, named as --model is (path or Hugging Face id)")
     g.add_argument("--method", default=None, choices=method_choices(),
                    help="drafter (default: cascade with --draft or --drafter, else ngram; none: plain decoding; "
                         f"{DRAFTER_DIR_METHODS} use the drafter shipped for the embedded model when no --drafter "

@@ -1,4 +1,4 @@
-"""`specdecode info [--json] [--model PATH] [--cpu-flags FLAGS]`: what this machine will run.
+"""`specdecode info [--json] [--model MODEL] [--cpu-flags FLAGS]`: what this machine will run.
 
 The CPU and the flags the kernels care about, which kernel path a GGUF file and dense weights take
 and why (decided by specdecode.fast.linear.kernel_plan, the same function the kernel loader uses),
@@ -35,8 +35,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="what this machine will run: CPU flags, kernel path, threads, versions, cache, "
                                     "extras (attach it to bug reports)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--model", default=None, metavar="PATH",
-                   help="also say which kernel path each quantization type of this .gguf file takes")
+    p.add_argument("--model", default=None, metavar="MODEL",
+                   help="also say which kernel path each quantization type of this .gguf file (or Hugging "
+                        "Face id, docs/models.md) takes")
     p.add_argument("--cpu-flags", default=None, metavar="FLAGS",
                    help="decide the kernel path for a CPU with these /proc/cpuinfo flags (space or comma "
                         "separated, e.g. 'avx2 fma f16c') instead of this one; nothing is compiled")
@@ -72,7 +73,7 @@ def collect(model: str | None = None, flags: set[str] | None = None) -> dict:
         "extras": {name: _version(name) for name in EXTRAS},
     }
     if model is not None:
-        report["model"] = model_paths(Path(model).expanduser(), report["kernels"])
+        report["model"] = model_paths(_named_model(model), report["kernels"])
     report["threads"] = {"torch": report["torch"]["threads"], "usable_cpus": report["cpu"]["usable_cpus"],
                          "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     return report
@@ -139,6 +140,13 @@ def _describe(k: dict) -> dict:
                 "dense_bf16": "AVX2 + FMA (bf16 widened to fp32)", "dense_fp32": "AVX2 + FMA"}
     return {"path": "eager", "gguf": "dequantized to bf16 at load (as --weights dense), then torch F.linear",
             "dense_bf16": "torch F.linear", "dense_fp32": "torch F.linear", "why": k["reason"]}
+
+
+def _named_model(spec: str) -> Path:
+    """--model's path, or the file or snapshot a Hugging Face id names (models/hub.py)."""
+    from .models.hub import hub_path
+    path = Path(spec).expanduser()
+    return path if path.exists() else (hub_path(spec) or path)
 
 
 def model_paths(path: Path, kern: dict) -> dict:

@@ -171,6 +171,74 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+def hub_repo(cache: Path, repo_id: str, files: dict[str, Path]) -> Path:
+    """A model repository in a Hugging Face cache laid out as huggingface_hub writes it (blobs named
+    by git's hash, or by sha256 for weights; the snapshot's files relative symlinks to them; refs/main
+    naming the commit), checked with huggingface_hub.scan_cache_dir. Files of equal content share one
+    blob, as in a real cache; a blob is a hard link to its source where the file system allows.
+    Returns the snapshot folder."""
+    import hashlib
+    import os
+    import shutil
+
+    from huggingface_hub import scan_cache_dir
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    for name, source in files.items():
+        data = source.read_bytes()
+        lfs = name.endswith((".gguf", ".safetensors"))
+        digest = (hashlib.sha256(data) if lfs else hashlib.sha1(b"blob %d\0" % len(data) + data)).hexdigest()
+        blob = repo / "blobs" / digest
+        if not blob.exists():
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(source, blob)
+            except OSError:
+                shutil.copyfile(source, blob)
+        link = snapshot / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    scan = scan_cache_dir(cache)
+    assert not scan.warnings, scan.warnings
+    [cached] = [r for r in scan.repos if r.repo_id == repo_id]
+    [revision] = cached.revisions
+    assert revision.refs == {"main"} and {f.file_name for f in revision.files} == {Path(n).name for n in files}
+    return snapshot
+
+
+@pytest.fixture(scope="session")
+def hub_cache(tiny_models, tmp_path_factory) -> Path:
+    """A Hugging Face cache holding test-org/tiny-gguf (the embedded model's GGUF file under two quant
+    names), test-org/tiny-llama (the tiny Llama's safetensors directory) and test-org/split-gguf (a
+    GGUF split in two parts, the parts mere bytes)."""
+    from specdecode.models.loader import default_model_path
+    cache = tmp_path_factory.mktemp("hf_hub")
+    gguf = default_model_path()
+    hub_repo(cache, "test-org/tiny-gguf", {"SmolLM2-135M-Instruct.Q4_1.gguf": gguf,
+                                           "SmolLM2-135M-Instruct.Q8_0.gguf": gguf})
+    llama = tiny_models["llama"]
+    hub_repo(cache, "test-org/tiny-llama", {p.name: p for p in llama.iterdir() if p.is_file()})
+    part = cache.parent / "part.bin"
+    part.write_bytes(b"GGUF")
+    hub_repo(cache, "test-org/split-gguf", {f"x-Q4_0-0000{i}-of-00002.gguf": part for i in (1, 2)})
+    return cache
+
+
+@pytest.fixture
+def offline_hub(hub_cache, monkeypatch) -> Path:
+    """hub_cache as huggingface_hub's cache, offline: the environment for child processes, and the
+    settings huggingface_hub read from it at import for this one."""
+    from huggingface_hub import constants
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return hub_cache
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded default target in fp32 (loaded once per session)."""

@@ -83,8 +83,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="specdecode chooses each step's draft size up to k from measured costs (default: on; "
                         "--no-adaptive drafts k every step)")
     m = p.add_argument_group("model")
-    m.add_argument("--model", default=None, help="target .gguf or HF directory (default: embedded SmolLM2-135M)")
-    m.add_argument("--draft", default=None, help="draft model sharing the target's tokenizer (method model)")
+    m.add_argument("--model", default=None, help="target .gguf, HF directory or Hugging Face id ORG/NAME[:QUANT] "
+                   "(docs/models.md; default: embedded SmolLM2-135M)")
+    m.add_argument("--draft", default=None,
+                   help="draft model sharing the target's tokenizer, named as --model is (method model)")
     m.add_argument("--drafter", default=None, metavar="DIR",
                    help="trained EAGLE drafter from `specdecode distill` (method eagle; default: the shipped one)")
     m.add_argument("--dtype", default=None, action=DtypeAction,

@@ -30,11 +30,10 @@ def available() -> tuple[bool, str | None]:
 
 
 def gguf_path(model: str | None) -> Path | None:
-    """The GGUF file llama.cpp would load for this target (None: the target is not GGUF)."""
-    if model in (None, "smollm2"):
-        from ..models.loader import default_model_path
-        return default_model_path()
-    path = Path(model).expanduser()
+    """The GGUF file llama.cpp would load for this target (None: the target is not GGUF); a
+    Hugging Face id resolves as the target did (models/hub.py)."""
+    from ..models.loader import model_path
+    path = model_path(model)
     return path if path.is_file() and path.suffix.lower() == ".gguf" else None
 
 

@@ -19,7 +19,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("distill",
                        help="train a drafter (EAGLE-style head, Medusa heads or small draft LM) for a target",
                        description=__doc__.split("\n\n")[1] if __doc__ else None)
-    p.add_argument("--target", default=None, help="target model: .gguf or HF directory (default: embedded SmolLM2)")
+    p.add_argument("--target", default=None, help="target model: .gguf, HF directory or Hugging Face id "
+                   "(docs/models.md; default: embedded SmolLM2)")
     p.add_argument("--out", required=True, help="output directory (corpus, features, checkpoints, drafter)")
     p.add_argument("--kind", default="eagle", choices=["eagle", "draft-lm", "medusa"],
                    help="eagle: one-layer head on the target's features (default); draft-lm: small standalone "

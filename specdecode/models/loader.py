@@ -1,4 +1,4 @@
-"""Find and load a model: the embedded default, a GGUF file, or a Hugging Face directory.
+"""Find and load a model: the embedded default, a GGUF file, a Hugging Face directory or id (hub.py).
 
 Native architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3) load into `Transformer`
 (Gemma: its subclass in gemma.py); any other architecture that
@@ -19,6 +19,7 @@ import torch
 from ..tokenizer import Tokenizer
 from .config import ModelConfig, ModelError
 from .dtypes import ALIASES, QUANTIZED, canonical_dtype
+from .hub import hub_path
 from .interface import CausalLM
 
 DEFAULT_MODEL = "smollm2"
@@ -58,7 +59,19 @@ def missing_model(path: Path) -> str:
         return (f"model not found: {path}: the Qwen2.5-Coder pair is not downloaded; run "
                 f"`bash scripts/setup/get_models.sh` in the specdecode repository (1.6 GB, once), which puts "
                 f"both files in {cache_root() / 'models'}")
-    return f"model not found: {path} (give a .gguf file or a Hugging Face model directory)"
+    return f"model not found: {path} (give a .gguf file, a Hugging Face model directory or id: docs/models.md)"
+
+
+def model_path(spec) -> Path:
+    """The file or directory a model spec names: the embedded default (None or "smollm2"), a path
+    that exists (which always wins), or a Hugging Face id, downloaded or found in the cache (hub.py)."""
+    if spec in (None, DEFAULT_MODEL):
+        return default_model_path()
+    path = Path(spec).expanduser()
+    path = path if path.exists() else (hub_path(str(spec)) or path)
+    if not path.exists():
+        raise ModelError(missing_model(path))
+    return path
 
 
 def parse_dtype(name, param: str = "dtype") -> torch.dtype | None:
@@ -193,7 +206,7 @@ def default_draft_dtype(spec, device, fast: bool = True) -> str | None:
     whose projections and head would stream at least 20% fewer bytes per token as Q4_0 blocks (e.g.
     a Q4_K_M file with Q6_K / Q8_0 tensors: a cheaper draft, and any draft is lossless); None (the
     file's own weights) otherwise. `--draft-dtype auto` keeps the file's own."""
-    path = Path(str(spec)).expanduser() if spec is not None else None
+    path = model_path(spec) if spec is not None else None
     if path is None or native_weights_reason(path, None, resolve_device(device), fast) is not None:
         return None
     from .gguf import tokenizer_dir
@@ -223,7 +236,8 @@ def native_weights_reason(path: Path, dtype, device: torch.device, fast: bool) -
 def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, device: str | None = "cpu",
                progress: bool = True, fast: bool = True, weights: str = "auto", dtype_param: str = "dtype",
                ) -> LoadedModel:
-    """Load `spec`: None or "smollm2" (embedded default), a .gguf file, or an HF model directory.
+    """Load `spec`: None or "smollm2" (embedded default), a .gguf file, an HF model directory, or a
+    Hugging Face id (ORG/NAME, ORG/NAME:QUANT, ORG/NAME/FILE.gguf; model_path).
 
     weights: "native" keeps a GGUF file's quantized projections as stored and computes on them
     (bf16 activations); "dense" dequantizes them to `dtype` (bf16 unless given); "auto" is native
@@ -244,10 +258,8 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
     if auto:
         dtype = None
     torch_device = resolve_device(device)
-    name = spec or DEFAULT_MODEL
-    path = default_model_path() if spec in (None, DEFAULT_MODEL) else Path(spec).expanduser()
-    if not path.exists():
-        raise ModelError(missing_model(path))
+    name = str(spec or DEFAULT_MODEL)
+    path = model_path(spec)
     if path.is_file() and path.suffix.lower() == ".gguf":
         from .gguf import NATIVE_ARCHS, inspect_file
         arch = inspect_file(path)          # not GGUF, truncated, or no architecture: one clear error
