@@ -223,7 +223,7 @@ class Generation:
                 text = decode([token])
                 return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
             return {"content": [dict(entry(t, v), top_logprobs=[entry(a, w) for a, w in top])
-                                for t, v, top in lps]}
+                                for t, v, top in lps], "refusal": None}
         texts = [decode([t]) for t, _, _ in lps]
         offsets, at, tops = [], offset, []
         for text, (token, value, top) in zip(texts, lps):
@@ -258,8 +258,10 @@ class Generation:
         p = self.parsed
         out: dict = {"index": self.index}
         if p.chat:
-            out["message" if not p.stream else "delta"] = (
-                {"role": "assistant", "content": text} if not p.stream else ({"content": text} if text else {}))
+            if p.stream:
+                out["delta"] = {"content": text} if text else {}
+            else:
+                out["message"] = {"role": "assistant", "content": text, "refusal": None}
         else:
             out["text"] = text
         out["logprobs"] = self.logprobs(lps, offset)
@@ -424,7 +426,8 @@ async def collect(gens: list[Generation], queue: asyncio.Queue, http: HttpReques
                 if gen.tools is not None:
                     content, calls = gen.tools.result(text)
                     if calls:
-                        choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                        choice["message"] = {"role": "assistant", "content": content, "refusal": None,
+                                             "tool_calls": calls}
                         if event.reason == "stop" and gen.tools.calls_complete():
                             choice["finish_reason"] = "tool_calls"
                 results[gen] = (choice, event.usage, event.speculation)
