@@ -31,6 +31,8 @@ class RequestOutput:
     stats: dict = field(default_factory=dict)   # acceptance_rate, mean_accepted_length, tokens_per_s, ...
     logprobs: list | None = None    # with SamplingParams(logprobs=N): per output token (token id, its
                                     # log-probability, the top N [(token id, log-probability)])
+    prompt_logprobs: list | None = None   # with SamplingParams(prompt_logprobs=N): the same per prompt token,
+                                          # None for the first (nothing comes before it)
 
 
 def default_method(draft: object | None, target: LoadedModel | None = None, drafter_path: str | None = None) -> str:
@@ -223,7 +225,9 @@ class LLM:
                                          token_ids=s.output_ids, prompt_token_ids=s.prompt_ids,
                                          finish_reason=s.finish_reason or "length",
                                          stats=stats,
-                                         logprobs=s.logprobs[:s.num_output] if s.params.logprobs is not None else None))
+                                         logprobs=s.logprobs[:s.num_output] if s.params.logprobs is not None else None,
+                                         prompt_logprobs=[None] + s.prompt_logprobs
+                                         if s.params.prompt_logprobs is not None else None))
         return outputs
 
 

@@ -62,6 +62,9 @@ class SamplingParams:
     ignore_eos: bool = False
     structured: object = None       # specdecode.structured.Structured: the output follows a grammar
     logprobs: int | None = None     # report each emitted token's log-probability and the top N (0..20)
+    prompt_logprobs: int | None = None   # ... and each prompt token's (but the first), from the model's raw
+                                         # logits, with the top N (0..20); the prompt is then not read from
+                                         # the prefix cache (its positions must be computed)
     prediction: str | None = None   # OpenAI's Predicted Outputs: text the answer is expected to mostly repeat
                                     # (e.g. the file being edited); drafts follow it, the answer is the target's
 
@@ -113,6 +116,11 @@ class SamplingParams:
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
                                          and 0 <= self.logprobs <= 20),
                f"logprobs must be an integer in [0, 20] (top alternatives per token) or None, got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and not isinstance(self.prompt_logprobs, bool)
+                                                and 0 <= self.prompt_logprobs <= 20),
+               f"prompt_logprobs must be an integer in [0, 20] (top alternatives per prompt token) or None, "
+               f"got {self.prompt_logprobs!r}")
         _check(self.prediction is None or (isinstance(self.prediction, str) and self.prediction != ""),
                f"prediction must be a non-empty string or None, got {self.prediction!r:.80}")
         _check(self.structured is None or callable(getattr(self.structured, "grammar", None)),
@@ -132,3 +140,5 @@ class SamplingParams:
         for token_id in self.logit_bias:
             _check(token_id < vocab_size,
                    f"logit_bias token id {token_id} is outside the vocabulary (size {vocab_size})")
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        _check(not bad, f"stop_token_ids {bad[:5]} are outside the vocabulary (size {vocab_size})")

@@ -305,3 +305,13 @@ def step_sizes(llm, prompts, params, k):
         sizes.setdefault(seq.request_id, []).append(len(tokens))
     out = llm.generate(prompts, params, num_speculative_tokens=k, on_tokens=on_tokens)
     return out, [sizes[i] for i in range(len(out))]
+
+
+def check_openai_schema(instance: dict, name: str) -> None:
+    """Every violation of OpenAI's response schema `name` (tests/serve/data, trimmed from their
+    openapi.yaml by scripts/setup/trim_openapi.py), listed: the first error alone hides the rest."""
+    import jsonschema
+    schemas = json.loads((Path(__file__).parent / "serve" / "data" / "openai_responses.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator({"$ref": f"#/$defs/{name}", "$defs": schemas["$defs"]})
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(instance)]
+    assert not errors, f"{name}: " + "; ".join(errors)

@@ -211,7 +211,8 @@ class EngineCore:
     def _admit(self) -> None:
         runner, sched = self.runner, self.scheduler
         while (request := sched.head()) is not None:
-            hits = runner.match(request.prompt_ids, self._drafts(request), request.prefix_memo)
+            hits = ({} if request.params.prompt_logprobs is not None     # every prompt position computed
+                    else runner.match(request.prompt_ids, self._drafts(request), request.prefix_memo))
             if not runner.can_admit(len(request.prompt_ids) + request.params.max_tokens, hits):
                 return                                 # FIFO: the head waits for blocks
             row = sched.take(request)

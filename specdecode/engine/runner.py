@@ -182,8 +182,27 @@ class ModelRunner:
                                               lengths=[n for _, n in chunks]), cache)   # [B, width, D]
         if not draft and self.wants_hidden:   # an EAGLE head reads the target's features of the prompt
             self.drafter.observe([s for s, _ in chunks], starts, hidden)
+        if not draft:
+            for b, ((s, n), start) in enumerate(zip(chunks, starts)):
+                if s.params.prompt_logprobs is not None:
+                    s.prompt_logprobs += self._prompt_logprobs(s, start, hidden[b:b + 1, :n])
         for (s, n), start in zip(chunks, starts):
             cache.truncate(s.row, start + n)
+
+    def _prompt_logprobs(self, s: Sequence, start: int,
+                         hidden: torch.Tensor,      # [1, n, D]: prompt positions start .. start+n-1
+                         ) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        """The log-probability of each next prompt token (positions start+1 .. start+n) under the
+        model's raw logits, with the top `prompt_logprobs` alternatives; 64 positions of logits at a time."""
+        out, top = [], s.params.prompt_logprobs
+        for at in range(0, hidden.shape[1], 64):
+            index = torch.arange(at, min(at + 64, hidden.shape[1]), device=hidden.device)[None]   # [1, m]
+            logps = self.model.logits(hidden, index)[0].float().log_softmax(dim=-1)           # [m, vocab]
+            nxt = s.prompt_ids[start + at + 1:start + at + 1 + logps.shape[0]]
+            chosen = logps.gather(1, torch.tensor(nxt, device=logps.device)[:, None])[:, 0].tolist()
+            values, ids = logps.topk(top, dim=-1) if top else (logps[:, :0], logps[:, :0].long())
+            out += [(t, v, list(zip(i, w))) for t, v, i, w in zip(nxt, chosen, ids.tolist(), values.tolist())]
+        return out
 
     def cost_curve(self, row: int, max_rows: int) -> dict[int, float]:
         """The target pass's seconds against its rows (costs.measure_cost_curve), on an idle row."""

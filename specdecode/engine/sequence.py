@@ -173,6 +173,7 @@ class Sequence:
         self.prediction = None                     # drafters/prediction.py PredictionIndex of params.prediction
         self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []   # per output token, if asked:
                                                    # (token, its logprob, the top N (token, logprob))
+        self.prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []   # prompt tokens 1.., if asked
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
         self.seed = seed                           # position-keyed uniforms (sampling.position_uniforms)
         self.generator = torch.Generator(device=device).manual_seed(seed)   # draft-distribution draws

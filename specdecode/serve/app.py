@@ -29,6 +29,7 @@ from starlette.staticfiles import StaticFiles
 from ..engine.sequence import Failed, Finished, QueueFull, Request, ShuttingDown, Tokens
 from ..params import SamplingParams
 from .auth import DEFAULT_MAX_BODY_BYTES, Guard
+from .prompts import echo_logprobs, infill_answer, infill_body, vllm_prompt_logprobs
 from .protocol import ApiError, ParsedRequest, error_body, parse, stream_error
 from .tools import ToolParser, decoder, openai_deltas
 
@@ -179,13 +180,14 @@ class Generation:
     choices of a request share one queue of (generation, event) pairs."""
 
     def __init__(self, state, parsed: ParsedRequest, queue: asyncio.Queue, mailbox: Mailbox, index: int = 0,
-                 after: str | None = None) -> None:
-        """Choice `index` of the request (n > 1: choice i is seeded seed + i when a seed is given;
-        `after`: the first choice's request id, whose prompt blocks the others wait for and share)."""
-        self.state, self.parsed, self.index = state, parsed, index
+                 after: str | None = None, choice: int = 0) -> None:
+        """Choice `index` of the request, its prompt's choice `choice` (n > 1: choice i is seeded
+        seed + i when a seed is given; `after`: the prompt's first choice's request id, whose prompt
+        blocks the others wait for and share)."""
+        self.state, self.parsed, self.index, self.choice_of_prompt = state, parsed, index, choice
         params = parsed.params
-        if index and params.seed is not None:
-            params = dataclasses.replace(params, seed=(params.seed + index) % 2**63)
+        if choice and params.seed is not None:
+            params = dataclasses.replace(params, seed=(params.seed + choice) % 2**63)
         post = lambda event: mailbox.post(queue, (self, event))         # noqa: E731
         self.request = Request(parsed.prompt_ids, params, self._sink(post, state.engine.config.stream_interval_ms),
                                parsed.speculate, parsed.num_speculative_tokens, after=after)
@@ -306,11 +308,15 @@ def sse(data) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def merged_usage(usages: list[dict]) -> dict:
-    """One prompt, several choices: prompt tokens counted once, completion tokens summed."""
-    prompt = usages[0]["prompt_tokens"]
-    completion = sum(u["completion_tokens"] for u in usages)
-    return dict(usages[0], prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+def merged_usage(usages: list[tuple[Generation, dict]]) -> dict:
+    """The choices' usage: each prompt's tokens counted once (its first choice's), completion tokens
+    summed (an echo of the prompt alone completes none)."""
+    firsts = [u for g, u in usages if g.choice_of_prompt == 0]
+    prompt = sum(u["prompt_tokens"] for u in firsts)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts)
+    completion = sum(0 if g.parsed.echo_only else u["completion_tokens"] for g, u in usages)
+    return dict(usages[0][1], prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                prompt_tokens_details={"cached_tokens": cached})
 
 
 def drain(first, queue: asyncio.Queue) -> list:
@@ -342,17 +348,22 @@ async def stream_events(gens: list[Generation], queue: asyncio.Queue):
     """Server-sent events of one request's choices, interleaved as their tokens come; cancelled
     (client gone) -> every unfinished choice is aborted."""
     p = gens[0].parsed
-    usages: list[dict] = []
+    usages: list[tuple[Generation, dict]] = []
     try:
         if p.chat:
             for g in gens:
                 yield sse(g.envelope([{"index": g.index, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}]))
+        elif p.echo:                                   # the prompt's text first (its logprobs: not streamed)
+            for g in gens:
+                yield sse(g.envelope([g.choice(g.state.tokenizer.decode(g.parsed.prompt_ids), [], [], [], None)]))
         live = len(gens)
         per_step = p.return_token_kinds or p.return_token_ids       # then a chunk is a step
         while live:
             items = drain(await queue.get(), queue)
             for gen, event in (items if per_step else merge_tokens(items)):
+                if isinstance(event, Tokens) and p.echo_only:
+                    continue                           # the token run to read the prompt is not sent
                 if isinstance(event, Tokens):
                     delta, texts = gen.text.add(event.ids, p.return_token_kinds or event.logprobs is not None)
                     lps, at = gen.release_logprobs(event.logprobs, texts)
@@ -368,10 +379,10 @@ async def stream_events(gens: list[Generation], queue: asyncio.Queue):
                 elif isinstance(event, Finished):
                     gen.done = True
                     live -= 1
-                    usages.append(event.usage)
-                    delta = gen.text.finish(event.stop_text_index)
+                    usages.append((gen, event.usage))
+                    delta = "" if p.echo_only else gen.text.finish(event.stop_text_index)
                     lps, at = gen.release_logprobs(None, [], final=True, end=event.stop_text_index)
-                    reason = event.reason
+                    reason = "length" if p.echo_only else event.reason
                     if gen.tools is not None:
                         for chunk in gen.tool_chunks(gen.tools.feed(delta) + gen.tools.finish()):
                             yield sse(chunk)
@@ -398,6 +409,23 @@ async def client_gone(http: HttpRequest) -> None:
     """Returns when the client of a request whose body was read disconnects."""
     while (await http.receive())["type"] != "http.disconnect":
         pass
+
+
+def echoed(gen: Generation, choice: dict, seq) -> None:
+    """`echo`: the prompt's text (and log-probabilities) before the answer's (the answer left out
+    when max_tokens was 0); vLLM's `prompt_logprobs` field beside them."""
+    decode, parsed = gen.state.tokenizer.decode, gen.parsed
+    if parsed.echo:
+        prompt_text = decode(parsed.prompt_ids)
+        answer = "" if parsed.echo_only else choice["text"]
+        if parsed.params.logprobs is not None:
+            choice["logprobs"] = echo_logprobs(decode, parsed.prompt_ids, seq.prompt_logprobs,
+                                               None if parsed.echo_only else choice["logprobs"], len(prompt_text))
+        choice["text"] = prompt_text + answer
+        if parsed.echo_only:
+            choice["finish_reason"] = "length"
+    if parsed.prompt_logprobs:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(decode, seq.prompt_logprobs)
 
 
 async def collect(gens: list[Generation], queue: asyncio.Queue, http: HttpRequest) -> Response:
@@ -430,6 +458,8 @@ async def collect(gens: list[Generation], queue: asyncio.Queue, http: HttpReques
                                              "tool_calls": calls}
                         if event.reason == "stop" and gen.tools.calls_complete():
                             choice["finish_reason"] = "tool_calls"
+                if gen.parsed.echo or gen.parsed.prompt_logprobs:
+                    echoed(gen, choice, event.sequence)
                 results[gen] = (choice, event.usage, event.speculation)
             else:
                 gen.done = True
@@ -441,33 +471,45 @@ async def collect(gens: list[Generation], queue: asyncio.Queue, http: HttpReques
                 g.state.engine.abort(g.request.id)
     ordered = [results[g] for g in gens]
     speculation = ordered[0][2] if len(ordered) == 1 else [r[2] for r in ordered]
-    return JSONResponse(gens[0].envelope([r[0] for r in ordered], usage=merged_usage([r[1] for r in ordered]),
+    return JSONResponse(gens[0].envelope([r[0] for r in ordered],
+                                         usage=merged_usage([(g, r[1]) for g, r in zip(gens, ordered)]),
                                          speculation=speculation))
 
 
-async def generate(http: HttpRequest, chat: bool) -> Response:
+async def read_json(http: HttpRequest):
+    try:
+        return json.loads(await http.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"malformed JSON body: {exc}") from None
+
+
+async def generate(http: HttpRequest, chat: bool, body=None) -> Response:
+    """/v1/completions or /v1/chat/completions (`body`: already read and translated, /infill's)."""
     state = http.app.state.serve
     try:
-        raw = await http.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"malformed JSON body: {exc}") from None
+        body = await read_json(http) if body is None else body
         parsed = parse(body, state.ctx, chat)
-        needed = len(parsed.prompt_ids) + parsed.params.max_tokens
+        needed = max(len(ids) for ids in parsed.prompts) + parsed.params.max_tokens
         if not state.engine.runner.fits(needed):
             cache = state.engine.runner.cache
-            raise ApiError(400, f"prompt ({len(parsed.prompt_ids)} tokens) + max_tokens ({parsed.params.max_tokens}) "
+            raise ApiError(400, f"prompt ({needed - parsed.params.max_tokens} tokens) + max_tokens "
+                                f"({parsed.params.max_tokens}) "
                                 f"needs {cache.blocks_for(needed)} KV blocks of {cache.block_size} tokens, more than "
                                 f"the {cache.usable_blocks} the server has (--num-blocks)", param="max_tokens",
                            code="context_length_exceeded")
-        if parsed.n > state.engine.config.max_queue:
-            raise ApiError(400, f"n ({parsed.n}) is more than this server queues at once "
-                                f"({state.engine.config.max_queue}, --max-queue)", param="n")
+        choices = parsed.n * len(parsed.prompts)
+        if choices > state.engine.config.max_queue:
+            raise ApiError(400, f"{choices} choices (n {parsed.n} times {len(parsed.prompts)} prompts) are more than "
+                                f"this server queues at once ({state.engine.config.max_queue}, --max-queue)",
+                           param="n" if len(parsed.prompts) == 1 else "prompt")
         queue: asyncio.Queue = asyncio.Queue()
         mailbox = Mailbox.of(http.app.state)
-        gens = [Generation(state, parsed, queue, mailbox)]
-        gens += [Generation(state, parsed, queue, mailbox, i, after=gens[0].request.id) for i in range(1, parsed.n)]
+        gens = []
+        for i, ids in enumerate(parsed.prompts):       # a prompt's choices, then the next prompt's
+            one = dataclasses.replace(parsed, prompt_ids=ids)
+            first = Generation(state, one, queue, mailbox, i * parsed.n)
+            gens += [first] + [Generation(state, one, queue, mailbox, i * parsed.n + j, after=first.request.id,
+                                          choice=j) for j in range(1, parsed.n)]
         for g in gens[1:]:
             g.id, g.created = gens[0].id, gens[0].created
         for i, g in enumerate(gens):
@@ -496,6 +538,46 @@ async def completions(http: HttpRequest) -> Response:
 
 async def chat_completions(http: HttpRequest) -> Response:
     return await generate(http, chat=True)
+
+
+async def infill(http: HttpRequest) -> Response:
+    """llama.cpp's /infill (editors' code completion): a completion in the model's FIM format,
+    answered in llama.cpp's shape (`content`; streamed as `data: {"content", "stop"}` events)."""
+    state = http.app.state.serve
+    try:
+        body = infill_body(await read_json(http), state.ctx)
+    except ApiError as exc:
+        return JSONResponse(exc.body(), status_code=exc.status)
+    response = await generate(http, chat=False, body=body)
+    if response.status_code != 200:
+        return response
+    if isinstance(response, StreamingResponse):
+        return StreamingResponse(infill_events(response.body_iterator, len(body["prompt"])),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return JSONResponse(infill_answer(json.loads(response.body), len(body["prompt"])))
+
+
+async def infill_events(events, prompt_tokens: int):
+    """A completions stream as llama.cpp's: each text delta as {"content", "stop": false}, the end
+    as the whole answer's fields with "stop": true."""
+    last = None                      # the chunk with the finish reason, sent once the usage comes
+    async for event in events:
+        line = event.decode() if isinstance(event, bytes) else event
+        if not line.startswith("data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            yield line
+            return
+        if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is None:
+            yield sse({"content": chunk["choices"][0]["text"], "stop": False})
+        elif chunk.get("choices"):
+            last = chunk
+        elif last is not None:       # the usage chunk
+            yield sse(infill_answer(dict(last, usage=chunk.get("usage")), prompt_tokens))
+            last = None
+    if last is not None:
+        yield sse(infill_answer(last, prompt_tokens))
 
 
 async def models(http: HttpRequest) -> Response:
@@ -594,6 +676,7 @@ def create_app(state, api_key: str | None = None, max_body_bytes: int = DEFAULT_
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/infill", infill, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -19,6 +19,7 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_K = 64            # draft tree nodes per step (tree drafters); a chain drafter's limit is 32
 MAX_N = 16            # choices per request (`n`)
+MAX_CHOICES = 128     # choices per request: prompts (a list) times n
 DEFAULT_MAX_TOKENS = 2048   # max_tokens of a request that gives none (EngineConfig.max_tokens_default)
 STREAM_INTERVAL_MS = 20.0   # a streamed choice's tokens are sent at most every 20 ms (50 chunks a second; its
                             # first tokens at once): on few cores each chunk's server and client work takes the
@@ -82,6 +83,10 @@ class ParsedRequest:
     chat: bool
     n: int = 1                       # choices: n sequences of the prompt (choice i seeded seed + i)
     tools: object = None             # serve/tools/ ToolSpec (chat with tools), or None
+    prompts: list = dataclasses.field(default_factory=list)   # completions: every prompt's ids (a list: a batch)
+    echo: bool = False               # completions: the prompt's text (and logprobs) before the answer's
+    echo_only: bool = False          # echo with max_tokens 0: the prompt alone (one token is run, not sent)
+    prompt_logprobs: bool = False    # vLLM's `prompt_logprobs` field was asked for
 
 
 def _bad(name: str, message: str) -> ApiError:
@@ -122,10 +127,6 @@ def _unsupported(body: dict) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise _bad("best_of", f"must be 1, got {best_of!r}")
-    if body.get("echo"):
-        raise _bad("echo", "is not supported")
-    if body.get("suffix"):
-        raise _bad("suffix", "is not supported")
     if body.get("functions"):
         raise _bad("functions", "is the legacy form: send tools")
 
@@ -150,6 +151,9 @@ def _sampling(body: dict, max_tokens: int | None, default_max_tokens: int, chat:
     stop = body.get("stop")
     if stop is not None:
         values["stop"] = stop
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        values["stop_token_ids"] = stop_ids
     values["ignore_eos"] = _bool(body, "ignore_eos")
     values["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
     values["logprobs"] = _logprobs(body, chat)
@@ -182,28 +186,6 @@ def _logprobs(body: dict, chat: bool) -> int | None:
         top = _int(body, "top_logprobs", 0, 20)
         return 0 if top is None else top
     return _int(body, "logprobs", 0, 20)
-
-
-def _prompt_ids(body: dict, ctx: ServeContext) -> list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                      # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise _bad("prompt", "must not be empty")
-        ids = ctx.tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        bad = [t for t in prompt if not 0 <= t < ctx.vocab_size]
-        if bad:
-            raise _bad("prompt", f"token ids must be in [0, {ctx.vocab_size}), got {bad[:5]}")
-        ids = list(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise _bad("prompt", "must be one prompt (a string or a list of token ids); send one request per prompt")
-    else:
-        raise _bad("prompt", f"must be a non-empty string or list of token ids, got {type(prompt).__name__}")
-    if not ids:
-        raise _bad("prompt", "encodes to no tokens")
-    return ids
 
 
 def _chat_ids(body: dict, ctx: ServeContext, tools=None) -> list[int]:
@@ -310,9 +292,16 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
         raise ApiError(400, str(exc), param=str(exc).split()[0].split("[")[0]) from None
     if not chat and body.get("tools") is not None:
         raise _bad("tools", "are for /v1/chat/completions")
-    ids = _chat_ids(body, ctx, tools) if chat else _prompt_ids(body, ctx)
+    from .prompts import completion_prompts
+    prompts, fim_stops = ([_chat_ids(body, ctx, tools)], []) if chat else completion_prompts(body, ctx)
+    ids = max(prompts, key=len)                  # the limits hold for the longest
+    echo = not chat and _bool(body, "echo")
+    if chat and body.get("echo"):
+        raise _bad("echo", "is for /v1/completions")
     name = "max_tokens"          # chat: max_completion_tokens (OpenAI's current name) wins over max_tokens
-    max_tokens = _int(body, "max_tokens", 1)
+    max_tokens = _int(body, "max_tokens", 0 if echo else 1)
+    echo_only = max_tokens == 0                  # the prompt alone: one token is run and dropped
+    max_tokens = 1 if echo_only else max_tokens
     if chat and body.get("max_completion_tokens") is not None:
         name, max_tokens = "max_completion_tokens", _int(body, "max_completion_tokens", 1)
     room = ctx.max_model_len - len(ids)
@@ -322,6 +311,15 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
                        code="context_length_exceeded")
     default = min(ctx.max_tokens_default, room) if chat else min(16, ctx.max_tokens_default, room)
     params = _sampling(body, max_tokens, default, chat)
+    asked = _int(body, "prompt_logprobs", 0, 20)
+    if chat and asked is not None:
+        raise _bad("prompt_logprobs", "is for /v1/completions")
+    top = asked if asked is not None else (params.logprobs if echo else None)
+    if fim_stops or top is not None:
+        params = dataclasses.replace(params, stop_token_ids=list(dict.fromkeys(params.stop_token_ids + fim_stops)),
+                                     prompt_logprobs=top)
+    if echo and stream and params.logprobs is not None:
+        raise _bad("echo", "with logprobs is answered whole: send stream: false")
     forced_call = tools.structured() if tools is not None else None
     if forced_call is not None:                      # tool_choice required / a named function
         if params.structured is not None:
@@ -339,7 +337,7 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
     try:
         params.validate_vocab(ctx.vocab_size)
     except ParamError as exc:
-        raise ApiError(400, str(exc), param="logit_bias") from None
+        raise ApiError(400, str(exc), param=exc.sampling_field or "logit_bias") from None
     speculate = body.get("speculate")
     if speculate is not None and not isinstance(speculate, bool):
         raise _bad("speculate", f"must be true, false or absent (automatic), got {speculate!r}")
@@ -356,6 +354,9 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
             if bad:
                 raise _bad("prediction", f"cannot be combined with {what} (as in OpenAI's API)")
         params = dataclasses.replace(params, prediction=prediction)
-    return ParsedRequest(ids, params, speculate, k, stream, include_usage, _bool(body, "return_token_kinds"),
+    if len(prompts) * (n or 1) > MAX_CHOICES:
+        raise _bad("n", f"({n or 1}) times {len(prompts)} prompts is more than {MAX_CHOICES} choices in one request")
+    return ParsedRequest(prompts[0], params, speculate, k, stream, include_usage, _bool(body, "return_token_kinds"),
                          _bool(body, "return_token_ids"), model, chat, 1 if n is None else n,
-                         tools if tools is not None and tools.active else None)
+                         tools if tools is not None and tools.active else None, prompts, echo, echo_only,
+                         asked is not None)

@@ -4,26 +4,17 @@ generated from it accept what the server answers."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest
+from conftest import check_openai_schema as check
 
 from specdecode import LLM
 from specdecode.engine.config import EngineConfig
 from specdecode.serve.app import create_app
 from specdecode.serve.server import BackgroundServer, build_state
 
-jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.usefixtures("one_thread")
-SCHEMAS = json.loads((Path(__file__).parent / "data" / "openai_responses.schema.json").read_text())
-
-
-def check(instance: dict, name: str) -> None:
-    """Every violation of schema `name`, listed (jsonschema's first error alone hides the rest)."""
-    validator = jsonschema.Draft202012Validator({"$ref": f"#/$defs/{name}", "$defs": SCHEMAS["$defs"]})
-    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(instance)]
-    assert not errors, f"{name}: " + "; ".join(errors)
 
 
 @pytest.fixture(scope="module")
