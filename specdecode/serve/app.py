@@ -31,6 +31,7 @@ from ..params import SamplingParams
 from .auth import DEFAULT_MAX_BODY_BYTES, Guard
 from .prompts import echo_logprobs, infill_answer, infill_body, vllm_prompt_logprobs
 from .protocol import ApiError, ParsedRequest, error_body, parse, stream_error
+from .tokenize import detokenize, tokenize, tokenizer_info
 from .tools import ToolParser, decoder, openai_deltas
 
 log = logging.getLogger("specdecode.serve")
@@ -677,6 +678,9 @@ def create_app(state, api_key: str | None = None, max_body_bytes: int = DEFAULT_
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/infill", infill, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
