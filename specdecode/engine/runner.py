@@ -64,8 +64,8 @@ class ModelRunner:
 
     def _new_cache(self, model, num_blocks: int, block_size: int):
         if num_blocks:
-            c = model.config
-            return PagedKVCache(c.num_layers, self.rows, c.num_kv_heads, c.head_dim, self.context + SLACK,
+            layers, heads, dims = model.config.kv_geometry()
+            return PagedKVCache(layers, self.rows, heads, dims, self.context + SLACK,
                                 num_blocks, block_size, model.dtype, model.device)
         return model.new_cache(self.rows, self.context + SLACK)
 
