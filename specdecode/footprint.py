@@ -19,6 +19,4 @@ def weights_bytes(model) -> int:
 def kv_bytes_per_token(model) -> int:
     if model is None or not hasattr(model, "config"):     # none, or the transformers adapter's own caches
         return 0
-    c = model.config
-    layers = c.num_layers if c.linear_layers is None else c.linear_layers.count(False)   # hybrid: attention only
-    return 2 * layers * c.num_kv_heads * c.head_dim * model.embed.element_size()
+    return model.config.kv_elements_per_token() * model.embed.element_size()

@@ -8,9 +8,20 @@ are overwritten. Nothing is ever copied on rollback.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+
+def per_layer(value: int | Sequence[int], num_layers: int, name: str) -> list[int]:
+    """A cache's kv heads or head dim for each layer: one int for all, or one per layer (Gemma 4's
+    global layers have wider heads than its windowed ones)."""
+    if isinstance(value, int):
+        return [value] * num_layers
+    if len(value) != num_layers:
+        raise ValueError(f"{name} gives {len(value)} layers, the cache has {num_layers}")
+    return [int(v) for v in value]
 
 
 @dataclass
@@ -28,15 +39,17 @@ class CacheLayout:
 
 
 class KVCache:
-    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
-                 max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int | Sequence[int],
+                 head_dim: int | Sequence[int], max_len: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
-        shape = (batch_size, num_kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shapes = [(batch_size, h, max_len, d) for h, d in zip(per_layer(num_kv_heads, num_layers, "num_kv_heads"),
+                                                              per_layer(head_dim, num_layers, "head_dim"))]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         self.max_len = max_len
         self.batch_size = batch_size
         # Committed length of each row (python ints: read on the host every step anyway).

@@ -37,9 +37,12 @@ class DiskPrefixCache:
         self.on_disk = {p.stem for p in self.dir.glob("*.kv")}
         self.pending: OrderedDict[bytes, None] = OrderedDict()     # hashes to write, oldest first
         k = cache.keys[0]
-        self.geometry = {"layers": len(cache.keys), "block_size": cache.block_size, "kv_heads": k.shape[2],
-                         "head_dim": k.shape[3], "dtype": str(k.dtype).replace("torch.", "")}
-        self.payload_bytes = 2 * len(cache.keys) * k[0].numel() * k.element_size()
+        heads, dims = [t.shape[2] for t in cache.keys], [t.shape[3] for t in cache.keys]
+        self.geometry = {"layers": len(cache.keys), "block_size": cache.block_size,     # one shape, or one a layer
+                         "kv_heads": heads[0] if len(set(heads)) == 1 else heads,
+                         "head_dim": dims[0] if len(set(dims)) == 1 else dims,
+                         "dtype": str(k.dtype).replace("torch.", "")}
+        self.payload_bytes = 2 * sum(t[0].numel() for t in cache.keys) * k.element_size()
         self.written = self.loaded = 0
 
     # ------------------------------------------------------------ reading
@@ -55,10 +58,10 @@ class DiskPrefixCache:
             if data is None or key in pool.cached:
                 continue
             block = pool.take()
-            view = data.view(self.cache.keys[0].dtype).view(2, len(self.cache.keys), *self.cache.keys[0].shape[1:])
-            for layer, (keys, values) in enumerate(zip(self.cache.keys, self.cache.values)):
-                keys[block].copy_(view[0, layer])
-                values[block].copy_(view[1, layer])
+            targets = [t[block] for t in self.cache.keys + self.cache.values]    # keys of every layer, then values
+            parts = data.view(self.cache.keys[0].dtype).split([t.numel() for t in targets])
+            for target, part in zip(targets, parts):
+                target.copy_(part.view(target.shape))
             pool.register(block, key)
             pool.drop(block)                   # unheld: an idle cached block
             os.utime(path)
@@ -117,7 +120,7 @@ class DiskPrefixCache:
 
     def _write(self, key: bytes, block: int) -> None:
         tensors = [t[block] for t in self.cache.keys] + [t[block] for t in self.cache.values]
-        payload = torch.stack(tensors).contiguous().view(torch.uint8).numpy().tobytes()
+        payload = torch.cat([t.reshape(-1) for t in tensors]).view(torch.uint8).numpy().tobytes()
         header = {"format": FORMAT, "salt": self.cache.salt.hex(), "hash": key.hex(), "geometry": self.geometry,
                   "bytes": len(payload), "checksum": hashlib.blake2b(payload, digest_size=16).hexdigest()}
         fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")

@@ -1,10 +1,10 @@
 """Paged KV cache: fixed-size blocks shared by all requests, with the `KVCache` interface.
 
 Keys and values of every layer live in one pool of blocks, `[num_blocks, block_size,
-kv_heads, head_dim]`; each cache row (one running request) owns a block table. Blocks are
-allocated as a row grows (by the writes of a forward pass) and freed when the row rolls back
-past a block boundary (`truncate`) or ends (`release`), so memory follows the tokens actually
-held, not a worst-case `[batch, max_len]` slab.
+kv_heads, head_dim]` (a shape that may differ between layers, as in Gemma 4); each cache row (one
+running request) owns a block table. Blocks are allocated as a row grows (by the writes of a
+forward pass) and freed when the row rolls back past a block boundary (`truncate`) or ends
+(`release`), so memory follows the tokens actually held, not a worst-case `[batch, max_len]` slab.
 
 Admission is by reservation: a request reserves the blocks its prompt + max_tokens can ever
 need before it is admitted (`reserve`), so the pool can never run dry in the middle of a step
@@ -29,11 +29,12 @@ positions, so the position -> slot plan is built once per pass, at layer 0.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from .blocks import BlockPool, chain_hashes
-from .contiguous import CacheLayout
+from .contiguous import CacheLayout, per_layer
 
 SCRATCH = 0          # block 0: target of padding writes, never owned by a row
 
@@ -53,17 +54,19 @@ class CacheFull(RuntimeError):
 
 
 class PagedKVCache:
-    def __init__(self, num_layers: int, num_rows: int, num_kv_heads: int, head_dim: int, max_len: int,
-                 num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(self, num_layers: int, num_rows: int, num_kv_heads: int | Sequence[int], head_dim: int | Sequence[int],
+                 max_len: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (one is the scratch block), got {num_blocks}")
         if num_rows < 1 or max_len < 1:
             raise ValueError(f"num_rows and max_len must be >= 1, got {num_rows} and {max_len}")
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.keys = [_pool(shape, dtype, device) for _ in range(num_layers)]
-        self.values = [_pool(shape, dtype, device) for _ in range(num_layers)]
+        shapes = [(num_blocks, block_size, h, d) for h, d in zip(per_layer(num_kv_heads, num_layers, "num_kv_heads"),
+                                                                 per_layer(head_dim, num_layers, "head_dim"))]
+        self.keys = [_pool(shape, dtype, device) for shape in shapes]
+        self.values = [_pool(shape, dtype, device) for shape in shapes]
         self.block_size, self.num_blocks, self.max_len = block_size, num_blocks, max_len
         self.batch_size = num_rows                 # number of rows (KVCache naming)
         self.device = torch.device(device)
@@ -76,7 +79,7 @@ class PagedKVCache:
         self.row_hashes: list[list[bytes]] = [[] for _ in range(num_rows)]   # hashes of a row's full blocks
         self.row_tables: list[torch.Tensor | None] = [None] * num_rows   # a row's table as int32, None: stale
         self._plan = None
-        self.block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * self.keys[0].element_size()
+        self.block_bytes = 2 * sum(k[0].numel() for k in self.keys) * self.keys[0].element_size()
 
     def grow(self, num_rows: int, num_blocks: int) -> None:
         """More rows (idle) and blocks (free), keeping every block's contents and every row's table:

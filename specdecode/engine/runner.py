@@ -66,8 +66,8 @@ class ModelRunner:
         if num_blocks and hasattr(model, "new_paged_cache"):     # a model with more than keys and values
             return model.new_paged_cache(self.rows, self.context + SLACK, num_blocks, block_size)
         if num_blocks:
-            c = model.config
-            return PagedKVCache(c.num_layers, self.rows, c.num_kv_heads, c.head_dim, self.context + SLACK,
+            layers, heads, dims = model.config.kv_geometry()
+            return PagedKVCache(layers, self.rows, heads, dims, self.context + SLACK,
                                 num_blocks, block_size, model.dtype, model.device)
         return model.new_cache(self.rows, self.context + SLACK)
 

@@ -57,6 +57,9 @@ def why_not(model) -> str | None:
     if rotary is not None and rotary != model.config.head_dim:    # the model's own limit, whatever the CPU
         return (f"partial_rotary_factor {model.config.partial_rotary_factor} (RoPE on {rotary} of "
                 f"{model.config.head_dim} dims) runs eagerly")
+    rope_layers = getattr(getattr(model, "config", None), "rope_layers", None)
+    if rope_layers is not None and not all(rope_layers):
+        return "layers without RoPE (SmolLM3) run eagerly"
     st = _lin._load()
     if st["lib"] is None:
         return f"native kernels unavailable: {st['reason']}"

@@ -146,10 +146,11 @@ class GemmaTransformer(Transformer):
 def prepare_tokenizer(tokenizer, config: ModelConfig) -> tuple[int, ...]:
     """Gemma is trained with <bos> first: plain prompts get it whatever tokenizer_config.json says
     (chat templates write it themselves), named by the config's bos_token_id if the tokenizer has
-    none. Returns the end-of-turn ids to stop at besides the configured EOS ids: <end_of_turn>,
-    which ends a chat turn, also when a checkpoint's generation_config.json does not list it."""
+    none. Returns the end-of-turn ids to stop at besides the configured EOS ids: <end_of_turn>
+    (Gemma 2 / 3) or <turn|> (Gemma 4), which end a chat turn, also when a checkpoint's
+    generation_config.json does not list them."""
     if tokenizer.bos_token is None and config.bos_token_id is not None:
         tokenizer.bos_token = tokenizer.backend.id_to_token(int(config.bos_token_id))
     tokenizer.add_bos = tokenizer.bos_token is not None
-    end_of_turn = tokenizer.token_id("<end_of_turn>")
-    return () if end_of_turn is None else (end_of_turn,)
+    ends = (tokenizer.token_id("<end_of_turn>"), tokenizer.token_id("<turn|>"))
+    return tuple(t for t in ends if t is not None)

@@ -1,6 +1,8 @@
 """What a Gemma 2 / Gemma 3 model's config says, read from an HF config.json or a llama.cpp GGUF
-file's metadata, and written back as a config.json (the GGUF cache). Apart from models/gemma.py
-(the decoder) so that models/config.py can read Gemma configs without importing the decoder."""
+file's metadata, and written back as a config.json (the GGUF cache); and what a Gemma 4 text config
+says (an HF config.json, model_type gemma4_text or the text_config of the multimodal gemma4). Apart
+from models/gemma.py and models/gemma4.py (the decoders) so that models/config.py can read Gemma
+configs without importing the decoders."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -126,3 +128,108 @@ GGUF_NAMES = {"attn_norm": "input_layernorm", "post_attention_norm": "post_atten
 def gguf_norm_shift(hf_name: str, config: ModelConfig) -> float:
     """What llama.cpp added to a Gemma tensor (1 on every norm weight), to subtract on reading."""
     return 1.0 if config.is_gemma and hf_name.endswith("norm.weight") else 0.0
+
+
+# ---------------------------------------------------------------- Gemma 4
+GEMMA4_PATTERN = 6           # transformers' default layer_types: five sliding layers, then a global one
+GEMMA4_OVERRIDES = ("head_dim", "num_key_value_heads")     # what per_layer_config may change on a layer
+
+
+def gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields of a Gemma 4 text config (transformers' Gemma4TextConfig, with its defaults
+    for absent keys). The global layers' head shape is `global_head_dim` / `num_global_key_value_heads`
+    as checkpoints write it, or `per_layer_config` overrides as transformers >= 5.24 saves it."""
+    act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ModelError(f"hidden_activation {act!r} is not supported natively for gemma4 (gelu_pytorch_tanh)")
+    for key, what in (("enable_moe_block", "mixture-of-experts blocks"), ("use_bidirectional_attention",
+                      "bidirectional attention"), ("attention_bias", "biases on q/k/v/o")):
+        if cfg.get(key):
+            raise ModelError(f"{key} ({what}) is not supported natively for gemma4")
+    layers = cfg.get("num_hidden_layers", 30)
+    layer_types = list(cfg.get("layer_types") or [
+        LAYER_TYPES[0] if (i + 1) % GEMMA4_PATTERN else LAYER_TYPES[1] for i in range(layers)])
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise ModelError(f"layer_types {unknown} are not supported natively (supported: {', '.join(LAYER_TYPES)})")
+    if len(layer_types) != layers:
+        raise ModelError(f"layer_types names {len(layer_types)} layers, the model has {layers}")
+    layer_types[-1] = LAYER_TYPES[1]            # as transformers: the last layer is always global
+    rope = cfg.get("rope_parameters") or {}
+    local = dict(rope.get("sliding_attention") or {"rope_theta": 10000.0})
+    full = dict(rope.get("full_attention") or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                               "rope_theta": 1e6})
+    if local.get("rope_type", "default") != "default":
+        raise ModelError(f"rope scaling on the sliding-window layers ({local}) is not supported natively")
+    if full.get("rope_type", "default") not in ("default", "proportional"):
+        raise ModelError(f"rope_type {full.get('rope_type')!r} on the global layers is not supported natively "
+                         f"(default, proportional)")
+    proportion = float(full.get("partial_rotary_factor", 1.0)) if full.get("rope_type") == "proportional" else 1.0
+    head_dim, kv_heads = cfg.get("head_dim", 256), cfg.get("num_key_value_heads", 4)
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    overrides = cfg.get("per_layer_config")
+    if overrides is None:      # transformers' defaults: global heads 512 wide, their kv heads only with k_eq_v
+        overrides = {i: {"head_dim": cfg.get("global_head_dim", 512)} for i, t in enumerate(layer_types)
+                     if t == LAYER_TYPES[1]}
+        if k_eq_v and cfg.get("num_global_key_value_heads") is not None:
+            for o in overrides.values():
+                o["num_key_value_heads"] = cfg["num_global_key_value_heads"]
+    shapes = {t: set() for t in LAYER_TYPES}
+    for i, t in enumerate(layer_types):
+        o = dict(overrides.get(str(i), overrides.get(i)) or {})
+        if set(o) - set(GEMMA4_OVERRIDES):
+            raise ModelError(f"per_layer_config of layer {i} sets {sorted(set(o) - set(GEMMA4_OVERRIDES))}, "
+                             f"which is not supported natively (only {', '.join(GEMMA4_OVERRIDES)})")
+        shapes[t].add((o.get("head_dim", head_dim), o.get("num_key_value_heads", kv_heads)))
+    if shapes[LAYER_TYPES[0]] - {(head_dim, kv_heads)} or len(shapes[LAYER_TYPES[1]]) > 1:
+        raise ModelError(f"per_layer_config gives the layers of one type different head shapes ({shapes}), "
+                         f"which is not supported natively")
+    global_dim, global_heads = next(iter(shapes[LAYER_TYPES[1]]))
+    eos = cfg.get("eos_token_id", 1)
+    window = cfg.get("sliding_window", 512)
+    return dict(
+        arch="gemma4", vocab_size=cfg.get("vocab_size", 262144), hidden_size=cfg.get("hidden_size", 2304),
+        intermediate_size=cfg.get("intermediate_size", 9216), num_layers=layers,
+        num_heads=cfg.get("num_attention_heads", 8), num_kv_heads=kv_heads, head_dim=head_dim,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(full.get("rope_theta", 1e6)),
+        rope_scaling={"rope_type": "proportional", "partial_rotary_factor": proportion,
+                      "factor": float(full.get("factor", 1.0))},
+        max_position_embeddings=cfg.get("max_position_embeddings", 131072),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)), bos_token_id=cfg.get("bos_token_id", 2),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+        qk_norm=True, sliding_window=int(window) if window else None,
+        sliding_layers=tuple(t == LAYER_TYPES[0] for t in layer_types),
+        rope_local_theta=float(local.get("rope_theta", 10000.0)), query_pre_attn_scalar=1.0,   # scores unscaled
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        global_head_dim=global_dim, global_kv_heads=global_heads, k_eq_v=k_eq_v,
+        kv_shared_layers=cfg.get("num_kv_shared_layers", 0),
+        per_layer_input_size=cfg.get("hidden_size_per_layer_input", 256) or 0,
+        per_layer_vocab_size=cfg.get("vocab_size_per_layer_input", 262144) or 0,
+        double_wide_mlp=bool(cfg.get("use_double_wide_mlp", False)),
+    )
+
+
+def gemma4_weight_name(name: str) -> str | None:
+    """The name a Gemma 4 decoder reads a checkpoint tensor under: the multimodal wrapper's text model
+    (model.language_model.*) as the text-only model's (model.*); None for its vision and audio towers."""
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    if name.startswith(("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")):
+        return None
+    return name
+
+
+def gemma4_weight_count(c: ModelConfig) -> int:
+    """Parameters a Gemma 4 decoder reads per decoded token: attention (no k/v on kv-shared layers, no v
+    with k_eq_v on global ones), the MLP (twice as wide on shared layers with double_wide_mlp), the
+    per-layer input gate / projection and the model-wide projection into them, norms, the LM head."""
+    d, p, first = c.hidden_size, c.per_layer_input_size, c.num_layers - c.kv_shared_layers
+    total = c.vocab_size * d + d + (d * c.num_layers * p + p if p else 0)
+    for i in range(c.num_layers):
+        hd, kv = c.layer_head_dim(i), c.layer_kv_heads(i)
+        values = 0 if c.k_eq_v and not c.sliding_layers[i] else 1
+        kv_rows = 0 if i >= first else (1 + values) * kv * hd
+        wide = 2 if c.double_wide_mlp and i >= first else 1
+        total += d * (2 * c.num_heads * hd + kv_rows) + 3 * d * c.intermediate_size * wide + 4 * d + 2 * hd
+        total += 2 * d * p + d if p else 0
+    return total

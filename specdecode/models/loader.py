@@ -1,7 +1,7 @@
 """Find and load a model: the embedded default, a GGUF file, a Hugging Face directory or id (hub.py).
 
-Native architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3) load into `Transformer`
-(Gemma: its subclass in gemma.py); any other architecture that
+Native architectures (Llama, Mistral, SmolLM3, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, Gemma 4) load into
+`Transformer` (Gemma 2 / 3: its subclass in gemma.py, Gemma 4 in gemma4.py); any other architecture that
 transformers can load runs through `HFAdapter` (slower, still lossless).
 """
 from __future__ import annotations
@@ -30,12 +30,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_decoder(config: ModelConfig, weights: dict, make_linear=None):
-    """The decoder for `config`: Gemma 2 / Gemma 3 in models/gemma.py, Qwen3.5 in models/qwen3_5.py,
-    the rest in models/transformer.py."""
+    """The decoder for `config`: Gemma 2 / Gemma 3 in models/gemma.py, Gemma 4 in models/gemma4.py,
+    Qwen3.5 in models/qwen3_5.py, the rest in models/transformer.py."""
     from .gemma import GemmaTransformer
+    from .gemma4 import Gemma4Transformer
     from .qwen3_5 import Qwen35Transformer
     from .transformer import Transformer, eager_linear
-    cls = GemmaTransformer if config.is_gemma else Qwen35Transformer if config.arch == "qwen3_5" else Transformer
+    cls = {"gemma4": Gemma4Transformer, "qwen3_5": Qwen35Transformer}.get(
+        config.arch, GemmaTransformer if config.is_gemma else Transformer)
     return cls(config, weights, make_linear or eager_linear)
 
 
@@ -154,9 +156,9 @@ def weights_fingerprint(weights: dict[str, torch.Tensor]) -> str:
 
 def _native_eos(model_dir: Path, tokenizer: Tokenizer, config: ModelConfig) -> tuple[int, ...]:
     """A native model's stop ids (`_eos_ids`); Gemma also sets up its tokenizer (<bos> on plain
-    prompts) and stops at <end_of_turn>."""
+    prompts) and stops at its end of turn (<end_of_turn>, Gemma 4's <turn|>)."""
     eos = _eos_ids(model_dir, tokenizer, config.eos_token_ids)
-    if config.is_gemma:
+    if config.is_gemma or config.arch == "gemma4":
         from .gemma import prepare_tokenizer
         eos = tuple(dict.fromkeys(eos + prepare_tokenizer(tokenizer, config)))
     return eos
@@ -174,7 +176,18 @@ def _eos_ids(model_dir: Path, tokenizer: Tokenizer, config_eos: tuple[int, ...])
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device, progress: bool) -> dict[str, torch.Tensor]:
+def weight_names(config: ModelConfig):
+    """How a checkpoint's tensor names map to the decoder's (None: not read), or None for as they are."""
+    if config.arch == "gemma4":
+        from .gemma_config import gemma4_weight_name
+        return gemma4_weight_name
+    return None
+
+
+def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device, progress: bool,
+                 rename=None) -> dict[str, torch.Tensor]:
+    """Every tensor of a directory's *.safetensors (or pytorch_model.bin) in `dtype` on `device`;
+    `rename(name)`: the name to keep it under, None to leave it unread (e.g. a wrapper's vision tower)."""
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -182,7 +195,9 @@ def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device, prog
     if not files:
         if (model_dir / "pytorch_model.bin").is_file():
             state = torch.load(model_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
-            return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in state.items()}
+            state = {rename(k) if rename else k: v for k, v in state.items()}
+            return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
+                    for k, v in state.items() if k is not None}
         raise ModelError(f"{model_dir} has no *.safetensors weights")
     weights: dict[str, torch.Tensor] = {}
     handles = []
@@ -191,10 +206,11 @@ def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device, prog
             handles.append(safe_open(str(f), framework="pt"))
         except Exception as exc:  # noqa: BLE001 -- safetensors' SafetensorError (and OSError): one clear line
             raise ModelError(f"{f} is not a readable safetensors file ({exc})") from None
-    names = [(h, k) for h in handles for k in h.keys()]
-    for handle, key in tqdm(names, desc="load weights", unit="tensor", disable=not progress,
-                            file=sys.stderr, leave=False):
-        weights[key] = handle.get_tensor(key).to(device=device, dtype=dtype)
+    names = [(h, k, rename(k) if rename else k) for h in handles for k in h.keys()]
+    names = [n for n in names if n[2] is not None]
+    for handle, key, name in tqdm(names, desc="load weights", unit="tensor", disable=not progress,
+                                  file=sys.stderr, leave=False):
+        weights[name] = handle.get_tensor(key).to(device=device, dtype=dtype)
     return weights
 
 
@@ -312,7 +328,7 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
         eos = _eos_ids(model_dir, tokenizer, model.eos_token_ids)
         return LoadedModel(model, tokenizer, name, model_dir, False, eos, time.perf_counter() - started)
     from .transformer import eager_linear
-    weights = read_weights(model_dir, torch_dtype, torch_device, progress)
+    weights = read_weights(model_dir, torch_dtype, torch_device, progress, weight_names(config))
     make_linear = eager_linear
     if fast:
         from ..fast import make_linear as fast_linear
@@ -416,7 +432,7 @@ def quantized_copy(target: LoadedModel, kind: str = "int8") -> LoadedModel:
     started = time.perf_counter()
     source = target.dense_path()
     config = target.model.config
-    weights = read_weights(source, torch.bfloat16, torch.device("cpu"), progress=False)
+    weights = read_weights(source, torch.bfloat16, torch.device("cpu"), progress=False, rename=weight_names(config))
     quantize_projections(weights, kind)
     model = build_decoder(config, weights, make_linear)
     return LoadedModel(model, target.tokenizer, f"{target.name} ({kind} self-draft)", source, True,

@@ -1,11 +1,12 @@
-"""A lean Llama / Mistral / Qwen2 / Qwen3 / Phi-3 decoder (GQA, RoPE with optional scaling, RMSNorm,
-SwiGLU, optional sliding attention window).
+"""A lean Llama / Mistral / SmolLM3 / Qwen2 / Qwen3 / Phi-3 decoder (GQA, RoPE with optional scaling,
+RMSNorm, SwiGLU, optional sliding attention window).
 
 Qwen2 differs from Llama only by biases on the q/k/v projections, which `ModelConfig.attention_bias`
 switches on; Qwen3 by an RMSNorm over each q and k head before RoPE (`ModelConfig.qk_norm`);
 Mistral by a sliding window (`ModelConfig.sliding_window`: a query at position p sees the keys at
-positions p-W+1..p, counted along its own path in a tree pass); Phi-3 stores q|k|v and gate|up
-already fused (qkv_proj, gate_up_proj) and may rotate only part of each head
+positions p-W+1..p, counted along its own path in a tree pass); SmolLM3 by layers without RoPE
+(`ModelConfig.rope_layers`: position reaches them only through the other layers); Phi-3 stores
+q|k|v and gate|up already fused (qkv_proj, gate_up_proj) and may rotate only part of each head
 (`ModelConfig.partial_rotary_factor`). Tied or untied LM heads both work. Weights use the Hugging
 Face layout (q/k rows in rotate-half order); q/k/v and gate/up are fused into one matrix each at load.
 
@@ -166,14 +167,8 @@ class Transformer:
                 "k_norm": weights[p + "self_attn.k_norm.weight"] if config.qk_norm else None,
             })
         self.final_norm = weights["model.norm.weight"]
-        # a quantized file keeps its (tied or own) output matrix quantized under "lm_head.weight"
-        head = weights.get("lm_head.weight")
-        if head is None or (config.tie_word_embeddings and not isinstance(head, QuantWeight)):
-            head = self.embed
-        self.lm_head = make_linear(head, None)
-        self._make_linear = make_linear
-        self._head_weight = self._head_source = head       # source: as loaded, for `head_rows`
-        self.quantized = any(isinstance(w, QuantWeight) for w in weights.values())
+        self._init_head(weights, make_linear)
+        self.rope_layers = config.rope_layers or (True,) * config.num_layers   # SmolLM3: no RoPE on some
         positions = torch.arange(config.max_position_embeddings + 64, dtype=torch.float32)
         angles = torch.outer(positions, rope_inv_freq(config))
         angles = torch.cat([angles, angles], dim=-1)                     # [max_pos, rotary_dim]
@@ -184,6 +179,17 @@ class Transformer:
         self._skip_decoders: dict = {}      # layer-skip drafts: skipped set -> fused decoder of the rest
         if getattr(make_linear, "fused_decoder", None) is not None and self.fused_in_init:
             self.fused = make_linear.fused_decoder(self)
+
+    def _init_head(self, weights: dict, make_linear: Callable) -> None:
+        """The LM head (the embedding when tied) and what `head_rows` and `weight_bytes` read."""
+        # a quantized file keeps its (tied or own) output matrix quantized under "lm_head.weight"
+        head = weights.get("lm_head.weight")
+        if head is None or (self.config.tie_word_embeddings and not isinstance(head, QuantWeight)):
+            head = self.embed
+        self.lm_head = make_linear(head, None)
+        self._make_linear = make_linear
+        self._head_weight = self._head_source = head       # source: as loaded, for `head_rows`
+        self.quantized = any(isinstance(w, QuantWeight) for w in weights.values())
 
     def projections(self) -> list:
         """Every projection: the LM head, then each layer's qkv, o, gate_up and down."""
@@ -206,8 +212,8 @@ class Transformer:
         return self.config.max_position_embeddings
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        c = self.config
-        return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, max_len, self.dtype, self.device)
+        layers, heads, dims = self.config.kv_geometry()
+        return KVCache(layers, batch_size, heads, dims, max_len, self.dtype, self.device)
 
     def weight_bytes(self) -> int:
         """Bytes of weights read per decoded token."""
@@ -289,7 +295,8 @@ class Transformer:
             if c.qk_norm:
                 q = F.rms_norm(q, (c.head_dim,), layer["q_norm"], c.rms_norm_eps)
                 k = F.rms_norm(k, (c.head_dim,), layer["k_norm"], c.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.rope_layers[index]:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             keys, values = cache.write(index, rows, start, k, v)
             mask = masks[c.layer_window(index)]
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)

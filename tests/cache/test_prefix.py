@@ -294,6 +294,32 @@ def test_damaged_files_are_skipped_and_the_directory_is_bounded(tiny_models, tmp
     assert len(list(small.engine.disks[0].dir.glob("*.kv"))) == 3
 
 
+def test_disk_blocks_of_layers_with_different_head_shapes_round_trip(tmp_path):
+    """Gemma 4's cache layers differ in kv heads and head dim: a block written to disk comes back
+    into another cache of that geometry bitwise, and a cache of another geometry skips the file."""
+    from specdecode.cache.disk import DiskPrefixCache
+
+    def cache(dims):
+        c = PagedKVCache(3, 1, (2, 2, 1), dims, 16, 4, BLOCK, torch.float32)
+        c.enable_prefix_caching(b"salt")
+        return c
+    first = cache((16, 16, 32))
+    block, key = first.pool.take(), chain_hashes(list(range(BLOCK)), BLOCK, b"salt", 1)[0]
+    for t in first.keys + first.values:
+        t[block] = torch.randn(t[block].shape)
+    first.pool.register(block, key)
+    disk = DiskPrefixCache(tmp_path, first, 1 << 20)
+    assert disk.geometry["head_dim"] == [16, 16, 32] and disk.geometry["kv_heads"] == [2, 2, 1]
+    disk.note([block])
+    assert disk.flush() == 0 and disk.written == 1
+    second = cache((16, 16, 32))
+    assert DiskPrefixCache(tmp_path, second, 1 << 20).load() == 1
+    got = second.pool.cached[key]
+    for a, b in zip(first.keys + first.values, second.keys + second.values):
+        assert torch.equal(a[block], b[got])
+    assert DiskPrefixCache(tmp_path, cache((16, 32, 32)), 1 << 20).load() == 0
+
+
 # ----------------------------------------------------------------------------- LLM.generate
 @pytest.mark.parametrize("method", ["none", "ngram", "model"])
 def test_generate_calls_reuse_earlier_calls_blocks_bitwise(tiny_models, method):
