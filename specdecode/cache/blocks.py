@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 def chain_hashes(tokens: list[int], block_size: int, salt: bytes, count: int, parents: list[bytes] = ()
@@ -44,6 +45,8 @@ class BlockPool:
         self.held = 0                               # blocks with refs > 0
         self.max_idle: int | None = None            # bound on idle registered blocks (None: the pool)
         self.evicted = 0
+        self.on_register: Callable[[int, bytes], None] | None = None   # told of each block registered
+                                                                        # (the disk tier stages it)
 
     def grow(self, num_blocks: int) -> None:
         """Blocks up to num_blocks - 1 join the free list."""
@@ -93,6 +96,8 @@ class BlockPool:
         if self.hash_of[block] is None and key not in self.cached:
             self.cached[key] = block
             self.hash_of[block] = key
+            if self.on_register is not None:
+                self.on_register(block, key)
 
     def match(self, keys: list[bytes]) -> list[int]:
         """The registered blocks of the longest run of `keys` from the first."""

@@ -158,7 +158,7 @@ class EngineCore:
                 busy = sched.busy()
                 if self.drain_deadline is not None and (not busy or time.monotonic() >= self.drain_deadline):
                     break
-                if not self.stopping and not busy and not self._persist(limit=8):
+                if not self.stopping and not busy:
                     sched.cond.wait(timeout=1.0)
                 if self.stopping:
                     return
@@ -170,19 +170,15 @@ class EngineCore:
             self._fail_all("the server is shutting down and this request did not finish in time "
                            "(--shutdown-timeout)")
             self._publish_counts([])
-            for disk in self.disks:                  # what the caches hold, for the next start
-                disk.note_all()
-            self._persist(limit=None)
+            if self.disks:                           # what the caches hold, for the next start
+                from ..cache.disk import write_all
+                write_all(self.disks)
 
     def run_until_idle(self) -> None:
         """Iterate on the calling thread until nothing is queued or running (`LLM.generate`)."""
         while self.scheduler.busy():
             with self.gate:
                 self.iterate()
-
-    def _persist(self, limit: int | None) -> bool:
-        """Write up to `limit` blocks per disk cache; True if more wait."""
-        return any([disk.flush(limit) > 0 for disk in self.disks if disk.pending])
 
     def iterate(self) -> None:
         """One iteration (module docstring); a failure fails the batch, not the engine."""
@@ -234,7 +230,7 @@ class EngineCore:
                 self.metrics.prompt_tokens.inc(len(request.prompt_ids))
                 if getattr(runner.cache, "prefix_caching", False):
                     self.metrics.record_prefix(len(request.prompt_ids), s.stats.cached_tokens)
-            for disk in self.disks:                   # a hit: a hot prefix, worth keeping on disk
+            for disk in self.disks:                   # a hit no longer on disk (dropped, trimmed): again
                 disk.note(hits.get(id(disk.cache), ()))
 
     def _drafts(self, request: Request) -> bool:
