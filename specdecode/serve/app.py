@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -75,39 +76,28 @@ class Mailbox:
 
 
 class HeldTokens:
-    """The sink of a non-streamed choice: its tokens are kept on the engine thread, merged, and
-    posted with its last event, so the event loop is woken once per answer instead of once per
-    step (on a machine of few cores each wake-up takes a core from the engine's pass)."""
+    """A choice's sink on the engine thread: its Tokens events merged into one and posted with its
+    last event, so the event loop is woken once per answer instead of once per step (on a machine
+    of few cores each wake-up takes a core from the engine's pass). With an `interval` (a streamed
+    choice), the first tokens are posted at once (the time to first token) and later ones at most
+    every `interval` seconds (at the step that reaches it): one chunk per step would cost the server
+    a wake-up, a detokenization and an SSE event, and the client a parse, per step."""
 
-    def __init__(self, post: Callable[[object], None]) -> None:
-        self.post, self.held = post, None
+    def __init__(self, post: Callable[[object], None], interval: float | None = None) -> None:
+        self.post, self.interval, self.held, self.last = post, interval, None, None
 
     def __call__(self, event) -> None:
-        if isinstance(event, Tokens):
-            if self.held is None:
-                self.held = event.copy()
-            else:
-                self.held.extend(event)
-            return
-        if self.held is not None:
-            self.post(self.held)
+        if not isinstance(event, Tokens):
+            if self.held is not None:
+                self.post(self.held)
             self.held = None
-        self.post(event)
-
-
-class PacedTokens(HeldTokens):
-    """The sink of a streamed choice: its first tokens are posted at once (the time to first
-    token), later ones merged and posted at most every `interval` seconds (at the step that
-    reaches it), and whatever is held goes before its last event. One chunk per step would cost
-    the server a wake-up, a detokenization and an SSE event, and the client a parse, per step."""
-
-    def __init__(self, post: Callable[[object], None], interval: float) -> None:
-        self.post, self.held = post, None
-        self.interval, self.last = interval, None
-
-    def __call__(self, event) -> None:
-        super().__call__(event)
-        if self.held is not None:
+            self.post(event)
+            return
+        if self.held is None:
+            self.held = event.copy()
+        else:
+            self.held.extend(event)
+        if self.interval is not None:
             now = time.monotonic()
             if self.last is None or now - self.last >= self.interval:
                 self.post(self.held)
@@ -179,16 +169,17 @@ class Generation:
     choices of a request share one queue of (generation, event) pairs."""
 
     def __init__(self, state, parsed: ParsedRequest, queue: asyncio.Queue, mailbox: Mailbox, index: int = 0,
-                 after: str | None = None) -> None:
+                 first: Generation | None = None) -> None:
         """Choice `index` of the request (n > 1: choice i is seeded seed + i when a seed is given;
-        `after`: the first choice's request id, whose prompt blocks the others wait for and share)."""
+        `first`: the first choice, whose id the others share and whose prompt blocks they wait for)."""
         self.state, self.parsed, self.index = state, parsed, index
         params = parsed.params
         if index and params.seed is not None:
             params = dataclasses.replace(params, seed=(params.seed + index) % 2**63)
         post = lambda event: mailbox.post(queue, (self, event))         # noqa: E731
         self.request = Request(parsed.prompt_ids, params, self._sink(post, state.engine.config.stream_interval_ms),
-                               parsed.speculate, parsed.num_speculative_tokens, after=after)
+                               parsed.speculate, parsed.num_speculative_tokens,
+                               after=first.request.id if first is not None else None)
         tools = parsed.tools             # tools/: the calls are parsed out of the text as it comes
         self.tools = ToolParser(tools.fmt, [f["name"] for f in tools.functions()],
                                 None if tools.parallel else 1) if tools is not None else None
@@ -198,8 +189,8 @@ class Generation:
         self.held_logprobs: list[tuple[int, int, tuple]] = []   # (text start, end, entry) not yet released
         self.logprobs_at = 0                                     # the text offset after the held entries
         self._text_template: tuple[str, str] | None = None
-        self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created = int(time.time())
+        self.id = first.id if first is not None else ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = first.created if first is not None else int(time.time())
 
     def _sink(self, post: Callable[[object], None], interval_ms: float):
         """Where the engine's events for this choice go: held to its end (not streamed), paced
@@ -210,7 +201,7 @@ class Generation:
             return HeldTokens(post)
         if p.return_token_kinds or p.return_token_ids or not interval_ms:
             return post
-        return PacedTokens(post, interval_ms / 1000)
+        return HeldTokens(post, interval_ms / 1000)
 
     def logprobs(self, lps: list | None, offset: int = 0) -> dict | None:
         """OpenAI's logprobs object for these tokens: chat `{"content": [...]}`, completions the
@@ -464,9 +455,7 @@ async def generate(http: HttpRequest, chat: bool) -> Response:
         queue: asyncio.Queue = asyncio.Queue()
         mailbox = Mailbox.of(http.app.state)
         gens = [Generation(state, parsed, queue, mailbox)]
-        gens += [Generation(state, parsed, queue, mailbox, i, after=gens[0].request.id) for i in range(1, parsed.n)]
-        for g in gens[1:]:
-            g.id, g.created = gens[0].id, gens[0].created
+        gens += [Generation(state, parsed, queue, mailbox, i, first=gens[0]) for i in range(1, parsed.n)]
         for i, g in enumerate(gens):
             try:
                 state.engine.submit(g.request)
@@ -485,14 +474,6 @@ async def generate(http: HttpRequest, chat: bool) -> Response:
     except Exception as exc:  # noqa: BLE001 -- never a traceback to the client
         log.exception("request failed")
         return error(500, f"internal server error ({type(exc).__name__})")
-
-
-async def completions(http: HttpRequest) -> Response:
-    return await generate(http, chat=False)
-
-
-async def chat_completions(http: HttpRequest) -> Response:
-    return await generate(http, chat=True)
 
 
 async def models(http: HttpRequest) -> Response:
@@ -570,6 +551,19 @@ async def internal_error(http: HttpRequest, exc: Exception) -> Response:
     return error(500, f"internal server error ({type(exc).__name__})")
 
 
+def api_app(handlers: dict[str, Callable], api_key: str | None, max_body_bytes: int, lifespan=None) -> Starlette:
+    """The API's routes on `handlers` (path -> handler: POST for the completions, GET for the rest),
+    the dashboard's files, `Guard` and OpenAI-shaped errors: one server's app, and the Ray ingress's."""
+    routes = [Route(path, handler, methods=["POST" if path.endswith("completions") else "GET"])
+              for path, handler in handlers.items()]
+    routes.append(Route("/", index, methods=["GET"]))
+    if STATIC.is_dir():
+        routes.append(Mount("/static", app=StaticFiles(directory=STATIC), name="static"))
+    return Starlette(routes=routes, lifespan=lifespan,
+                     middleware=[Middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)],
+                     exception_handlers={HTTPException: http_error, Exception: internal_error})
+
+
 def create_app(state, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                engine_thread: bool = True) -> Starlette:
     """`state`: a `server.ServeState` (scheduler, tokenizer, parsing context); api_key: required as
@@ -588,20 +582,9 @@ def create_app(state, api_key: str | None = None, max_body_bytes: int = DEFAULT_
             if engine_thread:
                 state.engine.stop()
 
-    routes = [
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{model:path}", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/api/stats", stats, methods=["GET"]),
-        Route("/", index, methods=["GET"]),
-    ]
-    if STATIC.is_dir():
-        routes.append(Mount("/static", app=StaticFiles(directory=STATIC), name="static"))
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[Middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)],
-                    exception_handlers={HTTPException: http_error, Exception: internal_error})
+    app = api_app({"/v1/completions": partial(generate, chat=False),
+                   "/v1/chat/completions": partial(generate, chat=True), "/v1/models": models,
+                   "/v1/models/{model:path}": models, "/health": health, "/metrics": metrics, "/api/stats": stats},
+                  api_key, max_body_bytes, lifespan)
     app.state.serve = state
     return app

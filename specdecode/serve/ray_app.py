@@ -27,16 +27,10 @@ import ray
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Mount, Route
-from starlette.staticfiles import StaticFiles
 
-from .app import STATIC, error, http_error, index, internal_error, sse
-from .auth import Guard
+from .app import api_app, error, sse
 from .protocol import stream_error
 from .ray_metrics import cluster_metrics, cluster_stats
 from .ray_router import AffinityRouter, RouteKey, routing_key
@@ -182,19 +176,10 @@ class Ingress:
                                          namespace=NAMESPACE, get_if_exists=True).remote()
 
     def __serve_build_asgi_app__(self):
-        routes = [Route("/v1/completions", self.generate, methods=["POST"]),
-                  Route("/v1/chat/completions", self.generate, methods=["POST"]),
-                  Route("/v1/models", self.forward, methods=["GET"]),
-                  Route("/v1/models/{model:path}", self.forward, methods=["GET"]),
-                  Route("/health", self.health, methods=["GET"]),
-                  Route("/metrics", self.metrics, methods=["GET"]),
-                  Route("/api/stats", self.stats, methods=["GET"]),
-                  Route("/", index, methods=["GET"])]
-        if STATIC.is_dir():
-            routes.append(Mount("/static", app=StaticFiles(directory=STATIC), name="static"))
-        return Starlette(routes=routes, middleware=[Middleware(Guard, api_key=self.spec["api_key"],
-                                                               max_body_bytes=self.spec["max_body_bytes"])],
-                         exception_handlers={HTTPException: http_error, Exception: internal_error})
+        return api_app({"/v1/completions": self.generate, "/v1/chat/completions": self.generate,
+                        "/v1/models": self.forward, "/v1/models/{model:path}": self.forward, "/health": self.health,
+                        "/metrics": self.metrics, "/api/stats": self.stats},
+                       self.spec["api_key"], self.spec["max_body_bytes"])
 
     async def reports(self) -> dict[str, dict]:
         try:

@@ -64,7 +64,7 @@ def test_paced_tokens_send_the_first_at_once_then_at_most_every_interval(monkeyp
     now = [100.0]
     monkeypatch.setattr(app.time, "monotonic", lambda: now[0])
     posted = []
-    sink = app.PacedTokens(posted.append, interval=0.02)
+    sink = app.HeldTokens(posted.append, interval=0.02)
     sink(Tokens([1], ["bonus"], [-0.1]))
     assert [e.ids for e in posted] == [[1]]                       # at once
     for t, token in ((0.005, 2), (0.010, 3), (0.019, 4)):
