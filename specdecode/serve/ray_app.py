@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from contextlib import contextmanager
 
 import ray
 from ray import serve
@@ -172,8 +173,7 @@ class Ingress:
         self.attempts = spec["retries"] + 1
         self.draining = False            # `drain()`: shutting down, new requests get 503
         self.in_flight = 0               # generation requests not yet answered in full
-        self.registry = Registry.options(name=registry_name(serve.get_replica_context().app_name),
-                                         namespace=NAMESPACE, get_if_exists=True).remote()
+        self.registry = self._registry()
 
     def __serve_build_asgi_app__(self):
         return api_app({"/v1/completions": self.generate, "/v1/chat/completions": self.generate,
@@ -181,12 +181,16 @@ class Ingress:
                         "/metrics": self.metrics, "/api/stats": self.stats},
                        self.spec["api_key"], self.spec["max_body_bytes"])
 
+    @staticmethod
+    def _registry():
+        return Registry.options(name=registry_name(serve.get_replica_context().app_name), namespace=NAMESPACE,
+                                get_if_exists=True).remote()
+
     async def reports(self) -> dict[str, dict]:
         try:
             return await self.registry.snapshot.remote()
         except REPLICA_GONE:               # the registry died with its node: start another
-            self.registry = Registry.options(name=registry_name(serve.get_replica_context().app_name),
-                                             namespace=NAMESPACE, get_if_exists=True).remote()
+            self.registry = self._registry()
             return {}
 
     async def metrics(self, http: HttpRequest) -> Response:
@@ -198,11 +202,8 @@ class Ingress:
 
     async def drain(self) -> int:
         """Shutting down (`serve --replicas` on SIGTERM / SIGINT): new requests get 503 from now
-        on; returns how many are in flight (`in_flight_count`, polled until 0 or the timeout)."""
+        on; returns how many are in flight (polled until 0 or the timeout)."""
         self.draining = True
-        return self.in_flight
-
-    async def in_flight_count(self) -> int:
         return self.in_flight
 
     async def health(self, http: HttpRequest) -> Response:
@@ -313,22 +314,16 @@ def build_app(spec: dict):
     return ingress.bind(engine.bind(spec), spec)
 
 
-class dropped_log(logging.Filter):
+@contextmanager
+def dropped_log(logger: str, text: str):
     """Within `with`: drop `logger`'s records whose message contains `text`."""
-
-    def __init__(self, logger: str, text: str) -> None:
-        super().__init__()
-        self.logger, self.text = logging.getLogger(logger), text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
-
-    def __enter__(self):
-        self.logger.addFilter(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.logger.removeFilter(self)
+    def keep(record: logging.LogRecord) -> bool:
+        return text not in record.getMessage()
+    logging.getLogger(logger).addFilter(keep)
+    try:
+        yield
+    finally:
+        logging.getLogger(logger).removeFilter(keep)
 
 
 def replica_threads(replicas: int) -> int:

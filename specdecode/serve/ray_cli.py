@@ -133,7 +133,7 @@ def drain(timeout: float, hurry: threading.Event, quiet: bool = False) -> bool:
     try:
         while left and not hurry.is_set() and time.monotonic() < deadline:
             hurry.wait(0.2)
-            left = ingress.in_flight_count.remote().result(timeout_s=10)
+            left = ingress.drain.remote().result(timeout_s=10)
     except Exception as exc:  # noqa: BLE001
         print(f"specdecode serve: lost the ingress while waiting for the requests in flight ({type(exc).__name__})",
               file=sys.stderr)
