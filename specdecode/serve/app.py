@@ -1,8 +1,8 @@
 """The ASGI app (Starlette): OpenAI-compatible endpoints, health, metrics, stats, dashboard.
 
-Handlers parse and validate a request (`protocol.parse`), submit it to the scheduler and
-turn the scheduler's events into an OpenAI response or server-sent events. A stream whose
-client goes away aborts its request (the scheduler frees its blocks between two steps).
+Handlers parse and validate a request (`protocol.parse`), submit it to the engine core and
+turn the engine's events into an OpenAI response or server-sent events. A stream whose
+client goes away aborts its request (the engine frees its blocks between two steps).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def error(status: int, message: str, param: str | None = None, code: str | None 
 
 
 class Generation:
-    """One choice of a request on its trip through the scheduler, as seen by the handler. The
+    """One choice of a request on its trip through the engine, as seen by the handler. The
     choices of a request share one queue of (generation, event) pairs."""
 
     def __init__(self, state, parsed: ParsedRequest, queue: asyncio.Queue, mailbox: Mailbox, index: int = 0,
@@ -418,10 +418,10 @@ def api_app(handlers: dict[str, Callable], api_key: str | None, max_body_bytes: 
 
 def create_app(state, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                engine_thread: bool = True) -> Starlette:
-    """`state`: a `server.ServeState` (scheduler, tokenizer, parsing context); api_key: required as
+    """`state`: a `server.ServeState` (engine core, tokenizer, parsing context); api_key: required as
     `Authorization: Bearer KEY` on every endpoint but /health and the dashboard's files (auth.py);
     max_body_bytes: larger request bodies get 413; engine_thread: the app's lifespan starts and
-    stops the engine loop in a thread of its own (False: the caller runs `scheduler.run()`, as
+    stops the engine loop in a thread of its own (False: the caller runs `EngineCore.run()`, as
     `specdecode serve` does on its main thread)."""
 
     @asynccontextmanager
