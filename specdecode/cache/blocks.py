@@ -113,13 +113,6 @@ class BlockPool:
         """How many of `blocks` are unheld (holding them takes them out of `available`)."""
         return sum(1 for b in blocks if self.refs[b] == 0)
 
-    def clear(self) -> None:
-        """Forget every idle registered block (they go back to the free list)."""
-        while self.idle:
-            block, _ = self.idle.popitem(last=False)
-            self._forget(block)
-            self.free.append(block)
-
     def _forget(self, block: int) -> None:
         key = self.hash_of[block]
         if key is not None:

@@ -10,7 +10,7 @@ Admission is by reservation: a request reserves the blocks its prompt + max_toke
 need before it is admitted (`reserve`), so the pool can never run dry in the middle of a step
 (no preemption).
 
-Prefix caching (`enable_prefix_caching`; block_pool.py): a row's full, committed blocks are
+Prefix caching (`enable_prefix_caching`; blocks.py): a row's full, committed blocks are
 registered under the hash of their tokens and everything before them (`commit`); a new request
 takes the registered blocks its prompt starts with (`match`, then `reserve(..., hits)`) and is
 prefilled from there. Shared blocks are never written: a row only writes at positions >= its
@@ -238,18 +238,22 @@ class PagedKVCache:
             self.pending -= 1
             self.row_tables[row] = None
 
-    def _block_tables(self, row_ids: list[int], starts: list[int], num_tokens: int) -> tuple[torch.Tensor, int]:
-        """Grow the rows for positions < start + num_tokens; their block tables [B, blocks]
-        (SCRATCH past what a row owns) and the key length of the pass."""
-        for row, s in zip(row_ids, starts):
+    def _block_tables(self, rows: list[int], starts: list[int], num_tokens: int) -> torch.Tensor:
+        """Grow the rows for positions < start + num_tokens; their block tables [B, blocks], int32
+        (SCRATCH past what a row owns). A row's table changes once per block, so its int32 tensor is
+        kept until then (every step builds the tables, and building them anew in Python is a visible
+        share of a small model's step)."""
+        for row, s in zip(rows, starts):
             self._grow(row, s + num_tokens)
-        key_len = max(starts) + num_tokens
-        width = self.blocks_for(key_len)
-        table = torch.full((len(row_ids), width), SCRATCH, dtype=torch.long)  # [B, blocks]
-        for b, row in enumerate(row_ids):
-            owned = self.tables[row][:width]
-            table[b, :len(owned)] = torch.tensor(owned, dtype=torch.long)
-        return table, key_len
+        width = self.blocks_for(max(starts) + num_tokens)
+        tables = [self._row_table(row) for row in rows]
+        if len(rows) == 1 and tables[0].shape[0] >= width:
+            return tables[0][None, :width]
+        table = torch.full((len(rows), width), SCRATCH, dtype=torch.int32)   # [B, blocks]
+        for b, owned in enumerate(tables):
+            owned = owned[:width]
+            table[b, :owned.shape[0]] = owned
+        return table
 
     def _make_plan(self, rows: torch.Tensor | None, start: int | torch.Tensor, batch: int, num_tokens: int):
         row_ids = list(range(batch)) if rows is None else [int(r) for r in rows.tolist()]
@@ -257,7 +261,7 @@ class PagedKVCache:
             starts = [start] * batch
         else:
             starts = [int(s) for s in torch.as_tensor(start).reshape(-1).tolist()]
-        table, key_len = self._block_tables(row_ids, starts, num_tokens)
+        table, key_len = self._block_tables(row_ids, starts, num_tokens).long(), max(starts) + num_tokens
         positions = torch.tensor(starts)[:, None] + torch.arange(num_tokens)  # [B, T]
         slot_block = table.gather(1, positions // self.block_size)           # [B, T]
         slot_offset = positions % self.block_size                            # [B, T]
@@ -265,22 +269,10 @@ class PagedKVCache:
         return slot_block.to(dev), slot_offset.to(dev), table.to(dev), key_len
 
     def layout(self, rows: list[int], starts: list[int], num_tokens: int) -> CacheLayout:
-        """Block tables of a pass for native kernels (grows the rows like a pass's first write). A row's
-        table changes once per block, so its int32 tensor is kept until then (every step builds the
-        tables, and building them anew in Python is a visible share of a small model's step)."""
+        """Block tables of a pass for native kernels (grows the rows like a pass's first write)."""
         _, block, heads, head_dim = self.keys[0].shape
-        for row, s in zip(rows, starts):
-            self._grow(row, s + num_tokens)
-        width = self.blocks_for(max(starts) + num_tokens)
-        tables = [self._row_table(row) for row in rows]
-        if len(rows) == 1 and tables[0].shape[0] >= width:
-            table = tables[0][None, :width]
-        else:
-            table = torch.full((len(rows), width), SCRATCH, dtype=torch.int32)   # [B, blocks]
-            for b, owned in enumerate(tables):
-                owned = owned[:width]
-                table[b, :owned.shape[0]] = owned
-        return CacheLayout(self.keys, self.values, table, block, block * heads * head_dim, heads * head_dim, head_dim)
+        return CacheLayout(self.keys, self.values, self._block_tables(rows, starts, num_tokens), block,
+                           block * heads * head_dim, heads * head_dim, head_dim)
 
     def _row_table(self, row: int) -> torch.Tensor:
         table = self.row_tables[row]

@@ -21,7 +21,6 @@ rows, and the engine goes on.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -94,7 +93,7 @@ class EngineCore:
         self.controller = SpeculationController(caps, self.costs, config.adaptive)
         self.threads = ThreadTuner() if target.model.device.type == "cpu" else None
         self.metrics = metrics
-        self.gate = threading.Lock()                  # held by an iteration, and by `hold()`
+        self.gate = threading.Lock()                  # held by an iteration (a test holds it to look between two)
         self.stopping = False
         self.drain_deadline: float | None = None      # set by `drain`: no new requests; ends at this time
         self.thread: threading.Thread | None = None
@@ -108,12 +107,6 @@ class EngineCore:
 
     def in_flight(self) -> int:
         return self.scheduler.in_flight()
-
-    @contextlib.contextmanager
-    def hold(self):
-        """Keep the engine between iterations (queue and admission can be observed)."""
-        with self.gate:
-            yield
 
     def start(self) -> None:
         """Run the engine loop in a thread of its own (tests, notebooks, Ray replicas). `specdecode

@@ -181,7 +181,6 @@ class Sequence:
         self.stop_text_index: int | None = None   # where a stop string starts in the decoded output
         self.stats = SpecStats()
         self.prefilled = 0                         # prompt tokens in the target cache
-        self.admitted_at = time.perf_counter()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
 

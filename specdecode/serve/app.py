@@ -1,8 +1,8 @@
 """The ASGI app (Starlette): OpenAI-compatible endpoints, health, metrics, stats, dashboard.
 
-Handlers parse and validate a request (`protocol.parse`), submit it to the scheduler and
-turn the scheduler's events into an OpenAI response or server-sent events. A stream whose
-client goes away aborts its request (the scheduler frees its blocks between two steps).
+Handlers parse and validate a request (`protocol.parse`), submit it to the engine core and
+turn the engine's events into an OpenAI response or server-sent events. A stream whose
+client goes away aborts its request (the engine frees its blocks between two steps).
 """
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import asyncio
 import dataclasses
 import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -29,6 +29,7 @@ from starlette.staticfiles import StaticFiles
 from ..engine.sequence import Failed, Finished, QueueFull, Request, ShuttingDown, Tokens
 from ..params import SamplingParams
 from .auth import DEFAULT_MAX_BODY_BYTES, Guard
+from .events import HeldTokens, Mailbox, TextStream, drain, merge_tokens
 from .prompts import echo_logprobs, infill_answer, infill_body, vllm_prompt_logprobs
 from .protocol import ApiError, ParsedRequest, error_body, parse, stream_error
 from .tokenize import detokenize, tokenize, tokenizer_info
@@ -36,162 +37,30 @@ from .tools import ToolParser, decoder, openai_deltas
 
 log = logging.getLogger("specdecode.serve")
 STATIC = Path(__file__).parent / "static"
+POSTED = ("/v1/completions", "/v1/chat/completions", "/infill", "/tokenize", "/detokenize")   # the rest: GET
 
 
 def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
-class Mailbox:
-    """Events from the engine thread to one event loop: however many events a step produces, the
-    loop is woken once (one `call_soon_threadsafe`) and hands each to its queue."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop, self.items, self.lock, self.scheduled = loop, [], threading.Lock(), False
-
-    @staticmethod
-    def of(app_state) -> Mailbox:
-        """The running loop's mailbox (made on first use)."""
-        loop = asyncio.get_running_loop()
-        boxes = app_state.__dict__.setdefault("_mailboxes", {})
-        if loop not in boxes:
-            boxes[loop] = Mailbox(loop)
-        return boxes[loop]
-
-    def post(self, queue: asyncio.Queue, item) -> None:
-        with self.lock:
-            self.items.append((queue, item))
-            if self.scheduled:
-                return
-            self.scheduled = True
-        try:
-            self.loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:           # the event loop is gone (shutdown)
-            pass
-
-    def _deliver(self) -> None:
-        with self.lock:
-            items, self.items, self.scheduled = self.items, [], False
-        for queue, item in items:
-            queue.put_nowait(item)
-
-
-class HeldTokens:
-    """The sink of a non-streamed choice: its tokens are kept on the engine thread, merged, and
-    posted with its last event, so the event loop is woken once per answer instead of once per
-    step (on a machine of few cores each wake-up takes a core from the engine's pass)."""
-
-    def __init__(self, post: Callable[[object], None]) -> None:
-        self.post, self.held = post, None
-
-    def __call__(self, event) -> None:
-        if isinstance(event, Tokens):
-            if self.held is None:
-                self.held = event.copy()
-            else:
-                self.held.extend(event)
-            return
-        if self.held is not None:
-            self.post(self.held)
-            self.held = None
-        self.post(event)
-
-
-class PacedTokens(HeldTokens):
-    """The sink of a streamed choice: its first tokens are posted at once (the time to first
-    token), later ones merged and posted at most every `interval` seconds (at the step that
-    reaches it), and whatever is held goes before its last event. One chunk per step would cost
-    the server a wake-up, a detokenization and an SSE event, and the client a parse, per step."""
-
-    def __init__(self, post: Callable[[object], None], interval: float) -> None:
-        self.post, self.held = post, None
-        self.interval, self.last = interval, None
-
-    def __call__(self, event) -> None:
-        super().__call__(event)
-        if self.held is not None:
-            now = time.monotonic()
-            if self.last is None or now - self.last >= self.interval:
-                self.post(self.held)
-                self.held, self.last = None, now
-
-
-class TextStream:
-    """Incremental detokenization: text deltas that never split a UTF-8 character and never
-    show text that may still turn out to be part of a stop string. Each token is decoded once,
-    with the few tokens before it (as vLLM does), so a long answer costs no more per token than a
-    short one."""
-
-    def __init__(self, tokenizer, params: SamplingParams, decode=None) -> None:
-        """decode: ids -> text (default the tokenizer's, skipping special tokens)."""
-        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
-        self.decode = decode or tokenizer.decode
-        self.text = ""                     # the text of ids[:read_at] (whole characters)
-        self.prefix_at = self.read_at = 0  # ids[prefix_at:read_at]: the context the next tokens decode with
-        self.stops = tuple(s for s in params.stop if s)
-        self.hold = max((len(s) - 1 for s in self.stops), default=0)
-
-    def _decode_new(self) -> str:
-        """The text ids[read_at:] add, or '' while they end inside a character. Decoded after
-        the tokens before them: a tokenizer that drops a word's leading space at the start of a
-        decode drops it from both strings alike."""
-        decode = self.decode
-        prefix = decode(self.ids[self.prefix_at:self.read_at]) if self.read_at > self.prefix_at else ""
-        full = decode(self.ids[self.prefix_at:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        self.prefix_at, self.read_at = self.read_at, len(self.ids)
-        self.text += full[len(prefix):]
-        return full[len(prefix):]
-
-    def add(self, ids: list[int], with_token_texts: bool) -> tuple[str, list[str]]:
-        """(the text that may be sent now, each token's own text when asked)."""
-        texts = []
-        if with_token_texts:
-            for token in ids:
-                self.ids.append(token)
-                texts.append(self._decode_new())
-        else:
-            self.ids += ids
-            self._decode_new()
-        text = self.text
-        # a stop string's prefix at the end is held back, so none can start before self.sent;
-        # a whole one (completed by these tokens) cuts the text where it starts
-        cut = len(text) - self.hold
-        for stop in self.stops:
-            found = text.find(stop, self.sent)
-            if found >= 0:
-                cut = min(cut, found)
-        text = text[:max(self.sent, cut)]
-        delta, self.sent = text[self.sent:], max(self.sent, len(text))
-        return delta, texts
-
-    def finish(self, stop_text_index: int | None) -> str:
-        text = self.full_text(stop_text_index)
-        delta, self.sent = text[self.sent:], max(self.sent, len(text))
-        return delta
-
-    def full_text(self, stop_text_index: int | None) -> str:
-        text = self.decode(self.ids)
-        return text[:stop_text_index] if stop_text_index is not None else text
-
-
 class Generation:
-    """One choice of a request on its trip through the scheduler, as seen by the handler. The
+    """One choice of a request on its trip through the engine, as seen by the handler. The
     choices of a request share one queue of (generation, event) pairs."""
 
     def __init__(self, state, parsed: ParsedRequest, queue: asyncio.Queue, mailbox: Mailbox, index: int = 0,
-                 after: str | None = None, choice: int = 0) -> None:
+                 first: Generation | None = None, choice: int = 0) -> None:
         """Choice `index` of the request, its prompt's choice `choice` (n > 1: choice i is seeded
-        seed + i when a seed is given; `after`: the prompt's first choice's request id, whose prompt
-        blocks the others wait for and share)."""
+        seed + i when a seed is given; `first`: the prompt's first choice, whose id the others share
+        and whose prompt blocks they wait for)."""
         self.state, self.parsed, self.index, self.choice_of_prompt = state, parsed, index, choice
         params = parsed.params
         if choice and params.seed is not None:
             params = dataclasses.replace(params, seed=(params.seed + choice) % 2**63)
         post = lambda event: mailbox.post(queue, (self, event))         # noqa: E731
         self.request = Request(parsed.prompt_ids, params, self._sink(post, state.engine.config.stream_interval_ms),
-                               parsed.speculate, parsed.num_speculative_tokens, after=after)
+                               parsed.speculate, parsed.num_speculative_tokens,
+                               after=first.request.id if first is not None else None)
         tools = parsed.tools             # tools/: the calls are parsed out of the text as it comes
         self.tools = ToolParser(tools.fmt, [f["name"] for f in tools.functions()],
                                 None if tools.parallel else 1) if tools is not None else None
@@ -201,8 +70,8 @@ class Generation:
         self.held_logprobs: list[tuple[int, int, tuple]] = []   # (text start, end, entry) not yet released
         self.logprobs_at = 0                                     # the text offset after the held entries
         self._text_template: tuple[str, str] | None = None
-        self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created = int(time.time())
+        self.id = first.id if first is not None else ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = first.created if first is not None else int(time.time())
 
     def _sink(self, post: Callable[[object], None], interval_ms: float):
         """Where the engine's events for this choice go: held to its end (not streamed), paced
@@ -213,7 +82,7 @@ class Generation:
             return HeldTokens(post)
         if p.return_token_kinds or p.return_token_ids or not interval_ms:
             return post
-        return PacedTokens(post, interval_ms / 1000)
+        return HeldTokens(post, interval_ms / 1000)
 
     def logprobs(self, lps: list | None, offset: int = 0) -> dict | None:
         """OpenAI's logprobs object for these tokens: chat `{"content": [...]}`, completions the
@@ -318,31 +187,6 @@ def merged_usage(usages: list[tuple[Generation, dict]]) -> dict:
     completion = sum(0 if g.parsed.echo_only else u["completion_tokens"] for g, u in usages)
     return dict(usages[0][1], prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                 prompt_tokens_details={"cached_tokens": cached})
-
-
-def drain(first, queue: asyncio.Queue) -> list:
-    """`first` and whatever else is already in the queue: the events of one or more engine steps."""
-    items = [first]
-    while not queue.empty():
-        items.append(queue.get_nowait())
-    return items
-
-
-def merge_tokens(items: list) -> list:
-    """Consecutive Tokens events of a choice merged into one (a client that fell behind gets one
-    chunk per choice for several steps); other events kept in order."""
-    out, last = [], {}
-    for gen, event in items:
-        if isinstance(event, Tokens) and gen in last:
-            last[gen].extend(event)
-            continue
-        if isinstance(event, Tokens):
-            event = event.copy()
-            last[gen] = event
-        else:
-            last.pop(gen, None)
-        out.append((gen, event))
-    return out
 
 
 async def stream_events(gens: list[Generation], queue: asyncio.Queue):
@@ -505,13 +349,13 @@ async def generate(http: HttpRequest, chat: bool, body=None) -> Response:
                            param="n" if len(parsed.prompts) == 1 else "prompt")
         queue: asyncio.Queue = asyncio.Queue()
         mailbox = Mailbox.of(http.app.state)
-        gens = []
+        gens: list[Generation] = []
         for i, ids in enumerate(parsed.prompts):       # a prompt's choices, then the next prompt's
             one = dataclasses.replace(parsed, prompt_ids=ids)
             first = Generation(state, one, queue, mailbox, i * parsed.n)
-            gens += [first] + [Generation(state, one, queue, mailbox, i * parsed.n + j, after=first.request.id,
-                                          choice=j) for j in range(1, parsed.n)]
-        for g in gens[1:]:
+            gens += [first] + [Generation(state, one, queue, mailbox, i * parsed.n + j, first=first, choice=j)
+                               for j in range(1, parsed.n)]
+        for g in gens[1:]:                             # one answer: one id
             g.id, g.created = gens[0].id, gens[0].created
         for i, g in enumerate(gens):
             try:
@@ -531,14 +375,6 @@ async def generate(http: HttpRequest, chat: bool, body=None) -> Response:
     except Exception as exc:  # noqa: BLE001 -- never a traceback to the client
         log.exception("request failed")
         return error(500, f"internal server error ({type(exc).__name__})")
-
-
-async def completions(http: HttpRequest) -> Response:
-    return await generate(http, chat=False)
-
-
-async def chat_completions(http: HttpRequest) -> Response:
-    return await generate(http, chat=True)
 
 
 async def infill(http: HttpRequest) -> Response:
@@ -656,12 +492,24 @@ async def internal_error(http: HttpRequest, exc: Exception) -> Response:
     return error(500, f"internal server error ({type(exc).__name__})")
 
 
+def api_app(handlers: dict[str, Callable], api_key: str | None, max_body_bytes: int, lifespan=None) -> Starlette:
+    """The API's routes on `handlers` (path -> handler: POST for the completions, GET for the rest),
+    the dashboard's files, `Guard` and OpenAI-shaped errors: one server's app, and the Ray ingress's."""
+    routes = [Route(path, handler, methods=["POST" if path in POSTED else "GET"]) for path, handler in handlers.items()]
+    routes.append(Route("/", index, methods=["GET"]))
+    if STATIC.is_dir():
+        routes.append(Mount("/static", app=StaticFiles(directory=STATIC), name="static"))
+    return Starlette(routes=routes, lifespan=lifespan,
+                     middleware=[Middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)],
+                     exception_handlers={HTTPException: http_error, Exception: internal_error})
+
+
 def create_app(state, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                engine_thread: bool = True) -> Starlette:
-    """`state`: a `server.ServeState` (scheduler, tokenizer, parsing context); api_key: required as
+    """`state`: a `server.ServeState` (engine core, tokenizer, parsing context); api_key: required as
     `Authorization: Bearer KEY` on every endpoint but /health and the dashboard's files (auth.py);
     max_body_bytes: larger request bodies get 413; engine_thread: the app's lifespan starts and
-    stops the engine loop in a thread of its own (False: the caller runs `scheduler.run()`, as
+    stops the engine loop in a thread of its own (False: the caller runs `EngineCore.run()`, as
     `specdecode serve` does on its main thread)."""
 
     @asynccontextmanager
@@ -674,24 +522,10 @@ def create_app(state, api_key: str | None = None, max_body_bytes: int = DEFAULT_
             if engine_thread:
                 state.engine.stop()
 
-    routes = [
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/infill", infill, methods=["POST"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{model:path}", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/api/stats", stats, methods=["GET"]),
-        Route("/", index, methods=["GET"]),
-    ]
-    if STATIC.is_dir():
-        routes.append(Mount("/static", app=StaticFiles(directory=STATIC), name="static"))
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[Middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)],
-                    exception_handlers={HTTPException: http_error, Exception: internal_error})
+    app = api_app({"/v1/completions": partial(generate, chat=False),
+                   "/v1/chat/completions": partial(generate, chat=True), "/infill": infill, "/tokenize": tokenize,
+                   "/detokenize": detokenize, "/tokenizer_info": tokenizer_info, "/v1/models": models,
+                   "/v1/models/{model:path}": models, "/health": health, "/metrics": metrics, "/api/stats": stats},
+                  api_key, max_body_bytes, lifespan)
     app.state.serve = state
     return app

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import sys
 
 from .protocol import error_body
 
@@ -31,6 +32,12 @@ def exposed_without_key(host: str, api_key: str | None) -> bool:
         return not ipaddress.ip_address(host).is_loopback
     except ValueError:          # a host name: assume it is reachable from elsewhere
         return True
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> None:
+    if exposed_without_key(host, api_key):
+        print(f"warning: listening on {host} without an API key: anyone who can reach this port may use "
+              f"the server (set --api-key or SPECDECODE_API_KEY)", file=sys.stderr)
 
 
 class Guard:

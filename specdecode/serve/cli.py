@@ -95,12 +95,12 @@ def uses_ray(args: argparse.Namespace) -> bool:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..api import LLM
-    from ..cli_common import CliError, drafter_options
+    from ..cli_common import CliError
     from ..engine.config import EngineConfig
     from .app import create_app
-    from .auth import exposed_without_key
+    from .auth import warn_if_exposed
     from .memory import weights_bytes
-    from .server import build_state, serve_forever
+    from .server import build_state, serve_forever, serve_options
     if args.method == "model" and args.draft is None:
         raise CliError("--method model needs a draft model: add --draft PATH")
     if not 0 <= args.shutdown_timeout <= 86400:
@@ -116,18 +116,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            "cache in memory")
         from .ray_cli import serve_on_ray
         return serve_on_ray(args)
-    config = EngineConfig(max_batch_size=args.max_batch_size, max_queue=args.max_queue, kv_cache_gb=args.kv_cache_gb,
-                         max_model_len=args.max_model_len, block_size=args.block_size, num_blocks=args.num_blocks,
-                         prefill_chunk=args.prefill_chunk, prefill_stall_ms=args.prefill_stall_ms,
-                         num_speculative_tokens=args.k,
-                         spec_max_batch_size=args.spec_max_batch_size, health_timeout=args.health_timeout,
-                         served_model_name=args.served_model_name, prefix_cache=args.prefix_cache,
-                         prefix_cache_blocks=args.prefix_cache_blocks, prefix_cache_dir=args.prefix_cache_dir,
-                         prefix_cache_dir_bytes=int(args.prefix_cache_dir_size * 2**30),
-                         max_tokens_default=args.max_tokens_default, stream_interval_ms=args.stream_interval_ms)
-    llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
-              dtype=args.dtype, device=args.device, threads=args.threads, fast=not args.eager,
-              weights=args.weights, draft_dtype=args.draft_dtype, **drafter_options(args))
+    fields, llm_args = serve_options(args)
+    config = EngineConfig(**fields, prefix_cache_dir=args.prefix_cache_dir,
+                          prefix_cache_dir_bytes=int(args.prefix_cache_dir_size * 2**30))
+    llm = LLM(**llm_args)
     state = build_state(llm, config)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = state.engine
@@ -141,8 +133,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"specdecode serve: prefix cache {'on' if cache.prefix_caching else 'off'}"
           + (f" ({engine.runner.prefix_note})" if engine.runner.prefix_note else "")
           + "".join(f"; {d.loaded} blocks loaded from {d.dir}" for d in engine.disks), file=sys.stderr)
-    if exposed_without_key(args.host, args.api_key):
-        print(f"warning: listening on {args.host} without an API key: anyone who can reach this port may use "
-              f"the server (set --api-key or SPECDECODE_API_KEY)", file=sys.stderr)
+    warn_if_exposed(args.host, args.api_key)
     app = create_app(state, api_key=args.api_key, max_body_bytes=args.max_body_bytes, engine_thread=False)
     return serve_forever(state, app, args.host, args.port, args.log_level, args.shutdown_timeout)

@@ -9,8 +9,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from ..engine.sequence import SpecStats
 
 P = "specdecode:"
 disable_created_metrics()          # no `_created` series next to every counter (as vLLM)
@@ -88,18 +91,16 @@ class ServeMetrics:
         self.kv_usage = Gauge(P + "kv_cache_usage_perc", "Fraction of the target's KV blocks in use", registry=r)
         for name, value in weights_bytes.items():
             self.weights.labels(name).set(value)
-        # aggregates for /api/stats (under self.lock)
-        self.totals = dict(row_steps=0, drafted=0, accepted=0, emitted=0, steps=0, draft_s=0.0, verify_s=0.0,
-                           finished=0, failed=0, aborted=0, nodes=0, prefix_queries=0, prefix_hits=0)
+        # aggregates for /api/stats (under self.lock): the rows' steps as one request's, and the rest
+        self.row_stats = SpecStats()
+        self.totals = dict(steps=0, finished=0, failed=0, aborted=0, prefix_queries=0, prefix_hits=0)
         self.node_counts = [0] * (len(NODE_BUCKETS) + 1)     # row-steps per node-count bucket (last: more)
         self._per_pos: list[tuple] = []
         self.last_tree: dict | None = None
-        self.drafted_pos: list[int] = []
-        self.accepted_pos: list[int] = []
         self.counts = dict(running=0, waiting=0, speculating=0, batch_off=False)
         self.rate_points: deque[tuple[float, int]] = deque()
         self.history: deque[dict] = deque(maxlen=HISTORY_LEN)
-        self._last_sample = (time.monotonic(), dict(self.totals))
+        self._last_sample = (time.monotonic(), replace(self.row_stats))
         self._thread_switches = 0
 
     # ------------------------------------------------------------ engine thread
@@ -109,24 +110,13 @@ class ServeMetrics:
         per-position series count by depth), accepted drafts, emitted tokens and tree nodes."""
         nodes = drafted if nodes is None else nodes
         with self.lock:
-            self.totals["nodes"] += sum(nodes)
             for n in nodes:
                 self.node_counts[next((i for i, b in enumerate(NODE_BUCKETS) if n <= b), len(NODE_BUCKETS))] += 1
-            t = self.totals
-            t["steps"] += 1
-            t["row_steps"] += len(emitted)
-            t["drafted"] += sum(drafted)
-            t["accepted"] += sum(accepted)
-            t["emitted"] += sum(emitted)
-            t["draft_s"] += draft_s
-            t["verify_s"] += verify_s
-            for n, a in zip(drafted, accepted):
-                while len(self.drafted_pos) < n:
-                    self.drafted_pos.append(0)
-                    self.accepted_pos.append(0)
-                for i in range(n):
-                    self.drafted_pos[i] += 1
-                    self.accepted_pos[i] += i < a
+            self.totals["steps"] += 1
+            for row in zip(drafted, accepted, emitted, nodes):
+                self.row_stats.record_step(*row)
+            self.row_stats.draft_seconds += draft_s
+            self.row_stats.verify_seconds += verify_s
             self.rate_points.append((time.monotonic(), sum(emitted)))
         self.steps.inc()
         self.generation_tokens.inc(sum(emitted))
@@ -161,26 +151,20 @@ class ServeMetrics:
         self.prefix_hits.inc(cached_tokens)
 
     def record_tree_of(self, seqs, proposal, paths: list[list[int]], emitted: list[list[int]], decode) -> None:
-        """The dashboard's last verified tree: the widest draft of a step, if any row drafted."""
+        """The last verified draft (the dashboard draws it): of a step's widest draft, if any row
+        drafted, the node tokens and parents (-1 = the root, the last committed token), the accepted
+        path's node indices by depth, and the tokens the step emitted (the accepted ones, then the
+        recovered or bonus token)."""
         counts = proposal.num_tokens.tolist()
         widest = max(range(len(seqs)), key=lambda b: counts[b])
         n = counts[widest]
         if not n:
             return
-        tokens = proposal.tokens[widest, :n].tolist()
-        parents = proposal.tree_parents()[widest, :n].tolist()
-        self.record_tree(seqs[widest].request.id, tokens, [decode([t]) for t in tokens], parents, paths[widest],
-                         emitted[widest], [decode([t]) for t in emitted[widest]])
-
-    def record_tree(self, request_id: str, tokens: list[int], texts: list[str], parents: list[int],
-                    accepted: list[int], emitted: list[int], emitted_texts: list[str]) -> None:
-        """The last verified draft (the dashboard draws it): node tokens and parents (-1 = the
-        root, the last committed token), the accepted path's node indices by depth, and the tokens
-        the step emitted (the accepted ones, then the recovered or bonus token)."""
-        tree = {"request_id": request_id, "tokens": tokens, "texts": texts, "parents": parents,
-                "accepted": accepted, "emitted": emitted, "emitted_texts": emitted_texts,
-                "extra_token": emitted[len(accepted)] if len(emitted) > len(accepted) else None,
-                "t": round(time.time(), 3)}
+        tokens, accepted, out = proposal.tokens[widest, :n].tolist(), paths[widest], emitted[widest]
+        tree = {"request_id": seqs[widest].request.id, "tokens": tokens, "texts": [decode([t]) for t in tokens],
+                "parents": proposal.tree_parents()[widest, :n].tolist(), "accepted": accepted, "emitted": out,
+                "emitted_texts": [decode([t]) for t in out],
+                "extra_token": out[len(accepted)] if len(out) > len(accepted) else None, "t": round(time.time(), 3)}
         with self.lock:
             self.last_tree = tree
 
@@ -227,17 +211,16 @@ class ServeMetrics:
         if now - last_t < 1.0:
             return
         with self.lock:
-            t = dict(self.totals)
-            dt = now - last_t
-            drafted, accepted = t["drafted"] - last["drafted"], t["accepted"] - last["accepted"]
-            row_steps = t["row_steps"] - last["row_steps"]
+            r = self.row_stats
+            drafted, accepted, emitted = r.drafted - last.drafted, r.accepted - last.accepted, r.emitted - last.emitted
+            row_steps = r.steps - last.steps
             self.history.append({
                 "t": round(time.time(), 3),
-                "tokens_per_s": round((t["emitted"] - last["emitted"]) / dt, 3),
+                "tokens_per_s": round(emitted / (now - last_t), 3),
                 "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
-                "mean_accepted_length": round((t["emitted"] - last["emitted"]) / row_steps, 4) if row_steps else 0.0,
+                "mean_accepted_length": round(emitted / row_steps, 4) if row_steps else 0.0,
                 "running": self.counts["running"], "waiting": self.counts["waiting"]})
-            self._last_sample = (now, t)
+            self._last_sample = (now, replace(r))
 
     # ------------------------------------------------------------ readers
     def _rate(self) -> float:
@@ -257,7 +240,7 @@ class ServeMetrics:
     def stats(self) -> dict:
         used, capacity = self.kv_bytes()
         with self.lock:
-            t = self.totals
+            t, r = self.totals, self.row_stats
             rate = self._rate()
             return {
                 "model": self.model, "method": self.method, "uptime_s": round(time.time() - self.started, 3),
@@ -266,20 +249,19 @@ class ServeMetrics:
                 "speculation": {
                     "requests_on": self.counts["speculating"], "batch_auto_off": self.counts["batch_off"],
                     "k": self.k,
-                    "acceptance_rate": round(t["accepted"] / t["drafted"], 4) if t["drafted"] else 0.0,
-                    "mean_accepted_length": round(t["emitted"] / t["row_steps"], 4) if t["row_steps"] else 0.0,
-                    "tokens_per_step": round(t["emitted"] / t["steps"], 4) if t["steps"] else 0.0,
-                    "acceptance_per_position": [round(a / d, 4) if d else 0.0
-                                                for a, d in zip(self.accepted_pos, self.drafted_pos)],
-                    "tree_nodes_mean": round(t["nodes"] / t["row_steps"], 4) if t["row_steps"] else 0.0,
+                    "acceptance_rate": round(r.acceptance_rate, 4),
+                    "mean_accepted_length": round(r.mean_accepted_length, 4),
+                    "tokens_per_step": round(r.emitted / t["steps"], 4) if t["steps"] else 0.0,
+                    "acceptance_per_position": [round(x, 4) for x in r.acceptance_per_position],
+                    "tree_nodes_mean": round(r.nodes / r.steps, 4) if r.steps else 0.0,
                     "tree_nodes_histogram": {(f"<={b}" if i < len(NODE_BUCKETS) else f">{NODE_BUCKETS[-1]}"): c
                                              for i, (b, c) in enumerate(zip(NODE_BUCKETS + (NODE_BUCKETS[-1],),
                                                                             self.node_counts))},
                     "last_tree": self.last_tree,
-                    "draft_s": round(t["draft_s"], 4), "verify_s": round(t["verify_s"], 4),
-                    "drafted_tokens": t["drafted"], "accepted_tokens": t["accepted"], "steps": t["steps"]},
+                    "draft_s": round(r.draft_seconds, 4), "verify_s": round(r.verify_seconds, 4),
+                    "drafted_tokens": r.drafted, "accepted_tokens": r.accepted, "steps": t["steps"]},
                 "throughput_tokens_per_s": round(rate, 3),
-                "generated_tokens": t["emitted"],
+                "generated_tokens": r.emitted,
                 "memory": {"weights_bytes": dict(self.weights_bytes), "kv_bytes_used": used,
                            "kv_bytes_capacity": capacity},
                 "prefix_cache": self._prefix_stats(t),
@@ -304,8 +286,7 @@ class ServeMetrics:
         if target is not None and target.usable_blocks:
             self.kv_usage.set(target.used_blocks / target.usable_blocks)
         with self.lock:
-            t = self.totals
             self.tokens_per_s.set(self._rate())
-            self.acceptance_rate.set(t["accepted"] / t["drafted"] if t["drafted"] else 0.0)
-            self.mean_accepted_length.set(t["emitted"] / t["row_steps"] if t["row_steps"] else 0.0)
+            self.acceptance_rate.set(self.row_stats.acceptance_rate)
+            self.mean_accepted_length.set(self.row_stats.mean_accepted_length)
         return generate_latest(self.registry)

@@ -196,15 +196,8 @@ def _chat_ids(body: dict, ctx: ServeContext, tools=None) -> list[int]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise _bad(f"messages[{i}]", f"must be an object with role one of {', '.join(ROLES)}")
-        content = m.get("content")
-        if isinstance(content, list):       # content parts: only text
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise _bad(f"messages[{i}].content", "parts must be {'type': 'text', 'text': str} (text only)")
-                texts.append(part["text"])
-            content = "".join(texts)
-        elif content is None:
+        content = _joined(m.get("content"), f"messages[{i}].content", f"messages[{i}].content")
+        if content is None:
             content = ""
         elif not isinstance(content, str):
             raise _bad(f"messages[{i}].content", f"must be a string or a list of text parts, got {content!r}")
@@ -232,6 +225,15 @@ def _chat_ids(body: dict, ctx: ServeContext, tools=None) -> list[int]:
     return ids
 
 
+def _joined(content, param: str, field: str):
+    """Content given as text parts ([{'type': 'text', 'text': str}, ...]) joined; any other as given."""
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise ApiError(400, f"{field} parts must be {{'type': 'text', 'text': str}} (text only)", param=param)
+        content = "".join(p["text"] for p in content)
+    return content
+
+
 def _check_calls(calls, role: str, name: str) -> None:
     """An earlier assistant turn's tool_calls: [{"id", "type": "function", "function": {"name": str,
     "arguments": a JSON string (or object)}}]."""
@@ -254,11 +256,7 @@ def _prediction(body: dict, ctx: ServeContext, chat: bool) -> str | None:
         return None
     if not isinstance(value, dict) or value.get("type") != "content":
         raise _bad("prediction", f"must be {{'type': 'content', 'content': TEXT}}, got {value!r:.80}")
-    content = value.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise _bad("prediction", "content parts must be {'type': 'text', 'text': str}")
-        content = "".join(p["text"] for p in content)
+    content = _joined(value.get("content"), "prediction", "prediction content")
     if not isinstance(content, str) or not content:
         raise _bad("prediction", f"content must be a non-empty string or list of text parts, got {content!r:.80}")
     if not ctx.has_drafter or not ctx.drafts_predictions:

@@ -22,21 +22,16 @@ import logging
 import os
 import threading
 import time
+from contextlib import contextmanager
 
 import ray
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Mount, Route
-from starlette.staticfiles import StaticFiles
 
-from .app import STATIC, error, http_error, index, internal_error, sse
-from .auth import Guard
+from .app import api_app, error, sse
 from .protocol import stream_error
 from .ray_metrics import cluster_metrics, cluster_stats
 from .ray_router import AffinityRouter, RouteKey, routing_key
@@ -178,30 +173,26 @@ class Ingress:
         self.attempts = spec["retries"] + 1
         self.draining = False            # `drain()`: shutting down, new requests get 503
         self.in_flight = 0               # generation requests not yet answered in full
-        self.registry = Registry.options(name=registry_name(serve.get_replica_context().app_name),
-                                         namespace=NAMESPACE, get_if_exists=True).remote()
+        self.registry = self._registry()
 
     def __serve_build_asgi_app__(self):
-        routes = [Route("/v1/completions", self.generate, methods=["POST"]),
-                  Route("/v1/chat/completions", self.generate, methods=["POST"]),
-                  Route("/v1/models", self.forward, methods=["GET"]),
-                  Route("/v1/models/{model:path}", self.forward, methods=["GET"]),
-                  Route("/health", self.health, methods=["GET"]),
-                  Route("/metrics", self.metrics, methods=["GET"]),
-                  Route("/api/stats", self.stats, methods=["GET"]),
-                  Route("/", index, methods=["GET"])]
-        if STATIC.is_dir():
-            routes.append(Mount("/static", app=StaticFiles(directory=STATIC), name="static"))
-        return Starlette(routes=routes, middleware=[Middleware(Guard, api_key=self.spec["api_key"],
-                                                               max_body_bytes=self.spec["max_body_bytes"])],
-                         exception_handlers={HTTPException: http_error, Exception: internal_error})
+        return api_app({"/v1/completions": self.generate, "/v1/chat/completions": self.generate,
+                        "/infill": self.generate, "/tokenize": self.forward, "/detokenize": self.forward,
+                        "/tokenizer_info": self.forward, "/v1/models": self.forward,
+                        "/v1/models/{model:path}": self.forward, "/health": self.health,
+                        "/metrics": self.metrics, "/api/stats": self.stats},
+                       self.spec["api_key"], self.spec["max_body_bytes"])
+
+    @staticmethod
+    def _registry():
+        return Registry.options(name=registry_name(serve.get_replica_context().app_name), namespace=NAMESPACE,
+                                get_if_exists=True).remote()
 
     async def reports(self) -> dict[str, dict]:
         try:
             return await self.registry.snapshot.remote()
         except REPLICA_GONE:               # the registry died with its node: start another
-            self.registry = Registry.options(name=registry_name(serve.get_replica_context().app_name),
-                                             namespace=NAMESPACE, get_if_exists=True).remote()
+            self.registry = self._registry()
             return {}
 
     async def metrics(self, http: HttpRequest) -> Response:
@@ -213,11 +204,8 @@ class Ingress:
 
     async def drain(self) -> int:
         """Shutting down (`serve --replicas` on SIGTERM / SIGINT): new requests get 503 from now
-        on; returns how many are in flight (`in_flight_count`, polled until 0 or the timeout)."""
+        on; returns how many are in flight (polled until 0 or the timeout)."""
         self.draining = True
-        return self.in_flight
-
-    async def in_flight_count(self) -> int:
         return self.in_flight
 
     async def health(self, http: HttpRequest) -> Response:
@@ -328,22 +316,16 @@ def build_app(spec: dict):
     return ingress.bind(engine.bind(spec), spec)
 
 
-class dropped_log(logging.Filter):
+@contextmanager
+def dropped_log(logger: str, text: str):
     """Within `with`: drop `logger`'s records whose message contains `text`."""
-
-    def __init__(self, logger: str, text: str) -> None:
-        super().__init__()
-        self.logger, self.text = logging.getLogger(logger), text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
-
-    def __enter__(self):
-        self.logger.addFilter(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.logger.removeFilter(self)
+    def keep(record: logging.LogRecord) -> bool:
+        return text not in record.getMessage()
+    logging.getLogger(logger).addFilter(keep)
+    try:
+        yield
+    finally:
+        logging.getLogger(logger).removeFilter(keep)
 
 
 def replica_threads(replicas: int) -> int:

@@ -10,8 +10,9 @@ import threading
 
 def ray_spec(args: argparse.Namespace) -> dict:
     """The application's spec from the command line (CliError on inconsistent options)."""
-    from ..cli_common import CliError, drafter_options
+    from ..cli_common import CliError
     from ..engine.config import EngineConfig
+    from .server import serve_options
     low, high = args.min_replicas, args.max_replicas
     if low is not None and high is not None and low > high:
         raise CliError(f"--min-replicas ({low}) must be <= --max-replicas ({high})")
@@ -20,18 +21,9 @@ def ray_spec(args: argparse.Namespace) -> dict:
                        f"--max-replicas ({high if high is not None else 'unbounded'})")
     if args.device not in (None, "cpu"):
         raise CliError(f"--replicas runs CPU engine replicas; --device {args.device} is not supported with Ray")
-    config = dict(max_batch_size=args.max_batch_size, max_queue=args.max_queue, max_model_len=args.max_model_len,
-                  kv_cache_gb=args.kv_cache_gb,
-                  block_size=args.block_size, num_blocks=args.num_blocks, prefill_chunk=args.prefill_chunk,
-                  prefill_stall_ms=args.prefill_stall_ms,
-                  num_speculative_tokens=args.k, spec_max_batch_size=args.spec_max_batch_size,
-                  health_timeout=args.health_timeout, served_model_name=args.served_model_name,
-                  prefix_cache=args.prefix_cache, prefix_cache_blocks=args.prefix_cache_blocks,
-                  max_tokens_default=args.max_tokens_default, stream_interval_ms=args.stream_interval_ms)
+    config, llm = serve_options(args)
     EngineConfig(**config)                         # ParamError here rather than in every replica
-    llm = dict(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
-               dtype=args.dtype, device="cpu", threads=args.threads, fast=not args.eager, weights=args.weights,
-               draft_dtype=args.draft_dtype, **drafter_options(args))
+    llm["device"] = "cpu"
     return {"llm": llm, "config": config, "replicas": args.replicas, "min_replicas": low, "max_replicas": high,
             "shutdown_timeout": args.shutdown_timeout,
             "imbalance": args.route_imbalance if args.route_imbalance is not None else args.max_batch_size,
@@ -56,7 +48,7 @@ def deploy_error(exc: Exception) -> str:
 
 def serve_on_ray(args: argparse.Namespace) -> int:
     from ..cli_common import CliError
-    from .auth import exposed_without_key
+    from .auth import warn_if_exposed
     try:
         import ray.serve  # noqa: F401
     except ImportError:
@@ -107,9 +99,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     print(f"specdecode serve: {plural(spec['replicas'], 'replica')} ({scaling}) of {model}, "
           f"{plural(spec['llm']['threads'], 'thread')} each, on {where}; http://{args.host}:{args.port}/",
           file=sys.stderr)
-    if exposed_without_key(args.host, args.api_key):
-        print(f"warning: listening on {args.host} without an API key: anyone who can reach this port may use "
-              f"the server (set --api-key or SPECDECODE_API_KEY)", file=sys.stderr)
+    warn_if_exposed(args.host, args.api_key)
     started = True
     try:
         while not stop.wait(3600):
@@ -143,7 +133,7 @@ def drain(timeout: float, hurry: threading.Event, quiet: bool = False) -> bool:
     try:
         while left and not hurry.is_set() and time.monotonic() < deadline:
             hurry.wait(0.2)
-            left = ingress.in_flight_count.remote().result(timeout_s=10)
+            left = ingress.drain.remote().result(timeout_s=10)
     except Exception as exc:  # noqa: BLE001
         print(f"specdecode serve: lost the ingress while waiting for the requests in flight ({type(exc).__name__})",
               file=sys.stderr)

@@ -5,14 +5,14 @@ Input: {replica id: {"metrics": Prometheus text, "stats": /api/stats dict, "pid"
 the replicas report it (ray_app.Registry)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from .metrics import P
 
 
-class _Collected:
+class _Collected:               # the families, as the collector generate_latest reads
     def __init__(self, families: list[Metric]) -> None:
         self.families = families
 
@@ -51,9 +51,7 @@ def cluster_metrics(reports: dict[str, dict]) -> bytes:
          sum(s.get("requests", {}).get("waiting", 0) for s in stats)),
     ]
     families = list(merged.values()) + [GaugeMetricFamily(name, doc, value=value) for name, doc, value in cluster]
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collected(families))
-    return generate_latest(registry)
+    return generate_latest(_Collected(families))
 
 
 def _sum_dicts(dicts: list[dict]) -> dict:

@@ -1,7 +1,7 @@
 """Routing for `specdecode serve --replicas N` (Ray Serve): cache-aware, with a bounded
 imbalance, else the least-loaded replica.
 
-Each replica keeps a prefix cache of the prompts it served (block_pool.py), and per-request
+Each replica keeps a prefix cache of the prompts it served (cache/blocks.py), and per-request
 speculation state (lookup / suffix drafters) that drafts best where a conversation's history
 is. As SGLang's router does, the ingress keeps an approximate index of what each replica has
 seen: a request's conversation text is cut into chunks of CHUNK_CHARS characters, each named by

@@ -1,6 +1,7 @@
-"""Putting the server together: model checks, memory budget, the engine core, parsing context."""
+"""Putting the server together: options, model checks, memory budget, the engine core, parsing context."""
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from dataclasses import dataclass
@@ -12,6 +13,11 @@ from ..models.config import ModelError
 from .memory import available_bytes, check_memory, plan_memory
 from .metrics import ServeMetrics
 from .protocol import MAX_K, ServeContext
+
+# EngineConfig's fields that are options of the same name
+ENGINE_OPTIONS = ("max_batch_size", "max_queue", "kv_cache_gb", "max_model_len", "block_size", "num_blocks",
+                  "prefill_chunk", "prefill_stall_ms", "spec_max_batch_size", "health_timeout", "served_model_name",
+                  "prefix_cache", "prefix_cache_blocks", "max_tokens_default", "stream_interval_ms")
 
 
 @dataclass
@@ -59,6 +65,17 @@ def build_state(llm, config: EngineConfig, check_budget: bool = True, available:
                        drafter is not None and drafter.capabilities.drafts_predictions)
     probe = target.tokenizer.encode("ok", add_special=False) or [0]
     return ServeState(engine, ctx, target.tokenizer, probe[0], int(time.time()))
+
+
+def serve_options(args: argparse.Namespace) -> tuple[dict, dict]:
+    """(EngineConfig's fields, LLM's arguments) from the options: one server's, or each replica's
+    (which have no disk tier)."""
+    from ..cli_common import drafter_options
+    config = {name: getattr(args, name) for name in ENGINE_OPTIONS} | {"num_speculative_tokens": args.k}
+    llm = dict(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
+               dtype=args.dtype, device=args.device, threads=args.threads, fast=not args.eager,
+               weights=args.weights, draft_dtype=args.draft_dtype, **drafter_options(args))
+    return config, llm
 
 
 def serve_forever(state: ServeState, app, host: str, port: int, log_level: str = "info",

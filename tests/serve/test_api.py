@@ -177,7 +177,7 @@ def test_queue_full_is_429_and_health_needs_a_working_engine(server):
     pool = ThreadPoolExecutor(2)
     engine = server.state.engine
     timeout = engine.config.health_timeout
-    with engine.hold():            # the engine thread stops between iterations
+    with engine.gate:            # the engine thread stops between iterations
         engine.config.health_timeout = 0.3
         try:
             err = error_of(httpx.get(server.url + "/health", timeout=10), 503)
@@ -202,7 +202,7 @@ def test_health_checks_at_once_share_one_generation(server):
     than each queueing a generation ahead of the requests."""
     engine = server.state.engine
     with ThreadPoolExecutor(10) as pool:
-        with engine.hold():
+        with engine.gate:
             checks = [pool.submit(httpx.get, server.url + "/health", timeout=60) for _ in range(10)]
             deadline = time.monotonic() + 10
             while not engine.scheduler.inbox:

@@ -138,7 +138,7 @@ def test_a_short_prompt_is_not_queued_behind_a_long_prefill(tiny_models):
         return lambda event: done[name].set() if isinstance(event, Finished) else None
     sched.start()
     try:
-        with sched.hold():
+        with sched.gate:
             for name, ids in (("long", long_ids), ("short", short_ids)):
                 sched.submit(Request(ids, SamplingParams(max_tokens=2, ignore_eos=True), sink_for(name)))
         assert done["long"].wait(60) and done["short"].wait(60)

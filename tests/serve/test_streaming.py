@@ -1,4 +1,4 @@
-"""How the server hands tokens to a client (serve/app.py), without a server: streamed text never
+"""How the server hands tokens to a client (serve/events.py), without a server: streamed text never
 shows a stop string, a non-streamed choice's tokens are posted as one merged event, a streamed
 choice's tokens are paced by the stream interval, and a bad interval is refused by name."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ def test_streamed_text_never_shows_a_stop_string(stop):
     """Streaming sends the text the engine returns without streaming: nothing of a stop string,
     even when the token that completes it arrives in the same step as text before it."""
     from specdecode.params import SamplingParams
-    from specdecode.serve.app import TextStream
+    from specdecode.serve.events import TextStream
     text = "1, 2, 3, 4, 5, 6, 7, 8"
     end = min(text.find(s) for s in stop if s in text)
     for step in (1, 2, 3, 5):
@@ -37,7 +37,7 @@ def test_held_tokens_post_one_merged_event_then_the_last():
     """A non-streamed choice's sink keeps its tokens on the engine thread: nothing is posted per
     step; at the end one Tokens event with every id, kind and logprob in order, then the final event."""
     from specdecode.engine.sequence import Failed, Finished, Tokens
-    from specdecode.serve.app import HeldTokens
+    from specdecode.serve.events import HeldTokens
     posted = []
     sink = HeldTokens(posted.append)
     sink(Tokens([1, 2], ["accepted", "bonus"], [-0.1, -0.2]))
@@ -59,12 +59,12 @@ def test_paced_tokens_send_the_first_at_once_then_at_most_every_interval(monkeyp
     """A streamed choice's sink: the first tokens go at once (time to first token), later ones
     are merged until `interval` has passed since the last post, and what is held goes before the
     final event; ids, kinds and logprobs in order."""
-    import specdecode.serve.app as app
+    import specdecode.serve.events as events
     from specdecode.engine.sequence import Finished, Tokens
     now = [100.0]
-    monkeypatch.setattr(app.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(events.time, "monotonic", lambda: now[0])
     posted = []
-    sink = app.PacedTokens(posted.append, interval=0.02)
+    sink = events.HeldTokens(posted.append, interval=0.02)
     sink(Tokens([1], ["bonus"], [-0.1]))
     assert [e.ids for e in posted] == [[1]]                       # at once
     for t, token in ((0.005, 2), (0.010, 3), (0.019, 4)):
