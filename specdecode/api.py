@@ -37,8 +37,9 @@ class RequestOutput:
 
 def default_method(draft: object | None, target: LoadedModel | None = None, drafter_path: str | None = None) -> str:
     """cascade with a draft model (suffix-index lookup where the text repeats at length, the draft
-    model elsewhere: a lookup path costs nothing to draft, so where the text repeats it beats the
-    draft model's tokens; docs/drafters.md, "What was tried"); with a trained drafter directory:
+    model elsewhere, through text when its tokenizer is not the target's (cross_tokenizer.py): a
+    lookup path costs nothing to draft, so where the text repeats it beats the draft model's tokens;
+    docs/drafters.md, "What was tried"); with a trained drafter directory:
     medusa for Medusa heads, cascade (EAGLE head + n-gram) for an EAGLE head; else ngram.
 
     The EAGLE drafter shipped for the embedded model is not the default: every extra token of a
@@ -91,7 +92,8 @@ class LLM:
 
     model: None (the embedded SmolLM2-135M-Instruct), a .gguf file, an HF directory or a Hugging Face id
     (ORG/NAME, ORG/NAME:QUANT, ORG/NAME/FILE.gguf; models/hub.py).
-    draft: a draft model, named as model is (method "model"); method: "cascade", "eagle", "ngram", "model", "none" or
+    draft: a draft model, named as model is (method "model"; "text-model" when its tokenizer differs);
+    method: "cascade", "eagle", "ngram", "model", "text-model", "none" or
     any drafter registered with `specdecode.drafters.registry.register` or the `specdecode.drafters`
     entry-point group (default: see default_method); drafter_path: a trained drafter directory (methods "eagle",
     "cascade").

@@ -119,7 +119,7 @@ def _check_models_used(args: argparse.Namespace) -> None:
     for flag, value, option in (("--draft", getattr(args, "draft", None), "draft"),
                                 ("--drafter", getattr(args, "drafter", None), "drafter_path")):
         if value is not None and (method == "none" or option not in drafter_option_names(method)):
-            users = "model, cascade" if option == "draft" else DRAFTER_DIR_METHODS
+            users = "model, text-model, cascade" if option == "draft" else DRAFTER_DIR_METHODS
             raise CliError(f"{flag} {value}: method {method!r} does not use it ({users} do); leave it out "
                            f"or pick one of those")
 
@@ -132,7 +132,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "huggingface_hub's cache, HF_HUB_OFFLINE=1 uses it only (docs/models.md; default: embedded "
                         "SmolLM2-135M-Instruct)")
     g.add_argument("--draft", default=None,
-                   help="draft model sharing the target's tokenizer, named as --model is (path or Hugging Face id)")
+                   help="draft model, named as --model is (path or Hugging Face id); one with another tokenizer "
+                        "drafts through text (method text-model, docs/drafters.md)")
     g.add_argument("--method", default=None, choices=method_choices(),
                    help="drafter (default: cascade with --draft or --drafter, else ngram; none: plain decoding; "
                         f"{DRAFTER_DIR_METHODS} use the drafter shipped for the embedded model when no --drafter "

@@ -38,6 +38,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, metavar="MODEL",
                    help="also say which kernel path each quantization type of this .gguf file (or Hugging "
                         "Face id, docs/models.md) takes")
+    p.add_argument("--draft", default=None, metavar="MODEL",
+                   help="also say how much of its vocabulary this draft model shares with --model's (the embedded "
+                        "model when --model is not given): drafts of another vocabulary go through text "
+                        "(method text-model, docs/drafters.md)")
     p.add_argument("--cpu-flags", default=None, metavar="FLAGS",
                    help="decide the kernel path for a CPU with these /proc/cpuinfo flags (space or comma "
                         "separated, e.g. 'avx2 fma f16c') instead of this one; nothing is compiled")
@@ -47,12 +51,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def cmd_info(args: argparse.Namespace) -> int:
     flags = None if args.cpu_flags is None else set(args.cpu_flags.replace(",", " ").split())
-    report = collect(model=args.model, flags=flags)
+    report = collect(model=args.model, flags=flags, draft=args.draft)
     print(json.dumps(report, indent=2) if args.json else format_text(report))
     return 0
 
 
-def collect(model: str | None = None, flags: set[str] | None = None) -> dict:
+def collect(model: str | None = None, flags: set[str] | None = None, draft: str | None = None) -> dict:
     """Everything `specdecode info` reports, as one JSON-ready dict. `flags` (a set of /proc/cpuinfo
     names) decides the kernel path for another CPU; the kernels are then neither compiled nor loaded."""
     import torch
@@ -74,6 +78,8 @@ def collect(model: str | None = None, flags: set[str] | None = None) -> dict:
     }
     if model is not None:
         report["model"] = model_paths(_named_model(model), report["kernels"])
+    if draft is not None:
+        report["draft"] = draft_vocabulary(model, draft)
     report["threads"] = {"torch": report["torch"]["threads"], "usable_cpus": report["cpu"]["usable_cpus"],
                          "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     return report
@@ -193,6 +199,17 @@ def model_paths(path: Path, kern: dict) -> dict:
             "groups": [{"type": t, "tensors": n, "path": v} for (t, v), n in sorted(groups.items())]}
 
 
+def draft_vocabulary(model: str | None, draft: str) -> dict:
+    """How much of two models' vocabularies is shared: tokens of the same text in both, and each size."""
+    from .drafters.cross_tokenizer import shared_vocabulary
+    from .models.loader import model_tokenizer
+    target_tok, draft_tok = model_tokenizer(model), model_tokenizer(draft)
+    same = target_tok.vocab_fingerprint() == draft_tok.vocab_fingerprint()
+    return {"path": str(draft), "same_tokenizer": same,
+            "vocabulary": {"shared": shared_vocabulary(target_tok, draft_tok),
+                           "target_tokens": target_tok.vocab_size, "draft_tokens": draft_tok.vocab_size}}
+
+
 def cache() -> dict:
     """The cache directory (SPECDECODE_CACHE, else ~/.cache/specdecode), its size and its parts."""
     from .fast import linear
@@ -290,5 +307,12 @@ def format_text(r: dict) -> str:
         lines += [f"  {g['type']:<8} {g['tensors']:>4} x  {g['path']}" for g in m["groups"]]
         if m.get("note"):
             lines.append(f"  note      {m['note']}")
+    if "draft" in r:
+        d, v = r["draft"], r["draft"]["vocabulary"]
+        how = ("the same tokenizer: drafts by token id (method model)" if d["same_tokenizer"] else
+               "another tokenizer: drafts go through text (method text-model)")
+        lines.append(f"--draft     {d['path']}: {how}")
+        lines.append(f"  shared    {v['shared']} tokens of the same text; vocabularies of {v['target_tokens']} "
+                     f"(target) and {v['draft_tokens']} (draft) tokens")
     return "\n".join(lines)
 

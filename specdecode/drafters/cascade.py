@@ -1,5 +1,6 @@
 """Cascade drafting: prompt lookup where the text repeats itself, a model drafter elsewhere: the
-trained EAGLE head, or with a draft model (`--draft`) that model.
+trained EAGLE head, or with a draft model (`--draft`) that model (through text when its tokenizer
+is not the target's: cross_tokenizer.py).
 
 Per row and step: if the row's last `ngram_min`..`ngram_max` tokens occur earlier in its text,
 the lookup continuation is the draft (free, and long when the answer copies the prompt, as in
@@ -31,8 +32,9 @@ import torch
 
 from ..engine.controller import expected_tokens
 from .base import Drafter, DrafterCapabilities, DrafterError, DrafterState, DraftProposal
+from .cross_tokenizer import TextModelDrafter
 from .eagle import EagleDrafter
-from .model import ModelDrafter
+from .model import ModelDrafter, same_tokenizer
 from .ngram import NgramDrafter, predicted
 from .registry import register
 from .suffix import SuffixDrafter
@@ -65,7 +67,13 @@ class CascadeDrafter(Drafter):
                                f"got {lookup_min_tokens!r}")
         self.suffix = SuffixDrafter(target) if lookup == "suffix" else None
         self.lookup_min_tokens = lookup_min_tokens
-        if draft is not None:                                        # a draft model behind the lookup
+        if draft is not None and not same_tokenizer(target, draft):   # another vocabulary: drafts via text
+            if head_vocab:
+                raise DrafterError(f"head_vocab: draft {draft.name} has another tokenizer than target {target.name} "
+                                   f"(its drafts go through text), so its head cannot be cut to the target's ids")
+            self.head = TextModelDrafter(target, draft, draft_confidence=draft_confidence)
+            self.matches_target = True
+        elif draft is not None:                                      # a draft model behind the lookup
             self.head = ModelDrafter(target, draft, draft_confidence=draft_confidence, head_vocab=head_vocab,
                                      head_rank=head_rank)
             self.matches_target = True

@@ -24,18 +24,25 @@ from .registry import register
 from .vocab_rank import frequent_ids
 
 
+def same_tokenizer(target, draft) -> bool:
+    """Whether two models share one vocabulary (token ids mean the same text)."""
+    return target.tokenizer.vocab_fingerprint() == draft.tokenizer.vocab_fingerprint()
+
+
 def check_same_tokenizer(target, draft) -> None:
-    """Refuse a pair whose vocabularies differ, naming both models and the first difference."""
+    """Refuse a pair whose vocabularies differ, naming both models and the first difference, and
+    the method that drafts across vocabularies (text-model, cross_tokenizer.py)."""
     target_vocab = target.tokenizer.vocab_fingerprint()
     draft_vocab = draft.tokenizer.vocab_fingerprint()
     if target_vocab == draft_vocab:
         return
+    hint = " (method 'text-model', the default's choice for such a pair, drafts through text)"
     for i, (a, b) in enumerate(zip(target_vocab, draft_vocab)):
         if a != b:
             raise DrafterError(f"draft {draft.name} does not share the tokenizer of target {target.name}: "
-                               f"token {i} is {b!r} in the draft but {a!r} in the target")
+                               f"token {i} is {b!r} in the draft but {a!r} in the target{hint}")
     raise DrafterError(f"draft {draft.name} does not share the tokenizer of target {target.name}: "
-                       f"vocabulary sizes differ ({len(draft_vocab)} vs {len(target_vocab)} tokens)")
+                       f"vocabulary sizes differ ({len(draft_vocab)} vs {len(target_vocab)} tokens){hint}")
 
 
 @register("model")

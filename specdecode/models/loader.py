@@ -76,6 +76,17 @@ def model_path(spec) -> Path:
     return path
 
 
+def model_tokenizer(spec) -> Tokenizer:
+    """The tokenizer of the model `spec` names (as `model_path`), without loading its weights."""
+    path = model_path(spec)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelError(f"model file {path} is not a .gguf file (or give a Hugging Face model directory)")
+        from .gguf import tokenizer_dir
+        path = tokenizer_dir(path)
+    return Tokenizer(path)
+
+
 def parse_dtype(name, param: str = "dtype") -> torch.dtype | None:
     """A dtype name (any spelling dtypes.py accepts) or torch dtype -> torch dtype; "auto" -> None
     (the checkpoint's own). A bad name is one ModelError naming `param`."""

@@ -1,5 +1,6 @@
 """A draft model (drafters/model.py) needs the target's tokenizer: one with another tokenizer is
-refused naming both models and the first token that differs; the same tokenizer with an embedding
+refused naming both models and the first token that differs (method text-model drafts through text:
+test_cross_tokenizer.py); the same tokenizer with an embedding
 table of another size works, greedy output equal to plain decoding both ways round."""
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def other_tokenizer_models(tiny_models, tmp_path_factory):
 def test_draft_with_another_tokenizer(tiny_models, other_tokenizer_models, which):
     target, draft = tiny_models["llama"], other_tokenizer_models[which]
     with pytest.raises(DrafterError) as err:
-        LLM(model=str(target), draft=str(draft), dtype="fp32", progress=False)
+        LLM(model=str(target), draft=str(draft), method="model", dtype="fp32", progress=False)
     message = str(err.value)
     assert str(target) in message and str(draft) in message
     a, b = _vocab(target), _vocab(draft)
