@@ -108,9 +108,9 @@ def test_report_and_plots(run):
 
 def test_measurements_appended_per_generation(run):
     recs = [r for r in lines(run) if r["type"] == "measurement"]
-    # 3 prompts x (specdecode: plain + 7 methods x 2 k, cascade over the draft model among them;
-    # transformers: plain + 2 x 2)
-    assert len(recs) == 3 * 20
+    # 3 prompts x (specdecode: plain + 8 methods x 2 k, cascade over the draft model and the draft
+    # through text among them; transformers: plain + 2 x 2)
+    assert len(recs) == 3 * 22
     assert all(r["tokens"] == len(r["token_ids"]) > 0 and r["seconds"] > 0 for r in recs)
 
 
@@ -125,11 +125,11 @@ def test_resume_measures_only_missing_cells(run, tiny_models, tmp_path):
     recs = [r for r in lines_lenient(out) if r["type"] == "measurement"]
     assert [json.dumps(r) for r in recs[:len(kept)]] == [json.dumps(json.loads(x)) for x in kept]
     keys = [aggregate_key(r) for r in recs]
-    assert len(recs) == 60 and len(set(keys)) == 60
+    assert len(recs) == 3 * 22 and len(set(keys)) == 3 * 22
     # nothing left: a second resume measures nothing
     assert bench(out, tiny_models, "--tasks", TASKS, "-k", "2,3", "--systems", "specdecode,transformers,llama.cpp",
                  "--resume") == 0
-    assert len([r for r in lines_lenient(out) if r["type"] == "measurement"]) == 60
+    assert len([r for r in lines_lenient(out) if r["type"] == "measurement"]) == 3 * 22
     # each part's start probe is kept; a part that measured nothing adds no per-prompt probe
     probes = json.loads((out / "run.json").read_text())["roofline"]["read_bandwidth_samples"]
     assert len(probes) == 3
