@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..fim import check_extra, detect
 from ..params import ParamError
-from .protocol import ApiError
+from .errors import ApiError
 
 MAX_PROMPTS = 64          # prompts in one /v1/completions request
 

@@ -13,9 +13,8 @@ import math
 from dataclasses import dataclass
 
 from ..params import ParamError, SamplingParams
+from .errors import ERROR_TYPES, ApiError, error_body, stream_error  # noqa: F401 -- the API's names
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_K = 64            # draft tree nodes per step (tree drafters); a chain drafter's limit is 32
 MAX_N = 16            # choices per request (`n`)
@@ -25,27 +24,6 @@ STREAM_INTERVAL_MS = 20.0   # a streamed choice's tokens are sent at most every 
                             # first tokens at once): on few cores each chunk's server and client work takes the
                             # engine's core, so a chunk per step slows the stream (docs/serving.md, "What was
                             # tried")
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        return error_body(self.status, self.message, self.param, self.code)
-
-
-def stream_error(status: int, message: str) -> dict:
-    """An error event in a stream, which has no status line of its own: its code names the status
-    (e.g. "service_unavailable" for 503)."""
-    from http import HTTPStatus
-    return error_body(status, message, code=HTTPStatus(status).name.lower())
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}       # OpenAI's: a string such as "invalid_api_key", or null
 
 
 @dataclass

@@ -8,7 +8,7 @@ import json
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
-from .protocol import ApiError
+from .errors import ApiError
 
 
 async def _body(http: HttpRequest) -> dict:

@@ -1,0 +1,26 @@
+"""OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}`, and the exception a
+handler raises to answer with it (ApiError: the status, the message naming the field and its limit)."""
+from __future__ import annotations
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def stream_error(status: int, message: str) -> dict:
+    """An error event in a stream, which has no status line of its own: its code names the status
+    (e.g. "service_unavailable" for 503)."""
+    from http import HTTPStatus
+    return error_body(status, message, code=HTTPStatus(status).name.lower())
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}       # OpenAI's: a string such as "invalid_api_key", or null
