@@ -35,12 +35,16 @@ class RequestOutput:
                                           # None for the first (nothing comes before it)
 
 
-def default_method(draft: object | None, target: LoadedModel | None = None, drafter_path: str | None = None) -> str:
+def default_method(draft: object | None, target: LoadedModel | str | None = None,
+                   drafter_path: str | None = None) -> str:
     """cascade with a draft model (suffix-index lookup where the text repeats at length, the draft
     model elsewhere, through text when its tokenizer is not the target's (cross_tokenizer.py): a
     lookup path costs nothing to draft, so where the text repeats it beats the draft model's tokens;
     docs/drafters.md, "What was tried"); with a trained drafter directory:
-    medusa for Medusa heads, cascade (EAGLE head + n-gram) for an EAGLE head; else ngram.
+    medusa for Medusa heads, cascade (EAGLE head + n-gram) for an EAGLE head; mtp for a target whose
+    checkpoint ships a multi-token-prediction head (Qwen3.5's, trained with the model: the drafter
+    vLLM and llama.cpp run for it); else ngram. `target`: the loaded target, or the model
+    as named before loading (a local directory is looked into; anything else counts as no head).
 
     The EAGLE drafter shipped for the embedded model is not the default: every extra token of a
     verify pass costs a fraction of a decode step on a CPU, and the head's acceptance does not win
@@ -52,6 +56,10 @@ def default_method(draft: object | None, target: LoadedModel | None = None, draf
         from .drafters.format import read_meta
         kind = read_meta(Path(drafter_path)).get("kind")
         return "medusa" if kind == "medusa" else "cascade"
+    if target is not None:
+        from .drafters.mtp import has_mtp_head
+        if has_mtp_head(target):
+            return "mtp"
     return "ngram"
 
 

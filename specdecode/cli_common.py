@@ -102,7 +102,8 @@ def drafter_options(args: argparse.Namespace) -> dict:
             method = args.method
             if method is None:                   # the default drafter for these arguments (api.default_method)
                 from .api import default_method
-                method = default_method(getattr(args, "draft", None), None, getattr(args, "drafter", None))
+                method = default_method(getattr(args, "draft", None), getattr(args, "model", None),
+                                        getattr(args, "drafter", None))
             check_drafter_options(method, options)
         except DrafterError as exc:
             raise CliError(str(exc)) from None
@@ -135,7 +136,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="draft model, named as --model is (path or Hugging Face id); one with another tokenizer "
                         "drafts through text (method text-model, docs/drafters.md)")
     g.add_argument("--method", default=None, choices=method_choices(),
-                   help="drafter (default: cascade with --draft or --drafter, else ngram; none: plain decoding; "
+                   help="drafter (default: cascade with --draft or --drafter, mtp for a Qwen3.5 checkpoint with "
+                        "its multi-token-prediction head, else ngram; none: plain decoding; "
                         f"{DRAFTER_DIR_METHODS} use the drafter shipped for the embedded model when no --drafter "
                         "is given (cascade with --draft: suffix-index lookup where the text repeats at length, else "
                         "the draft model); drafters registered by other packages are listed too; every method: "

@@ -1,8 +1,9 @@
-"""Shared fixtures: tiny random Llama/Qwen2 models with a tiny trained BPE tokenizer, made
+"""Shared fixtures: tiny random Llama/Qwen2/Qwen3.5 models with a tiny trained BPE tokenizer, made
 on the fly (no network), and the embedded SmolLM2-135M for the slow tests."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,117 @@ def make_model(folder: Path, arch: str, seed: int, layers: int = 2, hidden: int 
         model.model.embed_tokens.weight.mul_(scale / 0.02 * 0.05)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
+
+
+def make_qwen35(folder: Path, mtp: bool = False):
+    """A tiny random Qwen3.5 text model saved in `folder`; returns the transformers model. 4 layers,
+    three DeltaNet to one attention, more value heads than key heads (as Qwen3.5's), norms away from
+    their neutral value. With `mtp`: random weights of a one-layer multi-token-prediction head added
+    as a Qwen3.5 checkpoint ships them (`mtp.*` in its safetensors, which transformers neither saves
+    nor loads; `mtp_num_hidden_layers` in config.json)."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+        pytest.skip("this transformers has no Qwen3.5")
+    make_tokenizer(folder)
+    vocab = json.loads((folder / "tokenizer.json").read_text())
+    size = len(vocab["model"]["vocab"]) + len([t for t in vocab["added_tokens"]
+                                               if t["id"] >= len(vocab["model"]["vocab"])])
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=size, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False,
+        eos_token_id=2, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.3, 0.3)
+        model.model.embed_tokens.weight.mul_(2.5)         # sharper logits: fewer near-ties
+    model.save_pretrained(folder)
+    if mtp:
+        from safetensors.torch import load_file, save_file
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+        torch.manual_seed(1)
+        layer = Qwen3_5DecoderLayer(config, config.layer_types.index("full_attention"))
+        d = config.hidden_size
+        # fc's embedding half is the identity: the residual stream of this random target mostly carries
+        # the current token, so the head then predicts roughly what the target will after the next
+        # token, and its drafts are accepted now and then (random everywhere, they never are)
+        head = {"fc.weight": torch.cat([torch.eye(d), torch.randn(d, d) * (2 * d) ** -0.5], dim=1),
+                **{f"{name}.weight": torch.empty(d).uniform_(-0.3, 0.3)
+                   for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")},
+                **{f"layers.0.{name}": (t.uniform_(-0.3, 0.3) if "norm" in name else t).detach()
+                   for name, t in layer.state_dict().items()}}
+        weights = load_file(str(folder / "model.safetensors"))
+        weights.update({f"mtp.{name}": t.contiguous() for name, t in head.items()})
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
+    return model
+
+
+def exact_joint(next_probs, length: int) -> dict[tuple[int, ...], float]:
+    """P(the first `length` tokens) under plain sampling, enumerating every prefix with mass;
+    `next_probs(prefix)`: the distribution [vocab] of the token after the prompt + prefix."""
+    out: dict[tuple[int, ...], float] = {}
+
+    def walk(prefix: list[int], prob: float) -> None:
+        if len(prefix) == length:
+            out[tuple(prefix)] = prob
+            return
+        probs = next_probs(prefix)
+        for token in torch.nonzero(probs).flatten().tolist():
+            walk(prefix + [token], prob * float(probs[token]))
+    walk([], 1.0)
+    return out
+
+
+def draw_samples(llm, prompt: list[int], params, n: int, k: int, seed0: int, rows: int = 2_000):
+    """n sampled continuations of `prompt` (sample i drawn with `params(seed0 + i)`, `rows` to a
+    call, k draft tokens a step) as a Counter, and the acceptance rate of their drafts."""
+    from collections import Counter
+    counts: Counter = Counter()
+    drafted = accepted = 0
+    for start in range(0, n, rows):
+        size = min(rows, n - start)
+        outs = llm.generate([prompt] * size, [params(seed0 + start + i) for i in range(size)],
+                            num_speculative_tokens=k)
+        counts.update(tuple(o.token_ids) for o in outs)
+        drafted += sum(o.stats["drafted_tokens"] for o in outs)
+        accepted += sum(o.stats["accepted_tokens"] for o in outs)
+    return counts, accepted / drafted if drafted else 0.0
+
+
+def null_tv(exact: dict, n: int) -> float:
+    """Expected total variation of n exact samples (normal approximation per cell)."""
+    return 0.5 * sum(math.sqrt(2 * q * (1 - q) / (math.pi * n)) for q in exact.values())
+
+
+def compare_samples(counts, exact: dict) -> tuple[float, float, int]:
+    """Samples (a Counter of continuations) against their exact distribution: (chi-square p-value,
+    total variation, samples outside the exact support). Sparse cells (expected < 5) and strays
+    are merged into one."""
+    from scipy.stats import chisquare
+    n = sum(counts.values())
+    outside = sum(c for seq, c in counts.items() if seq not in exact)
+    total = sum(exact.values())
+    observed, expected, rest_o, rest_e = [], [], outside, 0.0
+    for seq, q in exact.items():
+        if q * n >= 5:
+            observed.append(counts[seq])
+            expected.append(q / total * n)
+        else:
+            rest_o += counts[seq]
+            rest_e += q / total * n
+    if rest_o or rest_e:
+        observed.append(rest_o)
+        expected.append(max(rest_e, 1e-9))
+    scale = sum(observed) / sum(expected)
+    p_value = float(chisquare(observed, [e * scale for e in expected]).pvalue)
+    keys = set(exact) | set(counts)
+    tv = 0.5 * sum(abs(counts.get(s, 0) / n - exact.get(s, 0.0) / total) for s in keys)
+    return p_value, tv, outside
 
 
 async def post_completions(url: str, jobs) -> list[dict]:
@@ -169,6 +281,13 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         "qwen2": make_model(root / "qwen2", "qwen2", seed=3, layers=2, tie=False),
         "qwen2_draft": make_model(root / "qwen2_draft", "qwen2", seed=4, layers=1, tie=False),
     }
+
+
+@pytest.fixture(scope="session")
+def qwen35(tmp_path_factory):
+    """(directory, transformers model): make_qwen35's tiny Qwen3.5, without an MTP head."""
+    folder = tmp_path_factory.mktemp("qwen3_5")
+    return folder, make_qwen35(folder)
 
 
 def hub_repo(cache: Path, repo_id: str, files: dict[str, Path]) -> Path:

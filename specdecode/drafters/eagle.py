@@ -1,4 +1,6 @@
 """EAGLE-style drafter: a one-layer head that reads the target's features (see head.py).
+`HeadDrafter` is the machinery below, whatever the head; `EagleDrafter` loads a trained EAGLE
+head, drafters/mtp.py the multi-token-prediction head of a Qwen3.5 checkpoint.
 
 State per batch row (both position-addressed, so rollback is a length change):
   * `features[row, p]`: the target's feature at position p, written by `observe` after every
@@ -32,7 +34,7 @@ from ..tree import walk_path
 from .base import ContiguousState, Drafter, DrafterCapabilities, DrafterError, DrafterState, DraftProposal
 from .dynamic_tree import Candidates, expand, select_nodes
 from .features import PendingFeatures
-from .head import head_block
+from .head import Head, HeadConfig, head_block, rope_tables
 from .registry import register
 
 MAX_TREE_TOPK = 16     # children per expanded node (and frontier width) of a dynamic tree
@@ -40,71 +42,47 @@ MAX_TREE_DEPTH = 16    # head passes per tree (its depth); the head-cache tree m
 CATCH_UP_WINDOW = 64   # a catch-up of more slots computes only the last this many (see `catch_up_window`)
 
 
-@register("eagle")
-class EagleDrafter(Drafter):
-    capabilities = DrafterCapabilities(needs_target_hidden=True, has_state=True)
+class HeadDrafter(Drafter):
+    """A one-layer head on the target's features, with its own per-row KV cache: the machinery
+    this module's docstring describes. A subclass loads the head (`_load_head`): EAGLE's trained
+    head (`EagleDrafter`), or the MTP head of the target's own checkpoint (drafters/mtp.py)."""
 
-    def __init__(self, target, drafter_path: str | Path | None = None, fast: bool = True,
-                 min_confidence: float = 0.0, tree_topk: int = 1, tree_depth: int = 6,
-                 catch_up_window: int = CATCH_UP_WINDOW, **_: object) -> None:
-        from .format import check_target, prior_acceptance, read_meta, shipped_drafter
-        from .head import HeadConfig, rope_tables
-        if not getattr(target, "native", False):
-            raise DrafterError(f"method 'eagle' needs a natively loaded target (Llama/Qwen2/Qwen3); {target.name} runs "
-                               f"through the transformers adapter")
-        path = Path(drafter_path).expanduser() if drafter_path is not None else shipped_drafter(target, "eagle")
+    capabilities = DrafterCapabilities(needs_target_hidden=True, has_state=True)
+    tree_topk, tree_depth = 1, 1          # a chain, unless a subclass drafts trees
+
+    def __init__(self, target, fast: bool = True, min_confidence: float = 0.0,
+                 catch_up_window: int = CATCH_UP_WINDOW) -> None:
         if not isinstance(min_confidence, (int, float)) or not 0.0 <= min_confidence < 1.0:
             raise DrafterError(f"min_confidence must be in [0, 1), got {min_confidence!r}")
         self.min_confidence = float(min_confidence)
-        for name, value, limit in (("tree_topk", tree_topk, MAX_TREE_TOPK), ("tree_depth", tree_depth, MAX_TREE_DEPTH)):
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
-                raise DrafterError(f"{name} must be an integer in [1, {limit}], got {value!r}")
-        self.tree_topk, self.tree_depth = tree_topk, tree_depth
         if not isinstance(catch_up_window, int) or isinstance(catch_up_window, bool) or catch_up_window < 1:
             raise DrafterError(f"catch_up_window must be an integer >= 1, got {catch_up_window!r}")
         self.catch_up_window = catch_up_window
-        if tree_topk > 1:       # EAGLE-2 dynamic trees (dynamic_tree.py); 1: a chain
-            self.capabilities = DrafterCapabilities(needs_target_hidden=True, has_state=True, drafts_trees=True)
-        if path is None:
-            raise DrafterError(f"no EAGLE drafter for {target.name}: train one with `specdecode distill --target "
-                               f"{target.name} --out DIR` and pass --drafter DIR")
-        meta = read_meta(path, "eagle")
-        self.matches_target = check_target(meta, target, path)
-        self.path = path
-        self.config = HeadConfig(**meta["config"])
         model = target.model
         self.dtype, self.device = model.dtype, model.device
-        from safetensors.torch import load_file
-        try:
-            weights = load_file(str(path / "model.safetensors"))
-        except (OSError, RuntimeError) as exc:
-            raise DrafterError(f"cannot read {path / 'model.safetensors'}: {exc}") from None
         make_linear = None
         if fast and self.device.type == "cpu":
             from ..fast import make_linear
-        link = make_linear or (lambda w, b=None: (lambda x: F.linear(x, w, b)))
-        cast = lambda t: t.to(self.dtype).to(self.device)          # noqa: E731
-        self.params = {"fc": link(cast(weights["fc.weight"]), cast(weights["fc.bias"]))}
-        for name in ("qkv", "o", "gate_up", "down"):
-            self.params[name] = link(cast(weights[f"{name}.weight"]), None)
-        for name in ("in_norm", "attn_norm", "mlp_norm"):
-            self.params[name] = cast(weights[name])
-        self.draft_vocab = weights["draft_vocab"].long().to(self.device)               # [V_draft]
         self.embed = model.embed                                                           # [V, D] (shared)
-        self.final_norm = model.final_norm
-        self.lm_head = link(model.lm_head_weight.index_select(0, self.draft_vocab).contiguous(), None)
         self.vocab = model.vocab_size
-        # priors of the draft budget: a head pass reads its layer and LM-head rows, so its cost is their share of
-        # the target's weight bytes (a pass is bound by the bytes it reads); and the held-out acceptance
-        head_bytes = (sum(weights[f"{name}.weight"].numel() for name in ("fc", "qkv", "o", "gate_up", "down"))
-                      + self.draft_vocab.numel() * model.config.hidden_size) * self.embed.element_size()
-        self.capabilities = replace(self.capabilities, relative_cost=head_bytes / max(weights_bytes(model), 1),
-                                    prior_acceptance=prior_acceptance(meta))
-        self.cos, self.sin = rope_tables(self.config, model.max_len + 64, self.dtype, self.device)
+        head = self._load_head(target, make_linear or (lambda w, b=None: (lambda x: F.linear(x, w, b))))
+        self.config, self.block, self.params = head.config, head.block, head.params
+        self.draft_vocab, self.lm_head, self.final_norm = head.draft_vocab, head.lm_head, head.final_norm
+        self.cos, self.sin = head.cos, head.sin
+        self.capabilities = replace(self.capabilities, relative_cost=head.relative_cost,
+                                    prior_acceptance=head.prior_acceptance)
         self.cache = None
         self.features = None
         self.head_from: torch.Tensor | None = None      # [rows] first head slot a catch-up computed
         self.pending: PendingFeatures | None = None     # features not yet written into `features`
+
+    def _load_head(self, target, link) -> Head:
+        """The head; `link(weight, bias)` makes a projection (the fast kernels' where they run)."""
+        raise NotImplementedError
+
+    def _head_input(self, features: torch.Tensor) -> torch.Tensor:
+        """The head's input from true target features [B, T, D] (EAGLE reads them as they are)."""
+        return features
 
     # ------------------------------------------------------------------ state
     def prepare(self, batch_size: int, max_len: int) -> DrafterState:
@@ -151,7 +129,7 @@ class EagleDrafter(Drafter):
             keys, values = self.cache.write(0, rows, start_t, k.float(), v.float())
             out = F.scaled_dot_product_attention(q.float(), keys, values, attn_mask=mask, enable_gqa=True)
             return out.to(q.dtype)
-        return head_block(self.params, c, F.embedding(tokens, self.embed), features, cos, sin, attend)
+        return self.block(self.params, c, F.embedding(tokens, self.embed), features, cos, sin, attend)
 
     def _pass_one(self, row: int, start: int,
                   tokens: torch.Tensor,        # [1, T]
@@ -174,11 +152,12 @@ class EagleDrafter(Drafter):
             out = F.scaled_dot_product_attention(q.float(), cache_k[row:row + 1, :, first:end],
                                                  cache_v[row:row + 1, :, first:end], attn_mask=mask, enable_gqa=True)
             return out.to(q.dtype)
-        return head_block(self.params, self.config, F.embedding(tokens, self.embed), features, cos, sin, attend)
+        return self.block(self.params, self.config, F.embedding(tokens, self.embed), features, cos, sin, attend)
 
     def _draft_logits(self, predicted: torch.Tensor) -> torch.Tensor:   # [B, D] -> [B, V_draft] float32
-        normed = F.rms_norm(predicted, (self.config.hidden_size,), self.final_norm, self.config.rms_norm_eps)
-        return self.lm_head(normed).float()
+        if self.final_norm is not None:
+            predicted = F.rms_norm(predicted, (self.config.hidden_size,), self.final_norm, self.config.rms_norm_eps)
+        return self.lm_head(predicted).float()
 
     def _logits(self, predicted: torch.Tensor) -> torch.Tensor:   # [B, D] -> [B, 1, vocab] float32
         """Draft logits scattered into the target's vocabulary (-inf outside the draft vocabulary)."""
@@ -213,7 +192,7 @@ class EagleDrafter(Drafter):
             n = ends[b] - starts[b]
             tokens[b, :n] = torch.tensor(s.token_ids[starts[b] + 1:ends[b] + 1])
             features[b, :n] = self.features[s.row, starts[b]:ends[b]]
-        predicted = self._pass(rows, starts, tokens.to(self.device), features)
+        predicted = self._pass(rows, starts, tokens.to(self.device), self._head_input(features))
         last = torch.tensor([max(0, e - st - 1) for st, e in zip(starts, ends)], device=self.device)
         feature = predicted[torch.arange(batch, device=self.device), last]               # [B, D]
         for b, s in enumerate(seqs):
@@ -342,6 +321,54 @@ class EagleDrafter(Drafter):
         for s, true_len in zip(seqs, proposal.step_state):    # keep only slots computed from true features
             self.cache.truncate(s.row, min(self.cache.lengths[s.row], true_len))
 
+
+@register("eagle")
+class EagleDrafter(HeadDrafter):
+    def __init__(self, target, drafter_path: str | Path | None = None, fast: bool = True,
+                 min_confidence: float = 0.0, tree_topk: int = 1, tree_depth: int = 6,
+                 catch_up_window: int = CATCH_UP_WINDOW, **_: object) -> None:
+        from .format import check_target, read_meta, shipped_drafter
+        if not getattr(target, "native", False):
+            raise DrafterError(f"method 'eagle' needs a natively loaded target (Llama/Qwen2/Qwen3); {target.name} runs "
+                               f"through the transformers adapter")
+        path = Path(drafter_path).expanduser() if drafter_path is not None else shipped_drafter(target, "eagle")
+        for name, value, limit in (("tree_topk", tree_topk, MAX_TREE_TOPK), ("tree_depth", tree_depth, MAX_TREE_DEPTH)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+                raise DrafterError(f"{name} must be an integer in [1, {limit}], got {value!r}")
+        self.tree_topk, self.tree_depth = tree_topk, tree_depth
+        if tree_topk > 1:       # EAGLE-2 dynamic trees (dynamic_tree.py); 1: a chain
+            self.capabilities = DrafterCapabilities(needs_target_hidden=True, has_state=True, drafts_trees=True)
+        if path is None:
+            raise DrafterError(f"no EAGLE drafter for {target.name}: train one with `specdecode distill --target "
+                               f"{target.name} --out DIR` and pass --drafter DIR")
+        self.path, self.meta = path, read_meta(path, "eagle")
+        self.matches_target = check_target(self.meta, target, path)
+        super().__init__(target, fast, min_confidence, catch_up_window)
+
+    def _load_head(self, target, link) -> Head:
+        from safetensors.torch import load_file
+
+        from .format import prior_acceptance
+        config, model = HeadConfig(**self.meta["config"]), target.model
+        try:
+            weights = load_file(str(self.path / "model.safetensors"))
+        except (OSError, RuntimeError) as exc:
+            raise DrafterError(f"cannot read {self.path / 'model.safetensors'}: {exc}") from None
+        cast = lambda t: t.to(self.dtype).to(self.device)          # noqa: E731
+        params = {"fc": link(cast(weights["fc.weight"]), cast(weights["fc.bias"]))}
+        for name in ("qkv", "o", "gate_up", "down"):
+            params[name] = link(cast(weights[f"{name}.weight"]), None)
+        for name in ("in_norm", "attn_norm", "mlp_norm"):
+            params[name] = cast(weights[name])
+        draft_vocab = weights["draft_vocab"].long().to(self.device)                    # [V_draft]
+        # priors of the draft budget: a head pass reads its layer and LM-head rows, so its cost is their share of
+        # the target's weight bytes (a pass is bound by the bytes it reads); and the held-out acceptance
+        head_bytes = (sum(weights[f"{name}.weight"].numel() for name in ("fc", "qkv", "o", "gate_up", "down"))
+                      + draft_vocab.numel() * model.config.hidden_size) * self.embed.element_size()
+        return Head(config, head_block, params, draft_vocab,
+                    link(model.lm_head_weight.index_select(0, draft_vocab).contiguous(), None), model.final_norm,
+                    *rope_tables(config, model.max_len + 64, self.dtype, self.device),
+                    head_bytes / max(weights_bytes(model), 1), prior_acceptance(self.meta))
 
 
 @register("eagle2")

@@ -14,16 +14,30 @@ first slot of a step reads a true feature, later ones the head's own predictions
 
 The block is written once (`head_block`) and used by training (full causal attention over a
 sequence) and by the drafter (a one-layer KV cache, position-addressed like the target's).
+
+`mtp_block` is the same slot for the multi-token-prediction head a Qwen3.5 checkpoint ships
+(drafters/mtp.py): its input is the target's hidden state after the final norm, both inputs
+get their own (1 + w) norm, the layer is one of the target's gated attention layers, and its
+output, normed by the head's own norm, goes straight to the target's whole LM head and is the
+next chained slot's input.
+
+    hidden[j] --pre_fc_norm_hidden----+
+                                      cat -> fc -> gated attention layer -> norm -> hidden'[j+1]
+    embed(token[j+1]) --pre_fc_norm_embedding--+                                 |
+                                                                            lm_head -> logits
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.gemma import fp32_rms_norm
+from ..models.qwen3_5 import decoder_layer, gated_attention
 from ..models.transformer import rope_inv_freq, rotate_half
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -43,6 +57,21 @@ class HeadConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class Head:
+    """What a drafter on a head (drafters/eagle.py's `HeadDrafter`) drafts with."""
+    config: HeadConfig
+    block: Callable                  # one head pass: head_block or mtp_block
+    params: dict                     # the block's weights: norms (tensors) and projections (callables)
+    draft_vocab: torch.Tensor        # [V_draft] the target token ids of the LM head's rows
+    lm_head: Callable                # [B, D] -> [B, V_draft]
+    final_norm: torch.Tensor | None  # applied to a predicted feature before lm_head; None: the block norms
+    cos: torch.Tensor                # [positions, rotary_dim] RoPE tables of the head's attention
+    sin: torch.Tensor
+    relative_cost: float             # priors of the draft budget (DrafterCapabilities)
+    prior_acceptance: float | None = None
 
 
 def head_block(p: Mapping, config: HeadConfig,
@@ -69,6 +98,19 @@ def head_block(p: Mapping, config: HeadConfig,
     x = F.rms_norm(hidden, (c.hidden_size,), p["mlp_norm"], eps)
     gate, up = p["gate_up"](x).chunk(2, dim=-1)
     return hidden + p["down"](F.silu(gate) * up)
+
+
+def mtp_block(p: Mapping, config: HeadConfig,
+              token_embeds: torch.Tensor,   # [B, T, D] embeddings of token j+1 for each slot j
+              hidden: torch.Tensor,         # [B, T, D] the target's normed hidden state at j, or the head's output
+              cos: torch.Tensor, sin: torch.Tensor,   # broadcastable to [B, heads, T, rotary_dim]
+              attend: Attend) -> torch.Tensor:          # -> [B, T, D] normed hidden states of j+1
+    """One pass of a Qwen3.5 MTP head; `p`: the target model's `mtp` (models/qwen3_5.py)."""
+    eps = config.rms_norm_eps
+    x = torch.cat([fp32_rms_norm(token_embeds, p["embed_norm"], eps), fp32_rms_norm(hidden, p["hidden_norm"], eps)],
+                  dim=-1)
+    mix = partial(gated_attention, p["layer"], config, cos=cos, sin=sin, attend=attend)
+    return fp32_rms_norm(decoder_layer(p["layer"], eps, p["fc"](x), mix), p["norm"], eps)
 
 
 def rope_tables(config: HeadConfig, length: int, dtype: torch.dtype, device=None) -> tuple[torch.Tensor, torch.Tensor]:

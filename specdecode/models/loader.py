@@ -192,7 +192,18 @@ def weight_names(config: ModelConfig):
     if config.arch == "gemma4":
         from .gemma_config import gemma4_weight_name
         return gemma4_weight_name
+    if config.arch == "qwen3_5":
+        return qwen3_5_weight_name
     return None
+
+
+def qwen3_5_weight_name(name: str) -> str | None:
+    """Qwen3.5's released checkpoints are its multimodal model: the text decoder under
+    `model.language_model.`, read as `model.`; the vision tower is left unread; `mtp.*` (the MTP head)
+    and `lm_head` as they are."""
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    return None if name.startswith(("model.visual.", "visual.")) else name
 
 
 def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device, progress: bool,

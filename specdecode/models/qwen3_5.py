@@ -16,8 +16,14 @@
 
 The recurrent states live in cache/recurrent.py's HybridCache (a pass reads them, `truncate`
 sets them), so speculation rolls back by a length change as for every other model. Chains only.
+
+A checkpoint's multi-token-prediction head (`mtp.*`: one more gated attention layer, which
+transformers does not load) is kept as `mtp`; drafters/mtp.py drafts with it.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -45,32 +51,10 @@ class Qwen35Transformer(Transformer):
         self.kernel = lin["conv_kernel"]
         self.layers, kv_index, state_index = [], 0, 0
         for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            layer = {"attn_norm": self._norm(weights[p + "input_layernorm.weight"]),
-                     "mlp_norm": self._norm(weights[p + "post_attention_layernorm.weight"]),
-                     "gate_up": make_linear(cat_rows([weights[p + "mlp.gate_proj.weight"],
-                                                      weights[p + "mlp.up_proj.weight"]], self.dtype), None),
-                     "down": make_linear(weights[p + "mlp.down_proj.weight"], None)}
-            if c.linear_layers[i]:
-                a = p + "linear_attn."
-                inputs = cat_rows([weights[a + f"in_proj_{n}.weight"] for n in ("qkv", "z", "b", "a")], self.dtype)
-                layer.update(kind="linear", index=state_index, inputs=make_linear(inputs, None),
-                             conv=weights[a + "conv1d.weight"].reshape(-1, 1, self.kernel),   # [conv_dim, 1, kernel]
-                             decay_rate=-weights[a + "A_log"].float().exp(),                 # [Hv]
-                             dt_bias=weights[a + "dt_bias"].float(),
-                             out_norm=weights[a + "norm.weight"],
-                             out=make_linear(weights[a + "out_proj.weight"], None))
-                state_index += 1
-            else:
-                s = p + "self_attn."
-                layer.update(kind="attention", index=kv_index,
-                             qkv=make_linear(cat_rows([weights[s + f"{n}_proj.weight"] for n in "qkv"], self.dtype),
-                                             None),
-                             o=make_linear(weights[s + "o_proj.weight"], None),
-                             q_norm=self._norm(weights[s + "q_norm.weight"]),
-                             k_norm=self._norm(weights[s + "k_norm.weight"]))
-                kv_index += 1
-            self.layers.append(layer)
+            linear = c.linear_layers[i]
+            self.layers.append(self._layer(weights, f"model.layers.{i}.", linear, state_index if linear else kv_index,
+                                           make_linear))
+            state_index, kv_index = state_index + linear, kv_index + (not linear)
         self.num_attention_layers, self.num_recurrent_layers = kv_index, state_index
         self.final_norm = self._norm(weights["model.norm.weight"])
         head = weights.get("lm_head.weight")
@@ -80,9 +64,11 @@ class Qwen35Transformer(Transformer):
         self._make_linear = make_linear
         self._head_weight = self._head_source = head
         self.quantized = any(isinstance(w, QuantWeight) for w in weights.values())
-        self._weight_bytes = sum(w.nbytes if isinstance(w, QuantWeight) else w.numel() * w.element_size()
-                                 for name, w in weights.items() if name != "model.embed_tokens.weight"
-                                 or head is self.embed)
+        nbytes = lambda w: w.nbytes if isinstance(w, QuantWeight) else w.numel() * w.element_size()   # noqa: E731
+        self._weight_bytes = sum(nbytes(w) for name, w in weights.items() if not name.startswith("mtp.")
+                                 and (name != "model.embed_tokens.weight" or head is self.embed))
+        self.mtp, self.mtp_problem = self._mtp_head(weights, make_linear)
+        self.mtp_bytes = sum(nbytes(w) for name, w in weights.items() if name.startswith("mtp."))
         angles = torch.outer(torch.arange(c.max_position_embeddings + 64, dtype=torch.float32), rope_inv_freq(c))
         angles = torch.cat([angles, angles], dim=-1)                     # [max_pos, rotary_dim]
         self.rope_cos = angles.cos().to(self.dtype).to(self.device)
@@ -93,6 +79,51 @@ class Qwen35Transformer(Transformer):
     @staticmethod
     def _norm(weight: torch.Tensor) -> torch.Tensor:
         return 1.0 + weight.float()          # (1 + weight) in float32, as the reference multiplies
+
+    def _layer(self, weights: dict, p: str, linear: bool, index: int, make_linear) -> dict:
+        """One decoder layer's weights under prefix `p`: a DeltaNet layer's (`index`: its recurrent
+        state) or a gated attention layer's (`index`: its layer of the KV cache)."""
+        layer = {"attn_norm": self._norm(weights[p + "input_layernorm.weight"]),
+                 "mlp_norm": self._norm(weights[p + "post_attention_layernorm.weight"]),
+                 "gate_up": make_linear(cat_rows([weights[p + "mlp.gate_proj.weight"],
+                                                  weights[p + "mlp.up_proj.weight"]], self.dtype), None),
+                 "down": make_linear(weights[p + "mlp.down_proj.weight"], None), "index": index}
+        if linear:
+            a = p + "linear_attn."
+            inputs = cat_rows([weights[a + f"in_proj_{n}.weight"] for n in ("qkv", "z", "b", "a")], self.dtype)
+            layer.update(kind="linear", inputs=make_linear(inputs, None),
+                         conv=weights[a + "conv1d.weight"].reshape(-1, 1, self.kernel),   # [conv_dim, 1, kernel]
+                         decay_rate=-weights[a + "A_log"].float().exp(),                 # [Hv]
+                         dt_bias=weights[a + "dt_bias"].float(),
+                         out_norm=weights[a + "norm.weight"],
+                         out=make_linear(weights[a + "out_proj.weight"], None))
+        else:
+            s = p + "self_attn."
+            layer.update(kind="attention",
+                         qkv=make_linear(cat_rows([weights[s + f"{n}_proj.weight"] for n in "qkv"], self.dtype), None),
+                         o=make_linear(weights[s + "o_proj.weight"], None),
+                         q_norm=self._norm(weights[s + "q_norm.weight"]),
+                         k_norm=self._norm(weights[s + "k_norm.weight"]))
+        return layer
+
+    def _mtp_head(self, weights: dict, make_linear) -> tuple[dict | None, str]:
+        """The checkpoint's multi-token-prediction head (`mtp.*`, which transformers does not load;
+        drafters/mtp.py drafts with it), else None and what is wrong with it ("": a checkpoint without one)."""
+        names = [n for n in weights if n.startswith("mtp.")]
+        if not names:
+            return None, ""
+        layers = sorted({n.split(".")[2] for n in names if n.startswith("mtp.layers.")})
+        if layers != ["0"]:
+            return None, f"has {len(layers)} layers, where the drafter runs one (mtp.layers.0)"
+        try:
+            head = {"fc": make_linear(weights["mtp.fc.weight"], None),
+                    "embed_norm": self._norm(weights["mtp.pre_fc_norm_embedding.weight"]),
+                    "hidden_norm": self._norm(weights["mtp.pre_fc_norm_hidden.weight"]),
+                    "norm": self._norm(weights["mtp.norm.weight"]),
+                    "layer": self._layer(weights, "mtp.layers.0.", False, 0, make_linear)}
+        except KeyError as exc:
+            return None, f"lacks the tensor {exc.args[0]}"
+        return head, ""
 
     def projections(self) -> list:
         return [self.lm_head] + [ly[k] for ly in self.layers for k in ("qkv", "o", "inputs", "out", "gate_up", "down")
@@ -125,34 +156,19 @@ class Qwen35Transformer(Transformer):
         rows = list(range(batch)) if fb.rows is None else [int(r) for r in fb.rows.tolist()]
         starts, widths = fb.starts(), fb.lengths or [num_tokens] * batch
         hidden = F.embedding(fb.tokens, self.embed)                          # [B, T, D]
+
+        def attend(index: int, q, k, v):
+            keys, values = cache.write(index, fb.rows, fb.start, k, v)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         for index, layer in enumerate(self.layers):
             if index in skip:
                 continue
-            x = fp32_rms_norm(hidden, layer["attn_norm"], c.rms_norm_eps)
             if layer["kind"] == "linear":
-                hidden = hidden + self._delta_net(layer, x, cache, rows, starts, widths)
+                mix = partial(self._delta_net, layer, cache=cache, rows=rows, starts=starts, widths=widths)
             else:
-                hidden = hidden + self._attention(layer, x, cache, fb, cos, sin, mask)
-            x = fp32_rms_norm(hidden, layer["mlp_norm"], c.rms_norm_eps)
-            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-            hidden = hidden + layer["down"](F.silu(gate) * up)
+                mix = partial(gated_attention, layer, c, cos=cos, sin=sin, attend=partial(attend, layer["index"]))
+            hidden = decoder_layer(layer, c.rms_norm_eps, hidden, mix)
         return hidden
-
-    def _attention(self, layer: dict, x: torch.Tensor, cache, fb: ForwardBatch, cos, sin, mask) -> torch.Tensor:
-        c = self.config
-        batch, num_tokens, _ = x.shape
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q_gate, k, v = layer["qkv"](x).split([2 * q_size, kv_size, kv_size], dim=-1)
-        q, gate = q_gate.view(batch, num_tokens, c.num_heads, 2 * c.head_dim).chunk(2, dim=-1)
-        q = fp32_rms_norm(q, layer["q_norm"], c.rms_norm_eps).transpose(1, 2)          # [B, H, T, hd]
-        k = fp32_rms_norm(k.view(batch, num_tokens, c.num_kv_heads, c.head_dim), layer["k_norm"],
-                          c.rms_norm_eps).transpose(1, 2)
-        v = v.view(batch, num_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.write(layer["index"], fb.rows, fb.start, k, v)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        attn = attn.transpose(1, 2).reshape(batch, num_tokens, q_size)
-        return layer["o"](attn * torch.sigmoid(gate.reshape(batch, num_tokens, q_size)))
 
     def _delta_net(self, layer: dict, x: torch.Tensor, cache: HybridCache, rows: list[int], starts: list[int],
                    widths: list[int]) -> torch.Tensor:
@@ -189,6 +205,34 @@ class Qwen35Transformer(Transformer):
     def _final(self, hidden: torch.Tensor, head=None) -> torch.Tensor:
         hidden = fp32_rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         return (self.lm_head if head is None else head)(hidden).float()
+
+
+def decoder_layer(layer: dict, eps: float, hidden: torch.Tensor,      # [B, T, D]
+                  mix: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """One layer: hidden + mix(norm(hidden)) (the token mixer: DeltaNet or gated attention),
+    then hidden + the SwiGLU MLP of norm(hidden)."""
+    hidden = hidden + mix(fp32_rms_norm(hidden, layer["attn_norm"], eps))
+    x = fp32_rms_norm(hidden, layer["mlp_norm"], eps)
+    gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+    return hidden + layer["down"](F.silu(gate) * up)
+
+
+def gated_attention(layer: dict, c, x: torch.Tensor,     # c: num_heads, num_kv_heads, head_dim, rms_norm_eps
+                    cos: torch.Tensor, sin: torch.Tensor,  # broadcastable to [B, heads, T, rotary_dim]
+                    attend: Callable) -> torch.Tensor:     # (q, k, v) -> [B, H, T, hd]; it keeps the keys
+    """A gated attention layer's output for its normed input x [B, T, D]: q heads carry a gate,
+    out = o(attention * sigmoid(gate)); q and k heads are normalized, then RoPE'd (partially)."""
+    batch, num_tokens, _ = x.shape
+    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    q_gate, k, v = layer["qkv"](x).split([2 * q_size, kv_size, kv_size], dim=-1)
+    q, gate = q_gate.view(batch, num_tokens, c.num_heads, 2 * c.head_dim).chunk(2, dim=-1)
+    q = fp32_rms_norm(q, layer["q_norm"], c.rms_norm_eps).transpose(1, 2)          # [B, H, T, hd]
+    k = fp32_rms_norm(k.view(batch, num_tokens, c.num_kv_heads, c.head_dim), layer["k_norm"],
+                      c.rms_norm_eps).transpose(1, 2)
+    v = v.view(batch, num_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
+    attn = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+    attn = attn.transpose(1, 2).reshape(batch, num_tokens, q_size)
+    return layer["o"](attn * torch.sigmoid(gate.reshape(batch, num_tokens, q_size)))
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import conftest
 import pytest
 import torch
-from scipy.stats import chisquare
+from conftest import compare_samples, null_tv
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine import offline
@@ -45,7 +46,6 @@ def params(seed: int | None = None) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    import conftest
     root = tmp_path_factory.mktemp("e2e")
     target = conftest.make_model(root / "target", "llama", seed=11, layers=2)
     draft = conftest.make_model(root / "draft", "llama", seed=12, layers=1)
@@ -55,67 +55,23 @@ def models(tmp_path_factory):
 
 
 def exact_joint(llm: LLM, prompt: list[int]) -> dict[tuple[int, ...], float]:
-    """P(first three tokens) under plain sampling, enumerating every prefix with mass."""
+    """P(first three tokens) under plain sampling, from the target itself."""
     model, p = llm.target.model, params()
-    out: dict[tuple[int, ...], float] = {}
 
-    def walk(prefix: list[int], prob: float) -> None:
-        if len(prefix) == 3:
-            out[tuple(prefix)] = prob
-            return
+    def next_probs(prefix: list[int]) -> torch.Tensor:
         ids = torch.tensor([prompt + prefix])
         logits = model.forward(ids, model.new_cache(1, ids.shape[1] + 1), 0)[:, -1:]
-        probs = probs_from_logits(transform_logits(logits, [p]), [p])[0, 0].double()
-        for token in torch.nonzero(probs).flatten().tolist():
-            walk(prefix + [token], prob * float(probs[token]))
-    walk([], 1.0)
-    return out
+        return probs_from_logits(transform_logits(logits, [p]), [p])[0, 0].double()
+    return conftest.exact_joint(next_probs, 3)
 
 
 def draw(llm: LLM, prompt: list[int], n: int, k: int, seed0: int) -> tuple[Counter, float]:
     """n samples of the first three tokens (row i seeded seed0 + i) and the acceptance rate."""
-    counts: Counter = Counter()
-    drafted = accepted = 0
-    for start in range(0, n, ROWS_PER_CALL):
-        rows = min(ROWS_PER_CALL, n - start)
-        outs = llm.generate([prompt] * rows, [params(seed0 + start + i) for i in range(rows)],
-                            num_speculative_tokens=k)
-        counts.update(tuple(o.token_ids) for o in outs)
-        drafted += sum(o.stats["drafted_tokens"] for o in outs)
-        accepted += sum(o.stats["accepted_tokens"] for o in outs)
-    return counts, accepted / drafted if drafted else 0.0
-
-
-def null_tv(exact: dict, n: int) -> float:
-    """Expected total variation of n exact samples (normal approximation per cell)."""
-    return 0.5 * sum(math.sqrt(2 * q * (1 - q) / (math.pi * n)) for q in exact.values())
+    return conftest.draw_samples(llm, prompt, params, n, k, seed0, ROWS_PER_CALL)
 
 
 def tv_bound(n: int) -> float:
     return TV_MAX * math.sqrt(NUM_SAMPLES / n)
-
-
-def compare(counts: Counter, exact: dict) -> tuple[float, float, int]:
-    """(chi-square p-value, total variation, samples outside the exact support)."""
-    n = sum(counts.values())
-    outside = sum(c for seq, c in counts.items() if seq not in exact)
-    total = sum(exact.values())
-    observed, expected, rest_o, rest_e = [], [], outside, 0.0
-    for seq, q in exact.items():
-        if q * n >= 5:
-            observed.append(counts[seq])
-            expected.append(q / total * n)
-        else:                                       # merge sparse cells (and strays) into one
-            rest_o += counts[seq]
-            rest_e += q / total * n
-    if rest_o or rest_e:
-        observed.append(rest_o)
-        expected.append(max(rest_e, 1e-9))
-    scale = sum(observed) / sum(expected)
-    p_value = float(chisquare(observed, [e * scale for e in expected]).pvalue)
-    keys = set(exact) | set(counts)
-    tv = 0.5 * sum(abs(counts.get(s, 0) / n - exact.get(s, 0.0) / total) for s in keys)
-    return p_value, tv, outside
 
 
 def drafter_sampling(setup, method: str, seed0: int, min_acceptance: float, **options) -> LLM:
@@ -131,7 +87,7 @@ def drafter_sampling(setup, method: str, seed0: int, min_acceptance: float, **op
     spec.core = offline.offline_core(llm.target, spec.drafter, llm.num_speculative_tokens, adaptive=False)
     n = 20_000
     counts, acceptance = draw(spec, prompt, n, K, seed0=seed0)
-    p_value, tv, outside = compare(counts, exact)
+    p_value, tv, outside = compare_samples(counts, exact)
     assert acceptance > min_acceptance, acceptance
     assert outside == 0
     assert p_value > P_MIN, (p_value, tv)
@@ -153,7 +109,7 @@ def setup(models):
 def test_speculative_sampling_matches_plain_distribution(setup):
     llm, prompt, exact = setup
     counts, acceptance = draw(llm, prompt, NUM_SAMPLES, K, seed0=1_000_000)
-    p_value, tv, outside = compare(counts, exact)
+    p_value, tv, outside = compare_samples(counts, exact)
     assert 0.2 < acceptance < 0.95, acceptance          # both accepted and rejected drafts are common
     assert outside == 0
     assert p_value > P_MIN, (p_value, tv)
@@ -185,7 +141,7 @@ def test_detects_draft_distribution(setup, models):
     """Negative control 1: plain sampling from the draft model is rejected."""
     _, prompt, exact = setup
     counts, _ = draw(models["draft"], prompt, NUM_CONTROL, 0, seed0=2_000_000)
-    p_value, tv, outside = compare(counts, exact)
+    p_value, tv, outside = compare_samples(counts, exact)
     assert p_value < P_MIN and tv > tv_bound(NUM_CONTROL), (p_value, tv, outside)
 
 
@@ -196,7 +152,7 @@ def test_detects_wrong_residual(setup, monkeypatch):
     llm, prompt, exact = setup
     monkeypatch.setattr(verify_module, "_residual_probs", lambda target, draft: target)
     counts, _ = draw(llm, prompt, NUM_CONTROL, K, seed0=3_000_000)
-    p_value, tv, outside = compare(counts, exact)
+    p_value, tv, outside = compare_samples(counts, exact)
     assert outside == 0
     assert p_value < P_MIN and tv > tv_bound(NUM_CONTROL), (p_value, tv)
 
@@ -289,7 +245,7 @@ def test_constrained_sampling_matches_plain_constrained_distribution(setup, mode
         counts.update(tuple(o.token_ids) for o in outs)
         drafted += sum(o.stats["drafted_tokens"] for o in outs)
         accepted += sum(o.stats["accepted_tokens"] for o in outs)
-    p_value, tv, outside = compare(counts, exact)
+    p_value, tv, outside = compare_samples(counts, exact)
     assert 0.05 < accepted / drafted < 0.95, accepted / drafted
     assert outside == 0
     assert p_value > P_MIN, (p_value, tv)

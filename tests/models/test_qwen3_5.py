@@ -7,41 +7,12 @@ import json
 
 import pytest
 import torch
-from conftest import make_tokenizer
 
 from specdecode.forward import ForwardBatch
 from specdecode.params import SamplingParams
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick brown fox", "def add(a, b):\n    return a + b\n",
            "1 2 3 4 5 6 7 8"]
-
-
-@pytest.fixture(scope="module")
-def qwen35(tmp_path_factory):
-    """(directory, transformers model): 4 layers, three DeltaNet to one attention, more value heads
-    than key heads (as Qwen3.5's), norms away from their neutral value."""
-    transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "Qwen3_5ForCausalLM"):
-        pytest.skip("this transformers has no Qwen3.5")
-    folder = tmp_path_factory.mktemp("qwen3_5")
-    make_tokenizer(folder)
-    vocab = json.loads((folder / "tokenizer.json").read_text())
-    size = len(vocab["model"]["vocab"]) + len([t for t in vocab["added_tokens"]
-                                               if t["id"] >= len(vocab["model"]["vocab"])])
-    config = transformers.Qwen3_5TextConfig(
-        vocab_size=size, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False,
-        eos_token_id=2, rms_norm_eps=1e-6)
-    torch.manual_seed(0)
-    model = transformers.Qwen3_5ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(-0.3, 0.3)
-        model.model.embed_tokens.weight.mul_(2.5)         # sharper logits: fewer near-ties
-    model.save_pretrained(folder)
-    return folder, model
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +24,33 @@ def native(qwen35):
 def test_loads_natively(native):
     assert type(native.model).__name__ == "Qwen35Transformer" and native.native
     assert native.model.num_recurrent_layers == 3 and native.model.num_attention_layers == 1
+
+
+def test_the_multimodal_checkpoint_layout_loads_its_text_model(qwen35, native, tmp_path):
+    """Released Qwen3.5 checkpoints are the multimodal model: the decoder under model.language_model.,
+    a vision tower beside it (left unread), the config's text part in text_config."""
+    from safetensors.torch import load_file, save_file
+
+    from specdecode.models.loader import load_model
+    folder = qwen35[0]
+    for f in folder.iterdir():
+        if f.suffix != ".safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    weights = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in load_file(str(folder / "model.safetensors")).items()}
+    save_file(dict(weights, **{"model.visual.patch_embed.proj.weight": torch.zeros(4, 4)}),
+              str(tmp_path / "model.safetensors"))
+    text = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text,
+                                                      "architectures": ["Qwen3_5ForConditionalGeneration"]}))
+    wrapped = load_model(str(tmp_path), dtype="fp32", progress=False).model
+    ids = torch.tensor([[5, 17, 40, 99, 23, 8]])
+    logits = []
+    for model in (native.model, wrapped):
+        cache = model.new_paged_cache(1, 64, 8, 16)
+        cache.reserve(0, 16)
+        logits.append(model.logits(model.run(ForwardBatch.chain(ids, 0, torch.tensor([0])), cache)))
+    assert torch.equal(logits[0], logits[1])
 
 
 def test_logits_match_transformers_chunked_and_token_by_token(qwen35, native):
