@@ -23,6 +23,9 @@ BAD_PARAMS = [
     ("stop", [""]), ("stop", ["a"] * 17), ("stop", [1]),
     ("stop", 5), ("ignore_eos", "yes"), ("structured", {"type": "object"}), ("structured", "json"),
     ("logprobs", 21), ("logprobs", -1), ("logprobs", True), ("prediction", ""), ("prediction", 3),
+    ("prompt_logprobs", 21), ("prompt_logprobs", -1), ("prompt_logprobs", False),
+    ("stop_token_ids", [-1]), ("stop_token_ids", [1.5]), ("stop_token_ids", 3), ("stop_token_ids", [True]),
+    ("stop_token_ids", list(range(65))),
 ]
 
 
