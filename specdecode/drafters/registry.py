@@ -40,7 +40,8 @@ BUILTIN = {"ngram": "specdecode.drafters.ngram:NgramDrafter",
            "suffix": "specdecode.drafters.suffix:SuffixDrafter",
            "lookahead": "specdecode.drafters.lookahead:LookaheadDrafter",
            "layer-skip": "specdecode.drafters.layer_skip:LayerSkipDrafter",
-           "medusa": "specdecode.drafters.medusa:MedusaDrafter"}
+           "medusa": "specdecode.drafters.medusa:MedusaDrafter",
+           "assistant": "specdecode.drafters.assistant:AssistantDrafter"}
 RESERVED = ("none", "plain")      # "none": no drafter (API / CLI); "plain": plain decoding (bench)
 
 _registered: dict[str, type] = {}
