@@ -14,6 +14,7 @@ from .engine.config import MAX_CHAIN
 from .engine.offline import StreamCallback, offline_core, run
 from .engine.threads import usable_cpus
 from .models.dtypes import canonical_dtype
+from .models.gemma4_assistant import MODEL_TYPE, assistant_dir
 from .models.loader import LoadedModel, default_draft_dtype, load_model
 from .params import ParamError, SamplingParams
 from .tree import MAX_TREE_NODES
@@ -37,9 +38,11 @@ class RequestOutput:
 
 def default_method(draft: object | None, target: LoadedModel | str | None = None,
                    drafter_path: str | None = None) -> str:
-    """cascade with a draft model (suffix-index lookup where the text repeats at length, the draft
-    model elsewhere, through text when its tokenizer is not the target's (cross_tokenizer.py): a
-    lookup path costs nothing to draft, so where the text repeats it beats the draft model's tokens;
+    """assistant with Gemma 4's assistant as the draft (a gemma4_assistant directory, drafters/assistant.py:
+    it reads the target's features and keys); cascade with another draft model (suffix-index lookup
+    where the text repeats at length, the draft model elsewhere, through text when its tokenizer is
+    not the target's (cross_tokenizer.py): a lookup path costs nothing to draft, so where the text
+    repeats it beats the draft model's tokens;
     docs/drafters.md, "What was tried"); with a trained drafter directory:
     medusa for Medusa heads, cascade (EAGLE head + n-gram) for an EAGLE head; mtp for a target whose
     checkpoint ships a multi-token-prediction head (Qwen3.5's, trained with the model: the drafter
@@ -51,7 +54,7 @@ def default_method(draft: object | None, target: LoadedModel | str | None = None
     that back against n-gram drafting (docs/drafters.md, "Trained drafters"); use it with
     `method="eagle"` or `"cascade"`."""
     if draft is not None:
-        return "cascade"
+        return "assistant" if assistant_dir(draft) is not None else "cascade"
     if drafter_path is not None:
         from .drafters.format import read_meta
         kind = read_meta(Path(drafter_path)).get("kind")
@@ -61,6 +64,22 @@ def default_method(draft: object | None, target: LoadedModel | str | None = None
         if has_mtp_head(target):
             return "mtp"
     return "ngram"
+
+
+def check_assistant(method: str | None, draft: object | None, assistant: Path | None, draft_dtype=None) -> None:
+    """DrafterError for a draft and a method that do not go together: Gemma 4's assistant (`assistant`,
+    the directory the draft names when it is one) drafts with method "assistant" only, and that
+    method with nothing else; it computes in the target's dtype (no draft_dtype). Checked before
+    anything is loaded."""
+    if assistant is not None and draft_dtype is not None:
+        raise DrafterError(f"draft_dtype {draft_dtype}: draft {draft} is Gemma 4's assistant, which computes in the "
+                           f"target's dtype; leave draft_dtype out")
+    if assistant is not None and method not in (None, "assistant"):
+        raise DrafterError(f"draft {draft} is Gemma 4's assistant (model_type {MODEL_TYPE}), which drafts with "
+                           f"method 'assistant' (its default), not {method!r}")
+    if method == "assistant" and draft is not None and assistant is None:
+        raise DrafterError(f"method 'assistant' needs Gemma 4's assistant, and draft {draft} is not one (its "
+                           f"config.json model_type is not {MODEL_TYPE})")
 
 
 def check_num_speculative_tokens(k: object, drafter: Drafter | None) -> None:
@@ -100,8 +119,9 @@ class LLM:
 
     model: None (the embedded SmolLM2-135M-Instruct), a .gguf file, an HF directory or a Hugging Face id
     (ORG/NAME, ORG/NAME:QUANT, ORG/NAME/FILE.gguf; models/hub.py).
-    draft: a draft model, named as model is (method "model"; "text-model" when its tokenizer differs);
-    method: "cascade", "eagle", "ngram", "model", "text-model", "none" or
+    draft: a draft model, named as model is (method "model"; "text-model" when its tokenizer differs;
+    "assistant" for Gemma 4's assistant, a gemma4_assistant directory);
+    method: "cascade", "eagle", "ngram", "model", "text-model", "assistant", "none" or
     any drafter registered with `specdecode.drafters.registry.register` or the `specdecode.drafters`
     entry-point group (default: see default_method); drafter_path: a trained drafter directory (methods "eagle",
     "cascade").
@@ -143,9 +163,11 @@ class LLM:
             check_num_speculative_tokens(num_speculative_tokens, None)   # the upper limit is the drafter's: below
         dtype = canonical_dtype(dtype, "dtype", allow_int8=True)          # bad names fail before any load
         draft_dtype = canonical_dtype(draft_dtype, "draft_dtype", allow_int8=True)
+        assistant = assistant_dir(draft) if draft is not None else None    # read by its drafter, not loaded here
+        check_assistant(method, draft, assistant, draft_dtype)
         self.target: LoadedModel = load_model(model, dtype, device, progress=progress, fast=fast, weights=weights)
         self.draft: LoadedModel | None = None
-        if draft is not None:
+        if draft is not None and assistant is None:
             if draft_dtype is None and dtype is None and weights == "auto":   # a cheaper copy where it pays
                 draft_dtype = default_draft_dtype(draft, device, fast)
             self.draft = load_model(draft, draft_dtype or dtype, device, progress=progress, fast=fast,
@@ -158,7 +180,8 @@ class LLM:
         self.num_speculative_tokens = num_speculative_tokens
         self.drafter: Drafter | None = None
         if self.method != "none" and num_speculative_tokens > 0:
-            self.drafter = build_drafter(self.method, self.target, draft=self.draft, **drafter_options)
+            self.drafter = build_drafter(self.method, self.target, draft=self.draft if assistant is None else assistant,
+                                         **drafter_options)
         elif self.method != "none" and self.method not in method_names():
             raise DrafterError(f"method must be one of {', '.join(sorted([*method_names(), 'none']))}, "
                                f"got {self.method!r}")

@@ -120,7 +120,7 @@ def _check_models_used(args: argparse.Namespace) -> None:
     for flag, value, option in (("--draft", getattr(args, "draft", None), "draft"),
                                 ("--drafter", getattr(args, "drafter", None), "drafter_path")):
         if value is not None and (method == "none" or option not in drafter_option_names(method)):
-            users = "model, text-model, cascade" if option == "draft" else DRAFTER_DIR_METHODS
+            users = "model, text-model, cascade, assistant" if option == "draft" else DRAFTER_DIR_METHODS
             raise CliError(f"{flag} {value}: method {method!r} does not use it ({users} do); leave it out "
                            f"or pick one of those")
 
@@ -134,10 +134,12 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "SmolLM2-135M-Instruct)")
     g.add_argument("--draft", default=None,
                    help="draft model, named as --model is (path or Hugging Face id); one with another tokenizer "
-                        "drafts through text (method text-model, docs/drafters.md)")
+                        "drafts through text (method text-model), Gemma 4's assistant (a gemma4_assistant "
+                        "directory) with method assistant (docs/drafters.md)")
     g.add_argument("--method", default=None, choices=method_choices(),
-                   help="drafter (default: cascade with --draft or --drafter, mtp for a Qwen3.5 checkpoint with "
-                        "its multi-token-prediction head, else ngram; none: plain decoding; "
+                   help="drafter (default: cascade with --draft or --drafter, assistant with Gemma 4's assistant "
+                        "as --draft, mtp for a Qwen3.5 checkpoint with its multi-token-prediction head, else "
+                        "ngram; none: plain decoding; "
                         f"{DRAFTER_DIR_METHODS} use the drafter shipped for the embedded model when no --drafter "
                         "is given (cascade with --draft: suffix-index lookup where the text repeats at length, else "
                         "the draft model); drafters registered by other packages are listed too; every method: "

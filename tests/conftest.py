@@ -187,6 +187,52 @@ def compare_samples(counts, exact: dict) -> tuple[float, float, int]:
     return p_value, tv, outside
 
 
+# Tiny random Gemma 4 text models (tests/models/test_gemma4.py, tests/drafters/test_assistant.py), shaped like
+# E2B: windowed layers (window 8, so it matters within the prompts) and global ones with twice as wide heads
+GEMMA4_WINDOW = 8
+GEMMA4_BOS, GEMMA4_EOS = 3, 2         # make_tokenizer's ids: <|im_end|> is 2, then the specials (<bos> 3)
+GEMMA4_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+def gemma4_text_config(vocab_size: int, variant: str, layers: int = 5):
+    """5 layers, the last two reusing the keys/values of the last earlier layer of their type, or 2 without;
+    variant "k_eq_v": global layers whose values are their keys, with one kv head."""
+    from transformers import Gemma4TextConfig
+    shape = dict(num_hidden_layers=5, layer_types=GEMMA4_TYPES, num_kv_shared_layers=2) if layers == 5 else dict(
+        num_hidden_layers=2, layer_types=GEMMA4_TYPES[1:3], num_kv_shared_layers=0)
+    extra = dict(attention_k_eq_v=True, num_global_key_value_heads=1) if variant == "k_eq_v" else {}
+    return Gemma4TextConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, global_head_dim=32, sliding_window=GEMMA4_WINDOW, hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=vocab_size, use_double_wide_mlp=True, final_logit_softcapping=10.0,
+        max_position_embeddings=256, bos_token_id=GEMMA4_BOS, eos_token_id=GEMMA4_EOS, pad_token_id=0, **shape,
+        **extra)
+
+
+def make_gemma4(folder: Path, variant: str = "e2b", layers: int = 5, seed: int = 13) -> Path:
+    """A random gemma4_text checkpoint saved by transformers, with make_tokenizer's tokenizer."""
+    from transformers import Gemma4ForCausalLM
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(folder, specials=("<bos>", "<turn|>"))
+    vocab_size = len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"])
+    torch.manual_seed(seed)
+    model = Gemma4ForCausalLM(gemma4_text_config(vocab_size, variant, layers))
+    randomize_gemma4(model)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def randomize_gemma4(model) -> None:
+    """Norm weights and layer scalars away from 1 (Gemma 4's start at 1), a sharper output distribution."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+        for i, layer in enumerate(model.model.layers):
+            layer.layer_scalar.fill_(0.6 + 0.1 * i)
+        model.model.embed_tokens.weight.mul_(4.0)       # fewer near-ties
+
+
 async def post_completions(url: str, jobs) -> list[dict]:
     """POST /v1/completions for every (prompt, max_tokens, extra body fields) job at once, greedy,
     with token ids; the JSON answers in job order."""

@@ -24,6 +24,17 @@ def per_layer(value: int | Sequence[int], num_layers: int, name: str) -> list[in
     return [int(v) for v in value]
 
 
+def check_committed(lengths: list[int], rows: list[int], positions: torch.Tensor) -> None:
+    """ValueError unless every position of row b in `positions` [B, L] is one its row holds (< its
+    length): a reader of a cache sees committed entries only."""
+    top = positions.max(dim=1).values.tolist() if positions.numel() else []
+    for row, last in zip(rows, top):
+        if not 0 <= last < lengths[row]:
+            raise ValueError(f"position {last} of cache row {row} is not committed (the row holds {lengths[row]})")
+    if positions.numel() and int(positions.min()) < 0:
+        raise ValueError(f"cache positions must be >= 0, got {int(positions.min())}")
+
+
 @dataclass
 class CacheLayout:
     """Where a cache keeps key/value `j` of kv head `h` for batch row `b` of a pass, in elements
@@ -76,6 +87,16 @@ class KVCache:
         rows = range(self.batch_size) if row is None else [row]
         for r in rows:
             self.lengths[r] = 0
+
+    def read(self, layer: int, rows: list[int], positions: torch.Tensor,   # [B, L] int64
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of layer `layer`'s keys and values of `rows` at committed `positions` (each below its
+        row's length), [B, kv_heads, L, head_dim]; nothing is written. A drafter that reads the target's
+        keys gets them this way (drafters/base.TargetCacheView)."""
+        check_committed(self.lengths, rows, positions)
+        index = torch.tensor(rows, device=self.keys[layer].device)[:, None], positions.to(self.keys[layer].device)
+        return (self.keys[layer][index[0], :, index[1]].transpose(1, 2),
+                self.values[layer][index[0], :, index[1]].transpose(1, 2))
 
     def layout(self, rows: list[int], starts: list[int], num_tokens: int) -> CacheLayout:
         """Addresses of the entries a pass writes and reads, for native kernels (see CacheLayout)."""

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 
 from .blocks import BlockPool, chain_hashes
-from .contiguous import CacheLayout, per_layer
+from .contiguous import CacheLayout, check_committed, per_layer
 
 SCRATCH = 0          # block 0: target of padding writes, never owned by a row
 
@@ -227,6 +227,20 @@ class PagedKVCache:
     def reset(self, row: int | None = None) -> None:
         for r in (range(self.batch_size) if row is None else [row]):
             self.truncate(r, 0)
+
+    def read(self, layer: int, rows: list[int], positions: torch.Tensor,   # [B, L] int64
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of layer `layer`'s keys and values of `rows` at committed `positions` (each below its
+        row's length), [B, kv_heads, L, head_dim]; nothing is written (see KVCache.read)."""
+        check_committed(self.lengths, rows, positions)
+        width = max(len(self.tables[r]) for r in rows)
+        table = torch.full((len(rows), width), SCRATCH, dtype=torch.long)                     # [B, blocks]
+        for b, r in enumerate(rows):
+            table[b, :len(self.tables[r])] = torch.tensor(self.tables[r], dtype=torch.long)
+        positions = positions.cpu()
+        blocks = table.gather(1, positions // self.block_size)                                 # [B, L]
+        at = blocks.to(self.device), (positions % self.block_size).to(self.device)
+        return self.keys[layer][at].transpose(1, 2), self.values[layer][at].transpose(1, 2)
 
     # ------------------------------------------------------------ forward-pass interface
     def _grow(self, row: int, end: int) -> None:

@@ -1,7 +1,8 @@
 """The drafter interface: declared capabilities, the per-request state contract, the proposal.
 
 A drafter proposes up to k tokens per running sequence. It never touches the target's
-KV cache; it gets the sequences (token ids, sampling params, generators) and keeps any
+KV cache (one that declares `reads_target_cache` reads it through a `TargetCacheView`, which
+cannot write); it gets the sequences (token ids, sampling params, generators) and keeps any
 state of its own (a draft model's cache) keyed by the sequence's cache row.
 
 * `DrafterCapabilities` -- what a drafter class declares (the engine and the server read it,
@@ -183,6 +184,8 @@ class DrafterCapabilities:
     commit_reads_nodes: bool = False    # commit() reads node indices of the proposal its propose() returned,
                                         # so the engine may not renumber them (a grammar trimming forbidden
                                         # drafts, structured.trim_drafts); drafters with state never are
+    reads_target_cache: bool = False    # reads the target's committed keys and values: the engine hands it a
+                                        # read-only view of the target's KV cache (use_target_cache)
 
 
 class DrafterState(Protocol):
@@ -225,6 +228,24 @@ class ContiguousState:
         self.cache.truncate(row, min(length, self.cache.lengths[row]))
 
 
+class TargetCacheView:
+    """The target's KV cache as a drafter that declares `reads_target_cache` sees it: each row's
+    committed length and copies of its keys and values at committed positions. It has no way to
+    write, so the rule that drafters never touch the target's cache holds (Gemma 4's assistant
+    attends to the target's keys, drafters/assistant.py)."""
+
+    def __init__(self, cache) -> None:      # a KVCache or PagedKVCache
+        self._cache = cache
+
+    def length(self, row: int) -> int:
+        """Positions the row holds (token_ids[:length] of its sequence)."""
+        return self._cache.lengths[row]
+
+    def read(self, layer: int, rows: list[int], positions: torch.Tensor,   # [B, L] int64, each < its row's length
+             ) -> tuple[torch.Tensor, torch.Tensor]:     # -> keys, values [B, kv_heads, L, head_dim] (copies)
+        return self._cache.read(layer, rows, positions)
+
+
 class Drafter(ABC):
     """Two required methods and a feedback hook, in the spirit of HF's CandidateGenerator."""
 
@@ -247,6 +268,10 @@ class Drafter(ABC):
         """Instead of `prepare`, for a drafter with a `draft_model()`: use `cache` (made by the
         caller for that model, e.g. paged) as the draft KV cache; return it as the state."""
         raise NotImplementedError(f"drafter {type(self).__name__} declares no draft model")
+
+    def use_target_cache(self, view: TargetCacheView) -> None:
+        """Called (only when capabilities.reads_target_cache) when the engine makes the target's KV
+        cache, and again whenever it re-makes it: the view to read it through."""
 
     def prefill(self, seqs: list[Sequence]) -> None:
         """Called once per sequence when its prompt is in the target's cache (and in the draft

@@ -41,7 +41,8 @@ BUILTIN = {"ngram": "specdecode.drafters.ngram:NgramDrafter",
            "lookahead": "specdecode.drafters.lookahead:LookaheadDrafter",
            "layer-skip": "specdecode.drafters.layer_skip:LayerSkipDrafter",
            "medusa": "specdecode.drafters.medusa:MedusaDrafter",
-           "mtp": "specdecode.drafters.mtp:MtpDrafter"}
+           "mtp": "specdecode.drafters.mtp:MtpDrafter",
+           "assistant": "specdecode.drafters.assistant:AssistantDrafter"}
 RESERVED = ("none", "plain")      # "none": no drafter (API / CLI); "plain": plain decoding (bench)
 
 _registered: dict[str, type] = {}

@@ -20,7 +20,7 @@ import torch
 
 from ..cache.blocks import chain_hashes
 from ..cache.paged import PagedKVCache
-from ..drafters.base import Drafter, DraftProposal
+from ..drafters.base import Drafter, DraftProposal, TargetCacheView
 from ..fast import argmax_last, top_k_indices
 from ..forward import ForwardBatch
 from ..sampling import position_uniforms, probs_from_logits, transform_logits
@@ -53,6 +53,7 @@ class ModelRunner:
         self.rows, self.context = rows, context
         self.paged = target.native                # the adapter's caches are transformers' own
         self.cache = self._new_cache(self.model, num_blocks, block_size)
+        self._show_target_cache()
         self.draft_cache = None
         if self.draft is not None:
             paged = self.paged and self.draft.native
@@ -70,6 +71,13 @@ class ModelRunner:
             return PagedKVCache(layers, self.rows, heads, dims, self.context + SLACK,
                                 num_blocks, block_size, model.dtype, model.device)
         return model.new_cache(self.rows, self.context + SLACK)
+
+    def _show_target_cache(self) -> None:
+        """Hand a drafter that reads the target's keys and values (capabilities.reads_target_cache,
+        Gemma 4's assistant) a read-only view of the target cache, again whenever it is re-made: the
+        one way a drafter sees it (the view cannot write, drafters/base.TargetCacheView)."""
+        if self.drafter is not None and self.drafter.capabilities.reads_target_cache:
+            self.drafter.use_target_cache(TargetCacheView(self.cache))
 
     @property
     def caches(self) -> list:
@@ -96,6 +104,7 @@ class ModelRunner:
                     c.grow(self.rows, num_blocks)
             if not self.paged:
                 self.cache = self._new_cache(self.model, 0, 0)
+                self._show_target_cache()
                 if self.draft_cache is not None:
                     self.draft_cache = self._new_cache(self.draft.model, 0, 0)
             self.reprepare(max(state_len, self.state_len))

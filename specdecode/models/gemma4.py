@@ -138,6 +138,11 @@ class Gemma4Transformer(Transformer):
                                                    for k in ("per_layer_gate", "per_layer_proj")]
         return super().projections() + extra
 
+    def stored_kv_layers(self) -> dict[bool, int]:
+        """The cache layer of the last producing layer of each type (windowed? -> cache layer): the
+        keys and values the kv-shared layers reuse, and those Gemma 4's assistant attends to."""
+        return {layer["sliding"]: layer["cache"] for layer in self.layers if layer["stores"]}
+
     def _per_layer_inputs(self, tokens: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[B, T, L, P]: each layer's per-layer input for each token (see the module docstring)."""
         c = self.config

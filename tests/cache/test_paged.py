@@ -1,5 +1,6 @@
 """The paged KV cache (cache/paged.py) without a server: the logits of the contiguous cache through
-ragged steps with rollbacks, and its block accounting (reserve, allocate, roll back, release)."""
+ragged steps with rollbacks, reads of committed entries (what a drafter's read-only view gives), and
+its block accounting (reserve, allocate, roll back, release)."""
 from __future__ import annotations
 
 import pytest
@@ -46,6 +47,37 @@ def test_paged_cache_gives_the_logits_of_the_contiguous_cache(target):
             dense.truncate(b, lengths[b])
             paged.truncate(rows[b], lengths[b])
     assert [paged.lengths[r] for r in rows] == lengths
+
+
+def test_reads_give_the_committed_entries_of_both_caches_and_write_nothing(target):
+    """`read` at per-row positions (blocks of 4: rows spanning several) returns what the contiguous
+    cache holds there, copies that leave the pools unchanged; an uncommitted position is refused."""
+    model = target.model
+    c = model.config
+    dense = KVCache(c.num_layers, 2, c.num_kv_heads, c.head_dim, 96, model.dtype)
+    paged = paged_for(model, rows=3)
+    rows = [2, 0]
+    for r in rows:
+        paged.reserve(r, 40)
+    tokens = torch.randint(0, model.vocab_size, (2, 13), generator=torch.Generator().manual_seed(1))
+    model.forward(tokens, dense, torch.tensor([0, 0]), rows=torch.arange(2))
+    model.forward(tokens, paged, torch.tensor([0, 0]), rows=torch.tensor(rows))
+    for b in range(2):
+        dense.truncate(b, 13 - 4 * b)
+        paged.truncate(rows[b], 13 - 4 * b)
+    positions = torch.tensor([[12, 0, 5, 7, 3], [8, 8, 1, 4, 0]])
+    before = [t.clone() for t in paged.keys + paged.values]
+    for layer in range(c.num_layers):
+        want, got = dense.read(layer, [0, 1], positions), paged.read(layer, rows, positions)
+        assert want[0].shape == (2, c.num_kv_heads, 5, c.head_dim)
+        assert torch.equal(want[0][1, :, 2], dense.keys[layer][1, :, 1])           # row 1's position 1
+        assert torch.equal(want[1][0, :, 0], dense.values[layer][0, :, 12])        # row 0's position 12
+        torch.testing.assert_close(got, want)
+        got[0].zero_()                                   # a copy: the pool keeps its entries
+    assert all(torch.equal(a, b) for a, b in zip(before, paged.keys + paged.values))
+    for cache, ids in ((dense, [0, 1]), (paged, rows)):
+        with pytest.raises(ValueError, match="not committed"):
+            cache.read(0, ids, torch.tensor([[0, 1], [9, 0]]))     # the second row holds 9 positions
 
 
 def test_blocks_follow_the_tokens_held_and_return_on_release(target):

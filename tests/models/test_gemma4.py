@@ -11,7 +11,15 @@ import json
 
 import pytest
 import torch
-from conftest import assert_tree_paths_match_chains, make_tokenizer
+from conftest import (
+    GEMMA4_BOS,
+    GEMMA4_EOS,
+    GEMMA4_TYPES,
+    GEMMA4_WINDOW,
+    assert_tree_paths_match_chains,
+    gemma4_text_config,
+    make_gemma4,
+)
 
 from specdecode import LLM, SamplingParams
 from specdecode.cache.paged import PagedKVCache
@@ -20,44 +28,9 @@ from specdecode.models.config import ModelConfig, ModelError
 from specdecode.models.gemma4 import Gemma4Transformer
 from specdecode.models.loader import load_model
 
-WINDOW = 8
-BOS, END_OF_TURN, EOS = 3, 4, 2          # make_tokenizer's ids: <|im_end|> is 2, then the specials
-TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+WINDOW, TYPES, BOS, EOS = GEMMA4_WINDOW, GEMMA4_TYPES, GEMMA4_BOS, GEMMA4_EOS
+END_OF_TURN = 4                           # make_tokenizer's ids: <bos> is 3, then <turn|>
 PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick brown fox", "1 2 3 4 5 6 7 8 1 2 3 4 5"]
-
-
-def text_config(vocab_size: int, variant: str, layers: int = 5):
-    from transformers import Gemma4TextConfig
-    shape = dict(num_hidden_layers=5, layer_types=TYPES, num_kv_shared_layers=2) if layers == 5 else dict(
-        num_hidden_layers=2, layer_types=TYPES[1:3], num_kv_shared_layers=0)
-    extra = dict(attention_k_eq_v=True, num_global_key_value_heads=1) if variant == "k_eq_v" else {}
-    return Gemma4TextConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, global_head_dim=32, sliding_window=WINDOW, hidden_size_per_layer_input=16,
-        vocab_size_per_layer_input=vocab_size, use_double_wide_mlp=True, final_logit_softcapping=10.0,
-        max_position_embeddings=256, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=0, **shape, **extra)
-
-
-def make_gemma4(folder, variant: str = "e2b", layers: int = 5, seed: int = 13):
-    from transformers import Gemma4ForCausalLM
-    folder.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(folder, specials=("<bos>", "<turn|>"))
-    vocab_size = len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"])
-    torch.manual_seed(seed)
-    model = Gemma4ForCausalLM(text_config(vocab_size, variant, layers))
-    randomize(model)
-    model.save_pretrained(str(folder), safe_serialization=True)
-    return folder
-
-
-def randomize(model) -> None:
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:                          # Gemma 4's norm weights start at 1: move them
-                param.normal_(1.0, 0.3)
-        for i, layer in enumerate(model.model.layers):
-            layer.layer_scalar.fill_(0.6 + 0.1 * i)
-        model.model.embed_tokens.weight.mul_(4.0)       # a sharper output distribution: fewer near-ties
 
 
 @pytest.fixture(scope="module", params=["e2b", "k_eq_v"])
@@ -195,7 +168,7 @@ def test_multimodal_wrapper_loads_its_text_model(tmp_path):
     path = make_gemma4(tmp_path / "text")
     text = reference(path)
     vocab_size = text.config.vocab_size
-    wrapper = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text_config(vocab_size, "e2b").to_dict(),
+    wrapper = Gemma4ForConditionalGeneration(Gemma4Config(text_config=gemma4_text_config(vocab_size, "e2b").to_dict(),
                                                           vision_config=None, audio_config=None))
     wrapper.model.language_model.load_state_dict(text.model.state_dict())
     folder = tmp_path / "wrapper"
