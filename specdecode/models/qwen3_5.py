@@ -167,8 +167,11 @@ class Qwen35Transformer(Transformer):
         q, k, v = mixed.float().split([hk * dk, hk * dk, hv * dv], dim=-1)
         q = _l2norm(q.view(batch, num_tokens, hk, dk)) * dk ** -0.5
         k = _l2norm(k.view(batch, num_tokens, hk, dk))
-        if hv != hk:                                  # each q/k head serves hv / hk value heads
-            q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)
+        if hv != hk:        # each q/k head serves hv / hk value heads: grouped, or tiled (a GGUF file's order)
+            if lin.get("tiled"):
+                q, k = q.repeat(1, 1, hv // hk, 1), k.repeat(1, 1, hv // hk, 1)
+            else:
+                q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)
         v = v.view(batch, num_tokens, hv, dv)
         beta = torch.sigmoid(b).float()                                                   # [B, T, Hv]
         decay = layer["decay_rate"] * F.softplus(a.float() + layer["dt_bias"])           # [B, T, Hv] (<= 0)

@@ -3,45 +3,14 @@ DeltaNet and gated attention layers) against transformers' own, and speculation 
 state: rollback to every position of a chain, outputs identical to plain decoding."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from conftest import make_tokenizer
 
 from specdecode.forward import ForwardBatch
 from specdecode.params import SamplingParams
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick brown fox", "def add(a, b):\n    return a + b\n",
            "1 2 3 4 5 6 7 8"]
-
-
-@pytest.fixture(scope="module")
-def qwen35(tmp_path_factory):
-    """(directory, transformers model): 4 layers, three DeltaNet to one attention, more value heads
-    than key heads (as Qwen3.5's), norms away from their neutral value."""
-    transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "Qwen3_5ForCausalLM"):
-        pytest.skip("this transformers has no Qwen3.5")
-    folder = tmp_path_factory.mktemp("qwen3_5")
-    make_tokenizer(folder)
-    vocab = json.loads((folder / "tokenizer.json").read_text())
-    size = len(vocab["model"]["vocab"]) + len([t for t in vocab["added_tokens"]
-                                               if t["id"] >= len(vocab["model"]["vocab"])])
-    config = transformers.Qwen3_5TextConfig(
-        vocab_size=size, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False,
-        eos_token_id=2, rms_norm_eps=1e-6)
-    torch.manual_seed(0)
-    model = transformers.Qwen3_5ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(-0.3, 0.3)
-        model.model.embed_tokens.weight.mul_(2.5)         # sharper logits: fewer near-ties
-    model.save_pretrained(folder)
-    return folder, model
 
 
 @pytest.fixture(scope="module")
