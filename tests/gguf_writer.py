@@ -32,10 +32,10 @@ def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weights.shape))
 
 
-def write_tokenizer(writer, tokenizer_json: Path, eos_token: str, bos_token: str | None = None) -> None:
-    """A byte-level BPE tokenizer.json as llama.cpp's "gpt2" tokenizer metadata."""
+def write_tokenizer(writer, tokenizer_json: Path | dict, eos_token: str, bos_token: str | None = None) -> None:
+    """A byte-level BPE tokenizer.json (its path, or its content) as llama.cpp's "gpt2" tokenizer metadata."""
     import gguf
-    spec = json.loads(Path(tokenizer_json).read_text())
+    spec = tokenizer_json if isinstance(tokenizer_json, dict) else json.loads(Path(tokenizer_json).read_text())
     vocab = dict(spec["model"]["vocab"])
     special = {t["content"]: t["id"] for t in spec["added_tokens"]}
     vocab.update(special)
@@ -97,6 +97,97 @@ def write_gguf(path: Path, model, arch: str, tokenizer_json: Path, eos_token: st
         elif permute_qk and name.endswith(("attn_k.weight", "attn_k.bias")):
             array = _permute(array, config.num_key_value_heads)
         writer.add_tensor(name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _tiled(array: np.ndarray, axis: int, groups: int, width: int) -> np.ndarray:
+    """llama.cpp's value-head order (tiled over the key heads) from transformers' (grouped by key head)."""
+    a = np.moveaxis(array, axis, 0)
+    a = a.reshape(groups, a.shape[0] // groups // width, width, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+    return np.moveaxis(a, 0, axis)
+
+
+def _qwen35_tensor(name: str, array: np.ndarray, config) -> tuple[str, np.ndarray]:
+    """One Qwen3.5 tensor as llama.cpp's converter (Qwen3_5TextModel) stores it: value heads tiled,
+    A_log as -exp(A_log), dt_bias renamed, the conv1d kernel squeezed, norms but the DeltaNet's + 1."""
+    groups, dk, dv = config.linear_num_key_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    if groups != config.linear_num_value_heads and ".linear_attn." in name:
+        qk = 2 * groups * dk
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            array = np.concatenate([array[:qk], _tiled(array[qk:], 0, groups, dv)])
+        elif name.endswith("in_proj_z.weight"):
+            array = _tiled(array, 0, groups, dv)
+        elif name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+            array = _tiled(array, 0, groups, 1)
+        elif name.endswith("out_proj.weight"):
+            array = _tiled(array, 1, groups, dv)
+    if name.endswith("A_log"):
+        array = -np.exp(array)
+    elif name.endswith("dt_bias"):
+        name = name[:-len("dt_bias")] + "dt_proj.bias"
+    elif name.endswith("conv1d.weight"):
+        array = array.reshape(array.shape[0], -1)
+    elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        array = array + 1.0
+    return name, array
+
+
+def write_qwen35_gguf(path: Path, model, tokenizer_json: Path, eos_token: str, qtype: str = "F32",
+                      vocab_size: int | None = None, skip: tuple[str, ...] = ()) -> Path:
+    """A transformers Qwen3.5 (Qwen3_5ForCausalLM) as a GGUF file of llama.cpp's "qwen35" architecture,
+    with the metadata and tensors its convert_hf_to_gguf.py writes. qtype "Q8_0": every matrix with rows
+    of a multiple of 32 weights in Q8_0 blocks (as `--outtype q8_0`), the rest F32. `vocab_size`: pad
+    the tokenizer's vocabulary with unused tokens up to the model's (llama.cpp wants one per row);
+    `skip`: GGUF tensor names to leave out."""
+    import gguf
+    from gguf.quants import quantize
+
+    c = model.config
+    layers = c.num_hidden_layers
+    writer = gguf.GGUFWriter(str(path), "qwen35")
+    writer.add_name("tiny-qwen35")
+    writer.add_block_count(layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope = c.rope_parameters
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    writer.add_rope_dimension_count(int(c.head_dim * rope.get("partial_rotary_factor", 0.25)))
+    writer.add_rope_dimension_sections(list(rope.get("mrope_section", [11, 11, 10])) + [0])
+    writer.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(c.linear_key_head_dim)
+    writer.add_ssm_group_count(c.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(c.linear_num_value_heads)
+    writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    writer.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
+    writer.add_full_attention_interval(4)
+    spec = json.loads(Path(tokenizer_json).read_text())
+    if vocab_size is not None:                  # unused tokens after the tokenizer's own
+        size = max(len(spec["model"]["vocab"]), max(t["id"] for t in spec["added_tokens"]) + 1)
+        spec["model"]["vocab"].update({f"<|unused_{i}|>": i for i in range(size, vocab_size)})
+    write_tokenizer(writer, spec, eos_token)
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.QWEN35, layers)
+    tied = bool(c.tie_word_embeddings)
+    for hf_name, tensor in model.state_dict().items():
+        hf_name, array = _qwen35_tensor(hf_name, tensor.detach().to(torch.float32).numpy(), c)
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None or name in skip or (tied and name == "output.weight"):
+            continue
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if qtype == "Q8_0" and array.ndim == 2 and array.shape[1] % 32 == 0 and "ssm_conv1d" not in name:
+            writer.add_tensor(name, quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

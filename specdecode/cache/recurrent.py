@@ -31,8 +31,8 @@ class Pending:
     width: int                       # its real tokens in the pass
     conv_inputs: list                # per layer [conv_dim, kernel-1 + width]: the state, then the inputs
     finals: list                     # per layer [heads, dk, dv] float32: the state after `width` tokens
-    steps: list | None               # per layer (keys, values, decay, beta) of its tokens ([width, ...]
-                                     # each), or None: a long pass, kept whole or not at all
+    steps: list | None               # per layer (queries, keys, values, decay, beta) of its tokens
+                                     # ([width, ...] each), or None: a long pass, kept whole or not at all
 
 
 class HybridCache(PagedKVCache):
@@ -47,21 +47,23 @@ class HybridCache(PagedKVCache):
         self.state_shapes = ((conv_dim, conv_kernel - 1), (heads, key_dim, value_dim))
         self.conv = [torch.zeros(num_rows, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
                      for _ in range(num_recurrent_layers)]                  # [rows, conv_dim, kernel-1]
-        self.ssm = [torch.zeros(num_rows, heads, key_dim, value_dim, dtype=torch.float32, device=device)
-                    for _ in range(num_recurrent_layers)]                   # [rows, heads, dk, dv]
+        # per layer, one [heads, dk, dv] tensor per row: `truncate` takes a pass's final state as it is
+        self.ssm = [[self._new_state(device) for _ in range(num_rows)] for _ in range(num_recurrent_layers)]
         self.passes: dict[int, Pending] = {}     # row -> its last pass, until truncate
 
     # ------------------------------------------------------------ read by a pass
     def states(self, layer: int, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The conv and recurrent states of `rows` at their cache lengths: [B, conv_dim, kernel-1],
-        [B, heads, dk, dv] (copies: a pass never changes them)."""
-        index = torch.tensor(rows, dtype=torch.long)
-        return self.conv[layer][index], self.ssm[layer][index]
+        [B, heads, dk, dv], to read only (a pass never changes them): views for consecutive rows."""
+        ssm = self.ssm[layer]
+        if len(rows) == 1:
+            return self.conv[layer][rows[0]:rows[0] + 1], ssm[rows[0]][None]
+        return self.conv[layer][torch.tensor(rows, dtype=torch.long)], torch.stack([ssm[r] for r in rows])
 
     def record(self, layer: int, rows: list[int], starts: list[int], widths: list[int],
                conv_inputs: torch.Tensor,      # [B, conv_dim, kernel-1 + T]
                finals: torch.Tensor,           # [B, heads, dk, dv] after each row's `width` tokens
-               steps: tuple | None) -> None:   # (keys [B,T,H,dk], values [B,T,H,dv], decay [B,T,H], beta [B,T,H])
+               steps: tuple | None) -> None:   # (queries, keys [B,T,H,dk], values [B,T,H,dv], decay, beta [B,T,H])
         """What a pass computed for one recurrent layer (layers in order, from 0)."""
         for b, (row, start, width) in enumerate(zip(rows, starts, widths)):
             if layer == 0:
@@ -87,11 +89,11 @@ class HybridCache(PagedKVCache):
             for layer in range(len(self.conv)):
                 self.conv[layer][row] = p.conv_inputs[layer][:, kept:kept + span]
                 if kept == p.width:
-                    self.ssm[layer][row] = p.finals[layer]
+                    self.ssm[layer][row] = p.finals[layer].contiguous()       # no copy: the pass's own
                 else:                                     # the row's state is still the pass's start
                     state = self.ssm[layer][row]
                     for t in range(kept):
-                        state = delta_step(state, *(x[t] for x in p.steps[layer]))
+                        state = delta_step(state, *(x[t] for x in p.steps[layer]))[0]
                     self.ssm[layer][row] = state
 
     def release(self, row: int) -> None:
@@ -114,22 +116,38 @@ class HybridCache(PagedKVCache):
         super().grow(num_rows, num_blocks)
         if more > 0:
             self.conv = [torch.cat([c, c.new_zeros(more, *c.shape[1:])]) for c in self.conv]
-            self.ssm = [torch.cat([s, s.new_zeros(more, *s.shape[1:])]) for s in self.ssm]
+            for states in self.ssm:
+                states.extend(self._new_state(states[0].device) for _ in range(more))
 
     def _zero(self, row: int) -> None:
-        for conv, ssm in zip(self.conv, self.ssm):
+        for conv, states in zip(self.conv, self.ssm):
             conv[row].zero_()
-            ssm[row].zero_()
+            states[row] = self._new_state(states[row].device)
+
+    def _new_state(self, device) -> torch.Tensor:
+        return torch.zeros(self.state_shapes[1], dtype=torch.float32, device=device)   # [heads, dk, dv]
 
 
-def delta_step(state: torch.Tensor,   # [..., H, dk, dv] float32
+def delta_step(state: torch.Tensor,   # [..., H, dk, dv] float32, contiguous
+               query: torch.Tensor,   # [..., H, dk]
                key: torch.Tensor,     # [..., H, dk]
                value: torch.Tensor,   # [..., H, dv]
                decay: torch.Tensor,   # [..., H] log decay (<= 0)
                beta: torch.Tensor,    # [..., H]
-               ) -> torch.Tensor:
-    """One token of the gated delta rule: S <- S * exp(g) + k (beta (v - S^T k))^T."""
-    state = state * decay.exp()[..., None, None]
-    recalled = (state * key[..., None]).sum(dim=-2)                          # [..., H, dv]
-    return state + key[..., None] * ((value - recalled) * beta[..., None])[..., None, :]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule, S' = S exp(g):  S <- S' + k (beta (v - S'^T k))^T; returns the
+    new state (a new tensor: `state` is left as it is) and its read-out S^T q [..., H, dv].
+
+    The state is read once for both q and k (one batched product of [q; k] with S, scaled by exp(g)
+    afterwards), and q^T S follows from q^T S' without reading the new state: q^T S' + (q . k) delta.
+    A pass and the replay after a rollback (HybridCache.truncate) both call this, so a state is the
+    same bits whichever of them computed it."""
+    dk, dv = state.shape[-2:]
+    scale = decay.exp()[..., None]                                                       # [..., H, 1]
+    read = torch.matmul(torch.stack([query, key], dim=-2), state) * scale[..., None]     # [..., H, 2, dv]
+    delta = (value - read[..., 1, :]) * beta[..., None]                                  # [..., H, dv]
+    out = read[..., 0, :] + (query * key).sum(dim=-1, keepdim=True) * delta
+    new = state * scale[..., None]
+    new.view(-1, dk, dv).baddbmm_(key.reshape(-1, dk, 1), delta.reshape(-1, 1, dv))      # + k delta^T in place
+    return new, out
 

@@ -245,6 +245,9 @@ class ModelConfig:
         # a windowed llama is Mistral (transformers' Llama has no window)
         if self.is_gemma:
             return gemma_hf_config(self)
+        if self.arch == "qwen3_5":
+            from .qwen3_5_gguf import hf_config
+            return hf_config(self)
         if self.arch == "gemma4":
             raise ModelError("a Gemma 4 config is read from its own config.json, not written back")
         model_type = "mistral" if self.arch == "llama" and self.sliding_window else self.arch

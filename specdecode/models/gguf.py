@@ -14,6 +14,7 @@ naming the file.
 Dequantization is `gguf.quants.dequantize` (exact for every ggml type it supports).
 llama.cpp stores Llama q/k rows permuted for its interleaved RoPE; they are permuted
 back to the rotate-half (HF) order here. Qwen2 GGUF files use the NeoX order already.
+Qwen3.5 ("qwen35") has its own names and transforms, undone in models/qwen3_5_gguf.py.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import numpy as np
 from .config import ModelConfig, ModelError
 
 FORMAT_VERSION = 2   # 2: end-of-generation tokens of the vocabulary added to the EOS ids
-NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen35")
 # llama.cpp's names of architectures that transformers files under another (its load_gguf_checkpoint)
 TRANSFORMERS_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
                       "minimax-m2": "minimax_m2", "t5encoder": "t5"}
@@ -90,7 +91,7 @@ def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     weights: dict = {}
     for t in table["tensors"]:
-        name, qtype, shape = _hf_name(t["name"], config.arch), t["type"], tuple(t["shape"])
+        name, qtype, shape = _hf_name(t["name"], config.arch, config.num_layers), t["type"], tuple(t["shape"])
         if name is None:
             continue
         data = raw[t["offset"]:t["offset"] + t["bytes"]]
@@ -108,7 +109,8 @@ def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
                 weights[name] = qw
             continue
         array = dequantize(np.asarray(data), qtype).astype(np.float32, copy=False).reshape(shape)
-        weights[name] = torch.from_numpy(_hf_order(name, array, config)).to(device=device, dtype=dtype)
+        weights[name] = torch.from_numpy(_hf_order(name, array, config, grouped=False)).to(device=device,
+                                                                                           dtype=dtype)
     return config, weights
 
 
@@ -117,7 +119,8 @@ def kept_as_stored(hf_name: str, qtype: int, shape: tuple[int, ...]) -> bool:
     kernels: a projection or the output matrix in a format they read (fast.quant.NATIVE_TYPES), rows a
     multiple of 64 weights. Anything else is dequantized at load."""
     from ..fast.quant import NATIVE_TYPES
-    projection = hf_name.endswith("proj.weight") or hf_name in ("lm_head.weight", "model.embed_tokens.weight")
+    projection = hf_name.endswith(("proj.weight", "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
+                                   "in_proj_a.weight")) or hf_name in ("lm_head.weight", "model.embed_tokens.weight")
     return projection and len(shape) == 2 and qtype in NATIVE_TYPES and shape[1] % 64 == 0
 
 
@@ -254,6 +257,9 @@ def _quiet_transformers() -> None:
 
 def required_tensors(config: ModelConfig) -> list[str]:
     """The GGUF tensors a native decoder of `config` reads (output.weight only when untied)."""
+    if config.arch == "qwen3_5":
+        from .qwen3_5_gguf import required_tensors as qwen3_5_tensors
+        return qwen3_5_tensors(config)
     per_layer = ["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
                  "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
     if config.arch == "phi3":      # q|k|v fused in attn_qkv, gate|up in ffn_up
@@ -269,10 +275,13 @@ def required_tensors(config: ModelConfig) -> list[str]:
                                                         for n in per_layer]
 
 
-def _hf_order(name: str, array: np.ndarray, config: ModelConfig) -> np.ndarray:
-    """A dequantized tensor as fp32, C order, with llama.cpp's q/k row permutation and Gemma norm
-    shift undone."""
+def _hf_order(name: str, array: np.ndarray, config: ModelConfig, grouped: bool = True) -> np.ndarray:
+    """A dequantized tensor as fp32, C order, with llama.cpp's q/k row permutation, Gemma norm
+    shift and Qwen3.5 transforms undone (`grouped`: its value heads too, qwen3_5_gguf.hf_order)."""
     from .gemma_config import gguf_norm_shift
+    if config.arch == "qwen3_5":
+        from .qwen3_5_gguf import hf_order
+        return np.array(hf_order(name, array, config, grouped), dtype=np.float32, order="C")
     array = array - gguf_norm_shift(name, config) if gguf_norm_shift(name, config) else array
     if config.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
         array = _unpermute(array, config.num_heads)
@@ -324,7 +333,8 @@ _NAMES = {
 _PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}   # ffn_up holds gate|up
 
 
-def _hf_name(name: str, arch: str | None = None) -> str | None:
+def _hf_name(name: str, arch: str | None = None, num_layers: int | None = None) -> str | None:
+    """The Hugging Face name of a GGUF tensor (None: not read, e.g. a layer past `num_layers`)."""
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output_norm.weight":
@@ -332,6 +342,11 @@ def _hf_name(name: str, arch: str | None = None) -> str | None:
     if name == "output.weight":
         return "lm_head.weight"
     parts = name.split(".")
+    if parts[0] == "blk" and num_layers is not None and int(parts[1]) >= num_layers:
+        return None                           # e.g. Qwen3.5's multi-token-prediction layer
+    if arch in ("qwen35", "qwen3_5") and parts[0] == "blk":
+        from .qwen3_5_gguf import hf_name
+        return hf_name(parts)
     from .gemma_config import GGUF_NAMES  # llama.cpp's names of Gemma's four layer norms
     if arch in ("gemma2", "gemma3") and parts[0] == "blk" and parts[2] in GGUF_NAMES:
         return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
@@ -382,7 +397,7 @@ def read_config(reader, path: Path | str = "the GGUF file") -> ModelConfig:
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(int(x) for x in (eos, eot) if x is not None) + end_of_generation_ids(reader)
-    config = ModelConfig(
+    fields = dict(
         arch=arch, vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
         num_heads=heads, num_kv_heads=int(g("attention.head_count_kv", heads)),
@@ -395,6 +410,10 @@ def read_config(reader, path: Path | str = "the GGUF file") -> ModelConfig:
         qk_norm=arch == "qwen3", sliding_window=int(window) if window else None,
         partial_rotary_factor=int(g("rope.dimension_count", head_dim)) / head_dim,
     )
+    if arch == "qwen35":                          # hybrid DeltaNet / attention layers (models/qwen3_5_gguf.py)
+        from .qwen3_5_gguf import gguf_fields as qwen3_5_fields
+        fields.update(qwen3_5_fields(g, path))
+    config = ModelConfig(**fields)
     if config.is_gemma:
         from dataclasses import replace
 
@@ -418,7 +437,7 @@ def convert(path: Path, out: Path) -> None:
     config = read_config(reader, path)
     weights = {}
     for tensor in tqdm(reader.tensors, desc="dequantize", unit="tensor", file=sys.stderr, leave=False):
-        name = _hf_name(tensor.name, config.arch)
+        name = _hf_name(tensor.name, config.arch, config.num_layers)
         if name is None:
             continue
         array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)

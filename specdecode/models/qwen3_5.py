@@ -93,6 +93,7 @@ class Qwen35Transformer(Transformer):
             inputs = cat_rows([weights[a + f"in_proj_{n}.weight"] for n in ("qkv", "z", "b", "a")], self.dtype)
             layer.update(kind="linear", inputs=make_linear(inputs, None),
                          conv=weights[a + "conv1d.weight"].reshape(-1, 1, self.kernel),   # [conv_dim, 1, kernel]
+                         conv_f32=weights[a + "conv1d.weight"].reshape(-1, 1, self.kernel).float(),
                          decay_rate=-weights[a + "A_log"].float().exp(),                 # [Hv]
                          dt_bias=weights[a + "dt_bias"].float(),
                          out_norm=weights[a + "norm.weight"],
@@ -179,24 +180,31 @@ class Qwen35Transformer(Transformer):
         qkv, z, b, a = layer["inputs"](x).split([conv_dim, hv * dv, hv, hv], dim=-1)
         conv_state, state = cache.states(layer["index"], rows)               # [B, C, K-1], [B, Hv, dk, dv]
         conv_inputs = torch.cat([conv_state, qkv.transpose(1, 2)], dim=2)     # [B, C, K-1+T]
-        mixed = F.silu(F.conv1d(conv_inputs, layer["conv"], groups=conv_dim)).transpose(1, 2)   # [B, T, C]
+        if num_tokens <= RECURRENT_TOKENS:    # a few windows: a product and a sum (conv1d's call costs more)
+            windows = conv_inputs.unfold(2, self.kernel, 1).float()                          # [B, C, T, K]
+            mixed = F.silu((windows * layer["conv_f32"]).sum(-1)).to(x.dtype).transpose(1, 2)  # [B, T, C]
+        else:
+            mixed = F.silu(F.conv1d(conv_inputs, layer["conv"], groups=conv_dim)).transpose(1, 2)
         q, k, v = mixed.float().split([hk * dk, hk * dk, hv * dv], dim=-1)
         q = _l2norm(q.view(batch, num_tokens, hk, dk)) * dk ** -0.5
         k = _l2norm(k.view(batch, num_tokens, hk, dk))
-        if hv != hk:                                  # each q/k head serves hv / hk value heads
-            q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)
+        if hv != hk:        # each q/k head serves hv / hk value heads: grouped, or tiled (a GGUF file's order)
+            if lin.get("tiled"):
+                q, k = q.repeat(1, 1, hv // hk, 1), k.repeat(1, 1, hv // hk, 1)
+            else:
+                q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)
         v = v.view(batch, num_tokens, hv, dv)
         beta = torch.sigmoid(b).float()                                                   # [B, T, Hv]
         decay = layer["decay_rate"] * F.softplus(a.float() + layer["dt_bias"])           # [B, T, Hv] (<= 0)
-        real = torch.arange(num_tokens)[None, :] < torch.tensor(widths)[:, None]          # [B, T]
-        if not bool(real.all()):                      # padding after a row's tokens leaves its state alone
+        if any(w != num_tokens for w in widths):      # padding after a row's tokens leaves its state alone
+            real = torch.arange(num_tokens)[None, :] < torch.tensor(widths)[:, None]      # [B, T]
             beta, decay = beta * real[..., None], decay * real[..., None]
         if num_tokens <= RECURRENT_TOKENS:
             out, final = _recurrent(q, k, v, decay, beta, state)
         else:
             out, final = _chunked(q, k, v, decay, beta, state)
         cache.record(layer["index"], rows, starts, widths, conv_inputs, final,
-                     (k, v, decay, beta) if num_tokens <= REPLAY_TOKENS else None)
+                     (q, k, v, decay, beta) if num_tokens <= REPLAY_TOKENS else None)
         out = out.to(x.dtype)                                                              # [B, T, Hv, dv]
         normed = F.rms_norm(out.float(), (dv,), None, self.config.rms_norm_eps).to(x.dtype) * layer["out_norm"]
         gated = (normed * F.silu(z.view(batch, num_tokens, hv, dv).float())).to(x.dtype)
@@ -243,8 +251,8 @@ def _recurrent(q, k, v, decay, beta, state):
     """Token by token: out [B, T, H, dv], the state after the last token [B, H, dk, dv]."""
     outs = []
     for t in range(q.shape[1]):
-        state = delta_step(state, k[:, t], v[:, t], decay[:, t], beta[:, t])
-        outs.append((state * q[:, t, ..., None]).sum(dim=-2))                 # [B, H, dv]
+        state, out = delta_step(state, q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t])
+        outs.append(out)                                                      # [B, H, dv]
     return torch.stack(outs, dim=1), state
 
 

@@ -1,0 +1,135 @@
+"""Qwen3.5 in llama.cpp's GGUF layout (architecture "qwen35"; its converter's Qwen3_5TextModel in
+convert_hf_to_gguf.py, its loader src/models/qwen35.cpp): names, metadata, and the transforms undone.
+
+llama.cpp's converter stores, against the Hugging Face checkpoint:
+- every RMSNorm weight but the DeltaNet output norm (ssm_norm) with 1 added: llama.cpp multiplies
+  by the stored weight, transformers by (1 + weight);
+- A_log as ssm_a = -exp(A_log), dt_bias as ssm_dt.bias, the conv1d kernel [C, 1, K] as [C, K];
+- with fewer key heads than value heads, every per-value-head tensor (the v rows of in_proj_qkv,
+  in_proj_z, in_proj_b, in_proj_a, A_log, dt_bias, conv1d's v channels, out_proj's columns) with the
+  value heads tiled (head j of key head g at j * key_heads + g) instead of grouped (g * r + j), so
+  that ggml can broadcast the key heads;
+- the attention q_proj as it is (each head's query, then its gate); block_count counts the
+  multi-token-prediction layers too (nextn_predict_layers), which are not part of the decoder.
+
+The native decoder runs on the tiled order as stored (`linear_attention["tiled"]`: each key head is
+repeated over the value heads, not interleaved), as out_proj's quantized blocks cannot have their
+columns moved; the dense Hugging Face directory (gguf.convert) gets the grouped order back.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import ModelError
+
+# llama.cpp's per-layer names -> the Hugging Face ones under model.layers.N (suffix kept)
+GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
+}
+ATTENTION = ["attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q_norm.weight",
+             "attn_k_norm.weight"]
+DELTA_NET = ["attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight", "ssm_conv1d.weight",
+             "ssm_dt.bias", "ssm_a", "ssm_norm.weight", "ssm_out.weight"]
+SHARED = ["attn_norm.weight", "post_attention_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
+
+
+def hf_name(parts: list[str]) -> str | None:
+    """A "blk.N...." tensor name, split at the dots, as its Hugging Face name (None: not read)."""
+    layer = f"model.layers.{parts[1]}."
+    if parts[2:] == ["ssm_a"]:
+        return layer + "linear_attn.A_log"
+    if parts[2:] == ["ssm_dt", "bias"]:
+        return layer + "linear_attn.dt_bias"
+    if len(parts) == 4 and parts[2] in GGUF_NAMES:
+        return layer + f"{GGUF_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def gguf_fields(g, path) -> dict:
+    """ModelConfig fields of a qwen35 file from its metadata (`g(key, default)` reads qwen35.<key>)."""
+    layers = int(g("block_count")) - int(g("nextn_predict_layers", 0) or 0)
+    flags = g("attention.recurrent_layers")
+    if flags is None:
+        every = int(g("full_attention_interval", 4))
+        flags = [(i + 1) % every != 0 for i in range(layers)]
+    key_heads, value_heads = int(g("ssm.group_count")), int(g("ssm.time_step_rank"))
+    if not key_heads or value_heads % key_heads:
+        raise ModelError(f"{path}: qwen35.ssm.time_step_rank (value heads, {value_heads}) must be a multiple of "
+                         f"qwen35.ssm.group_count (key heads, {key_heads})")
+    return {"arch": "qwen3_5", "num_layers": layers, "qk_norm": True, "attention_bias": False,
+            "linear_layers": tuple(bool(x) for x in list(flags)[:layers]),
+            "linear_attention": {"key_heads": key_heads, "value_heads": value_heads,
+                                 "key_dim": int(g("ssm.state_size")),
+                                 "value_dim": int(g("ssm.inner_size")) // value_heads,
+                                 "conv_kernel": int(g("ssm.conv_kernel")), "tiled": int(key_heads != value_heads)}}
+
+
+def required_tensors(config) -> list[str]:
+    return ["token_embd.weight", "output_norm.weight"] + [
+        f"blk.{i}.{n}" for i in range(config.num_layers)
+        for n in SHARED + (DELTA_NET if config.linear_layers[i] else ATTENTION)]
+
+
+def hf_order(name: str, array: np.ndarray, config, grouped: bool) -> np.ndarray:
+    """A dequantized tensor (fp32) as the Hugging Face checkpoint holds it; `grouped`: value heads
+    back in the grouped order too (a dense HF directory), else left tiled (the native decoder)."""
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        array = array - 1.0
+    elif name.endswith("A_log"):
+        array = np.log(-array)
+    elif name.endswith("conv1d.weight"):
+        array = array.reshape(array.shape[0], 1, -1)
+    lin = config.linear_attention
+    if grouped and lin.get("tiled") and ".linear_attn." in name:
+        array = _grouped(name, array, lin)
+    return array
+
+
+def _grouped(name: str, array: np.ndarray, lin: dict) -> np.ndarray:
+    """Undo the converter's value-head reorder (tiled -> grouped by key head) of one tensor."""
+    heads, groups = lin["value_heads"], lin["key_heads"]
+
+    def regroup(a: np.ndarray, axis: int, width: int) -> np.ndarray:
+        a = np.moveaxis(a, axis, 0)
+        shape = a.shape
+        a = a.reshape(heads // groups, groups, width, *shape[1:]).swapaxes(0, 1).reshape(shape)
+        return np.moveaxis(a, 0, axis)
+
+    qk = 2 * groups * lin["key_dim"]
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return np.concatenate([array[:qk], regroup(array[qk:], 0, lin["value_dim"])])
+    if name.endswith("in_proj_z.weight"):
+        return regroup(array, 0, lin["value_dim"])
+    if name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+        return regroup(array, 0, 1)
+    if name.endswith("out_proj.weight"):
+        return regroup(array, 1, lin["value_dim"])
+    return array
+
+
+def hf_config(config) -> dict:
+    """A config.json transformers loads as Qwen3_5ForCausalLM (grouped value heads)."""
+    lin = config.linear_attention
+    eos = list(config.eos_token_ids)
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings, "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else eos, "hidden_act": "silu", "torch_dtype": "float32",
+        "layer_types": ["linear_attention" if x else "full_attention" for x in config.linear_layers],
+        "linear_num_key_heads": lin["key_heads"], "linear_num_value_heads": lin["value_heads"],
+        "linear_key_head_dim": lin["key_dim"], "linear_value_head_dim": lin["value_dim"],
+        "linear_conv_kernel_dim": lin["conv_kernel"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta,
+                            "partial_rotary_factor": config.partial_rotary_factor},
+    }
