@@ -86,7 +86,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--model", default=None, help="target .gguf, HF directory or Hugging Face id ORG/NAME[:QUANT] "
                    "(docs/models.md; default: embedded SmolLM2-135M)")
     m.add_argument("--draft", default=None,
-                   help="draft model sharing the target's tokenizer, named as --model is (method model)")
+                   help="draft model, named as --model is (methods model and cascade; one of another tokenizer drafts "
+                        "through text: text-model)")
     m.add_argument("--drafter", default=None, metavar="DIR",
                    help="trained EAGLE drafter from `specdecode distill` (method eagle; default: the shipped one)")
     m.add_argument("--dtype", default=None, action=DtypeAction,

@@ -135,3 +135,21 @@ def test_tree_drafters_are_refused_clearly(qwen35):
     from specdecode.drafters.base import DrafterError
     with pytest.raises(DrafterError, match="verifies chains only"):
         LLM(model=str(qwen35[0]), method="suffix", dtype="fp32", progress=False)
+
+
+def test_requantized_projections_include_the_deltanet_inputs(qwen35):
+    """dtype int8 re-quantizes every projection, the DeltaNet layers' fused in_proj_qkv|z|b|a too;
+    speculation on it is lossless as on the dense model."""
+    from safetensors.torch import load_file
+
+    from specdecode import LLM
+    from specdecode.models.loader import quantize_projections
+    weights = load_file(str(qwen35[0] / "model.safetensors"))
+    quantize_projections(weights, "int8")
+    assert all(type(weights[f"model.layers.0.linear_attn.in_proj_{n}.weight"]).__name__ == "QuantWeight"
+               for n in ("qkv", "z", "b", "a"))
+    llm = LLM(model=str(qwen35[0]), dtype="int8", method="ngram", adaptive=False, num_speculative_tokens=4,
+              progress=False)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    assert llm.generate(PROMPTS[0], params)[0].token_ids == \
+        llm.generate(PROMPTS[0], params, num_speculative_tokens=0)[0].token_ids
