@@ -414,7 +414,7 @@ def quantize_projections(weights: dict, kind: str, cache_key: str = "") -> None:
     from ..fast.quant import QuantWeight, quantize_int8
     weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
     keys = [k for k in weights if (k.endswith("proj.weight") or ".in_proj_" in k or k == "lm_head.weight")
-            and weights[k].dim() == 2 and not weights[k].shape[1] % 64]     # .in_proj_: Qwen3.5's DeltaNet inputs
+            and len(weights[k].shape) == 2 and not weights[k].shape[1] % 64]     # .in_proj_: Qwen3.5 DeltaNet
 
     def dense(key: str) -> torch.Tensor:       # a GGUF's blocks exactly dequantized, else the dense weight
         w = weights[key]
