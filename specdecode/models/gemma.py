@@ -136,11 +136,16 @@ class GemmaTransformer(Transformer):
         return hidden
 
     def _final(self, hidden: torch.Tensor, head=None) -> torch.Tensor:   # [B, n, D] -> [B, n, vocab] float32
-        """Final fp32 (1 + w) norm, LM head (self.lm_head unless given) and the final soft-cap (in float32)."""
-        hidden = fp32_rms_norm(hidden, self.final_norm_fp32, self.config.rms_norm_eps)
-        logits = (self.lm_head if head is None else head)(hidden).float()
-        cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return softcapped_final(self, hidden, head)
+
+
+def softcapped_final(model, hidden: torch.Tensor, head=None) -> torch.Tensor:   # [B, n, D] -> [B, n, vocab]
+    """A Gemma's final fp32 norm (`final_norm_fp32`: 1 + w for Gemma 2/3, w for Gemma 4), LM head
+    (model.lm_head unless given) and the final soft-cap, in float32."""
+    hidden = fp32_rms_norm(hidden, model.final_norm_fp32, model.config.rms_norm_eps)
+    logits = (model.lm_head if head is None else head)(hidden).float()
+    cap = model.config.final_logit_softcapping
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def prepare_tokenizer(tokenizer, config: ModelConfig) -> tuple[int, ...]:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from ..cache.contiguous import KVCache
 from ..forward import ForwardBatch
 from .config import ModelConfig
-from .gemma import fp32_rms_norm
+from .gemma import fp32_rms_norm, softcapped_final
 from .transformer import Transformer, apply_rope, attention_mask, cat_rows, eager_linear
 
 
@@ -204,8 +204,4 @@ class Gemma4Transformer(Transformer):
         return hidden
 
     def _final(self, hidden: torch.Tensor, head=None) -> torch.Tensor:   # [B, n, D] -> [B, n, vocab] float32
-        """Final fp32 norm, LM head (self.lm_head unless given) and the final soft-cap (in float32)."""
-        hidden = fp32_rms_norm(hidden, self.final_norm_fp32, self.config.rms_norm_eps)
-        logits = (self.lm_head if head is None else head)(hidden).float()
-        cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return softcapped_final(self, hidden, head)
