@@ -39,6 +39,12 @@ def make_tokenizer(folder: Path, vocab_size: int = 300, specials: tuple[str, ...
         "bos_token": None, "eos_token": "<|im_end|>", "add_bos_token": False, "chat_template": CHAT_TEMPLATE}))
 
 
+def hf_reference(path):
+    """The transformers model of a checkpoint directory, float32, for comparing logits and generate()."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
 def make_model(folder: Path, arch: str, seed: int, layers: int = 2, hidden: int = 64, heads: int = 4,
                kv_heads: int = 2, tie: bool = True, rope_scaling=None, scale: float = 1.0,
                specials: tuple[str, ...] = ()) -> Path:

@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 from conftest import CORPUS, assert_tree_paths_match_chains
+from conftest import hf_reference as reference
 
 from specdecode import LLM, SamplingParams
 from specdecode.cache.paged import PagedKVCache
@@ -78,11 +79,6 @@ def make_gemma(folder, arch):
 @pytest.fixture(scope="module", params=["gemma2", "gemma3"])
 def gemma(request, tmp_path_factory):
     return request.param, make_gemma(tmp_path_factory.mktemp(request.param), request.param)
-
-
-def reference(path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 def test_config(gemma):

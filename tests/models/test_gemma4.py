@@ -20,6 +20,9 @@ from conftest import (
     gemma4_text_config,
     make_gemma4,
 )
+from conftest import (
+    hf_reference as reference,
+)
 
 from specdecode import LLM, SamplingParams
 from specdecode.cache.paged import PagedKVCache
@@ -36,11 +39,6 @@ PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick brown fox", "
 @pytest.fixture(scope="module", params=["e2b", "k_eq_v"])
 def gemma4(request, tmp_path_factory):
     return request.param, make_gemma4(tmp_path_factory.mktemp(request.param), request.param)
-
-
-def reference(path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 def test_config(gemma4):

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from conftest import assert_tree_paths_match_chains, make_tokenizer
+from conftest import hf_reference as reference
 
 from specdecode import LLM, SamplingParams
 from specdecode.cache.paged import PagedKVCache
@@ -40,11 +41,6 @@ def make_mistral(folder, window=WINDOW):
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory):
     return make_mistral(tmp_path_factory.mktemp("mistral"))
-
-
-def reference(path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 def test_config_reads_the_window(mistral):

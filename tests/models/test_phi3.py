@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from conftest import hf_reference as reference
 from conftest import make_tokenizer
 from test_mistral import greedy_reference
 
@@ -47,11 +48,6 @@ def phi3(tmp_path_factory):
 @pytest.fixture(scope="module")
 def phi3_partial(tmp_path_factory):
     return make_phi3(tmp_path_factory.mktemp("phi3_partial"), partial_rotary_factor=0.5)
-
-
-def reference(path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 def check_logits(lm, path, tol):

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from conftest import assert_tree_paths_match_chains, make_tokenizer
+from conftest import hf_reference as reference
 
 from specdecode import LLM, SamplingParams
 from specdecode.fast import decoder as fast_decoder
@@ -33,11 +34,6 @@ def smollm3(tmp_path_factory):
             layer.self_attn.k_proj.weight.mul_(6.0)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
-
-
-def reference(path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 def test_config(smollm3):
