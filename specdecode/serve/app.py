@@ -29,6 +29,7 @@ from starlette.staticfiles import StaticFiles
 from ..engine.sequence import Failed, Finished, QueueFull, Request, ShuttingDown, Tokens
 from ..params import SamplingParams
 from .auth import DEFAULT_MAX_BODY_BYTES, Guard
+from .errors import read_json
 from .events import HeldTokens, Mailbox, TextStream, drain, merge_tokens
 from .prompts import echo_logprobs, infill_answer, infill_body, vllm_prompt_logprobs
 from .protocol import ApiError, ParsedRequest, error_body, parse, stream_error
@@ -319,13 +320,6 @@ async def collect(gens: list[Generation], queue: asyncio.Queue, http: HttpReques
     return JSONResponse(gens[0].envelope([r[0] for r in ordered],
                                          usage=merged_usage([(g, r[1]) for g, r in zip(gens, ordered)]),
                                          speculation=speculation))
-
-
-async def read_json(http: HttpRequest):
-    try:
-        return json.loads(await http.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"malformed JSON body: {exc}") from None
 
 
 async def generate(http: HttpRequest, chat: bool, body=None) -> Response:

@@ -2,6 +2,8 @@
 handler raises to answer with it (ApiError: the status, the message naming the field and its limit)."""
 from __future__ import annotations
 
+import json
+
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
@@ -24,3 +26,11 @@ def stream_error(status: int, message: str) -> dict:
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}       # OpenAI's: a string such as "invalid_api_key", or null
+
+
+async def read_json(http):
+    """A request's JSON body (any JSON value), or the 400 that names what is malformed."""
+    try:
+        return json.loads(await http.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"malformed JSON body: {exc}") from None

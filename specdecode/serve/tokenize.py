@@ -3,19 +3,14 @@
 own): POST /tokenize, POST /detokenize, GET /tokenizer_info."""
 from __future__ import annotations
 
-import json
-
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
-from .errors import ApiError
+from .errors import ApiError, read_json
 
 
 async def _body(http: HttpRequest) -> dict:
-    try:
-        body = json.loads(await http.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"malformed JSON body: {exc}") from None
+    body = await read_json(http)
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
