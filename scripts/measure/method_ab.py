@@ -4,16 +4,18 @@
     python scripts/measure/method_ab.py --methods cascade --model TARGET.gguf --draft DRAFT.gguf   # a pair
     python scripts/measure/method_ab.py --methods eagle --trace   # + a line per call (sizes chosen per step: 0 = plain)
     python scripts/measure/method_ab.py --methods cascade ... --drafter-option head_vocab=32768   # (as `generate`)
+    python scripts/measure/method_ab.py --methods text-model ... --humaneval 8   # the first 8 HumanEval prompts
 
 One generation per cell (what `specdecode bench` runs) moves by +-5-10% on a 2-core host whose
 speed drifts; here every prompt runs each method `--rounds` times between two plain runs, in an
 order that alternates between rounds and prompts, and the per-prompt ratio is the median over
 rounds of each method's time against the mean of the plain runs around it. The prompts are
 the bench's six held-out kinds: the first Spec-Bench prompt of multi_turn, summarization,
-translation, qa and rag, and HumanEval/0. Each method's engine core keeps its speculation
-controller (the costs and acceptance it measured) between calls, as a long-running process does.
-Prints per method the ratio over all six prompts (sum of plain medians / sum of the method's; with
-the range of each round's own), each prompt's, and whether every output equals plain decoding's.
+translation, qa and rag, and HumanEval/0 (or with --humaneval N the first N HumanEval prompts).
+Each method's engine core keeps its speculation controller (the costs and acceptance it measured)
+between calls, as a long-running process does. Prints per method the ratio over all the prompts
+(sum of plain medians / sum of the method's; with the range of each round's own), each prompt's,
+and whether every output equals plain decoding's.
 
 Every arm runs on one loaded target (the bench's way: `SpecdecodeSystem`): separate `LLM`s each load
 their own copy of the weights, and where a copy lands in memory moves its decoding speed (three
@@ -46,13 +48,21 @@ def main() -> None:
                    metavar="KEY=VALUE", help="given to the methods' drafters that take it (as `generate`)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--humaneval", type=int, default=0, metavar="N",
+                   help="the first N HumanEval prompts instead of the six kinds (code only)")
     p.add_argument("--trace", action="store_true", help="a line per method call: its ratio, steps, drafts, times "
                                                         "and the draft size the controller chose at each step")
     args = p.parse_args()
-    if args.rounds < 1 or args.max_tokens < 1:
-        raise SystemExit(f"--rounds and --max-tokens must be >= 1, got {args.rounds} / {args.max_tokens}")
-    bench = spec_bench()
-    prompts = [humaneval()[0] if t == "humaneval" else next(q for q in bench if q.task == t) for t in TASKS]
+    if args.rounds < 1 or args.max_tokens < 1 or args.humaneval < 0:
+        raise SystemExit(f"--rounds and --max-tokens must be >= 1 and --humaneval >= 0, got {args.rounds} / "
+                         f"{args.max_tokens} / {args.humaneval}")
+    if args.humaneval:
+        prompts = humaneval()[:args.humaneval]
+        tasks = [f"humaneval/{i}" for i in range(len(prompts))]
+    else:
+        bench = spec_bench()
+        prompts = [humaneval()[0] if t == "humaneval" else next(q for q in bench if q.task == t) for t in TASKS]
+        tasks = list(TASKS)
     methods = [m for m in args.methods.split(",") if m]
     llm = LLM(args.model, draft=args.draft, method="none", num_speculative_tokens=0, progress=False, prefix_cache=False)
     system = SpecdecodeSystem(llm, drafter_options=dict(args.drafter_options))
@@ -112,7 +122,7 @@ def main() -> None:
             outputs["plain", i] = after["token_ids"]
             for m in methods:
                 if args.trace:
-                    trace(r, TASKS[i], m, got[m], baseline)
+                    trace(r, tasks[i], m, got[m], baseline)
                 times[m, i].append(got[m]["seconds"])
                 ratios[m, i].append(baseline / got[m]["seconds"])
                 outputs[m, i] = got[m]["token_ids"]
@@ -123,7 +133,7 @@ def main() -> None:
         mine = [statistics.median(times[m, i]) for i in range(len(prompts))]
         same = all(outputs[m, i] == outputs["plain", i] for i in range(len(prompts)))
         per = [statistics.median(ratios[m, i]) for i in range(len(prompts))]
-        per_prompt = " ".join(f"{t}:{x:.2f}" for t, x in zip(TASKS, per))
+        per_prompt = " ".join(f"{t}:{x:.2f}" for t, x in zip(tasks, per))
         # each round's own "all" (its plain runs over its method runs): how far one round moves it
         n = len(prompts)
         rounds = [sum(times["plain", i][r] for i in range(n)) / sum(times[m, i][r] for i in range(n))

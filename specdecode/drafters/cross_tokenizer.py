@@ -26,6 +26,13 @@ wholly inside the committed text (and ends on a character); the committed text p
 re-encoded with the draft's tokenizer and fed at the next proposal (catch-up), as model.py does
 for a shared tokenizer. A row's prompt is fed when the engine has prefilled it (`prefill`).
 
+Bounded context. The draft reads at most `draft_context` of its tokens of a row's text when it
+starts on it (the prompt): the text before them is dropped from the row's state. Reading a long
+prompt costs the draft a prefill the target does not wait for less of (the target reuses cached
+prefixes, the draft reads at its own prefill speed), and a small draft predicts the next words
+from the recent text; copies from further back are the lookup drafters' part (cascade). Any
+context is lossless: the target verifies every draft.
+
 The draft's cache holds CONTEXT_RATIO times the target positions it is prepared for (tokenizers
 differ in how many tokens a text takes); a row whose draft tokens would not fit stops drafting.
 """
@@ -39,12 +46,14 @@ import torch
 from ..footprint import weights_bytes
 from .base import ContiguousState, Drafter, DrafterCapabilities, DrafterError, DraftProposal
 from .registry import register
+from .vocab_rank import frequent_ids
 
 WINDOW = 4              # committed target tokens re-tokenized with the draft text (boundary merges)
 ANCHOR = 4              # tokens decoded before new ones, so that a decoder's start-of-text rules do not apply
 CONTEXT_RATIO = 1.5     # draft cache positions per target position (plus SLACK)
 SLACK = 64
 PREFILL_CHUNK = 512     # prompt tokens per draft pass in `prefill`
+DRAFT_CONTEXT = 128     # draft tokens of a row's text the draft reads when it starts on the row
 PARTIAL = "\ufffd"      # what a decoder gives for bytes that end inside a character
 
 
@@ -85,11 +94,16 @@ class TextState(ContiguousState):
 class TextModelDrafter(Drafter):
     capabilities = DrafterCapabilities(has_state=True, relative_cost=1.0)    # refined per instance
 
-    def __init__(self, target, draft=None, draft_confidence: float = 0.4, **_: object) -> None:
+    def __init__(self, target, draft=None, draft_confidence: float = 0.4, draft_context: int = DRAFT_CONTEXT,
+                 head_vocab: int = 0, head_rank: str = "freq", **_: object) -> None:
         if draft is None:
             raise DrafterError("method 'text-model' needs a draft model (--draft PATH / LLM(draft=...))")
         if not isinstance(draft_confidence, (int, float)) or not 0.0 <= draft_confidence < 1.0:
             raise DrafterError(f"draft_confidence must be a number in [0, 1), got {draft_confidence!r}")
+        if isinstance(draft_context, bool) or not isinstance(draft_context, int) or draft_context < 8:
+            raise DrafterError(f"draft_context must be an integer >= 8 (draft tokens of a row's text the draft "
+                               f"reads), got {draft_context!r}")
+        self.draft_context = draft_context
         # a row stops drafting after a draft token whose probability under the draft is below this (that
         # token is then look-ahead only): as model.py's early stop
         self.draft_confidence = float(draft_confidence)
@@ -97,8 +111,24 @@ class TextModelDrafter(Drafter):
         self.tok, self.dtok = target.tokenizer, draft.tokenizer
         self.draft_eos = set(draft.eos_token_ids)
         self.state: TextState | None = None
+        # head_vocab: the draft's LM head over that many of ITS token ids only (0 = all), the ones its
+        # tokenizer uses most (drafters/vocab_rank.py); a draft with a large vocabulary (Gemma 3's
+        # 262,144) reads more head than layers per token. Greedy drafts from fewer ids: still lossless.
+        vocab = self.dtok.vocab_size
+        if (isinstance(head_vocab, bool) or not isinstance(head_vocab, int)
+                or not (head_vocab == 0 or (32 <= head_vocab <= vocab and head_vocab % 32 == 0))):
+            raise DrafterError(f"head_vocab must be 0 (the whole vocabulary) or a multiple of 32 in "
+                               f"[32, {vocab}], got {head_vocab!r}")
+        if not isinstance(head_rank, str) or not head_rank:
+            raise DrafterError(f"head_rank must be 'freq', 'id' or a text file / folder, got {head_rank!r}")
+        self.head_rows = None
+        if 0 < head_vocab < vocab:
+            ids = frequent_ids(self.dtok, vocab, head_vocab, head_rank, keep=tuple(self.draft_eos))
+            self.head_rows = draft.model.head_rows(ids)
         if draft.native and target.native:     # relative cost: one draft pass reads all its weights
-            cost = weights_bytes(draft.model) / max(weights_bytes(target.model), 1)
+            head = draft.model.lm_head
+            cut = getattr(head, "nbytes", 0) * (1 - head_vocab / vocab) if self.head_rows is not None else 0
+            cost = (weights_bytes(draft.model) - cut) / max(weights_bytes(target.model), 1)
             self.capabilities = replace(TextModelDrafter.capabilities, relative_cost=cost)
 
     def prepare(self, batch_size: int, max_len: int) -> TextState:
@@ -167,6 +197,10 @@ class TextModelDrafter(Drafter):
         rest = st.text[len(st.dtext):]
         if rest:
             enc = self.dtok.backend.encode(rest, add_special_tokens=False)
+            if not st.dtext and len(enc.ids) > self.draft_context:     # a fresh row: its recent text only
+                cut = enc.offsets[len(enc.ids) - self.draft_context][0]
+                st.text = rest = st.text[cut:]
+                enc = self.dtok.backend.encode(rest, add_special_tokens=False)
             base, offsets = len(st.dtext), enc.offsets
             for j, token in enumerate(enc.ids):
                 inside = j + 1 < len(offsets) and offsets[j + 1][0] < offsets[j][1]
@@ -207,9 +241,13 @@ class TextModelDrafter(Drafter):
         starts = [self.cache.lengths[r] for r in rows]
         last = torch.tensor([[len(f) - 1] for f in feed], device=device)
         logits = self.model.forward(tokens, self.cache, torch.tensor(starts, device=device),
-                                    rows=torch.tensor(rows, device=device), logit_index=last)
+                                    rows=torch.tensor(rows, device=device), logit_index=last,
+                                    head_rows=self.head_rows)
         for r, f, start in zip(rows, feed, starts):
             self.cache.truncate(r, start + len(f))
+        if self.head_rows is not None:                  # [B, 1, head rows] -> the draft's vocabulary
+            full = torch.full((len(rows), 1, self.dtok.vocab_size), float("-inf"), device=device)
+            logits = full.index_copy_(2, self.head_rows.ids.to(device), logits.float())
         return logits[:, 0].float()
 
     def _fits(self, row: int, st: RowText, more: int) -> bool:

@@ -78,8 +78,26 @@ def test_vocabularies_differ_and_default_picks_text_drafts(tiny_models, drafts):
             LLM(model=target, draft=str(draft), method="model", **OPTS)
     llm = LLM(model=target, draft=str(drafts["other"]), **OPTS)
     assert llm.method == "cascade" and type(llm.drafter.head).__name__ == "TextModelDrafter"
-    with pytest.raises(DrafterError, match="head_vocab"):
-        LLM(model=target, draft=str(drafts["other"]), head_vocab=64, **OPTS)
+    with pytest.raises(DrafterError, match="head_vocab must be 0"):
+        LLM(model=target, draft=str(drafts["other"]), head_vocab=40, **OPTS)
+
+
+def test_a_reduced_draft_head_drafts_from_its_own_frequent_ids(tiny_models, drafts):
+    """head_vocab cuts the draft's LM head to ITS most used token ids: drafts only from those, the
+    output still plain decoding's."""
+    llm = LLM(model=str(tiny_models["llama"]), draft=str(drafts["same"]), method="text-model", adaptive=False,
+              head_vocab=128, **OPTS)
+    drafter = llm.drafter
+    kept = set(drafter.head_rows.ids.tolist())
+    assert len(kept) == 128
+    seen = []
+    real = drafter._pass
+    drafter._pass = lambda rows, feed: seen.append(real(rows, feed)) or seen[-1]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = [o.token_ids for o in llm.generate(PROMPTS, params, num_speculative_tokens=0)]
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == plain
+    best = {int(i) for logits in seen for i in logits.argmax(-1)}
+    assert seen and best <= kept
 
 
 @pytest.mark.parametrize("which", ["same", "other"])
@@ -201,6 +219,33 @@ def test_rollback_by_characters(tiny_models, drafts):
     assert drafter.cache.lengths[0] == len(row.ids) and dtok.decode(row.ids) == row.dtext
     state.reset(0)
     assert state.rows[0].ids == [] and drafter.cache.lengths[0] == 0
+
+
+def test_the_draft_reads_a_long_prompt_s_recent_text_only(tiny_models, drafts):
+    """A prompt longer than draft_context: the draft cache holds its last draft_context tokens (the
+    text before them dropped from the row), drafts continue the prompt, and output equals plain."""
+    from specdecode.models.loader import load_model
+    target = load_model(str(tiny_models["llama"]), dtype="fp32", progress=False)
+    draft = load_model(str(drafts["same"]), dtype="fp32", progress=False)
+    with pytest.raises(DrafterError, match="draft_context must be an integer >= 8"):
+        build_drafter("text-model", target, draft=draft, draft_context=4)
+    drafter = build_drafter("text-model", target, draft=draft, draft_context=16)
+    state = drafter.prepare(1, 256)
+    tok, dtok = target.tokenizer, draft.tokenizer
+    prompt = "the quick brown fox jumps over the lazy dog and " * 4
+    s = make_seq(1, tok.encode(prompt), SamplingParams())
+    drafter.prefill([s])
+    row = state.rows[0]
+    assert len(row.ids) == drafter.cache.lengths[0] <= 17                # (a BOS where the draft adds one)
+    assert prompt.endswith(row.text) and row.dtext == row.text and len(row.text) < len(prompt) // 2
+    assert dtok.decode(row.ids, skip_special=True) == row.text
+    assert tok.decode(s.token_ids + drafter.propose([s], [3]).main_path(0)).startswith(prompt)
+    llm = LLM(model=str(tiny_models["llama"]), draft=str(drafts["same"]), method="text-model", adaptive=False,
+              draft_context=16, **OPTS)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = llm.generate([prompt], params, num_speculative_tokens=0)[0].token_ids
+    out = llm.generate([prompt], params)[0]
+    assert out.token_ids == plain and out.stats["accepted_tokens"] > 0
 
 
 def test_vocabulary_overlap_in_info(tiny_models, drafts, capsys):
