@@ -18,6 +18,7 @@ Drafters are found by name through the registry (registry.py).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -120,6 +121,17 @@ class DraftProposal:
             parents[index, :self.k] = self.parents.cpu()
         return DraftProposal(tokens, num_tokens, probs, parents=parents)
 
+    def put_chains(self, chains: dict[int, list[int]]) -> DraftProposal:
+        """Point-mass chains written into rows of this chain proposal (wide enough for them); with
+        draft distributions, a one-hot one per token: the exact distribution the chain came from."""
+        for b, chain in chains.items():
+            self.tokens[b, :len(chain)] = torch.tensor(chain, dtype=torch.long)
+            self.num_tokens[b] = len(chain)
+            if self.probs is not None:
+                self.probs[b, :len(chain)] = 0.0
+                self.probs[b, torch.arange(len(chain)), self.tokens[b, :len(chain)].to(self.probs.device)] = 1.0
+        return self
+
     @staticmethod
     def from_lists(drafts: list[list[int]]) -> DraftProposal:
         """Point-mass chain proposal from per-row token lists (ragged)."""
@@ -186,6 +198,8 @@ class DrafterCapabilities:
                                         # drafts, structured.trim_drafts); drafters with state never are
     reads_target_cache: bool = False    # reads the target's committed keys and values: the engine hands it a
                                         # read-only view of the target's KV cache (use_target_cache)
+    free_drafts: bool = False           # offers drafts that cost nothing to make (a cascade's lookups) for
+                                        # rows the controller planned plain (Drafter.free_drafts)
 
 
 class DrafterState(Protocol):
@@ -282,6 +296,14 @@ class Drafter(ABC):
     def propose(self, seqs: list[Sequence], sizes: list[int]) -> DraftProposal:
         """Up to sizes[b] draft tokens for each sequence (0 allowed). State the matching
         commit needs goes in the proposal's `step_state`."""
+
+    def free_drafts(self, seqs: list[Sequence], rooms: list[int],
+                    pays: Callable[[int, float], bool]) -> list[list[int]]:
+        """Only where capabilities.free_drafts: for rows the controller planned plain this step, chains
+        that cost nothing to make (lookups; point masses), each at most rooms[b] long, kept where
+        `pays(length, acceptance per token)` says verifying them beats the plain step; [] for none.
+        A row given one is committed with the proposal of these chains (step_state None)."""
+        return [[] for _ in seqs]
 
     def commit(self, seqs: list[Sequence], proposal: DraftProposal, num_accepted: list[int]) -> None:
         """Feedback after verification of `proposal` (the one this drafter's propose returned for

@@ -20,6 +20,11 @@ model whose tokens each cost a good share of a step, and one-token matches, ofte
 not. `lookup_min_tokens=N` (1-64) sets a fixed length threshold instead (docs/drafters.md, "What
 was tried").
 
+Where the controller plans a row plain (the second drafter's drafts do not pay there), the engine
+still asks for its lookups (`free_drafts`: they cost nothing to make) and verifies one where the
+controller predicts that its expected accepted tokens outgrow the larger pass; such steps leave the
+row's measured gains alone, so a copy in a summary is drafted while the draft model stays off.
+
 Lookup drafts are point masses. When the head samples (probs given) in the same step, a lookup
 row gets one-hot distributions, which is the exact distribution its draft came from, so
 verification stays lossless.
@@ -27,8 +32,6 @@ verification stays lossless.
 from __future__ import annotations
 
 import dataclasses
-
-import torch
 
 from ..engine.controller import expected_tokens
 from .base import Drafter, DrafterCapabilities, DrafterError, DrafterState, DraftProposal
@@ -80,8 +83,9 @@ class CascadeDrafter(Drafter):
             self.head = EagleDrafter(target, drafter_path, fast,
                                      **({} if min_confidence is None else {"min_confidence": min_confidence}))
             self.matches_target = self.head.matches_target
-        # the head's cost and needs (a lookup row costs ~nothing); predicted outputs are looked up first
-        self.capabilities = dataclasses.replace(self.head.capabilities, drafts_predictions=True)
+        # the head's cost and needs (a lookup row costs ~nothing); predicted outputs are looked up first;
+        # lookups are offered for rows the controller planned plain too
+        self.capabilities = dataclasses.replace(self.head.capabilities, drafts_predictions=True, free_drafts=True)
         self.lookup_steps = self.head_steps = 0          # row-steps drafted by each (for reports)
         # accepted and (accepted + rejections) per source, decayed: a geometric estimate of the
         # acceptance per token (the serving policy's), which predicts what each source's draft gives
@@ -139,13 +143,22 @@ class CascadeDrafter(Drafter):
         if len(head_rows) == len(seqs):
             return DraftProposal(sub.tokens, sub.num_tokens, sub.probs, step_state)
         out = sub.scatter(head_rows, len(seqs), max(sub.k, max((len(d) for d in drafts if d), default=0)))
-        for b, d in enumerate(drafts):
-            if d:
-                out.tokens[b, :len(d)] = torch.tensor(d, dtype=torch.long)
-                out.num_tokens[b] = len(d)
-                if out.probs is not None:        # a point mass as a distribution
-                    out.probs[b, torch.arange(len(d)), out.tokens[b, :len(d)].to(out.probs.device)] = 1.0
+        out.put_chains({b: d for b, d in enumerate(drafts) if d})
         out.step_state = step_state
+        return out
+
+    def free_drafts(self, seqs, rooms, pays):
+        """Lookups for rows the controller planned plain (the head's drafts did not pay there, a
+        copy still may): each row's predicted output or lookup path, cut to the length that pays most."""
+        out = []
+        for s, room in zip(seqs, rooms):
+            found = predicted(s, room)
+            if not found and room:
+                found = (self.suffix.propose([s], [room]).main_path(0) if self.suffix is not None
+                         else self.ngram.draft_one(s.token_ids, room, self.ngram.index(s)))
+            while found and not pays(len(found), self.acceptance("lookup", len(found))):
+                found = found[:len(found) // 2]      # a shorter cut of it may still pay (a copy's first tokens)
+            out.append(found)
         return out
 
     @staticmethod

@@ -408,6 +408,14 @@ class SpeculationController:
                 prior = None if self.shadowed else self.prior(1, self.fixed if r.pinned else costs)
                 r.observe(s, n, path, self.chains, prior)
 
+    def free_draft_pays(self, pass_rows: float, batch: int, length: int, acceptance: float) -> bool:
+        """Would a draft that costs nothing to make (a lookup), `length` tokens each accepted at
+        `acceptance`, added to a pass of `pass_rows` rows over `batch` sequences, emit more tokens
+        per second than the row's plain step, by MARGIN? Only the pass grows."""
+        now = self.costs.pass_seconds(pass_rows)
+        later = self.costs.pass_seconds(pass_rows + length)
+        return (batch - 1 + expected_tokens(acceptance, length)) / later > MARGIN * batch / now
+
     # ------------------------------------------------------------------ shadow drafts
     def shadow_due(self, step_seconds: float, young: bool = False) -> bool:
         """Should this step draft shadows (stateless drafters' rows at size 0)? Every step while they

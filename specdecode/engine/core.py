@@ -9,7 +9,8 @@ request's sink: `Tokens` as they are committed, then `Finished` or `Failed`. Eac
    reserved; the next prompt chunks are prefilled (scheduler.py);
 2. plan     -- each decoding row's draft size (controller.py);
 3. draft    -- a grammar's forced tokens first (jump-forward), then the drafter's proposal for the
-   rows that draft; shadow drafts for rows that do not (a stateless drafter's free measurements);
+   rows that draft; for rows that do not, shadow drafts (a stateless drafter's free measurements)
+   or drafts that cost nothing to make (a cascade's lookups) where verifying them pays;
 4. verify   -- one target pass over every row's pending tokens and drafts, then verification
    (runner.py; the verifier is a pure function, verify.py / verify_tree.py);
 5. commit   -- tokens appended (stops applied), caches rolled back to what was accepted, the
@@ -289,7 +290,7 @@ class EngineCore:
         if self.threads is not None:
             self.threads.after(t2 - t0, int(pass_rows))
         appended = self._commit(seqs, proposal, drafted, paths, emitted, logprobs)
-        self._report(seqs, sizes, proposal, paths, forced, appended, int(pass_rows), t1 - t0, t2 - t1)
+        self._report(seqs, sizes, proposal, paths, forced, appended, int(pass_rows), t1 - t0, t2 - t1, drafted[2])
 
     def _plan(self, seqs: list[Sequence]) -> list[int]:
         """Each row's drafts this step: the controller's size within the row's room."""
@@ -343,8 +344,11 @@ class EngineCore:
         gets: (drafting row indices, their own proposal). Shadow drafts for the other rows."""
         active = [i for i, k in enumerate(sizes) if k > 0]
         self._shadow(seqs, sizes)
+        free = self._free_drafts(seqs, sizes)
         if not active:
-            return DraftProposal.empty(len(seqs)), ([], None)
+            if free:
+                return DraftProposal.from_lists([free.get(b, []) for b in range(len(seqs))]), ([], None, free)
+            return DraftProposal.empty(len(seqs)), ([], None, free)
         rows = [seqs[i] for i in active]
         sub = self.drafter.propose(rows, [sizes[i] for i in active])
         if not isinstance(sub, DraftProposal) or sub.tokens.shape[0] != len(rows):
@@ -357,11 +361,28 @@ class EngineCore:
         if sub.probs is None and not caps.has_state and not caps.commit_reads_nodes \
                 and any(s.constraint is not None for s in rows):
             sub = trim_drafts(rows, sub)          # a grammar trims point-mass drafts the target could never accept
+        if sub.parents is not None:
+            free = {}                             # (free chains join chain proposals only)
         if len(active) == len(seqs):
-            return sub, (active, sub)
-        full = sub.scatter(active, len(seqs))
+            return sub, (active, sub, free)
+        full = sub.scatter(active, len(seqs), max([sub.k] + [len(d) for d in free.values()])).put_chains(free)
         full.step_state = sub.step_state          # observe_topk reads the drafter's own step state
-        return full, (active, sub)
+        return full, (active, sub, free)
+
+    def _free_drafts(self, seqs: list[Sequence], sizes: list[int]) -> dict[int, list[int]]:
+        """Drafts that cost nothing to make (a cascade's lookups) for the rows planned plain, where
+        the controller predicts that verifying them pays: {row index: chain}."""
+        if self.drafter is None or not self.drafter.capabilities.free_drafts:
+            return {}
+        idle = [i for i, (s, k) in enumerate(zip(seqs, sizes)) if k == 0 and s.spec.mode == AUTO
+                and not s.spec.pinned and s.constraint is None]
+        if not idle:
+            return {}
+        rows = sum(len(s.token_ids) - self.runner.cache.lengths[s.row] for s in seqs) + sum(sizes)
+        rooms = [seqs[i].draft_room(min(max(SPAN, seqs[i].spec.k), self.max_k), self.context) for i in idle]
+        chains = self.drafter.free_drafts([seqs[i] for i in idle], rooms,
+                                          lambda n, a: self.controller.free_draft_pays(rows, len(seqs), n, a))
+        return {i: list(c[:room]) for i, c, room in zip(idle, chains, rooms) if c and room}
 
     def _shadow(self, seqs: list[Sequence], sizes: list[int]) -> None:
         """Shadow drafts for a stateless drafter's rows at size 0 with none pending (a free measurement
@@ -401,19 +422,24 @@ class EngineCore:
                 s.constraint.consume(tokens[:appended])
             self.runner.commit_row(s.row, old_len, paths[b], proposal.is_tree)
         if self.drafter is not None:
-            active, sub = drafted
+            active, sub, free = drafted
             accepted = [len(p) for p in paths]
             if active:
                 self.drafter.commit([seqs[i] for i in active], sub, [accepted[i] for i in active])
-            drafting = set(active)        # rows that never draft (speculation off) never reach the drafter
+            if free:                      # free chains: committed with their own proposal
+                rows = list(free)
+                self.drafter.commit([seqs[i] for i in rows], DraftProposal.from_lists([free[i] for i in rows]),
+                                    [accepted[i] for i in rows])
+            drafting = set(active) | set(free)   # rows that never draft (speculation off) never reach the drafter
             idle = [i for i, s in enumerate(seqs) if i not in drafting and s.spec.mode != OFF]
             if idle:
                 self.drafter.commit([seqs[i] for i in idle], DraftProposal.empty(len(idle)), [0] * len(idle))
         self.runner.register(seqs)
         return out
 
-    def _report(self, seqs, sizes, proposal, paths, forced, appended, pass_rows, draft_s, verify_s) -> None:
-        """Stats, the controller's measurements, the shadows' scores, events."""
+    def _report(self, seqs, sizes, proposal, paths, forced, appended, pass_rows, draft_s, verify_s, free) -> None:
+        """Stats, the controller's measurements, the shadows' scores, events (free chains: the controller
+        prices their pass's rows, not their drafting, and their rows' gains stay plain ones)."""
         num = proposal.num_tokens.tolist()
         depth = tree_depths(proposal)
         now = time.perf_counter()
@@ -434,7 +460,9 @@ class EngineCore:
             if s.spec.shadow is not None and s.spec.score_shadow(s.token_ids, s.finished) and self.metrics is not None:
                 self.metrics.shadow.inc()
         if self.drafter is not None:
-            self.controller.observe([s.spec for s in seqs], sizes, num, paths, pass_rows, verify_s, draft_s, depth)
+            planned = [0 if b in free else n for b, n in enumerate(num)]
+            self.controller.observe([s.spec for s in seqs], sizes, planned, paths, pass_rows, verify_s, draft_s,
+                                    [0 if b in free else d for b, d in enumerate(depth)])
         if self.metrics is not None:
             self.metrics.record_step(depth, [min(len(p), len(x)) for p, x in zip(paths, appended)],
                                      [len(x) + len(f) for x, f in zip(appended, forced)], draft_s, verify_s, nodes=num)

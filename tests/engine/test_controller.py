@@ -130,6 +130,17 @@ def test_extra_rows_cost_what_the_steps_measure():
     assert abs(flat.pass_seconds(5) - 1.4) < 0.01
 
 
+def test_a_free_draft_pays_where_its_expected_tokens_outgrow_the_larger_pass():
+    cheap = controller({1: 1.0, 2: 1.05, 4: 1.15, 8: 1.4})         # memory bound: extra rows cost little
+    dear = controller({1: 1.0, 2: 1.8, 4: 3.6, 8: 7.5})            # compute bound: a row ~ a step
+    assert cheap.free_draft_pays(1, 1, 1, 0.4) and cheap.free_draft_pays(1, 1, 4, 0.8)
+    assert not cheap.free_draft_pays(1, 1, 1, 0.05)                # a coincidence: the pass costs more
+    assert not dear.free_draft_pays(1, 1, 2, 0.8) and dear.free_draft_pays(1, 1, 1, 0.99)
+    # in a batch, one row's extra pass rows slow every row: a long cheap path pays less there
+    assert cheap.free_draft_pays(1, 1, 8, 0.85) and not controller({1: 1.0, 8: 1.4, 16: 2.8}).free_draft_pays(
+        8, 8, 8, 0.85)
+
+
 def test_one_descheduled_step_moves_the_costs_a_bounded_step():
     costs = StepCosts(dict(CURVE))
     costs.observe_pass(1, 1.0)

@@ -129,6 +129,22 @@ def test_cascade_suffix_lookup_keeps_greedy_outputs(tiny_models):
         LLM(model=target, draft=target, dtype="fp32", progress=False, method="cascade", lookup_min_tokens=-1)
 
 
+def test_a_cascade_offers_its_lookups_where_the_controller_plans_plain(tiny_models, monkeypatch):
+    """Rows the controller keeps plain (their draft model's drafts do not pay) still verify the
+    cascade's free lookups where a copy is predicted to pay: drafts accepted, the head never asked,
+    the output plain decoding's."""
+    from specdecode.engine.controller import SpeculationController
+    target = str(tiny_models["llama"])
+    prompt = "one two three four five six seven eight nine ten one two three four five six seven eight"
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    llm = LLM(model=target, draft=target, dtype="fp32", progress=False, method="cascade")
+    plain = llm.generate([prompt, PROMPTS[0]], params, num_speculative_tokens=0)
+    monkeypatch.setattr(SpeculationController, "plan", lambda self, rows, pending: [0] * len(rows))
+    outs = llm.generate([prompt, PROMPTS[0]], params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert sum(o.stats["accepted_tokens"] for o in outs) > 0 and llm.drafter.head_steps == 0
+
+
 def test_a_next_turn_prefills_only_what_the_earlier_turns_blocks_do_not_cover_in_both_caches(tiny_models):
     """The prefix cache keeps the draft model's blocks too: a chat's next turn (the earlier turn's text
     and more) is prefilled only after the cached blocks, in the target's cache and the draft's; with
