@@ -33,8 +33,8 @@ import torch
 
 from specdecode.params import SamplingParams
 
-__all__ = ["transform_logits", "probs_from_logits", "sample", "sample_at", "uniforms", "position_uniforms",
-           "Generators"]
+__all__ = ["transform_logits", "probs_from_logits", "sample", "sample_drafts", "sample_at", "uniforms",
+           "position_uniforms", "Generators"]
 
 # None (torch default RNG) | one torch.Generator for the whole batch (vectorized draws) |
 # a list of len batch with one torch.Generator (or None) per row (per-row draws).
@@ -328,6 +328,23 @@ def sample(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
     if probs.dim() != 2:
         raise ValueError(f"probs must be [batch, vocab], got shape {tuple(probs.shape)}")
     return sample_at(probs, uniforms(probs.shape[0], 1, generators, probs.device))
+
+
+def sample_drafts(probs: torch.Tensor,         # [batch, vocab] a chain step's draft distributions
+                  generators: list,             # one per row (see `uniforms`)
+                  drafting: Sequence[bool],     # rows that keep a draft at this step
+                  ) -> torch.Tensor:            # [batch] int64 (0 where not drafting)
+    """A chain drafter's step: `sample` for the rows still drafting only. A row then takes one
+    number from its generator per draft it keeps, however many the batch's other rows draft, so a
+    seeded request's text does not depend on the requests beside it."""
+    tokens = torch.zeros(probs.shape[0], dtype=torch.long, device=probs.device)
+    live = [b for b, on in enumerate(drafting) if on]
+    if len(live) == probs.shape[0]:
+        return sample(probs, generators)
+    if live:
+        index = torch.tensor(live, device=probs.device)
+        tokens[index] = sample(probs.index_select(0, index), [generators[b] for b in live])
+    return tokens
 
 
 def sample_at(probs: torch.Tensor,       # [batch, vocab] non-negative weights

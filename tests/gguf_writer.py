@@ -136,21 +136,43 @@ def _qwen35_tensor(name: str, array: np.ndarray, config) -> tuple[str, np.ndarra
     return name, array
 
 
+def _mtp_tensors(mtp: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
+    """A checkpoint's MTP head (`mtp.*`) under the names llama.cpp's converter gives it before its
+    tensor map (_Qwen35MtpMixin.filter_tensors): block `layers` and on, the head's own tensors as that
+    block's eh_proj, enorm, hnorm and shared_head.norm."""
+    own = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
+           "norm": "shared_head.norm"}
+    out = {}
+    for name, tensor in mtp.items():
+        parts = name.split(".", 3)
+        if parts[1] == "layers":
+            out[f"model.layers.{layers + int(parts[2])}.{parts[3]}"] = tensor
+        else:
+            out[f"model.layers.{layers}.{own[parts[1]]}.{parts[2]}"] = tensor
+    return out
+
+
 def write_qwen35_gguf(path: Path, model, tokenizer_json: Path, eos_token: str, qtype: str = "F32",
-                      vocab_size: int | None = None, skip: tuple[str, ...] = ()) -> Path:
+                      vocab_size: int | None = None, skip: tuple[str, ...] = (),
+                      mtp: dict[str, torch.Tensor] | None = None) -> Path:
     """A transformers Qwen3.5 (Qwen3_5ForCausalLM) as a GGUF file of llama.cpp's "qwen35" architecture,
     with the metadata and tensors its convert_hf_to_gguf.py writes. qtype "Q8_0": every matrix with rows
     of a multiple of 32 weights in Q8_0 blocks (as `--outtype q8_0`), the rest F32. `vocab_size`: pad
     the tokenizer's vocabulary with unused tokens up to the model's (llama.cpp wants one per row);
-    `skip`: GGUF tensor names to leave out."""
+    `skip`: GGUF tensor names to leave out. `mtp`: the checkpoint's multi-token-prediction head
+    (its `mtp.*` tensors, which transformers does not hold), written as the converter writes it: one
+    more block (nextn_predict_layers) with an attention block's names and blk.N.nextn.* for its own."""
     import gguf
     from gguf.quants import quantize
 
     c = model.config
     layers = c.num_hidden_layers
+    extra = len({n.split(".")[2] for n in mtp or {} if n.startswith("mtp.layers.")})
     writer = gguf.GGUFWriter(str(path), "qwen35")
     writer.add_name("tiny-qwen35")
-    writer.add_block_count(layers)
+    writer.add_block_count(layers + extra)
+    if extra:
+        writer.add_nextn_predict_layers(extra)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     writer.add_feed_forward_length(c.intermediate_size)
@@ -168,18 +190,24 @@ def write_qwen35_gguf(path: Path, model, tokenizer_json: Path, eos_token: str, q
     writer.add_ssm_group_count(c.linear_num_key_heads)
     writer.add_ssm_time_step_rank(c.linear_num_value_heads)
     writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
-    writer.add_array("qwen35.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
+    writer.add_array("qwen35.attention.recurrent_layers",
+                     [t == "linear_attention" for t in c.layer_types] + [False] * extra)   # MTP: attention
     writer.add_full_attention_interval(4)
     spec = json.loads(Path(tokenizer_json).read_text())
     if vocab_size is not None:                  # unused tokens after the tokenizer's own
         size = max(len(spec["model"]["vocab"]), max(t["id"] for t in spec["added_tokens"]) + 1)
         spec["model"]["vocab"].update({f"<|unused_{i}|>": i for i in range(size, vocab_size)})
     write_tokenizer(writer, spec, eos_token)
-    names = gguf.TensorNameMap(gguf.MODEL_ARCH.QWEN35, layers)
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.QWEN35, layers + extra)
+    nextn = gguf.TensorNameMap(gguf.MODEL_ARCH.GLM4_MOE, layers + extra)   # gguf 0.19's QWEN35 lacks nextn
     tied = bool(c.tie_word_embeddings)
-    for hf_name, tensor in model.state_dict().items():
+    tensors = {**model.state_dict(), **_mtp_tensors(mtp or {}, layers)}
+    for hf_name, tensor in tensors.items():
         hf_name, array = _qwen35_tensor(hf_name, tensor.detach().to(torch.float32).numpy(), c)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:                     # the MTP block's own: blk.N.nextn.*
+            name = nextn.get_name(hf_name, try_suffixes=(".weight",))
+            name = name if name and ".nextn." in name else None
         if name is None or name in skip or (tied and name == "output.weight"):
             continue
         array = np.ascontiguousarray(array, dtype=np.float32)

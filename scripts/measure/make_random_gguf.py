@@ -7,9 +7,13 @@ with 16 key and 16 value heads of 128, conv kernel 4, MLP 3584, vocabulary 24832
 The tensors and metadata are written as llama.cpp's convert_hf_to_gguf.py writes them
 (tests/gguf_writer.py: write_qwen35_gguf); the vocabulary is a small byte-level BPE padded with
 unused tokens to 248320 rows. --qtype Q8_0 quantizes every matrix (as `--outtype q8_0`); for Q4_K_M,
-quantize that file with llama.cpp (llama-quantize, or llama_cpp.llama_model_quantize).
+quantize that file with llama.cpp (llama-quantize, or llama_cpp.llama_model_quantize). --mtp adds a
+random multi-token-prediction head of the released checkpoint's shape (mtp_num_hidden_layers 1: one
+gated attention layer as the decoder's, fc [1024, 2048], three norms; the LM head shared) as the
+converter writes it (blk.24.nextn.*), for `--method mtp`.
 
 Usage: python scripts/measure/make_random_gguf.py --out qwen35-0.8b-random-q8_0.gguf [--qtype Q8_0] [--layers 24]
+       [--mtp]
 """
 from __future__ import annotations
 
@@ -35,6 +39,18 @@ def qwen35_08b_config(layers: int = 24):
                          "mrope_section": [11, 11, 10], "mrope_interleaved": True})
 
 
+def random_mtp_head(config) -> dict:
+    """Random `mtp.*` tensors of the released checkpoint's shape: fc, three norms, one gated attention layer."""
+    import torch
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+    layer = Qwen3_5DecoderLayer(config, config.layer_types.index("full_attention"))
+    d = config.hidden_size
+    norms = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+    head = {"mtp.fc.weight": torch.randn(d, 2 * d) * 0.02, **{f"mtp.{n}.weight": torch.zeros(d) for n in norms}}
+    head.update({f"mtp.layers.0.{name}": t.detach() for name, t in layer.state_dict().items()})
+    return head
+
+
 def small_tokenizer(folder: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
@@ -54,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--qtype", choices=("Q8_0", "F32"), default="Q8_0")
     parser.add_argument("--layers", type=int, default=24, help="decoder layers (a multiple of 4; 24 as 0.8B)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mtp", action="store_true", help="add a random MTP head (blk.N.nextn.*)")
     args = parser.parse_args(argv)
     if args.layers < 4 or args.layers % 4:
         parser.error(f"--layers must be a multiple of 4 (three DeltaNet layers to one attention), got {args.layers}")
@@ -67,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     model = Qwen3_5ForCausalLM(config).eval()
     with tempfile.TemporaryDirectory() as tmp:
         write_qwen35_gguf(args.out, model, small_tokenizer(Path(tmp)), "<|im_end|>", qtype=args.qtype,
-                          vocab_size=config.vocab_size)
+                          vocab_size=config.vocab_size, mtp=random_mtp_head(config) if args.mtp else None)
     print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.0f} MiB, {args.qtype})")
     return 0
 

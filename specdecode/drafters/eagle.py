@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..cache.contiguous import KVCache
 from ..footprint import weights_bytes
 from ..forward import ForwardBatch
-from ..sampling import probs_from_logits, sample, transform_logits
+from ..sampling import probs_from_logits, sample_drafts, transform_logits
 from ..tree import walk_path
 from .base import ContiguousState, Drafter, DrafterCapabilities, DrafterError, DrafterState, DraftProposal
 from .dynamic_tree import Candidates, expand, select_nodes
@@ -222,7 +222,7 @@ class HeadDrafter(Drafter):
                 if draft_probs is None:
                     draft_probs = torch.zeros(batch, k, self.vocab, dtype=torch.float32, device=self.device)
                 draft_probs[:, step] = probs
-                draft_tokens[:, step] = sample(probs, generators).cpu()
+                draft_tokens[:, step] = sample_drafts(probs, generators, [n > step for n in num_drafts]).cpu()
                 if self.min_confidence and step:
                     confidence = probs.gather(1, draft_tokens[:, step:step + 1].to(probs.device))[:, 0]
             if confidence is not None:      # rows stop before an unsure draft

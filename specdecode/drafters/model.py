@@ -18,7 +18,7 @@ import torch
 
 from ..footprint import weights_bytes
 from ..models.config import ModelError
-from ..sampling import probs_from_logits, sample, transform_logits
+from ..sampling import probs_from_logits, sample_drafts, transform_logits
 from .base import ContiguousState, Drafter, DrafterCapabilities, DrafterError, DrafterState, DraftProposal
 from .registry import register
 from .vocab_rank import frequent_ids
@@ -157,7 +157,7 @@ class ModelDrafter(Drafter):
             if draft_probs is None:
                 draft_probs = torch.zeros(batch, k, probs.shape[-1], dtype=torch.float32, device=device)
             draft_probs[:, step] = probs
-            draft_tokens[:, step] = sample(probs, generators).cpu()
+            draft_tokens[:, step] = sample_drafts(probs, generators, [n > step for n in limit]).cpu()
             if self.draft_confidence > 0:
                 softmax = transformed[:, 0].float().softmax(-1) if any(p.greedy for p in params) else probs
                 confidence = softmax.gather(1, draft_tokens[:, step:step + 1].to(probs.device))[:, 0].tolist()

@@ -28,13 +28,18 @@ from .registry import register
 
 
 def has_mtp_head(target) -> bool:
-    """Whether `target` (a loaded model, or a model directory) carries an MTP head to draft with:
-    a loaded native model that kept one, or a directory whose safetensors hold `mtp.fc.weight`."""
+    """Whether `target` (a loaded model, a model directory or a GGUF file) carries an MTP head to draft
+    with: a loaded native model that kept one, a directory whose safetensors hold `mtp.fc.weight`, or a
+    GGUF file whose tensors hold it (llama.cpp's blk.N.nextn.eh_proj; models/qwen3_5_gguf.py)."""
     if not isinstance(target, (str, Path)):
         return getattr(getattr(target, "model", None), "mtp", None) is not None
     folder = Path(target).expanduser()
     index = folder / "model.safetensors.index.json"
     try:
+        if folder.is_file() and folder.suffix.lower() == ".gguf":
+            from ..models.gguf import tensor_table
+            arch, tensors = tensor_table(folder)           # the header alone
+            return arch == "qwen35" and any(name.endswith(".nextn.eh_proj.weight") for _, name, _, _ in tensors)
         if index.is_file():
             return "mtp.fc.weight" in json.loads(index.read_text()).get("weight_map", {})
         from safetensors import safe_open
@@ -58,7 +63,7 @@ class MtpDrafter(HeadDrafter):
                 why = f"its MTP head (mtp.* tensors) {problem}"
             elif getattr(model, "config", None) is not None and getattr(model.config, "arch", "") == "qwen3_5":
                 why = ("its weights hold no MTP head (mtp.* tensors; a checkpoint re-saved by transformers drops "
-                       "them)")
+                       "them, a GGUF file converted without them has no blk.N.nextn.* tensors)")
             else:
                 why = ("only a natively loaded Qwen3.5 checkpoint with its MTP head (mtp.* tensors in its "
                        "safetensors) has one")

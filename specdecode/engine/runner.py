@@ -23,7 +23,7 @@ from ..cache.paged import PagedKVCache
 from ..drafters.base import Drafter, DraftProposal, TargetCacheView
 from ..fast import argmax_last, top_k_indices
 from ..forward import ForwardBatch
-from ..sampling import position_uniforms, probs_from_logits, transform_logits
+from ..sampling import position_uniforms, probs_from_logits, sample_at, transform_logits
 from ..structured import allowed_masks, lazy_rows, mask_greedy
 from ..tree import ancestors
 from ..verify_tree import verify_greedy_lists, verify_point_mass, verify_tree
@@ -291,8 +291,18 @@ class ModelRunner:
             result = verify_point_mass(proposal.tokens.cpu(), proposal.parents, proposal.num_tokens.cpu(),
                                        target_probs, greedy, uniforms)
         else:
+            # a sampled row that drafted nothing this step (its room, or its own early stop) takes its
+            # token as a plain step does, at its position's uniform, and leaves its generator alone: as
+            # it would if it ran alone, so its text does not depend on the rows drafting beside it
+            idle = [b for b, (s, n) in enumerate(zip(seqs, num_drafted)) if n == 0 and not s.params.greedy]
+            generators = [torch.Generator(device=device) if b in idle else s.generator for b, s in enumerate(seqs)]
             result = verify_tree(proposal.tokens.to(device), proposal.parents, proposal.num_tokens.to(device),
-                                 proposal.probs, target_probs, greedy, [s.generator for s in seqs])
+                                 proposal.probs, target_probs, greedy, generators)
+            if idle:
+                index = torch.tensor(idle, device=device)
+                u = torch.tensor([position_uniforms(seqs[b].seed, len(seqs[b].token_ids), 1) for b in idle],
+                                 dtype=torch.float64, device=device)                   # [idle, 1]
+                result.tokens[index, 0] = sample_at(target_probs[index, 0], u).to(result.tokens.device)
         paths = [result.accepted_nodes[b, :n].tolist() for b, n in enumerate(result.num_accepted.tolist())]
         return paths, result.tokens.tolist()
 

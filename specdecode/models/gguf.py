@@ -28,7 +28,7 @@ import numpy as np
 
 from .config import ModelConfig, ModelError
 
-FORMAT_VERSION = 2   # 2: end-of-generation tokens of the vocabulary added to the EOS ids
+FORMAT_VERSION = 3   # 2: end-of-generation tokens of the vocabulary added to the EOS ids; 3: Qwen3.5's MTP head
 NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen35")
 # llama.cpp's names of architectures that transformers files under another (its load_gguf_checkpoint)
 TRANSFORMERS_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
@@ -120,7 +120,8 @@ def kept_as_stored(hf_name: str, qtype: int, shape: tuple[int, ...]) -> bool:
     multiple of 64 weights. Anything else is dequantized at load."""
     from ..fast.quant import NATIVE_TYPES
     projection = hf_name.endswith(("proj.weight", "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
-                                   "in_proj_a.weight")) or hf_name in ("lm_head.weight", "model.embed_tokens.weight")
+                                   "in_proj_a.weight")) or hf_name in ("lm_head.weight", "model.embed_tokens.weight",
+                                                                       "mtp.fc.weight")
     return projection and len(shape) == 2 and qtype in NATIVE_TYPES and shape[1] % 64 == 0
 
 
@@ -342,11 +343,11 @@ def _hf_name(name: str, arch: str | None = None, num_layers: int | None = None) 
     if name == "output.weight":
         return "lm_head.weight"
     parts = name.split(".")
-    if parts[0] == "blk" and num_layers is not None and int(parts[1]) >= num_layers:
-        return None                           # e.g. Qwen3.5's multi-token-prediction layer
-    if arch in ("qwen35", "qwen3_5") and parts[0] == "blk":
+    if arch in ("qwen35", "qwen3_5") and parts[0] == "blk":   # its blocks past num_layers: the MTP head
         from .qwen3_5_gguf import hf_name
-        return hf_name(parts)
+        return hf_name(parts, num_layers)
+    if parts[0] == "blk" and num_layers is not None and int(parts[1]) >= num_layers:
+        return None                           # a block the decoder does not run
     from .gemma_config import GGUF_NAMES  # llama.cpp's names of Gemma's four layer norms
     if arch in ("gemma2", "gemma3") and parts[0] == "blk" and parts[2] in GGUF_NAMES:
         return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"

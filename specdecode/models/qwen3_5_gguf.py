@@ -12,6 +12,13 @@ llama.cpp's converter stores, against the Hugging Face checkpoint:
 - the attention q_proj as it is (each head's query, then its gate); block_count counts the
   multi-token-prediction layers too (nextn_predict_layers), which are not part of the decoder.
 
+The multi-token-prediction head (`mtp.*`), where the converter kept it (its _Qwen35MtpMixin, in
+conversion/qwen.py; `--no-mtp` leaves it out), is block num_layers: mtp.layers.0's tensors under the
+names of an attention block (blk.N.attn_q, ...), mtp.fc as blk.N.nextn.eh_proj, and its norms
+(pre_fc_norm_embedding, pre_fc_norm_hidden, norm) as nextn.enorm, nextn.hnorm and
+nextn.shared_head_norm, every norm + 1 as the decoder's. The embedding and LM head are the model's
+own (no nextn.embed_tokens or nextn.shared_head_head); read back as `mtp.*` for models/qwen3_5.py.
+
 The native decoder runs on the tiled order as stored (`linear_attention["tiled"]`: each key head is
 repeated over the value heads, not interleaved), as out_proj's quantized blocks cannot have their
 columns moved; the dense Hugging Face directory (gguf.convert) gets the grouped order back.
@@ -36,12 +43,22 @@ ATTENTION = ["attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.wei
              "attn_k_norm.weight"]
 DELTA_NET = ["attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight", "ssm_conv1d.weight",
              "ssm_dt.bias", "ssm_a", "ssm_norm.weight", "ssm_out.weight"]
+# the MTP block's own tensors (blk.N.nextn.*, N = num_layers) -> the checkpoint's mtp.* names
+NEXTN_NAMES = {"eh_proj": "fc", "enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
+               "shared_head_norm": "norm"}
 SHARED = ["attn_norm.weight", "post_attention_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
 
 
-def hf_name(parts: list[str]) -> str | None:
-    """A "blk.N...." tensor name, split at the dots, as its Hugging Face name (None: not read)."""
-    layer = f"model.layers.{parts[1]}."
+def hf_name(parts: list[str], num_layers: int | None = None) -> str | None:
+    """A "blk.N...." tensor name, split at the dots, as its Hugging Face name (None: not read). With
+    `num_layers`, a block past the decoder's is the MTP head's (mtp.layers.{N - num_layers}.*, mtp.*)."""
+    block = int(parts[1])
+    layer = f"model.layers.{block}."
+    if num_layers is not None and block >= num_layers:
+        if parts[2] == "nextn":      # embed_tokens / shared_head_head, where written: the model's own again
+            known = block == num_layers and len(parts) == 5 and parts[3] in NEXTN_NAMES
+            return f"mtp.{NEXTN_NAMES[parts[3]]}.{parts[4]}" if known else None
+        layer = f"mtp.layers.{block - num_layers}."
     if parts[2:] == ["ssm_a"]:
         return layer + "linear_attn.A_log"
     if parts[2:] == ["ssm_dt", "bias"]:
@@ -79,7 +96,8 @@ def required_tensors(config) -> list[str]:
 def hf_order(name: str, array: np.ndarray, config, grouped: bool) -> np.ndarray:
     """A dequantized tensor (fp32) as the Hugging Face checkpoint holds it; `grouped`: value heads
     back in the grouped order too (a dense HF directory), else left tiled (the native decoder)."""
-    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+    if (name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
+            or name.startswith("mtp.pre_fc_norm_")):       # stored as nextn.enorm / nextn.hnorm
         array = array - 1.0
     elif name.endswith("A_log"):
         array = np.log(-array)

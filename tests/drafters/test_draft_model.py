@@ -89,3 +89,18 @@ def test_draft_with_padded_embedding_table(tiny_models, tmp_path):
         assert all(len(o.token_ids) == 12 and max(o.token_ids) < 300 for o in sampled)
         results[rows] = out[1].stats["drafted_tokens"]
     assert all(n > 0 for n in results.values())
+
+
+def test_seeded_sampled_request_same_alone_and_in_a_batch(tiny_models):
+    """A draft model samples each row's drafts from the row's own generator, one number per draft the
+    row keeps: a seeded sampled request gives the same text alone and beside a request whose draft
+    size differs (its own shrinks near its max_tokens while the other's does not)."""
+    llm = LLM(model=str(tiny_models["llama"]), draft=str(tiny_models["llama_draft"]), method="model", dtype="fp32",
+              progress=False, adaptive=False)     # the draft model alone (cascade would mix in lookups)
+    for seed in range(6):
+        short = SamplingParams(max_tokens=7, temperature=1.0, seed=seed, ignore_eos=True)
+        long = SamplingParams(max_tokens=24, temperature=1.0, seed=100 + seed, ignore_eos=True)
+        alone = llm.generate(PROMPTS[0], short, num_speculative_tokens=4)[0]
+        batch = llm.generate([PROMPTS[0], PROMPTS[1]], [short, long], num_speculative_tokens=4)
+        assert batch[0].token_ids == alone.token_ids, seed
+        assert batch[1].token_ids == llm.generate(PROMPTS[1], long, num_speculative_tokens=4)[0].token_ids, seed

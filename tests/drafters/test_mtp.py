@@ -182,3 +182,17 @@ def test_clear_errors_without_a_head(qwen35, tiny_models, qwen35_mtp, tmp_path):
     with pytest.raises(DrafterError, match="tree_topk.*min_confidence"):
         LLM(model=str(qwen35_mtp[0]), method="mtp", tree_topk=2, **OPTS)
     assert json.loads((qwen35_mtp[0] / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+
+
+def test_seeded_sampled_request_same_alone_and_in_a_batch(llms):
+    """A row draws its drafts from its own generator one number per draft it keeps: a seeded sampled
+    request gives the same text alone and beside a request whose draft size differs (its own shrinks
+    near its max_tokens while the other's does not)."""
+    llm = llms["mtp"]
+    for seed in range(6):
+        short = SamplingParams(max_tokens=7, temperature=1.0, seed=seed, ignore_eos=True)
+        long = SamplingParams(max_tokens=24, temperature=1.0, seed=100 + seed, ignore_eos=True)
+        alone = llm.generate(PROMPTS[0], short, num_speculative_tokens=4)[0]
+        batch = llm.generate([PROMPTS[0], PROMPTS[1]], [short, long], num_speculative_tokens=4)
+        assert batch[0].token_ids == alone.token_ids, seed
+        assert batch[1].token_ids == llm.generate(PROMPTS[1], long, num_speculative_tokens=4)[0].token_ids, seed
