@@ -56,6 +56,7 @@ class Qwen35Transformer(Transformer):
                                            make_linear))
             state_index, kv_index = state_index + linear, kv_index + (not linear)
         self.num_attention_layers, self.num_recurrent_layers = kv_index, state_index
+        self.native = self._native_delta_net(make_linear)
         self.final_norm = self._norm(weights["model.norm.weight"])
         head = weights.get("lm_head.weight")
         if head is None or (c.tie_word_embeddings and not isinstance(head, QuantWeight)):
@@ -75,6 +76,19 @@ class Qwen35Transformer(Transformer):
         self.rope_sin = angles.sin().to(self.dtype).to(self.device)
         self.fused = None
         self._skip_decoders: dict = {}
+
+    def _native_delta_net(self, make_linear):
+        """The native DeltaNet kernels (fast/deltanet.py) for short passes, each linear layer's
+        constants under "native"; None (eager) where make_linear has none or they cannot run this model."""
+        loader = getattr(make_linear, "delta_net", None)
+        native = loader() if loader is not None and self.device.type == "cpu" else None
+        if native is None or native.supports(self.config.linear_attention, self.dtype) is not None:
+            return None
+        for layer in self.layers:
+            if layer["kind"] == "linear":
+                layer["native"] = native.layer(layer, self.config.linear_attention, self.config.rms_norm_eps,
+                                               self.dtype)
+        return native
 
     @staticmethod
     def _norm(weight: torch.Tensor) -> torch.Tensor:
@@ -139,7 +153,8 @@ class Qwen35Transformer(Transformer):
         conv_dim = 2 * lin["key_heads"] * lin["key_dim"] + lin["value_heads"] * lin["value_dim"]
         return HybridCache(self.num_attention_layers, self.num_recurrent_layers, conv_dim, self.kernel,
                            lin["value_heads"], lin["key_dim"], lin["value_dim"], rows, c.num_kv_heads, c.head_dim,
-                           max_len, num_blocks, block_size, self.dtype, self.device)
+                           max_len, num_blocks, block_size, self.dtype, self.device,
+                           replay=self.native.replay if self.native is not None else None)
 
     def new_cache(self, batch_size: int, max_len: int):
         raise ModelError("a Qwen3.5 model runs on its paged hybrid cache (new_paged_cache)")
@@ -177,7 +192,14 @@ class Qwen35Transformer(Transformer):
         batch, num_tokens, _ = x.shape
         hk, hv, dk, dv = lin["key_heads"], lin["value_heads"], lin["key_dim"], lin["value_dim"]
         conv_dim = 2 * hk * dk + hv * dv
-        qkv, z, b, a = layer["inputs"](x).split([conv_dim, hv * dv, hv, hv], dim=-1)
+        proj = layer["inputs"](x)                                            # [B, T, conv_dim + hv*dv + 2 hv]
+        if self.native is not None and num_tokens <= RECURRENT_TOKENS:     # one native call: see fast/deltanet.py
+            conv_states, states = cache.state_refs(layer["index"], rows)
+            conv_inputs, final, steps, gated = self.native.mix(layer["native"], proj, conv_states, rows, states,
+                                                               widths)
+            cache.record(layer["index"], rows, starts, widths, conv_inputs, final, steps)
+            return layer["out"](gated)
+        qkv, z, b, a = proj.split([conv_dim, hv * dv, hv, hv], dim=-1)
         conv_state, state = cache.states(layer["index"], rows)               # [B, C, K-1], [B, Hv, dk, dv]
         conv_inputs = torch.cat([conv_state, qkv.transpose(1, 2)], dim=2)     # [B, C, K-1+T]
         if num_tokens <= RECURRENT_TOKENS:    # a few windows: a product and a sum (conv1d's call costs more)
