@@ -49,14 +49,6 @@ static inline float dn_ld(const void *p, size_t i, int bf) {
     memcpy(&x, &u, 4);
     return x;
 }
-static inline void dn_st(void *p, size_t i, int bf, float x) {
-    if (!bf) { ((float *)p)[i] = x; return; }
-    x = dn_round(x, 1);
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    ((bf16 *)p)[i] = (bf16)(u >> 16);
-}
-
 /* 16 floats from p, lanes past n - i ... zero (a head's tail when its size is no multiple of 16) */
 static inline __m512 dn_ldv(const float *p, int i, int n) { return _mm512_maskz_loadu_ps(lanes(n - i), p + i); }
 static inline void dn_stv(float *p, int i, int n, __m512 v) { _mm512_mask_storeu_ps(p + i, lanes(n - i), v); }
@@ -77,8 +69,18 @@ static inline float dn_dot(const float *a, const float *b, int n) {
     return _mm512_reduce_add_ps(s);
 }
 
+/* a non-temporal store of 16 floats at a 64-byte aligned address */
+static inline void dn_stream(float *p, __m512 v) {
 #if defined(__AVX512F__)
-#define DN_JB 4                 /* 16-lane column blocks per sweep of the state (2 accumulators each) */
+    _mm512_stream_ps(p, v);
+#else
+    _mm256_stream_ps(p, sd_lo(v));
+    _mm256_stream_ps(p + 8, sd_hi(v));
+#endif
+}
+
+#if defined(__AVX512F__)
+#define DN_JB 8                 /* 16-lane column blocks per sweep of the state (2 accumulators each): a head of 128 in one */
 #else
 #define DN_JB 2                 /* AVX2: SIMDe's 512-bit vectors are two registers each */
 #endif
@@ -87,7 +89,7 @@ static inline float dn_dot(const float *a, const float *b, int n) {
  *   S' = S exp(g);  delta = beta (v - S'^T k);  Sn = S' + k delta^T;  out = S'^T q + (q . k) delta.
  * S [dk, dv] is read, Sn written (Sn may be S). out [dv]. */
 static void delta_token(const float *S, float *Sn, const float *q, const float *k, const float *v, float g,
-                        float beta, float *out, int dk, int dv) {
+                        float beta, float *out, int dk, int dv, int stream) {
     const float scale = expf(g), qk = dn_dot(q, k, dk);
     float delta[dv];
     const __m512 vs = _mm512_set1_ps(scale), vb = _mm512_set1_ps(beta), vqk = _mm512_set1_ps(qk);
@@ -113,27 +115,51 @@ static void delta_token(const float *S, float *Sn, const float *q, const float *
             dn_stv(out, j, dv, _mm512_add_ps(_mm512_mul_ps(aq[u], vs), _mm512_mul_ps(vqk, d)));
         }
     }
+    /* the last token of a pass streams its state out past the caches (no read for ownership of the new
+     * buffer; the next pass reads it after a step's weights have gone through the caches anyway) */
+    const int nt = stream && dv % 16 == 0 && ((uintptr_t)Sn & 63) == 0;
     for (int i = 0; i < dk; i++) {
         const float *row = S + (size_t)i * dv;
         float *dst = Sn + (size_t)i * dv;
         const __m512 ki = _mm512_set1_ps(k[i]);
-        for (int j = 0; j < dv; j += 16)
-            dn_stv(dst, j, dv, _mm512_fmadd_ps(ki, dn_ldv(delta, j, dv), _mm512_mul_ps(dn_ldv(row, j, dv), vs)));
+        for (int j = 0; j < dv; j += 16) {
+            __m512 y = _mm512_fmadd_ps(ki, dn_ldv(delta, j, dv), _mm512_mul_ps(dn_ldv(row, j, dv), vs));
+            if (nt) dn_stream(dst + j, y);
+            else dn_stv(dst, j, dv, y);
+        }
     }
 }
 
-/* The conv window of n channels c0.. of one row: win [K-1+T, n] (the conv state, then the T inputs),
+/* conv_out rows [n, K-1+T] <- the state rows [n, K-1], then the inputs (token-major, row stride ldp) */
+#define DN_COPY_WINDOW(name, type)                                                                      \
+    static void name(type *o, const type *st, const type *in, int n, int K1, int T, int ldp) {         \
+        for (int c = 0; c < n; c++, o += K1 + T, st += K1) {                                            \
+            for (int j = 0; j < K1; j++) o[j] = st[j];                                                  \
+            for (int t = 0; t < T; t++) o[K1 + t] = in[(size_t)t * ldp + c];                            \
+        }                                                                                               \
+    }
+DN_COPY_WINDOW(dn_copy_window16, bf16)
+DN_COPY_WINDOW(dn_copy_window32, uint32_t)
+
+/* The conv window of n channels c0.. of one row: win [K-1+T, n] (the conv state, then the T inputs;
+ * K-1 more rows of scratch after it),
  * copied to conv_out [C, K-1+T] when not NULL; mixed [T, n] = rnd(silu(sum_j win[t+j] w[j])). */
 static void dn_conv(const sd_dn_layer *L, const void *cstate, const void *proj, int ldp, int c0, int n, int C,
                     int T, float *win, float *mixed, void *conv_out) {
-    const int K1 = L->kernel - 1, W = K1 + T, bf = L->bf;
-    for (int j = 0; j < K1; j++)
-        for (int c = 0; c < n; c++) win[j * n + c] = dn_ld(cstate, (size_t)(c0 + c) * K1 + j, bf);
-    for (int t = 0; t < T; t++)
-        for (int c = 0; c < n; c++) win[(K1 + t) * n + c] = dn_ld(proj, (size_t)t * ldp + c0 + c, bf);
-    if (conv_out)
-        for (int c = 0; c < n; c++)
-            for (int j = 0; j < W; j++) dn_st(conv_out, (size_t)(c0 + c) * W + j, bf, win[j * n + c]);
+    const int K1 = L->kernel - 1, W = K1 + T, bf = L->bf, esz = bf ? 2 : 4;
+    const char *st = (const char *)cstate + (size_t)c0 * K1 * esz, *pr = (const char *)proj + (size_t)c0 * esz;
+    float *flat = win + (size_t)W * n;                            /* the state [n, K-1] as floats */
+    for (int i = 0; i < n * K1; i += 16) dn_stv(flat, i, n * K1, ld16(st, i, bf, lanes(n * K1 - i)));
+    for (int c = 0; c < n; c++)                                   /* win[j, c] = state[c, j] */
+        for (int j = 0; j < K1; j++) win[(size_t)j * n + c] = flat[(size_t)c * K1 + j];
+    for (int t = 0; t < T; t++)                                   /* the inputs: token-major */
+        for (int c = 0; c < n; c += 16)
+            dn_stv(win + (size_t)(K1 + t) * n, c, n, ld16(pr, (size_t)t * ldp + c, bf, lanes(n - c)));
+    if (conv_out) {                                               /* copies of the elements as they are */
+        if (bf) dn_copy_window16((bf16 *)conv_out + (size_t)c0 * W, (const bf16 *)st, (const bf16 *)pr, n, K1, T, ldp);
+        else dn_copy_window32((uint32_t *)conv_out + (size_t)c0 * W, (const uint32_t *)st, (const uint32_t *)pr, n,
+                              K1, T, ldp);
+    }
     for (int t = 0; t < T; t++) {
         float *m = mixed + (size_t)t * n;
         for (int c = 0; c < n; c += 16) {
@@ -167,7 +193,7 @@ static void dn_item(const sd_dn_layer *L, int b, int h, int T, const void *proj,
     const int kh = L->tiled ? h % hk : h / group;                       /* this value head's q / k head */
     const int owner = L->tiled ? h < hk : h % group == 0;               /* writes the q / k conv inputs */
     const size_t row_in = (size_t)b * T * ldp;
-    float *win = work, *mq = win + (size_t)(K1 + T) * (dk > dv ? dk : dv), *mk = mq + (size_t)T * dk, *mv = mk + (size_t)T * dk;
+    float *win = work, *mq = win + (size_t)(2 * K1 + T) * (dk > dv ? dk : dv), *mk = mq + (size_t)T * dk, *mv = mk + (size_t)T * dk;
     float *out = mv + (size_t)T * dv, *z = out + dv;
     void *cout = conv_out ? (char *)conv_out + (size_t)b * C * (K1 + T) * (bf ? 2 : 4) : NULL;
     const char *pr = (const char *)proj + row_in * (bf ? 2 : 4);
@@ -193,15 +219,19 @@ static void dn_item(const sd_dn_layer *L, int b, int h, int T, const void *proj,
         memcpy(vo + th * dv, v, (size_t)dv * 4);
         go[th] = g;
         bo[th] = beta;
-        delta_token(t ? Sn : S, Sn, q, k, v, g, beta, out, dk, dv);
+        delta_token(t ? Sn : S, Sn, q, k, v, g, beta, out, dk, dv, t == T - 1);
         /* gated RMS norm: rnd(rnd(rnd(rms_norm(rnd(out))) * w) * silu(z)) */
-        for (int j = 0; j < dv; j++) out[j] = dn_round(out[j], bf);
-        const float r = 1.f / sqrtf(dn_dot(out, out, dv) / (float)dv + L->eps);
-        for (int j = 0; j < dv; j++) z[j] = dn_ld(pr, (size_t)t * ldp + C + h * dv + j, bf);
+        const size_t zo = (size_t)t * ldp + C + h * dv;
+        for (int j = 0; j < dv; j += 16) {
+            dn_stv(out, j, dv, rnd(dn_ldv(out, j, dv), bf));
+            dn_stv(z, j, dv, ld16(pr, zo + j, bf, lanes(dv - j)));
+        }
+        const __m512 r = _mm512_set1_ps(1.f / sqrtf(dn_dot(out, out, dv) / (float)dv + L->eps));
         dn_silu(z, dv);
-        for (int j = 0; j < dv; j++) {
-            const float normed = dn_round(dn_round(out[j] * r, bf) * dn_ld(wn, j, bf), bf);
-            dn_st(gated, th * dv + j, bf, normed * z[j]);
+        for (int j = 0; j < dv; j += 16) {
+            const __mmask16 m = lanes(dv - j);
+            __m512 normed = rnd(_mm512_mul_ps(rnd(_mm512_mul_ps(dn_ldv(out, j, dv), r), bf), ld16(wn, j, bf, m)), bf);
+            st16(gated, th * dv + j, bf, m, _mm512_mul_ps(normed, dn_ldv(z, j, dv)));
         }
     }
 }
@@ -219,7 +249,7 @@ int sd_deltanet(const sd_dn_layer *L, int B, int T, const void *proj, int ldp, c
     if (T < 1 || T > SD_DN_MAX_T) return -1;
     const int hv = L->hv, dk = L->dk, dv = L->dv, K1 = L->kernel - 1, esz = L->bf ? 2 : 4;
     const int C = 2 * L->hk * dk + hv * dv;
-    const size_t per = (size_t)(K1 + T) * (dk > dv ? dk : dv) + (size_t)T * (2 * dk + dv) + 2 * (size_t)dv;
+    const size_t per = (size_t)(2 * K1 + T) * (dk > dv ? dk : dv) + (size_t)T * (2 * dk + dv) + 2 * (size_t)dv;
     const int items = B * hv;
     #pragma omp parallel num_threads(nt < items ? nt : items)
     {
@@ -233,6 +263,7 @@ int sd_deltanet(const sd_dn_layer *L, int B, int T, const void *proj, int ldp, c
                     final + ((size_t)b * hv + h) * dk * dv, gated, work);
         }
         free(work);
+        _mm_sfence();                 /* the streamed states are visible before the call returns */
     }
     return 0;
 }
@@ -250,9 +281,10 @@ void sd_delta_rule(const float *S, float *Sn, int T, int H, int dk, int dv, cons
             for (int t = 0; t < T; t++) {
                 const size_t th = (size_t)t * H + h;
                 delta_token(t ? Sn + sh : S + sh, Sn + sh, q + th * dk, k + th * dk, v + th * dv, g[th], beta[th],
-                            out, dk, dv);
+                            out, dk, dv, t == T - 1);
             }
         }
         free(out);
+        _mm_sfence();
     }
 }

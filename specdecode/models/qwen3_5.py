@@ -57,6 +57,10 @@ class Qwen35Transformer(Transformer):
             state_index, kv_index = state_index + linear, kv_index + (not linear)
         self.num_attention_layers, self.num_recurrent_layers = kv_index, state_index
         self.native = self._native_delta_net(make_linear)
+        ops = getattr(make_linear, "row_ops", None)
+        self.ops = ops() if ops is not None and self.device.type == "cpu" else None   # native norms etc.
+        if self.ops is not None and not self.ops.supports(self.dtype):
+            self.ops = None
         self.final_norm = self._norm(weights["model.norm.weight"])
         head = weights.get("lm_head.weight")
         if head is None or (c.tie_word_embeddings and not isinstance(head, QuantWeight)):
@@ -182,8 +186,9 @@ class Qwen35Transformer(Transformer):
             if layer["kind"] == "linear":
                 mix = partial(self._delta_net, layer, cache=cache, rows=rows, starts=starts, widths=widths)
             else:
-                mix = partial(gated_attention, layer, c, cos=cos, sin=sin, attend=partial(attend, layer["index"]))
-            hidden = decoder_layer(layer, c.rms_norm_eps, hidden, mix)
+                mix = partial(gated_attention, layer, c, cos=cos, sin=sin, attend=partial(attend, layer["index"]),
+                              ops=self.ops)
+            hidden = decoder_layer(layer, c.rms_norm_eps, hidden, mix, self.ops)
         return hidden
 
     def _delta_net(self, layer: dict, x: torch.Tensor, cache: HybridCache, rows: list[int], starts: list[int],
@@ -233,14 +238,21 @@ class Qwen35Transformer(Transformer):
         return layer["out"](gated.reshape(batch, num_tokens, hv * dv))
 
     def _final(self, hidden: torch.Tensor, head=None) -> torch.Tensor:
-        hidden = fp32_rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        eps = self.config.rms_norm_eps
+        hidden = fp32_rms_norm(hidden, self.final_norm, eps) if self.ops is None else \
+            self.ops.rms_norm(hidden.contiguous(), self.final_norm, eps)
         return (self.lm_head if head is None else head)(hidden).float()
 
 
 def decoder_layer(layer: dict, eps: float, hidden: torch.Tensor,      # [B, T, D]
-                  mix: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                  mix: Callable[[torch.Tensor], torch.Tensor], ops=None) -> torch.Tensor:
     """One layer: hidden + mix(norm(hidden)) (the token mixer: DeltaNet or gated attention),
-    then hidden + the SwiGLU MLP of norm(hidden)."""
+    then hidden + the SwiGLU MLP of norm(hidden). `ops`: the native row ops (fast/rowops.py), or
+    None for torch's."""
+    if ops is not None:
+        hidden, x = ops.add_rms_norm(hidden, mix(ops.rms_norm(hidden, layer["attn_norm"], eps)), layer["mlp_norm"],
+                                     eps)
+        return hidden + layer["down"](ops.silu_mul(layer["gate_up"](x)))
     hidden = hidden + mix(fp32_rms_norm(hidden, layer["attn_norm"], eps))
     x = fp32_rms_norm(hidden, layer["mlp_norm"], eps)
     gate, up = layer["gate_up"](x).chunk(2, dim=-1)
@@ -249,13 +261,23 @@ def decoder_layer(layer: dict, eps: float, hidden: torch.Tensor,      # [B, T, D
 
 def gated_attention(layer: dict, c, x: torch.Tensor,     # c: num_heads, num_kv_heads, head_dim, rms_norm_eps
                     cos: torch.Tensor, sin: torch.Tensor,  # broadcastable to [B, heads, T, rotary_dim]
-                    attend: Callable) -> torch.Tensor:     # (q, k, v) -> [B, H, T, hd]; it keeps the keys
+                    attend: Callable,      # (q, k, v) -> [B, H, T, hd]; it keeps the keys
+                    ops=None) -> torch.Tensor:     # the native row ops (fast/rowops.py), or None: torch's
     """A gated attention layer's output for its normed input x [B, T, D]: q heads carry a gate,
     out = o(attention * sigmoid(gate)); q and k heads are normalized, then RoPE'd (partially)."""
     batch, num_tokens, _ = x.shape
     q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     q_gate, k, v = layer["qkv"](x).split([2 * q_size, kv_size, kv_size], dim=-1)
     q, gate = q_gate.view(batch, num_tokens, c.num_heads, 2 * c.head_dim).chunk(2, dim=-1)
+    if ops is not None:           # norm + RoPE of each head in one call, the gate in another
+        rot = cos.shape[-1]
+        cos, sin = cos.reshape(-1, rot), sin.reshape(-1, rot)           # [T or B*T, rot]: row of (b, t)
+        q = ops.rms_norm(q, layer["q_norm"], c.rms_norm_eps, cos, sin).transpose(1, 2)           # [B, H, T, hd]
+        k = ops.rms_norm(k.view(batch, num_tokens, c.num_kv_heads, c.head_dim), layer["k_norm"], c.rms_norm_eps,
+                         cos, sin).transpose(1, 2)
+        v = v.view(batch, num_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        attn = attend(q, k, v).transpose(1, 2).contiguous()                                     # [B, T, H, hd]
+        return layer["o"](ops.sigmoid_gate(attn, gate).view(batch, num_tokens, q_size))
     q = fp32_rms_norm(q, layer["q_norm"], c.rms_norm_eps).transpose(1, 2)          # [B, H, T, hd]
     k = fp32_rms_norm(k.view(batch, num_tokens, c.num_kv_heads, c.head_dim), layer["k_norm"],
                       c.rms_norm_eps).transpose(1, 2)

@@ -119,3 +119,36 @@ def test_replay_is_the_bits_of_a_pass(lin):
         assert torch.allclose(replayed, _replay(start_state, rec[0].steps[0], kept), atol=1e-5, rtol=1e-4)
     cache.truncate(0, 10 + 4)
     assert torch.equal(cache.ssm[0][0], native.replay(start_state, rec[0].steps[0], 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_row_ops_equal_the_eager_ones(dtype):
+    """fast/rowops.py against the torch ops models/qwen3_5.py runs without it: fp32 norms (over a
+    fused projection's strided heads, with partial RoPE), the residual add + norm, SwiGLU, the gate."""
+    from specdecode.fast.rowops import row_ops
+    from specdecode.models.gemma import fp32_rms_norm
+    from specdecode.models.transformer import apply_rope
+    ops = row_ops()
+    g = torch.Generator().manual_seed(3)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    batch, num_tokens, heads, hd, rot, eps = 2, 3, 4, 40, 10, 1e-6
+    weight = 1 + 0.3 * torch.randn(hd, generator=g)
+    fused = torch.randn(batch, num_tokens, heads * 2 * hd + 24, generator=g).to(dtype)
+    q = fused[..., :heads * 2 * hd].view(batch, num_tokens, heads, 2 * hd)[..., hd:]     # strided heads
+    angles = torch.randn(batch * num_tokens, rot // 2, generator=g).repeat(1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)                          # [B*T, rot]
+    eager = apply_rope(fp32_rms_norm(q, weight, eps).transpose(1, 2), cos.view(batch, 1, num_tokens, rot),
+                       sin.view(batch, 1, num_tokens, rot)).transpose(1, 2)
+    assert torch.allclose(ops.rms_norm(q, weight, eps, cos, sin).float(), eager.float(), **tol)
+    one = q[:, :1]                                                                     # T = 1: any stride
+    assert torch.allclose(ops.rms_norm(one, weight, eps).float(), fp32_rms_norm(one, weight, eps).float(), **tol)
+    hidden, delta = (torch.randn(batch, num_tokens, 48, generator=g).to(dtype) for _ in range(2))
+    w48 = 1 + 0.3 * torch.randn(48, generator=g)
+    total, normed = ops.add_rms_norm(hidden, delta, w48, eps)
+    assert torch.equal(total, hidden + delta)
+    assert torch.allclose(normed.float(), fp32_rms_norm(hidden + delta, w48, eps).float(), **tol)
+    gate_up = torch.randn(batch, num_tokens, 2 * 72, generator=g).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.allclose(ops.silu_mul(gate_up).float(), (torch.nn.functional.silu(gate) * up).float(), **tol)
+    attn = torch.randn(batch, num_tokens, heads, hd, generator=g).to(dtype)
+    assert torch.allclose(ops.sigmoid_gate(attn, q).float(), (attn * torch.sigmoid(q)).float(), **tol)
