@@ -73,3 +73,51 @@ void sd_sigmoid_gate(const void *a, const void *g, int n0, long s0, int n1, long
             }
         }
 }
+
+/* A short chain pass's attention over a cache (decoder_attn.c's attend_pairs, no window, no cap): writes
+ * the pass's keys and values k, v [B, T, KVH, HD] at slots starts[b] + t, then out [B, T, H, HD] =
+ * softmax(q k^T * scale) v for q [B, T, H, HD] (all contiguous, model dtype), token t of row b seeing
+ * keys 0 .. starts[b] + t. The cache: layer bases kbase / vbase and a CacheLayout's geometry (tables
+ * [B, tw] int32). Returns 0, or -1 on bad arguments. */
+int sd_chain_attention(const void *q, const void *k, const void *v, void *kbase, void *vbase, const int32_t *tables,
+                       int tw, int block, long block_stride, long key_stride, long head_stride, int B, int T, int H,
+                       int KVH, int HD, const int64_t *starts, float scale, int bf, void *out, int nt) {
+    if (HD % 16 || HD > 256 || H % KVH || T < 1) return -1;
+    const int esz = bf ? 2 : 4, group = H / KVH;
+    long maxlen = 0;
+    for (int b = 0; b < B; b++) {
+        if (starts[b] < 0 || (starts[b] + T + block - 1) / block > tw) return -1;
+        if (starts[b] + T > maxlen) maxlen = starts[b] + T;
+    }
+    const sd_kv kv = {NULL, NULL, tables, tw, block, block_stride, key_stride, head_stride};
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++)
+            for (int h = 0; h < KVH; h++) {
+                const size_t src = (((size_t)b * T + t) * KVH + h) * HD * esz;
+                const size_t dst = kv_off(&kv, tables + (size_t)b * tw, (int)starts[b] + t, h) * esz;
+                memcpy((char *)kbase + dst, (const char *)k + src, (size_t)HD * esz);
+                memcpy((char *)vbase + dst, (const char *)v + src, (size_t)HD * esz);
+            }
+    reduce16_init();
+    const int per = T * group, chunks = (per + SD_ATT_PAIRS - 1) / SD_ATT_PAIRS, items = B * KVH * chunks;
+    const int score_len = (int)((maxlen + 17 + 15) / 16 * 16);
+    #pragma omp parallel num_threads(nt < items ? nt : items)
+    {
+        float *scores = aligned_alloc(64, (size_t)SD_ATT_PAIRS * score_len * sizeof(float));
+        #pragma omp for schedule(static)
+        for (int it = 0; it < items; it++) {
+            const int b = it / (KVH * chunks), kvh = it / chunks % KVH, c0 = it % chunks * SD_ATT_PAIRS;
+            att_pair pr[SD_ATT_PAIRS];
+            int n = 0;
+            for (int u = c0; u < per && n < SD_ATT_PAIRS; u++, n++) {   /* pair u: token u / group, head */
+                const int t = u / group, h = kvh * group + u % group, len = (int)starts[b] + t + 1;
+                const size_t at = (((size_t)b * T + t) * H + h) * HD * esz;
+                pr[n] = (att_pair){(const char *)q + at, (char *)out + at, len, len, NULL};
+            }
+            attend_pairs(pr, n, kbase, vbase, &kv, tables + (size_t)b * tw, kvh, 0, HD, scale, 0.f, bf, scores,
+                         score_len);
+        }
+        free(scores);
+    }
+    return 0;
+}

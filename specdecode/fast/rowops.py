@@ -57,6 +57,9 @@ class RowOps:
         self._gate.argtypes = [P, P, I, L, I, L, I, I, P]
         for f in (self._norm, self._add_norm, self._silu_mul, self._gate):
             f.restype = None
+        self._attend = lib.sd_chain_attention
+        self._attend.argtypes = [P, P, P, P, P, P, I, I, L, L, L, I, I, I, I, I, P, F, I, P, I]
+        self._attend.restype = I
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -99,4 +102,23 @@ class RowOps:
         out = torch.empty_like(attn)
         self._gate(attn.data_ptr(), gate.data_ptr(), n0, s0, n1, s1, gate.shape[-1],
                    int(attn.dtype == torch.bfloat16), out.data_ptr())
+        return out
+
+    def chain_attention(self, q: Tensor,                # [B, T, H, hd] contiguous (normed, roped)
+                        k: Tensor, v: Tensor,           # [B, T, KVH, hd] contiguous
+                        layout, layer: int,             # the cache's CacheLayout of this pass, its layer
+                        starts: list[int], scale: float) -> Tensor:     # -> [B, T, H, hd]
+        """A chain pass's attention over the cache: writes k, v at each row's slots from its start,
+        then token t of row b attends to the row's keys 0 .. starts[b] + t (no mask tensor)."""
+        batch, num_tokens, heads, hd = q.shape
+        kv_heads = k.shape[2]
+        out = torch.empty_like(q)
+        tables = layout.tables.contiguous()
+        begin = (ctypes.c_int64 * batch)(*starts)
+        if self._attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), layout.keys[layer].data_ptr(),
+                        layout.values[layer].data_ptr(), tables.data_ptr(), tables.shape[1], layout.block,
+                        layout.block_stride, layout.key_stride, layout.head_stride, batch, num_tokens, heads,
+                        kv_heads, hd, begin, scale, int(q.dtype == torch.bfloat16), out.data_ptr(),
+                        torch.get_num_threads()):
+            raise ValueError(f"sd_chain_attention rejected q {tuple(q.shape)}, k {tuple(k.shape)}, starts {starts}")
         return out

@@ -177,7 +177,16 @@ class Qwen35Transformer(Transformer):
         starts, widths = fb.starts(), fb.lengths or [num_tokens] * batch
         hidden = F.embedding(fb.tokens, self.embed)                          # [B, T, D]
 
+        layout = []                   # the native attention's cache layout, made by its first layer
+
         def attend(index: int, q, k, v):
+            if self.ops is not None and num_tokens <= RECURRENT_TOKENS:    # natively, as the DeltaNet layers
+                if not layout:
+                    layout.append(cache.layout(rows, starts, num_tokens))
+                out = self.ops.chain_attention(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
+                                               v.transpose(1, 2).contiguous(),
+                                               layout[0], index, starts, c.head_dim ** -0.5)
+                return out.transpose(1, 2)
             keys, values = cache.write(index, fb.rows, fb.start, k, v)
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         for index, layer in enumerate(self.layers):

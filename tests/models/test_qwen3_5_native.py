@@ -152,3 +152,38 @@ def test_row_ops_equal_the_eager_ones(dtype):
     assert torch.allclose(ops.silu_mul(gate_up).float(), (torch.nn.functional.silu(gate) * up).float(), **tol)
     attn = torch.randn(batch, num_tokens, heads, hd, generator=g).to(dtype)
     assert torch.allclose(ops.sigmoid_gate(attn, q).float(), (attn * torch.sigmoid(q)).float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chain_attention_equals_sdpa_over_the_cache(dtype):
+    """The native attention of a short chain pass (rows at different lengths, paged blocks) against
+    the eager cache write + scaled_dot_product_attention with the chain's causal mask."""
+    from specdecode.fast.rowops import row_ops
+    ops = row_ops()
+    g = torch.Generator().manual_seed(4)
+    batch, num_tokens, heads, kv_heads, hd, starts = 2, 3, 4, 2, 32, [21, 5]
+    caches = [HybridCache(1, 1, 8, KERNEL, 1, 16, 16, batch, kv_heads, hd, 64, 16, 16, dtype) for _ in range(2)]
+    for cache in caches:
+        for row, start in enumerate(starts):
+            cache.reserve(row, 40)
+            cache.truncate(row, start)
+    history = torch.randn(2, batch, kv_heads, max(starts), hd, generator=g).to(dtype)
+    for cache in caches:                                 # the same earlier keys and values in both
+        for row, start in enumerate(starts):
+            cache.write(0, torch.tensor([row]), 0, history[0, row:row + 1, :, :start],
+                        history[1, row:row + 1, :, :start])
+    q = torch.randn(batch, num_tokens, heads, hd, generator=g).to(dtype)
+    k, v = (torch.randn(batch, num_tokens, kv_heads, hd, generator=g).to(dtype) for _ in range(2))
+    layout = caches[0].layout([0, 1], starts, num_tokens)
+    fast = ops.chain_attention(q, k, v, layout, 0, starts, hd ** -0.5)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for row, start in enumerate(starts):
+        keys, values = caches[1].write(0, torch.tensor([row]), start, k[row:row + 1].transpose(1, 2),
+                                       v[row:row + 1].transpose(1, 2))
+        mask = torch.arange(keys.shape[2])[None, :] <= start + torch.arange(num_tokens)[:, None]
+        eager = torch.nn.functional.scaled_dot_product_attention(q[row:row + 1].transpose(1, 2), keys, values,
+                                                                 attn_mask=mask, enable_gqa=True)
+        assert torch.allclose(fast[row].float(), eager[0].transpose(0, 1).float(), **tol), row
+        stored = layout.keys[0].view(-1, kv_heads, hd)
+        slot = int(layout.tables[row, (start + 1) // 16]) * 16 + (start + 1) % 16
+        assert torch.equal(stored[slot], k[row, 1])                     # the pass's keys are written
