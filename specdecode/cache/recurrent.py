@@ -41,7 +41,7 @@ class HybridCache(PagedKVCache):
     def __init__(self, num_attention_layers: int, num_recurrent_layers: int, conv_dim: int, conv_kernel: int,
                  heads: int, key_dim: int, value_dim: int, num_rows: int, num_kv_heads: int, head_dim: int,
                  max_len: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", replay=None) -> None:
         super().__init__(max(num_attention_layers, 1), num_rows, num_kv_heads, head_dim, max_len, num_blocks,
                          block_size, dtype, device)
         self.state_shapes = ((conv_dim, conv_kernel - 1), (heads, key_dim, value_dim))
@@ -50,6 +50,9 @@ class HybridCache(PagedKVCache):
         # per layer, one [heads, dk, dv] tensor per row: `truncate` takes a pass's final state as it is
         self.ssm = [[self._new_state(device) for _ in range(num_rows)] for _ in range(num_recurrent_layers)]
         self.passes: dict[int, Pending] = {}     # row -> its last pass, until truncate
+        # (state, steps, kept) -> the state after `kept` steps: the model's own delta rule (the native one
+        # where its passes run natively, so a replayed state is the bits a pass would compute), else delta_step
+        self.replay = replay or _replay
 
     # ------------------------------------------------------------ read by a pass
     def states(self, layer: int, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,6 +62,11 @@ class HybridCache(PagedKVCache):
         if len(rows) == 1:
             return self.conv[layer][rows[0]:rows[0] + 1], ssm[rows[0]][None]
         return self.conv[layer][torch.tensor(rows, dtype=torch.long)], torch.stack([ssm[r] for r in rows])
+
+    def state_refs(self, layer: int, rows: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The same states uncopied, for a native pass: the layer's conv states of every row
+        [rows, conv_dim, kernel-1] and the [heads, dk, dv] state of each of `rows` (to read only)."""
+        return self.conv[layer], [self.ssm[layer][r] for r in rows]
 
     def record(self, layer: int, rows: list[int], starts: list[int], widths: list[int],
                conv_inputs: torch.Tensor,      # [B, conv_dim, kernel-1 + T]
@@ -91,10 +99,7 @@ class HybridCache(PagedKVCache):
                 if kept == p.width:
                     self.ssm[layer][row] = p.finals[layer].contiguous()       # no copy: the pass's own
                 else:                                     # the row's state is still the pass's start
-                    state = self.ssm[layer][row]
-                    for t in range(kept):
-                        state = delta_step(state, *(x[t] for x in p.steps[layer]))[0]
-                    self.ssm[layer][row] = state
+                    self.ssm[layer][row] = self.replay(self.ssm[layer][row], p.steps[layer], kept)
 
     def release(self, row: int) -> None:
         super().release(row)
@@ -126,6 +131,13 @@ class HybridCache(PagedKVCache):
 
     def _new_state(self, device) -> torch.Tensor:
         return torch.zeros(self.state_shapes[1], dtype=torch.float32, device=device)   # [heads, dk, dv]
+
+
+def _replay(state: torch.Tensor, steps: tuple, kept: int) -> torch.Tensor:
+    """The state after the first `kept` of a pass's steps (queries, keys, values, decay, beta), by delta_step."""
+    for t in range(kept):
+        state = delta_step(state, *(x[t] for x in steps))[0]
+    return state
 
 
 def delta_step(state: torch.Tensor,   # [..., H, dk, dv] float32, contiguous

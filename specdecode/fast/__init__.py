@@ -35,6 +35,26 @@ def fused_decoder(model):
 make_linear.fused_decoder = fused_decoder
 
 
+def delta_net_kernels():
+    """The native Gated DeltaNet kernels (deltanet.py), None if unavailable. Qwen35Transformer.__init__
+    calls this through `make_linear.delta_net`."""
+    from .deltanet import kernels
+    return kernels()
+
+
+make_linear.delta_net = delta_net_kernels
+
+
+def row_ops():
+    """The native per-row ops (rowops.py: norms, SwiGLU, the attention gate), None if unavailable.
+    Qwen35Transformer.__init__ calls this through `make_linear.row_ops`."""
+    from .rowops import row_ops as _row_ops
+    return _row_ops()
+
+
+make_linear.row_ops = row_ops
+
+
 def top_k_indices(values: torch.Tensor,          # [..., n] float32 (a step's logits)
                   k: int) -> torch.Tensor:       # -> [..., k] int64, best first
     """Indices of the k largest values along the last dimension, best first: the native scan on a

@@ -481,3 +481,9 @@ void sd_topk_f32(const float *x, int rows, int n, int k, int64_t *out) {
 
 /* ---------------------------------------------------------------- fused decoder */
 #include "decoder.c"
+
+/* ---------------------------------------------------------------- Gated DeltaNet token mixing */
+#include "deltanet.c"
+
+/* ---------------------------------------------------------------- row ops around native projections */
+#include "rowops.c"

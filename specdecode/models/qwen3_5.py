@@ -56,6 +56,11 @@ class Qwen35Transformer(Transformer):
                                            make_linear))
             state_index, kv_index = state_index + linear, kv_index + (not linear)
         self.num_attention_layers, self.num_recurrent_layers = kv_index, state_index
+        self.native = self._native_delta_net(make_linear)
+        ops = getattr(make_linear, "row_ops", None)
+        self.ops = ops() if ops is not None and self.device.type == "cpu" else None   # native norms etc.
+        if self.ops is not None and not self.ops.supports(self.dtype):
+            self.ops = None
         self.final_norm = self._norm(weights["model.norm.weight"])
         head = weights.get("lm_head.weight")
         if head is None or (c.tie_word_embeddings and not isinstance(head, QuantWeight)):
@@ -75,6 +80,19 @@ class Qwen35Transformer(Transformer):
         self.rope_sin = angles.sin().to(self.dtype).to(self.device)
         self.fused = None
         self._skip_decoders: dict = {}
+
+    def _native_delta_net(self, make_linear):
+        """The native DeltaNet kernels (fast/deltanet.py) for short passes, each linear layer's
+        constants under "native"; None (eager) where make_linear has none or they cannot run this model."""
+        loader = getattr(make_linear, "delta_net", None)
+        native = loader() if loader is not None and self.device.type == "cpu" else None
+        if native is None or native.supports(self.config.linear_attention, self.dtype) is not None:
+            return None
+        for layer in self.layers:
+            if layer["kind"] == "linear":
+                layer["native"] = native.layer(layer, self.config.linear_attention, self.config.rms_norm_eps,
+                                               self.dtype)
+        return native
 
     @staticmethod
     def _norm(weight: torch.Tensor) -> torch.Tensor:
@@ -139,7 +157,8 @@ class Qwen35Transformer(Transformer):
         conv_dim = 2 * lin["key_heads"] * lin["key_dim"] + lin["value_heads"] * lin["value_dim"]
         return HybridCache(self.num_attention_layers, self.num_recurrent_layers, conv_dim, self.kernel,
                            lin["value_heads"], lin["key_dim"], lin["value_dim"], rows, c.num_kv_heads, c.head_dim,
-                           max_len, num_blocks, block_size, self.dtype, self.device)
+                           max_len, num_blocks, block_size, self.dtype, self.device,
+                           replay=self.native.replay if self.native is not None else None)
 
     def new_cache(self, batch_size: int, max_len: int):
         raise ModelError("a Qwen3.5 model runs on its paged hybrid cache (new_paged_cache)")
@@ -158,7 +177,16 @@ class Qwen35Transformer(Transformer):
         starts, widths = fb.starts(), fb.lengths or [num_tokens] * batch
         hidden = F.embedding(fb.tokens, self.embed)                          # [B, T, D]
 
+        layout = []                   # the native attention's cache layout, made by its first layer
+
         def attend(index: int, q, k, v):
+            if self.ops is not None and num_tokens <= RECURRENT_TOKENS:    # natively, as the DeltaNet layers
+                if not layout:
+                    layout.append(cache.layout(rows, starts, num_tokens))
+                out = self.ops.chain_attention(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
+                                               v.transpose(1, 2).contiguous(),
+                                               layout[0], index, starts, c.head_dim ** -0.5)
+                return out.transpose(1, 2)
             keys, values = cache.write(index, fb.rows, fb.start, k, v)
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         for index, layer in enumerate(self.layers):
@@ -167,8 +195,9 @@ class Qwen35Transformer(Transformer):
             if layer["kind"] == "linear":
                 mix = partial(self._delta_net, layer, cache=cache, rows=rows, starts=starts, widths=widths)
             else:
-                mix = partial(gated_attention, layer, c, cos=cos, sin=sin, attend=partial(attend, layer["index"]))
-            hidden = decoder_layer(layer, c.rms_norm_eps, hidden, mix)
+                mix = partial(gated_attention, layer, c, cos=cos, sin=sin, attend=partial(attend, layer["index"]),
+                              ops=self.ops)
+            hidden = decoder_layer(layer, c.rms_norm_eps, hidden, mix, self.ops)
         return hidden
 
     def _delta_net(self, layer: dict, x: torch.Tensor, cache: HybridCache, rows: list[int], starts: list[int],
@@ -177,7 +206,14 @@ class Qwen35Transformer(Transformer):
         batch, num_tokens, _ = x.shape
         hk, hv, dk, dv = lin["key_heads"], lin["value_heads"], lin["key_dim"], lin["value_dim"]
         conv_dim = 2 * hk * dk + hv * dv
-        qkv, z, b, a = layer["inputs"](x).split([conv_dim, hv * dv, hv, hv], dim=-1)
+        proj = layer["inputs"](x)                                            # [B, T, conv_dim + hv*dv + 2 hv]
+        if self.native is not None and num_tokens <= RECURRENT_TOKENS:     # one native call: see fast/deltanet.py
+            conv_states, states = cache.state_refs(layer["index"], rows)
+            conv_inputs, final, steps, gated = self.native.mix(layer["native"], proj, conv_states, rows, states,
+                                                               widths)
+            cache.record(layer["index"], rows, starts, widths, conv_inputs, final, steps)
+            return layer["out"](gated)
+        qkv, z, b, a = proj.split([conv_dim, hv * dv, hv, hv], dim=-1)
         conv_state, state = cache.states(layer["index"], rows)               # [B, C, K-1], [B, Hv, dk, dv]
         conv_inputs = torch.cat([conv_state, qkv.transpose(1, 2)], dim=2)     # [B, C, K-1+T]
         if num_tokens <= RECURRENT_TOKENS:    # a few windows: a product and a sum (conv1d's call costs more)
@@ -211,14 +247,21 @@ class Qwen35Transformer(Transformer):
         return layer["out"](gated.reshape(batch, num_tokens, hv * dv))
 
     def _final(self, hidden: torch.Tensor, head=None) -> torch.Tensor:
-        hidden = fp32_rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        eps = self.config.rms_norm_eps
+        hidden = fp32_rms_norm(hidden, self.final_norm, eps) if self.ops is None else \
+            self.ops.rms_norm(hidden.contiguous(), self.final_norm, eps)
         return (self.lm_head if head is None else head)(hidden).float()
 
 
 def decoder_layer(layer: dict, eps: float, hidden: torch.Tensor,      # [B, T, D]
-                  mix: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                  mix: Callable[[torch.Tensor], torch.Tensor], ops=None) -> torch.Tensor:
     """One layer: hidden + mix(norm(hidden)) (the token mixer: DeltaNet or gated attention),
-    then hidden + the SwiGLU MLP of norm(hidden)."""
+    then hidden + the SwiGLU MLP of norm(hidden). `ops`: the native row ops (fast/rowops.py), or
+    None for torch's."""
+    if ops is not None:
+        hidden, x = ops.add_rms_norm(hidden, mix(ops.rms_norm(hidden, layer["attn_norm"], eps)), layer["mlp_norm"],
+                                     eps)
+        return hidden + layer["down"](ops.silu_mul(layer["gate_up"](x)))
     hidden = hidden + mix(fp32_rms_norm(hidden, layer["attn_norm"], eps))
     x = fp32_rms_norm(hidden, layer["mlp_norm"], eps)
     gate, up = layer["gate_up"](x).chunk(2, dim=-1)
@@ -227,13 +270,23 @@ def decoder_layer(layer: dict, eps: float, hidden: torch.Tensor,      # [B, T, D
 
 def gated_attention(layer: dict, c, x: torch.Tensor,     # c: num_heads, num_kv_heads, head_dim, rms_norm_eps
                     cos: torch.Tensor, sin: torch.Tensor,  # broadcastable to [B, heads, T, rotary_dim]
-                    attend: Callable) -> torch.Tensor:     # (q, k, v) -> [B, H, T, hd]; it keeps the keys
+                    attend: Callable,      # (q, k, v) -> [B, H, T, hd]; it keeps the keys
+                    ops=None) -> torch.Tensor:     # the native row ops (fast/rowops.py), or None: torch's
     """A gated attention layer's output for its normed input x [B, T, D]: q heads carry a gate,
     out = o(attention * sigmoid(gate)); q and k heads are normalized, then RoPE'd (partially)."""
     batch, num_tokens, _ = x.shape
     q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     q_gate, k, v = layer["qkv"](x).split([2 * q_size, kv_size, kv_size], dim=-1)
     q, gate = q_gate.view(batch, num_tokens, c.num_heads, 2 * c.head_dim).chunk(2, dim=-1)
+    if ops is not None:           # norm + RoPE of each head in one call, the gate in another
+        rot = cos.shape[-1]
+        cos, sin = cos.reshape(-1, rot), sin.reshape(-1, rot)           # [T or B*T, rot]: row of (b, t)
+        q = ops.rms_norm(q, layer["q_norm"], c.rms_norm_eps, cos, sin).transpose(1, 2)           # [B, H, T, hd]
+        k = ops.rms_norm(k.view(batch, num_tokens, c.num_kv_heads, c.head_dim), layer["k_norm"], c.rms_norm_eps,
+                         cos, sin).transpose(1, 2)
+        v = v.view(batch, num_tokens, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        attn = attend(q, k, v).transpose(1, 2).contiguous()                                     # [B, T, H, hd]
+        return layer["o"](ops.sigmoid_gate(attn, gate).view(batch, num_tokens, q_size))
     q = fp32_rms_norm(q, layer["q_norm"], c.rms_norm_eps).transpose(1, 2)          # [B, H, T, hd]
     k = fp32_rms_norm(k.view(batch, num_tokens, c.num_kv_heads, c.head_dim), layer["k_norm"],
                       c.rms_norm_eps).transpose(1, 2)
