@@ -167,6 +167,20 @@ def null_tv(exact: dict, n: int) -> float:
     return 0.5 * sum(math.sqrt(2 * q * (1 - q) / (math.pi * n)) for q in exact.values())
 
 
+def check_seeded_alone_as_batched(llm, prompts, seeds: int = 6, k: int = 4) -> None:
+    """A seeded sampled request gives the same text alone and beside a request whose draft size
+    differs (its own shrinks near its max_tokens while the other's does not): a row draws its drafts
+    from its own generator, one number per draft it keeps."""
+    from specdecode import SamplingParams
+    for seed in range(seeds):
+        short = SamplingParams(max_tokens=7, temperature=1.0, seed=seed, ignore_eos=True)
+        long = SamplingParams(max_tokens=24, temperature=1.0, seed=100 + seed, ignore_eos=True)
+        alone = llm.generate(prompts[0], short, num_speculative_tokens=k)[0]
+        batch = llm.generate([prompts[0], prompts[1]], [short, long], num_speculative_tokens=k)
+        assert batch[0].token_ids == alone.token_ids, seed
+        assert batch[1].token_ids == llm.generate(prompts[1], long, num_speculative_tokens=k)[0].token_ids, seed
+
+
 def compare_samples(counts, exact: dict) -> tuple[float, float, int]:
     """Samples (a Counter of continuations) against their exact distribution: (chi-square p-value,
     total variation, samples outside the exact support). Sparse cells (expected < 5) and strays

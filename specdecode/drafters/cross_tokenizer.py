@@ -43,10 +43,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..footprint import weights_bytes
 from .base import ContiguousState, Drafter, DrafterCapabilities, DrafterError, DraftProposal
 from .registry import register
-from .vocab_rank import frequent_ids
+from .vocab_rank import draft_cost, reduced_head
 
 WINDOW = 4              # committed target tokens re-tokenized with the draft text (boundary merges)
 ANCHOR = 4              # tokens decoded before new ones, so that a decoder's start-of-text rules do not apply
@@ -115,20 +114,9 @@ class TextModelDrafter(Drafter):
         # tokenizer uses most (drafters/vocab_rank.py); a draft with a large vocabulary (Gemma 3's
         # 262,144) reads more head than layers per token. Greedy drafts from fewer ids: still lossless.
         vocab = self.dtok.vocab_size
-        if (isinstance(head_vocab, bool) or not isinstance(head_vocab, int)
-                or not (head_vocab == 0 or (32 <= head_vocab <= vocab and head_vocab % 32 == 0))):
-            raise DrafterError(f"head_vocab must be 0 (the whole vocabulary) or a multiple of 32 in "
-                               f"[32, {vocab}], got {head_vocab!r}")
-        if not isinstance(head_rank, str) or not head_rank:
-            raise DrafterError(f"head_rank must be 'freq', 'id' or a text file / folder, got {head_rank!r}")
-        self.head_rows = None
-        if 0 < head_vocab < vocab:
-            ids = frequent_ids(self.dtok, vocab, head_vocab, head_rank, keep=tuple(self.draft_eos))
-            self.head_rows = draft.model.head_rows(ids)
+        self.head_rows = reduced_head(draft, head_vocab, head_rank, vocab, keep=tuple(self.draft_eos))
         if draft.native and target.native:     # relative cost: one draft pass reads all its weights
-            head = draft.model.lm_head
-            cut = getattr(head, "nbytes", 0) * (1 - head_vocab / vocab) if self.head_rows is not None else 0
-            cost = (weights_bytes(draft.model) - cut) / max(weights_bytes(target.model), 1)
+            cost = draft_cost(draft.model, target.model, self.head_rows, vocab)
             self.capabilities = replace(TextModelDrafter.capabilities, relative_cost=cost)
 
     def prepare(self, batch_size: int, max_len: int) -> TextState:

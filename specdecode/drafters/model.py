@@ -16,12 +16,11 @@ from pathlib import Path
 
 import torch
 
-from ..footprint import weights_bytes
 from ..models.config import ModelError
 from ..sampling import probs_from_logits, sample_drafts, transform_logits
 from .base import ContiguousState, Drafter, DrafterCapabilities, DrafterError, DrafterState, DraftProposal
 from .registry import register
-from .vocab_rank import frequent_ids
+from .vocab_rank import draft_cost, reduced_head
 
 
 def same_tokenizer(target, draft) -> bool:
@@ -80,21 +79,10 @@ class ModelDrafter(Drafter):
         # keeps: the other tokens get draft probability 0, handled by rejection sampling like any
         # other draft distribution.
         shared_vocab = min(self.draft_vocab, self.target_vocab)       # ids both models have
-        if (isinstance(head_vocab, bool) or not isinstance(head_vocab, int)
-                or not (head_vocab == 0 or (32 <= head_vocab <= shared_vocab and head_vocab % 32 == 0))):
-            raise DrafterError(f"head_vocab must be 0 (the whole vocabulary) or a multiple of 32 in "
-                               f"[32, {shared_vocab}], got {head_vocab!r}")
-        if not isinstance(head_rank, str) or not head_rank:
-            raise DrafterError(f"head_rank must be 'freq', 'id' or a text file / folder, got {head_rank!r}")
-        self.head_vocab = head_vocab if 0 < head_vocab < self.draft_vocab else 0
-        if self.head_vocab:
-            ids = frequent_ids(draft.tokenizer, shared_vocab, self.head_vocab,
-                               head_rank, keep=tuple(draft.eos_token_ids) + tuple(target.eos_token_ids))
-            self.head_rows = draft.model.head_rows(ids)
+        self.head_rows = reduced_head(draft, head_vocab, head_rank, shared_vocab, whole=self.draft_vocab,
+                                      keep=tuple(draft.eos_token_ids) + tuple(target.eos_token_ids))
         if draft.native and target.native:     # relative cost: one draft pass reads all its weights
-            head = draft.model.lm_head
-            head_bytes = getattr(head, "nbytes", 0) * (1 - self.head_vocab / self.draft_vocab) if self.head_vocab else 0
-            cost = (weights_bytes(draft.model) - head_bytes) / max(weights_bytes(target.model), 1)
+            cost = draft_cost(draft.model, target.model, self.head_rows, self.draft_vocab)
             self.capabilities = replace(ModelDrafter.capabilities, relative_cost=cost)
 
     def draft_model(self):

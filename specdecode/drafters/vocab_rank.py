@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..footprint import weights_bytes
 from ..models.gguf import cache_root
 from .base import DrafterError
 
@@ -113,3 +114,26 @@ def frequent_ids(tokenizer, vocab_size: int, count: int, rank: str = "freq",
         is_forced[forced] = True
         order = torch.cat([torch.tensor(forced, dtype=torch.int64), order[~is_forced[order]]])
     return torch.sort(order[:count]).values
+
+
+def reduced_head(draft, head_vocab: int, head_rank: str, ids: int, keep: tuple[int, ...] = (),
+                 whole: int | None = None):
+    """A draft model's LM head over its `head_vocab` most used token ids among the first `ids`
+    (`head_rank`: frequent_ids), or None for the whole head (head_vocab 0, or as many rows as
+    `whole`, the head's own; default `ids`). A bad option is a DrafterError naming it."""
+    if (isinstance(head_vocab, bool) or not isinstance(head_vocab, int)
+            or not (head_vocab == 0 or (32 <= head_vocab <= ids and head_vocab % 32 == 0))):
+        raise DrafterError(f"head_vocab must be 0 (the whole vocabulary) or a multiple of 32 in "
+                           f"[32, {ids}], got {head_vocab!r}")
+    if not isinstance(head_rank, str) or not head_rank:
+        raise DrafterError(f"head_rank must be 'freq', 'id' or a text file / folder, got {head_rank!r}")
+    if not 0 < head_vocab < (ids if whole is None else whole):
+        return None
+    return draft.model.head_rows(frequent_ids(draft.tokenizer, ids, head_vocab, head_rank, keep))
+
+
+def draft_cost(draft_model, target_model, head_rows=None, whole: int = 1) -> float:
+    """One draft token's cost against a target step: the draft's weight bytes (less the rows of its
+    `whole`-row LM head that a reduced head leaves unread) over the target's."""
+    cut = 0.0 if head_rows is None else getattr(draft_model.lm_head, "nbytes", 0) * (1 - len(head_rows.ids) / whole)
+    return (weights_bytes(draft_model) - cut) / max(weights_bytes(target_model), 1)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import PROMPTS
+from conftest import PROMPTS, check_seeded_alone_as_batched
 
 from specdecode import LLM, SamplingParams
 from specdecode.drafters.base import DrafterError
@@ -97,10 +97,4 @@ def test_seeded_sampled_request_same_alone_and_in_a_batch(tiny_models):
     size differs (its own shrinks near its max_tokens while the other's does not)."""
     llm = LLM(model=str(tiny_models["llama"]), draft=str(tiny_models["llama_draft"]), method="model", dtype="fp32",
               progress=False, adaptive=False)     # the draft model alone (cascade would mix in lookups)
-    for seed in range(6):
-        short = SamplingParams(max_tokens=7, temperature=1.0, seed=seed, ignore_eos=True)
-        long = SamplingParams(max_tokens=24, temperature=1.0, seed=100 + seed, ignore_eos=True)
-        alone = llm.generate(PROMPTS[0], short, num_speculative_tokens=4)[0]
-        batch = llm.generate([PROMPTS[0], PROMPTS[1]], [short, long], num_speculative_tokens=4)
-        assert batch[0].token_ids == alone.token_ids, seed
-        assert batch[1].token_ids == llm.generate(PROMPTS[1], long, num_speculative_tokens=4)[0].token_ids, seed
+    check_seeded_alone_as_batched(llm, PROMPTS)
