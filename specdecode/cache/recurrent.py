@@ -33,6 +33,7 @@ class Pending:
     finals: list                     # per layer [heads, dk, dv] float32: the state after `width` tokens
     steps: list | None               # per layer (queries, keys, values, decay, beta) of its tokens
                                      # ([width, ...] each), or None: a long pass, kept whole or not at all
+                                     # (record_pass: tensors stacked by layer, steps a tuple of them)
 
 
 class HybridCache(PagedKVCache):
@@ -45,11 +46,14 @@ class HybridCache(PagedKVCache):
         super().__init__(max(num_attention_layers, 1), num_rows, num_kv_heads, head_dim, max_len, num_blocks,
                          block_size, dtype, device)
         self.state_shapes = ((conv_dim, conv_kernel - 1), (heads, key_dim, value_dim))
-        self.conv = [torch.zeros(num_rows, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
-                     for _ in range(num_recurrent_layers)]                  # [rows, conv_dim, kernel-1]
+        # [layers, rows, conv_dim, kernel-1], and as a list of its layers
+        self.conv_all = torch.zeros(num_recurrent_layers, num_rows, conv_dim, conv_kernel - 1, dtype=dtype,
+                                    device=device)
+        self.conv = list(self.conv_all)
         # per layer, one [heads, dk, dv] tensor per row: `truncate` takes a pass's final state as it is
         self.ssm = [[self._new_state(device) for _ in range(num_rows)] for _ in range(num_recurrent_layers)]
         self.passes: dict[int, Pending] = {}     # row -> its last pass, until truncate
+        self.buffers: list[torch.Tensor | None] = [None] * num_rows     # spare_states' two per row
         # (state, steps, kept) -> the state after `kept` steps: the model's own delta rule (the native one
         # where its passes run natively, so a replayed state is the bits a pass would compute), else delta_step
         self.replay = replay or _replay
@@ -82,6 +86,25 @@ class HybridCache(PagedKVCache):
             if p.steps is not None:
                 p.steps.append(tuple(t[b, :width] for t in steps))
 
+    def spare_states(self, row: int) -> torch.Tensor:
+        """Where a pass that records with `record_pass` writes a row's states after it: [layers,
+        heads, dk, dv] float32, one of two buffers the row keeps, the one its states are not in."""
+        buffers = self.buffers[row]
+        if buffers is None:
+            buffers = self.buffers[row] = torch.empty(2, len(self.ssm), *self.state_shapes[1], dtype=torch.float32,
+                                                      device=self.conv_all.device)
+        return buffers[1] if self.ssm[0][row].data_ptr() == buffers[0].data_ptr() else buffers[0]
+
+    def record_pass(self, rows: list[int], starts: list[int], widths: list[int],
+                    conv_inputs: torch.Tensor,   # [layers, B, conv_dim, kernel-1 + T]
+                    finals: list[torch.Tensor],  # per row its spare_states, written
+                    steps: tuple) -> None:       # (queries, keys [layers, B, T, H, dk], values, decay, beta)
+        """What a pass computed for every recurrent layer at once (fast/hybrid.py), as `record` per layer."""
+        span = self.state_shapes[0][1]
+        for b, (row, start, width) in enumerate(zip(rows, starts, widths)):
+            self.passes[row] = Pending(start, width, conv_inputs[:, b, :, :span + width], finals[b],
+                                       tuple(t[:, b, :width] for t in steps))
+
     # ------------------------------------------------------------ lengths
     def truncate(self, row: int, length: int) -> None:
         super().truncate(row, length)
@@ -94,12 +117,17 @@ class HybridCache(PagedKVCache):
                 raise RuntimeError(f"recurrent state: row {row} cannot go to length {length} after a pass of "
                                    f"{p.width} tokens from {p.start}")
             span = self.state_shapes[0][1]               # kernel - 1 inputs
+            stacked = isinstance(p.conv_inputs, torch.Tensor)     # record_pass's, else record's lists
+            if stacked:
+                self.conv_all[:, row] = p.conv_inputs[:, :, kept:kept + span]
             for layer in range(len(self.conv)):
-                self.conv[layer][row] = p.conv_inputs[layer][:, kept:kept + span]
+                if not stacked:
+                    self.conv[layer][row] = p.conv_inputs[layer][:, kept:kept + span]
                 if kept == p.width:
                     self.ssm[layer][row] = p.finals[layer].contiguous()       # no copy: the pass's own
                 else:                                     # the row's state is still the pass's start
-                    self.ssm[layer][row] = self.replay(self.ssm[layer][row], p.steps[layer], kept)
+                    steps = tuple(t[layer] for t in p.steps) if stacked else p.steps[layer]
+                    self.ssm[layer][row] = self.replay(self.ssm[layer][row], steps, kept)
 
     def release(self, row: int) -> None:
         super().release(row)
@@ -120,13 +148,16 @@ class HybridCache(PagedKVCache):
         more = num_rows - self.batch_size
         super().grow(num_rows, num_blocks)
         if more > 0:
-            self.conv = [torch.cat([c, c.new_zeros(more, *c.shape[1:])]) for c in self.conv]
+            self.conv_all = torch.cat([self.conv_all, self.conv_all.new_zeros(self.conv_all.shape[0], more,
+                                                                              *self.conv_all.shape[2:])], dim=1)
+            self.conv = list(self.conv_all)
             for states in self.ssm:
                 states.extend(self._new_state(states[0].device) for _ in range(more))
+            self.buffers.extend([None] * more)
 
     def _zero(self, row: int) -> None:
-        for conv, states in zip(self.conv, self.ssm):
-            conv[row].zero_()
+        self.conv_all[:, row].zero_()
+        for states in self.ssm:
             states[row] = self._new_state(states[row].device)
 
     def _new_state(self, device) -> torch.Tensor:

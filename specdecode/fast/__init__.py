@@ -55,6 +55,16 @@ def row_ops():
 make_linear.row_ops = row_ops
 
 
+def hybrid_stack(model):
+    """Qwen3.5's layer stack in one native call per short pass (hybrid.py), None if it cannot run
+    `model`. Qwen35Transformer.__init__ calls this through `make_linear.hybrid_stack`."""
+    from .hybrid import hybrid_stack as _stack
+    return _stack(model)
+
+
+make_linear.hybrid_stack = hybrid_stack
+
+
 def top_k_indices(values: torch.Tensor,          # [..., n] float32 (a step's logits)
                   k: int) -> torch.Tensor:       # -> [..., k] int64, best first
     """Indices of the k largest values along the last dimension, best first: the native scan on a

@@ -487,3 +487,6 @@ void sd_topk_f32(const float *x, int rows, int n, int k, int64_t *out) {
 
 /* ---------------------------------------------------------------- row ops around native projections */
 #include "rowops.c"
+
+/* ---------------------------------------------------------------- Qwen3.5 stack in one call */
+#include "hybrid.c"

@@ -36,7 +36,9 @@ from .gemma import fp32_rms_norm
 from .transformer import Transformer, apply_rope, attention_mask, cat_rows, eager_linear, rope_at, rope_inv_freq
 
 CHUNK = 64              # tokens per chunk of the chunked delta rule
-RECURRENT_TOKENS = 16   # passes up to this many tokens run token by token
+RECURRENT_TOKENS = 16   # eager passes up to this many tokens run token by token
+NATIVE_TOKENS = 64      # native passes up to this many tokens (fast/deltanet.py MAX_TOKENS) run token by token
+STACK_ROWS = 64         # passes of up to this many token rows run the whole stack in one call (fast/hybrid.py)
 
 
 class Qwen35Transformer(Transformer):
@@ -80,6 +82,8 @@ class Qwen35Transformer(Transformer):
         self.rope_sin = angles.sin().to(self.dtype).to(self.device)
         self.fused = None
         self._skip_decoders: dict = {}
+        stack = getattr(make_linear, "hybrid_stack", None)     # short passes in one native call (fast/hybrid.py)
+        self.stack = stack(self) if stack is not None and self.device.type == "cpu" else None
 
     def _native_delta_net(self, make_linear):
         """The native DeltaNet kernels (fast/deltanet.py) for short passes, each linear layer's
@@ -171,16 +175,18 @@ class Qwen35Transformer(Transformer):
             raise ModelError("Qwen3.5's recurrent layers verify chains only: use a drafter that proposes chains")
         c = self.config
         batch, num_tokens = fb.tokens.shape
-        cos, sin = rope_at(self.rope_cos, self.rope_sin, fb, self.device)
-        mask = attention_mask(fb, None, self.device)
         rows = list(range(batch)) if fb.rows is None else [int(r) for r in fb.rows.tolist()]
         starts, widths = fb.starts(), fb.lengths or [num_tokens] * batch
+        if self.stack is not None and not skip and batch * num_tokens <= STACK_ROWS and num_tokens <= NATIVE_TOKENS:
+            return self.stack.run(fb.tokens, cache, rows, starts, widths)
+        cos, sin = rope_at(self.rope_cos, self.rope_sin, fb, self.device)
+        mask = attention_mask(fb, None, self.device)
         hidden = F.embedding(fb.tokens, self.embed)                          # [B, T, D]
 
         layout = []                   # the native attention's cache layout, made by its first layer
 
         def attend(index: int, q, k, v):
-            if self.ops is not None and num_tokens <= RECURRENT_TOKENS:    # natively, as the DeltaNet layers
+            if self.ops is not None and num_tokens <= NATIVE_TOKENS:    # natively, as the DeltaNet layers
                 if not layout:
                     layout.append(cache.layout(rows, starts, num_tokens))
                 out = self.ops.chain_attention(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
@@ -207,7 +213,7 @@ class Qwen35Transformer(Transformer):
         hk, hv, dk, dv = lin["key_heads"], lin["value_heads"], lin["key_dim"], lin["value_dim"]
         conv_dim = 2 * hk * dk + hv * dv
         proj = layer["inputs"](x)                                            # [B, T, conv_dim + hv*dv + 2 hv]
-        if self.native is not None and num_tokens <= RECURRENT_TOKENS:     # one native call: see fast/deltanet.py
+        if self.native is not None and num_tokens <= NATIVE_TOKENS:     # one native call: see fast/deltanet.py
             conv_states, states = cache.state_refs(layer["index"], rows)
             conv_inputs, final, steps, gated = self.native.mix(layer["native"], proj, conv_states, rows, states,
                                                                widths)
