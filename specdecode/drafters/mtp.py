@@ -11,6 +11,11 @@ That is the EAGLE head's slot (eagle.py), so the drafter is `HeadDrafter` with t
 per-row head cache, catch-up from the verification pass's hidden states, rollback by length and
 early stop (`min_confidence`). Chains only, as Qwen3.5's recurrent layers verify chains only. The
 head's weights are loaded with the target (models/qwen3_5.py keeps them as `model.mtp`).
+
+The drafts go through the target's own LM head, most of a drafted token's cost at Qwen3.5's
+248,320 rows; `head_vocab=N` drafts over the N most used token ids only (vocab_rank.py, as a draft
+model's reduced head; `head_rank` says how they are ranked). Lossless either way: a token outside
+the head gets draft probability 0.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from .base import DrafterError
 from .eagle import CATCH_UP_WINDOW, HeadDrafter
 from .head import Head, HeadConfig, mtp_block
 from .registry import register
+from .vocab_rank import reduced_head
 
 
 def has_mtp_head(target) -> bool:
@@ -55,7 +61,8 @@ def has_mtp_head(target) -> bool:
 @register("mtp")
 class MtpDrafter(HeadDrafter):
     def __init__(self, target, fast: bool = True, min_confidence: float = 0.0,
-                 catch_up_window: int = CATCH_UP_WINDOW, **_: object) -> None:
+                 catch_up_window: int = CATCH_UP_WINDOW, head_vocab: int = 0, head_rank: str = "freq",
+                 **_: object) -> None:
         model = getattr(target, "model", None)
         if getattr(model, "mtp", None) is None:
             problem = getattr(model, "mtp_problem", "")
@@ -70,6 +77,8 @@ class MtpDrafter(HeadDrafter):
             raise DrafterError(f"method 'mtp' drafts with the target's multi-token-prediction head, but {target.name} "
                                f"has none: {why}; use another --method (e.g. ngram)")
         self.target_norm = model.final_norm          # the target's final norm ((1 + w), float32)
+        self.head_rows = reduced_head(target, head_vocab, head_rank, model.vocab_size,
+                                      keep=tuple(target.eos_token_ids))      # None: the whole LM head
         super().__init__(target, fast, min_confidence, catch_up_window)
 
     def _load_head(self, target, link) -> Head:
@@ -77,11 +86,13 @@ class MtpDrafter(HeadDrafter):
         c = model.config
         config = HeadConfig(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                             c.rms_norm_eps, c.rope_theta, c.vocab_size, c.vocab_size)
-        # a head pass reads its own weights and the LM head: their share of the target's weight bytes
-        head_bytes = model.mtp_bytes + c.vocab_size * c.hidden_size * self.embed.element_size()
-        # the whole vocabulary through the target's own LM head; the block's output is normed already;
-        # the target's (partial) RoPE tables
-        return Head(config, mtp_block, model.mtp, torch.arange(c.vocab_size, device=self.device), model.lm_head,
+        rows = self.head_rows
+        vocab = torch.arange(c.vocab_size, device=self.device) if rows is None else rows.ids.to(self.device)
+        # a head pass reads its own weights and the LM head's rows: their share of the target's weight bytes
+        head_bytes = model.mtp_bytes + len(vocab) * c.hidden_size * self.embed.element_size()
+        # the target's own LM head (or its rows); the block's output is normed already; the target's
+        # (partial) RoPE tables
+        return Head(config, mtp_block, model.mtp, vocab, model.lm_head if rows is None else rows.linear,
                     None, model.rope_cos, model.rope_sin, head_bytes / max(weights_bytes(model), 1))
 
     def _head_input(self, features: torch.Tensor) -> torch.Tensor:
@@ -89,4 +100,6 @@ class MtpDrafter(HeadDrafter):
         return fp32_rms_norm(features, self.target_norm, self.config.rms_norm_eps)
 
     def _logits(self, predicted: torch.Tensor) -> torch.Tensor:         # [B, D] -> [B, 1, V] float32
+        if self.head_rows is not None:
+            return super()._logits(predicted)                           # -inf outside the head's rows
         return self._draft_logits(predicted)[:, None]                    # the whole vocabulary: no scatter

@@ -190,3 +190,22 @@ def test_seeded_sampled_request_same_alone_and_in_a_batch(llms):
     near its max_tokens while the other's does not)."""
     llm = llms["mtp"]
     check_seeded_alone_as_batched(llm, PROMPTS)
+
+
+def test_reduced_head_drafts_from_its_rows_and_stays_lossless(qwen35_mtp, llms):
+    """head_vocab=N: the head drafts over N token ids only (the end of generation among them),
+    greedy output stays plain decoding's; a bad head_vocab is named."""
+    llm = LLM(model=str(qwen35_mtp[0]), method="mtp", adaptive=False, head_vocab=128, head_rank="id", **OPTS)
+    drafter = llm.drafter
+    assert torch.equal(drafter.draft_vocab[:3], torch.tensor([0, 1, 2])) and len(drafter.draft_vocab) == 128
+    assert set(llm.target.eos_token_ids) <= set(drafter.draft_vocab.tolist())
+    logits = drafter._logits(torch.randn(2, drafter.config.hidden_size))           # [2, 1, vocab]
+    assert logits.shape[-1] == drafter.vocab and torch.isinf(logits[..., 128:]).all() \
+        and torch.isfinite(logits[..., :128]).all()
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    plain = llms["plain"].generate(PROMPTS, params)
+    reduced = llm.generate(PROMPTS, params, num_speculative_tokens=3)
+    assert [o.token_ids for o in reduced] == [o.token_ids for o in plain]
+    assert sum(o.stats["drafted_tokens"] for o in reduced) > 0
+    with pytest.raises(DrafterError, match="head_vocab must be 0 .* multiple of 32"):
+        LLM(model=str(qwen35_mtp[0]), method="mtp", head_vocab=100, **OPTS)
