@@ -2,7 +2,9 @@
 
 Both get the same prompt token ids and decode the same number of tokens greedily (no EOS stop), with
 the same number of threads; a round times each arm once, and the report is the median tok/s over the
-rounds (wall time of the whole call, the short prompt's pass included). llama.cpp runs in a child
+rounds (wall time of the whole call, the short prompt's pass included) and the median and range of the
+rounds' own ratios (the arms of a round run back to back: a slow spell of a shared host weighs on
+both). llama.cpp runs in a child
 process of its own Python (--llamacpp-python: a venv where `pip install llama-cpp-python` built it),
 loaded once and fed one request per round, so the two never run at the same time and neither needs
 the other's packages.
@@ -84,9 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{arm:11s} median {medians[arm]:6.2f} tok/s  (rounds: {', '.join(f'{x:.2f}' for x in r)})")
     print(f"speed-up    {medians['specdecode'] / medians['llama.cpp']:.2f}x  ({args.tokens} tokens, "
           f"{args.threads} threads, prompt {len(ids)} tokens; the first {min(same)} greedy tokens as llama.cpp's)")
+    # a round's two arms run back to back, so a slow spell of the host weighs on both of its rates
+    ratios = sorted(a / b for a, b in zip(rates["specdecode"], rates["llama.cpp"]))
+    print(f"per round   median {statistics.median(ratios):.2f}x, range {ratios[0]:.2f}-{ratios[-1]:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rates": rates, "medians": medians, "tokens": args.tokens, "threads": args.threads,
+            json.dump({"rates": rates, "medians": medians, "round_ratios": ratios, "tokens": args.tokens,
+                       "threads": args.threads,
                        "prompt_tokens": len(ids), "same_prefix": min(same), "model": args.model}, f, indent=2)
     return 0
 
