@@ -79,6 +79,10 @@ class EngineCore:
         self.runner = ModelRunner(target, self.drafter, rows, self.context, num_blocks if target.native else 0,
                                   config.block_size, self.context + SLACK if full else 0)
         self.scheduler = Scheduler(config, rows)
+        # a model whose passes run fastest up to some length (Qwen3.5's one-call stack) prefills in such chunks
+        best = getattr(target.model, "prefill_tokens", None)
+        if best:
+            self.scheduler.budget.chunk = min(self.scheduler.budget.chunk, best)
         self.disks = []                               # prefix blocks on disk (cache/disk.py)
         if config.prefix_cache:
             self.runner.enable_prefix_caching(config.prefix_cache_blocks)

@@ -84,6 +84,9 @@ class Qwen35Transformer(Transformer):
         self._skip_decoders: dict = {}
         stack = getattr(make_linear, "hybrid_stack", None)     # short passes in one native call (fast/hybrid.py)
         self.stack = stack(self) if stack is not None and self.device.type == "cpu" else None
+        # prompts prefill in passes the stack takes whole (faster than longer passes through the chunked
+        # rule in torch: RESULTS.md); None: the engine's own prefill chunk
+        self.prefill_tokens = STACK_ROWS if self.stack is not None else None
 
     def _native_delta_net(self, make_linear):
         """The native DeltaNet kernels (fast/deltanet.py) for short passes, each linear layer's

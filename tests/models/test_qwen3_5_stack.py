@@ -97,6 +97,21 @@ def test_greedy_text_is_the_same_with_and_without_it(path):
     assert one == plain == layered
 
 
+def test_long_prompts_prefill_in_passes_the_stack_takes(path):
+    """The engine prefills such a model 64 tokens a pass; a 150-token prompt's text is the per-layer
+    path's and the eager path's in one 150-token pass (the chunked rule in torch, not bitwise)."""
+    from specdecode import LLM
+    llm = LLM(model=str(path), method="none", progress=False)
+    assert llm.core.scheduler.budget.chunk == 64
+    prompt = list(range(5, 155))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    one = llm.generate([prompt], params)[0].token_ids
+    llm.target.model.stack = None
+    assert llm.generate([prompt], params)[0].token_ids == one
+    llm.core.scheduler.budget.chunk = 256
+    assert llm.generate([prompt], params)[0].token_ids[:4] == one[:4]
+
+
 def test_fused_off_keeps_the_per_layer_path(path, monkeypatch):
     monkeypatch.setenv("SPECDECODE_FUSED", "0")
     from specdecode.fast.hybrid import why_not
