@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -271,7 +271,7 @@ class LLM:
         files as context. A model whose vocabulary has no FIM tokens is a ParamError naming it."""
         ids, stop_ids = self.fim_prompt(prefix, suffix, extra or [], filename)
         params = sampling_params or SamplingParams()
-        params = replace(params, stop_token_ids=list(dict.fromkeys(params.stop_token_ids + stop_ids)))
+        params = params.with_stop_ids(stop_ids)
         out = self.generate(ids, params)[0]
         out.prompt = prefix
         return out

@@ -216,7 +216,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids = llm.encode(prompt, chat=args.chat)
     else:                                       # fill in the middle: the prompt is the prefix
         ids, stop_ids = llm.fim_prompt(prompt, suffix_option(args.suffix))
-        params.stop_token_ids = list(dict.fromkeys(params.stop_token_ids + stop_ids))
+        params = params.with_stop_ids(stop_ids)
     check_room(len(ids), params.max_tokens, llm.target.model.max_len, "--max-tokens")   # before any generation
     # warm-up on the prompt's first tokens, so that the first measured run does not pay one-time costs
     # (allocations, kernels); the drafter then forgets it (and, with --compare, each timed run)

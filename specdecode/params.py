@@ -6,7 +6,7 @@ CLI and (later) the server can show one clear line instead of a traceback.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 class ParamError(ValueError):
@@ -134,6 +134,10 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    def with_stop_ids(self, ids) -> SamplingParams:
+        """A copy that also stops at `ids` (a fill-in-the-middle format's end tokens), each id once."""
+        return replace(self, stop_token_ids=list(dict.fromkeys([*self.stop_token_ids, *ids])))
 
     def validate_vocab(self, vocab_size: int) -> None:
         """Checks that depend on the model: logit_bias ids must exist in the vocabulary."""

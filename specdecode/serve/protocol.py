@@ -292,8 +292,7 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
         raise _bad("prompt_logprobs", "is for /v1/completions")
     top = asked if asked is not None else (params.logprobs if echo else None)
     if fim_stops or top is not None:
-        params = dataclasses.replace(params, stop_token_ids=list(dict.fromkeys(params.stop_token_ids + fim_stops)),
-                                     prompt_logprobs=top)
+        params = dataclasses.replace(params.with_stop_ids(fim_stops), prompt_logprobs=top)
     if echo and stream and params.logprobs is not None:
         raise _bad("echo", "with logprobs is answered whole: send stream: false")
     forced_call = tools.structured() if tools is not None else None
