@@ -82,6 +82,10 @@ def make_model(folder: Path, arch: str, seed: int, layers: int = 2, hidden: int 
     return folder
 
 
+QWEN35_PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick brown fox",
+                  "def add(a, b):\n    return a + b\n", "1 2 3 4 5 6 7 8"]     # the MTP drafter's tests'
+
+
 def make_qwen35(folder: Path, mtp: bool = False):
     """A tiny random Qwen3.5 text model saved in `folder`; returns the transformers model. 4 layers,
     three DeltaNet to one attention, more value heads than key heads (as Qwen3.5's), norms away from

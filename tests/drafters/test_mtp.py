@@ -16,8 +16,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.drafters.base import DrafterError
 from specdecode.sampling import probs_from_logits, transform_logits
 
-PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick brown fox", "def add(a, b):\n    return a + b\n",
-           "1 2 3 4 5 6 7 8"]
+PROMPTS = conftest.QWEN35_PROMPTS
 OPTS = dict(dtype="fp32", progress=False)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

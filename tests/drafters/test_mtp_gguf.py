@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import QWEN35_PROMPTS as PROMPTS
 from conftest import make_qwen35
 from gguf_writer import write_qwen35_gguf
 
 from specdecode import LLM, SamplingParams
 from specdecode.fast import linear as fast_linear
 
-PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick brown fox", "def add(a, b):\n    return a + b\n",
-           "1 2 3 4 5 6 7 8"]
 OPTS = dict(dtype="fp32", progress=False)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
