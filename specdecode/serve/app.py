@@ -28,6 +28,8 @@ from starlette.staticfiles import StaticFiles
 
 from ..engine.sequence import Failed, Finished, QueueFull, Request, ShuttingDown, Tokens
 from ..params import SamplingParams
+from .anthropic import count_tokens as anthropic_count_tokens
+from .anthropic import messages as anthropic_messages
 from .auth import DEFAULT_MAX_BODY_BYTES, Guard
 from .errors import read_json
 from .events import HeldTokens, Mailbox, TextStream, drain, merge_tokens
@@ -39,6 +41,7 @@ from .tools import ToolParser, decoder, openai_deltas
 log = logging.getLogger("specdecode.serve")
 STATIC = Path(__file__).parent / "static"
 POSTED = ("/v1/completions", "/v1/chat/completions", "/infill", "/tokenize", "/detokenize")   # the rest: GET
+POSTED += ("/v1/messages", "/v1/messages/count_tokens")          # Anthropic's Messages API (anthropic.py)
 
 
 def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -519,7 +522,8 @@ def create_app(state, api_key: str | None = None, max_body_bytes: int = DEFAULT_
     app = api_app({"/v1/completions": partial(generate, chat=False),
                    "/v1/chat/completions": partial(generate, chat=True), "/infill": infill, "/tokenize": tokenize,
                    "/detokenize": detokenize, "/tokenizer_info": tokenizer_info, "/v1/models": models,
-                   "/v1/models/{model:path}": models, "/health": health, "/metrics": metrics, "/api/stats": stats},
+                   "/v1/models/{model:path}": models, "/health": health, "/metrics": metrics, "/api/stats": stats,
+                   "/v1/messages": anthropic_messages, "/v1/messages/count_tokens": anthropic_count_tokens},
                   api_key, max_body_bytes, lifespan)
     app.state.serve = state
     return app
