@@ -28,9 +28,10 @@ from starlette.staticfiles import StaticFiles
 
 from ..engine.sequence import Failed, Finished, QueueFull, Request, ShuttingDown, Tokens
 from ..params import SamplingParams
+from .anthropic import anthropic_error
 from .anthropic import count_tokens as anthropic_count_tokens
 from .anthropic import messages as anthropic_messages
-from .auth import DEFAULT_MAX_BODY_BYTES, Guard
+from .auth import ANTHROPIC_PREFIX, DEFAULT_MAX_BODY_BYTES, Guard
 from .errors import read_json
 from .events import HeldTokens, Mailbox, TextStream, drain, merge_tokens
 from .prompts import echo_logprobs, infill_answer, infill_body, vllm_prompt_logprobs
@@ -481,12 +482,14 @@ async def index(http: HttpRequest) -> Response:
 
 
 async def http_error(http: HttpRequest, exc: HTTPException) -> Response:
-    return error(exc.status_code, f"{exc.detail}: {http.method} {http.url.path}")
+    answer = anthropic_error if http.url.path.startswith(ANTHROPIC_PREFIX) else error
+    return answer(exc.status_code, f"{exc.detail}: {http.method} {http.url.path}")
 
 
 async def internal_error(http: HttpRequest, exc: Exception) -> Response:
     log.error("unhandled %s on %s", type(exc).__name__, http.url.path)
-    return error(500, f"internal server error ({type(exc).__name__})")
+    answer = anthropic_error if http.url.path.startswith(ANTHROPIC_PREFIX) else error
+    return answer(500, f"internal server error ({type(exc).__name__})")
 
 
 def api_app(handlers: dict[str, Callable], api_key: str | None, max_body_bytes: int, lifespan=None) -> Starlette:

@@ -207,3 +207,5 @@ def test_auth_beta_paths_and_other_errors_in_anthropics_shape(server, client):
     assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large"
     assert httpx.post(server.url + "/v1/messages", content=b"{not json", headers={"x-api-key": KEY}).json()[
         "error"]["type"] == "invalid_request_error"
+    wrong_method = httpx.get(server.url + "/v1/messages", headers={"x-api-key": KEY})
+    assert wrong_method.status_code == 405 and wrong_method.json()["type"] == "error"
