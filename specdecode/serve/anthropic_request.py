@@ -24,8 +24,10 @@ MAX_STOP_SEQUENCES = 16           # SamplingParams' limit on stop strings
 THINKING_TYPES = ("enabled", "adaptive", "disabled")
 TOOL_CHOICES = ("auto", "any", "tool", "none")
 REFUSED_BLOCKS = ("image", "document")          # need a model that reads them
-PASSED_FIELDS = ("model", "stream", "temperature", "top_p", "top_k", "speculate", "num_speculative_tokens",
-                 "ignore_eos")   # the last three: this server's own fields, as on chat completions
+PASSED_FIELDS = ("model", "stream", "temperature", "top_p", "top_k",
+                 # this server's own fields, as on chat completions (structured output: vLLM's names)
+                 "speculate", "num_speculative_tokens", "ignore_eos", "guided_json", "guided_regex",
+                 "guided_choice", "guided_grammar")
 _warned_tool_types: set[str] = set()           # server tool types already warned about (one line each)
 
 
@@ -110,14 +112,17 @@ def _user_turns(content, i: int) -> list[dict]:
 
 def _assistant_turn(content, i: int) -> dict:
     """An earlier assistant turn: its text, its `tool_use` blocks as tool_calls (input as the
-    arguments' JSON); thinking blocks are accepted and left out of the prompt."""
+    arguments' JSON), its thinking blocks' text as `reasoning_content` (which the chat path hands to a
+    template that writes earlier reasoning); redacted thinking is left out."""
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
-    texts, calls = [], []
+    texts, calls, thoughts = [], [], []
     for j, block in enumerate(_blocks(content, i)):
         kind, param = block["type"], f"messages.{i}.content.{j}"
         if kind == "text":
             texts.append(_string(block, "text", param))
+        elif kind == "thinking":
+            thoughts.append(_string(block, "thinking", param))
         elif kind == "tool_use":
             arguments = block.get("input", {})
             if not isinstance(arguments, dict):
@@ -125,11 +130,13 @@ def _assistant_turn(content, i: int) -> dict:
             calls.append({"id": _string(block, "id", param), "type": "function",
                           "function": {"name": _string(block, "name", param, empty=False),
                                        "arguments": json.dumps(arguments, ensure_ascii=False)}})
-        elif kind not in ("thinking", "redacted_thinking"):
+        elif kind != "redacted_thinking":
             raise _bad(param, f"an assistant message takes text, tool_use and thinking blocks, got type {kind!r}")
     turn: dict = {"role": "assistant", "content": "".join(texts)}
     if calls:
         turn["tool_calls"] = calls
+    if thoughts:
+        turn["reasoning_content"] = "\n".join(thoughts)
     return turn
 
 
