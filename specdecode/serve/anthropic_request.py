@@ -21,6 +21,7 @@ from .errors import ApiError
 
 log = logging.getLogger("specdecode.serve")
 MAX_STOP_SEQUENCES = 16           # SamplingParams' limit on stop strings
+ROLES = ("user", "assistant", "system")
 THINKING_TYPES = ("enabled", "adaptive", "disabled")
 TOOL_CHOICES = ("auto", "any", "tool", "none")
 REFUSED_BLOCKS = ("image", "document")          # need a model that reads them
@@ -169,11 +170,14 @@ def _messages(body: dict) -> list[dict]:
         if text:
             out.append({"role": "system", "content": text})
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise _bad(f"messages.{i}", f"must be an object with role user or assistant, got {_short(m)}")
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise _bad(f"messages.{i}", f"must be an object with role {', '.join(ROLES)}, got {_short(m)}")
         if "content" not in m:
             raise _bad(f"messages.{i}.content", "is required")
-        out += _user_turns(m["content"], i) if m["role"] == "user" else [_assistant_turn(m["content"], i)]
+        if m["role"] == "system":          # Claude Code sends some in the conversation: a system turn there
+            out.append({"role": "system", "content": _text_of(m["content"], f"messages.{i}.content", "content")})
+        else:
+            out += _user_turns(m["content"], i) if m["role"] == "user" else [_assistant_turn(m["content"], i)]
     return out
 
 

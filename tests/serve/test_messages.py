@@ -70,6 +70,9 @@ def test_create_stream_and_count_tokens_agree(client):
     assert 0 < usage.output_tokens <= 40 and usage.cache_creation_input_tokens == 0
     prompt = usage.input_tokens + usage.cache_read_input_tokens
     assert client.messages.count_tokens(model="m", system=SYSTEM, messages=greedy["messages"]).input_tokens == prompt
+    # a system turn inside the conversation, as Claude Code sends one: rendered where it is
+    inside = [{"role": "system", "content": "Tools: none."}] + greedy["messages"]
+    assert client.messages.count_tokens(model="m", system=SYSTEM, messages=inside).input_tokens > prompt
     with client.messages.stream(**greedy) as stream:
         texts = list(stream.text_stream)
         final = stream.get_final_message()
@@ -161,7 +164,7 @@ def test_max_tokens_is_clamped_to_the_context_and_a_long_prompt_refused(client, 
 
 @pytest.mark.parametrize("body, param", [
     ({"max_tokens": 10}, "messages"),
-    ({"max_tokens": 10, "messages": [{"role": "system", "content": "x"}]}, "messages.0"),
+    ({"max_tokens": 10, "messages": [{"role": "tool", "content": "x"}]}, "messages.0"),
     ({"max_tokens": 10, "messages": [{"role": "user", "content": [{"type": "image", "source": {
         "type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, "messages.0.content.0"),
     ({"max_tokens": 10, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text"),
