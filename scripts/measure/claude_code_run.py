@@ -140,7 +140,11 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="claude_task_"))
     env = dict(os.environ, ANTHROPIC_BASE_URL=f"http://127.0.0.1:{port}", ANTHROPIC_API_KEY=args.api_key,
                ANTHROPIC_DEFAULT_HAIKU_MODEL=args.model, IS_SANDBOX="1", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
-               DISABLE_TELEMETRY="1", HOME=str(work / ".home"))
+               DISABLE_TELEMETRY="1", HOME=str(work / ".home"),
+               # the first request's ~20k-token prompt can take minutes on a CPU: Claude Code gives up on a
+               # stream without content for 5 min, and on a whole answer after 10 min, then retries
+               CLAUDE_STREAM_IDLE_TIMEOUT_MS=str(int(args.timeout * 1000)),
+               API_TIMEOUT_MS=str(int(args.timeout * 1000)))
     (work / ".home").mkdir()
     started = time.perf_counter()
     try:

@@ -27,6 +27,9 @@ SYSTEM = [{"type": "text", "text": "You are a terse assistant.", "cache_control"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
            "required": ["city"], "additionalProperties": False}
 TOOLS = [{"name": "get_weather", "description": "Current weather in a city", "input_schema": WEATHER},
+         {"name": "tag", "description": "Label things",                          # propertyNames: llguidance
+          "input_schema": {"type": "object", "properties": {"labels": {               # does not implement it
+              "type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}}}},         # (Claude Code sends it)
          {"type": "web_search_20250305", "name": "web_search", "max_uses": 3},     # a server tool: skipped
          {"type": "bash_20250124", "name": "bash"}]
 GREEDY = {"temperature": 0}      # the SDK of 2026 has no sampling arguments: the API's fields, sent as extra_body
