@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -126,6 +127,8 @@ def main() -> int:
     ap.add_argument("--expect", default="hello.py", help="the file the task should write")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
     ap.add_argument("--api-key", default="unused")
+    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "claude_code_task",
+                    help="the task's folder, emptied first (default: TMPDIR/claude_code_task)")
     ap.add_argument("--dump", type=Path, default=None, help="write each request's body there (NNN.json)")
     args = ap.parse_args()
     import uvicorn
@@ -137,7 +140,9 @@ def main() -> int:
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
-    work = Path(tempfile.mkdtemp(prefix="claude_task_"))
+    work = args.workdir                  # the same path every run: Claude Code writes it into its system prompt,
+    shutil.rmtree(work, ignore_errors=True)        # so runs share their ~20k-token prefix in the prefix cache
+    work.mkdir(parents=True)
     env = dict(os.environ, ANTHROPIC_BASE_URL=f"http://127.0.0.1:{port}", ANTHROPIC_API_KEY=args.api_key,
                ANTHROPIC_DEFAULT_HAIKU_MODEL=args.model, IS_SANDBOX="1", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
                DISABLE_TELEMETRY="1", HOME=str(work / ".home"),
