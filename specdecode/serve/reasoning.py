@@ -11,7 +11,9 @@ Families, read from the chat template and the vocabulary (never the model's name
   writes `<|channel>` or the vocabulary holds `<|channel>` and `<channel|>`.
 * `harmony` (gpt-oss): messages `<|channel|>analysis<|message|>reasoning<|end|><|start|>assistant
   <|channel|>final<|message|>answer`; the `analysis` channel is the reasoning, `final` and
-  `commentary` (preambles, calls) the answer; chosen when the template writes `<|channel|>` and
+  `commentary` (preambles) the answer, and a message to `functions.NAME` (`<|channel|>commentary
+  to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`) a tool call, handed to the tool-call
+  parser written in the request's call format; chosen when the template writes `<|channel|>` and
   the vocabulary holds `<|channel|>` and `<|message|>`.
 
 The markers are often special tokens, which decoding skips: the choice's decoder writes the
@@ -25,6 +27,7 @@ vLLM's and llama.cpp's servers do (their tool parsers read only the content).
 """
 from __future__ import annotations
 
+import json
 import weakref
 from dataclasses import dataclass
 
@@ -46,9 +49,11 @@ class ThinkingFormat:
     close: str = ""                        # ends it
     kept: tuple[tuple[int, str], ...] = ()   # marker tokens (id, text) the decoder writes as their text
 
-    def parser(self) -> ReasoningParser:
+    def parser(self, calls=None) -> ReasoningParser:
+        """A parser of one answer; `calls`: the request's tool-call format (harmony's calls are
+        written in it), or None."""
         if self.name == "harmony":
-            return HarmonyParser(dict(self.kept))
+            return HarmonyParser(dict(self.kept), calls)
         return ReasoningParser(self.open, self.close, dict(self.kept))
 
 
@@ -148,14 +153,18 @@ class ReasoningParser:
 class HarmonyParser(ReasoningParser):
     """gpt-oss's harmony messages: a header (`<|channel|>NAME`, a recipient ` to=...`, `<|constrain|>`)
     up to `<|message|>`, then the message up to `<|end|>` (or the answer's end). Messages of the
-    `analysis` channel are reasoning; the others content."""
+    `analysis` channel are reasoning; the others content. With `calls` (the request's tool-call
+    format), a message to `functions.NAME` is written to the content as a call in that format, so
+    the tool-call parser finds it as it finds any other."""
 
-    def __init__(self, kept: dict[int, str] | None = None) -> None:
+    def __init__(self, kept: dict[int, str] | None = None, calls=None) -> None:
         super().__init__("", "", kept)
+        self.calls = calls           # tools/formats.py ToolFormat, or None
         self.state = "header"        # header | body
         self.header = ""
         self.primed = 0              # the header's first characters that came from the prompt
         self.channel: str | None = None
+        self.call_end = ""           # written after the message of a call
 
     def prime(self, prompt_tail: str) -> None:
         at = prompt_tail.rfind("<|start|>")
@@ -171,11 +180,11 @@ class HarmonyParser(ReasoningParser):
                 at = header.find("<|message|>")
                 if at < 0:
                     self.header = header
-                    if len(header) - self.primed > MAX_HEADER and "<|channel|>" not in header:
-                        self._route(header[self.primed:], out)      # no header after all: the model's text
+                    if self._not_a_header(header[self.primed:]):
+                        self._route(header[self.primed:], out)      # the model's text, no harmony message
                         self.header, self.state, self.primed = "", "body", 0
                     break
-                self._open(header[:at])
+                self._open(header[:at], out)
                 buf = header[at + len("<|message|>"):]
                 continue
             found = [(buf.find(m), m) for m in HARMONY_ENDS + ("<|start|>", "<|channel|>")]
@@ -187,6 +196,7 @@ class HarmonyParser(ReasoningParser):
                 break
             at, marker = min(found)
             self._route(buf[:at], out)
+            self._close(out)
             buf = buf[at if marker == "<|channel|>" else at + len(marker):]   # a header without <|start|>
             self.state, self.header, self.channel = "header", "", None
         self.in_reasoning = self.state == "body" and self.channel in HARMONY_REASONING
@@ -196,17 +206,36 @@ class HarmonyParser(ReasoningParser):
         out = ["", ""]
         if self.state == "body":
             self._route(self.pending, out)
+            self._close(out)
         elif "<|channel|>" not in self.header:          # text that never became a header
             self._route(self.header[self.primed:], out)
         self.pending = self.header = ""
         return out[0], out[1]
 
-    def _open(self, header: str) -> None:
-        """A message's header read: its channel (the word after <|channel|>)."""
-        at = header.find("<|channel|>")
-        words = header[at + len("<|channel|>"):].replace("<|constrain|>", " ").split() if at >= 0 else []
-        self.channel = words[0] if words else None
+    def _not_a_header(self, own: str) -> bool:
+        """The answer's first header (its role came with the prompt) opens with <|channel|>; text
+        that cannot is the model's answer without harmony markup, as is a long run without one."""
+        if self.primed and own and not own.startswith("<|channel|>") and not "<|channel|>".startswith(own):
+            return True
+        return len(own) > MAX_HEADER and "<|channel|>" not in own
+
+    def _open(self, header: str, out: list[str]) -> None:
+        """A message's header read: its channel (the word after <|channel|>), its recipient (to=)."""
+        words = header.replace("<|constrain|>", " ").replace("<|channel|>", " <|channel|> ").split()
+        at = words.index("<|channel|>") if "<|channel|>" in words else -1
+        self.channel = words[at + 1] if 0 <= at < len(words) - 1 else None
+        recipient = next((w[3:] for w in words if w.startswith("to=")), "")
         self.state, self.header, self.primed = "body", "", 0
+        if self.calls is not None and recipient.startswith("functions.") and len(recipient) > len("functions."):
+            fmt = self.calls
+            head = (fmt.start.text if fmt.start else "") + fmt.gap_start + ("[" if fmt.listed else "")
+            out[1] += head + '{"name": ' + json.dumps(recipient[len("functions."):]) + ', "' + fmt.args_key + '": '
+            self.call_end = "}" + ("]" if fmt.listed else "") + fmt.gap_end + (fmt.end.text if fmt.end else "")
+            self.channel = "call"
+
+    def _close(self, out: list[str]) -> None:
+        out[1] += self.call_end
+        self.call_end = ""
 
     def _route(self, piece: str, out: list[str]) -> None:
         out[0 if self.channel in HARMONY_REASONING else 1] += piece
@@ -222,7 +251,7 @@ def reasoning_parser(state, parsed) -> ReasoningParser | None:
     fmt = thinking_format(state.tokenizer)
     if fmt is None:
         return None
-    parser = fmt.parser()
+    parser = fmt.parser(parsed.tools.fmt if parsed.tools is not None else None)
     parser.prime(state.tokenizer.decode(parsed.prompt_ids[-PROMPT_TAIL:], skip_special=False))
     return None if parser.closed_in_prompt else parser
 

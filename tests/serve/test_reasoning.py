@@ -106,6 +106,36 @@ def test_tool_calls_after_thinking_and_inside_it():
                 assert tools.tool_calls()[0]["function"]["arguments"] == '{"city": "Oslo"}'
 
 
+def test_harmony_calls_reach_the_tool_parser_in_its_format():
+    """gpt-oss writes a call as a commentary message to functions.NAME (its arguments the message,
+    `<|call|>` ends the answer): the tool parser gets it in the request's call format."""
+    answer = ("<|channel|>analysis<|message|>Need the time.<|end|><|start|>assistant<|channel|>commentary "
+              'to=functions.get_time <|constrain|>json<|message|>{"city": "Oslo"}')
+    for pieces in ([answer], list(answer)):
+        parser, tools = HarmonyParser(calls=HERMES), ToolParser(HERMES, ["get_time"])
+        parser.prime("<|start|>assistant")
+        reasoning = content = ""
+        for piece in pieces + [None]:
+            r, c = parser.feed(piece) if piece is not None else parser.finish()
+            reasoning += r
+            content += "".join(d[1] for d in tools.feed(c) + (tools.finish() if piece is None else [])
+                               if d[0] == "content")
+        assert reasoning == "Need the time." and content == ""
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in tools.tool_calls()] == \
+            [("get_time", '{"city": "Oslo"}')]
+    no_tools = HarmonyParser()                      # a request without tools: the message is content
+    no_tools.prime("<|start|>assistant")
+    assert no_tools.feed(answer)[1] + no_tools.finish()[1] == '{"city": "Oslo"}'
+
+
+def test_harmony_recipient_before_the_channel():
+    parser = HarmonyParser(calls=HERMES)
+    parser.prime("<|start|>assistant")
+    r, c = parser.feed("<|channel|>analysis<|message|>x<|end|><|start|>assistant to=functions.f<|channel|>commentary"
+                       "<|message|>{}")
+    assert r == "x" and c + parser.finish()[1] == '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+
+
 # ---------------------------------------------------------------- through the API, per family
 @pytest.fixture(scope="module", params=list(THINKING_FAMILIES))
 def family(request, tmp_path_factory):
@@ -221,14 +251,20 @@ def test_thinking_turned_off_and_reasoning_format_none(family):
 
 def test_a_tool_call_after_thinking(family):
     name, client, state, _ = family
-    if name not in ("qwen3", "qwen3.5"):
-        pytest.skip("the Hermes tool format of Qwen's templates")
+    if name == "gemma4":
+        pytest.skip("Gemma 4's own call format (<|tool_call>call:NAME{...}) is not one the tool parser reads")
     tools = [{"type": "function", "function": {"name": "get_time", "description": "Local time in a city",
                                                "parameters": {"type": "object", "properties": {
                                                    "city": {"type": "string", "maxLength": 8}}}}}]
-    opened = ("<think>", "\n") if name == "qwen3" else ()
-    g = grammar(state, *opened, "/[a-z]{2,6}( [a-z]{2,6}){1,2}/", "\n", "</think>", "\n\n", "<tool_call>",
-                '\n{"name": "get_time", "arguments": {"city": "', "/[a-z]{1,6}/", '"}}\n', "</tool_call>")
+    words = "/[a-z]{2,6}( [a-z]{2,6}){1,2}/"
+    if name == "gpt-oss":                           # harmony: a commentary message to functions.get_time
+        g = grammar(state, "<|channel|>", "analysis", "<|message|>", words, "<|end|>", "<|start|>", "assistant",
+                    "<|channel|>", "commentary to=functions.get_time ", "<|constrain|>", "json", "<|message|>",
+                    '{"city": "', "/[a-z]{1,6}/", '"}')
+    else:
+        opened = ("<think>", "\n") if name == "qwen3" else ()
+        g = grammar(state, *opened, words, "\n", "</think>", "\n\n", "<tool_call>",
+                    '\n{"name": "get_time", "arguments": {"city": "', "/[a-z]{1,6}/", '"}}\n', "</tool_call>")
     body = dict(model="m", messages=ASK, tools=tools, max_tokens=60, temperature=0, extra_body={"guided_grammar": g})
     c = client.chat.completions.create(**body).choices[0]
     assert c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name == "get_time", c
@@ -245,6 +281,25 @@ def test_the_family_is_read_from_template_and_vocabulary(family):
     fmt = detect(state.tokenizer)
     assert fmt.name == {"qwen3": "think", "qwen3.5": "think", "gemma4": "gemma4", "gpt-oss": "harmony"}[name]
     assert all(state.tokenizer.encode(text, add_special=False) == [token] for token, text in fmt.kept)
+
+
+def test_an_earlier_answers_reasoning_reaches_the_template(family):
+    name, _, state, url = family
+    history = ASK + [{"role": "assistant", "content": "sunny", "reasoning_content": "look it up"},
+                     {"role": "user", "content": "and tomorrow?"}]
+    original = state.tokenizer.chat_template
+    state.tokenizer.chat_template, state.tokenizer._template = (
+        "{% for m in messages %}{{ m.role }}:{{ m.reasoning_content or '' }}|{{ m.thinking or '' }}|{{ m.content }}\n"
+        "{% endfor %}"), None
+    try:
+        r = httpx.post(url + "/tokenize", json={"model": "m", "messages": history})
+        assert r.status_code == 200, r.text
+        assert "assistant:look it up|look it up|sunny" in state.tokenizer.decode(r.json()["tokens"])
+        history[1]["reasoning_content"] = ["not", "text"]
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": history})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].reasoning_content", r.text
+    finally:
+        state.tokenizer.chat_template, state.tokenizer._template = original, None
 
 
 def test_chat_template_kwargs_are_checked(family):
