@@ -6,7 +6,7 @@ Families, read from the chat template and the vocabulary (never the model's name
   chosen when the template writes `</think>` or the vocabulary holds `<think>` and `</think>` as
   one token each. Qwen3.5's and the R1 distills' templates open `<think>` in the generation prompt,
   so the answer starts inside the reasoning without an opening tag; Qwen3's with
-  `enable_thinking: false` renders an empty block, which ends the reasoning before the answer.
+  `enable_thinking: false` renders an empty block, so the answer starts after the reasoning.
 * `gemma4` (Gemma 4): `<|channel>thought\\n reasoning <channel|>answer`; chosen when the template
   writes `<|channel>` or the vocabulary holds `<|channel>` and `<channel|>`.
 * `harmony` (gpt-oss): messages `<|channel|>analysis<|message|>reasoning<|end|><|start|>assistant
@@ -244,8 +244,10 @@ class HarmonyParser(ReasoningParser):
 def reasoning_parser(state, parsed) -> ReasoningParser | None:
     """The parser of one choice of a chat request (`state`: serve/server.ServeState; `parsed`:
     protocol.ParsedRequest), or None: the model has no known thinking markup, the server runs with
-    `--reasoning-format none`, the request is not a chat, or its prompt closed the reasoning
-    (`enable_thinking: false` on Qwen3's template)."""
+    `--reasoning-format none`, or the request is not a chat. A prompt that closed the reasoning
+    (`enable_thinking: false`: Qwen3's and Gemma 4's templates render an empty block) still gets a
+    parser, starting in the content: Gemma 4 opens a thought channel even then, whose markup would
+    otherwise end up in the content."""
     if getattr(state, "reasoning_format", "auto") == "none" or not parsed.chat:
         return None
     fmt = thinking_format(state.tokenizer)
@@ -253,7 +255,7 @@ def reasoning_parser(state, parsed) -> ReasoningParser | None:
         return None
     parser = fmt.parser(parsed.tools.fmt if parsed.tools is not None else None)
     parser.prime(state.tokenizer.decode(parsed.prompt_ids[-PROMPT_TAIL:], skip_special=False))
-    return None if parser.closed_in_prompt else parser
+    return parser
 
 
 def marker_decoder(tokenizer, kept: dict[int, str]):
