@@ -328,3 +328,13 @@ def test_models_without_thinking_markup_get_no_parser(tiny_models):
     class Parsed:
         chat, prompt_ids = True, tok.encode("hi")
     assert reasoning_parser(State, Parsed) is None
+
+
+def test_the_reasoning_format_option_reaches_one_server_and_the_replicas():
+    from specdecode.cli import build_parser
+    from specdecode.serve.ray_cli import ray_spec
+    parse = lambda *a: build_parser().parse_args(["serve", *a])      # noqa: E731
+    assert parse().reasoning_format == "auto" and parse("--reasoning-format", "none").reasoning_format == "none"
+    assert ray_spec(parse("--replicas", "2", "--reasoning-format", "none"))["reasoning_format"] == "none"
+    with pytest.raises(SystemExit):
+        parse("--reasoning-format", "deepseek")
