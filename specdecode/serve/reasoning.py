@@ -111,6 +111,10 @@ class ReasoningParser:
         self.closed_in_prompt = (not self.in_reasoning and at >= 0 and prompt_tail.find(self.open, at) < 0
                                  and not prompt_tail[at + len(self.close):].strip(WS))
 
+    def leave(self) -> None:
+        """The answer starts in the content whatever the prompt opened."""
+        self.in_reasoning, self.lead, self.spaces = False, True, ""
+
     def feed(self, text: str) -> tuple[str, str]:
         """The answer's next text -> (reasoning delta, content delta)."""
         buf, out = self.pending + text, ["", ""]
@@ -212,6 +216,10 @@ class HarmonyParser(ReasoningParser):
         self.pending = self.header = ""
         return out[0], out[1]
 
+    def leave(self) -> None:
+        if self.state == "body":
+            self.channel, self.in_reasoning = None, False
+
     def _not_a_header(self, own: str) -> bool:
         """The answer's first header (its role came with the prompt) opens with <|channel|>; text
         that cannot is the model's answer without harmony markup, as is a long run without one."""
@@ -255,7 +263,20 @@ def reasoning_parser(state, parsed) -> ReasoningParser | None:
         return None
     parser = fmt.parser(parsed.tools.fmt if parsed.tools is not None else None)
     parser.prime(state.tokenizer.decode(parsed.prompt_ids[-PROMPT_TAIL:], skip_special=False))
+    if parser.in_reasoning and shapes_the_answer(parsed):
+        parser.leave()
     return parser
+
+
+def shapes_the_answer(parsed) -> bool:
+    """Does the request's constraint write the answer from its first token (response_format,
+    guided_json / regex / choice, a forced tool call)? Then the model has no room to think, and
+    what it writes is the content even after a generation prompt that opened the reasoning (Qwen3.5:
+    a forced call would otherwise be reasoning text). A grammar of the request's own (guided_grammar)
+    may write the reasoning's markup itself, and is read as any answer."""
+    structured = parsed.params.structured
+    forced_call = parsed.tools is not None and parsed.tools.choice not in ("auto", "none")
+    return structured is not None and (forced_call or structured.kind != "grammar")
 
 
 def marker_decoder(tokenizer, kept: dict[int, str]):

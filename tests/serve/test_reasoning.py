@@ -7,6 +7,7 @@ engine, the decoder that keeps marker tokens, the parser, the API)."""
 from __future__ import annotations
 
 import copy
+import json
 
 import httpx
 import openai
@@ -274,6 +275,23 @@ def test_a_tool_call_after_thinking(family):
     assert r == reasoning_of(c.message) and text == "" and calls[0].function.name == "get_time"
     assert "".join(d.function.arguments or "" for d in calls) == c.message.tool_calls[0].function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_constrained_answer_is_content_after_a_prompt_that_opened_thinking(family):
+    """Qwen3.5's generation prompt opens <think>; a forced call or a JSON schema writes the answer
+    from its first token, so it is the content (and the call a call), not reasoning."""
+    name, client, state, _ = family
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
+    c = client.chat.completions.create(model="m", messages=ASK, tools=tools, max_tokens=60, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}}).choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name == "get_time", c
+    assert not reasoning_of(c.message)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    c = client.chat.completions.create(model="m", messages=ASK, max_tokens=30, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "r", "schema": schema}}).choices[0]
+    assert isinstance(json.loads(c.message.content)["ok"], bool) and not reasoning_of(c.message), c
 
 
 def test_the_family_is_read_from_template_and_vocabulary(family):
