@@ -33,7 +33,7 @@ from .errors import read_json
 from .events import HeldTokens, Mailbox, TextStream, drain, merge_tokens
 from .prompts import echo_logprobs, infill_answer, infill_body, vllm_prompt_logprobs
 from .protocol import ApiError, ParsedRequest, error_body, parse, stream_error
-from .reasoning import marker_decoder, reasoning_parser
+from .reasoning import marker_decoder, reasoning_parser, reasoning_tokens
 from .tokenize import detokenize, tokenize, tokenizer_info
 from .tools import ToolParser, openai_deltas
 
@@ -155,6 +155,11 @@ class Generation:
         more, rest = self.reasoning.finish()
         return reasoning + more, content + rest
 
+    def reasoning_tokens(self) -> int:
+        """How many of the answer's tokens are its reasoning (OpenAI's usage.completion_tokens_details)."""
+        texts = TextStream(self.state.tokenizer, SamplingParams(), self.text.decode).add(self.text.ids, True)[1]
+        return reasoning_tokens(reasoning_parser(self.state, self.parsed), texts)
+
     def answer_deltas(self, text: str, final: bool = False) -> list[dict]:
         """OpenAI's chunk deltas of the answer's next text (`final`: its last): the reasoning's
         (`reasoning_content`), then the content's and tool calls' as the tool parser finds them."""
@@ -217,8 +222,13 @@ def merged_usage(usages: list[tuple[Generation, dict]]) -> dict:
     prompt = sum(u["prompt_tokens"] for u in firsts)
     cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts)
     completion = sum(0 if g.parsed.echo_only else u["completion_tokens"] for g, u in usages)
-    return dict(usages[0][1], prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                prompt_tokens_details={"cached_tokens": cached})
+    out = dict(usages[0][1], prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+               prompt_tokens_details={"cached_tokens": cached})
+    thinking = [g.reasoning_tokens() for g, _ in usages if g.reasoning is not None]
+    if thinking:
+        out["completion_tokens_details"] = dict(out.get("completion_tokens_details") or {},
+                                                reasoning_tokens=sum(thinking))
+    return out
 
 
 async def stream_events(gens: list[Generation], queue: asyncio.Queue):

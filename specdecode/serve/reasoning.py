@@ -111,6 +111,11 @@ class ReasoningParser:
         self.closed_in_prompt = (not self.in_reasoning and at >= 0 and prompt_tail.find(self.open, at) < 0
                                  and not prompt_tail[at + len(self.close):].strip(WS))
 
+    @property
+    def deciding(self) -> bool:
+        """Is text held that a later delta decides (a marker's first characters)?"""
+        return bool(self.pending)
+
     def leave(self) -> None:
         """The answer starts in the content whatever the prompt opened."""
         self.in_reasoning, self.lead, self.spaces = False, True, ""
@@ -161,8 +166,9 @@ class HarmonyParser(ReasoningParser):
     format), a message to `functions.NAME` is written to the content as a call in that format, so
     the tool-call parser finds it as it finds any other."""
 
-    def __init__(self, kept: dict[int, str] | None = None, calls=None) -> None:
-        super().__init__("", "", kept)
+    def __init__(self, kept: dict[int, str] | None = None, calls=None) -> None:   # noqa: D107 -- (the base's
+        self.open = self.close = ""  # fields, but its whitespace rules: a harmony message is kept as written)
+        self.kept, self.in_reasoning, self.pending, self.closed_in_prompt = kept or {}, False, "", False
         self.calls = calls           # tools/formats.py ToolFormat, or None
         self.state = "header"        # header | body
         self.header = ""
@@ -215,6 +221,10 @@ class HarmonyParser(ReasoningParser):
             self._route(self.header[self.primed:], out)
         self.pending = self.header = ""
         return out[0], out[1]
+
+    @property
+    def deciding(self) -> bool:
+        return bool(self.pending) or self.state == "header"
 
     def leave(self) -> None:
         if self.state == "body":
@@ -277,6 +287,22 @@ def shapes_the_answer(parsed) -> bool:
     structured = parsed.params.structured
     forced_call = parsed.tools is not None and parsed.tools.choice not in ("auto", "none")
     return structured is not None and (forced_call or structured.kind != "grammar")
+
+
+def reasoning_tokens(parser: ReasoningParser, token_texts: list[str]) -> int:
+    """How many of an answer's tokens (each one's text, in order) belong to its reasoning, markers
+    included; `parser`: a fresh one, primed as the answer's was."""
+    count = held = 0
+    for text in token_texts:
+        was = parser.in_reasoning
+        reasoning, _ = parser.feed(text)
+        held += 1
+        if not was and parser.deciding:     # a marker's first tokens, a header: they go with what they open
+            continue
+        if was or parser.in_reasoning or reasoning:     # (a token read in the reasoning: it, or its end marker)
+            count += held
+        held = 0
+    return count
 
 
 def marker_decoder(tokenizer, kept: dict[int, str]):

@@ -17,7 +17,7 @@ from conftest import THINKING_FAMILIES, make_thinking_model, thinking_grammar
 from specdecode import LLM
 from specdecode.engine.config import EngineConfig
 from specdecode.serve.app import create_app
-from specdecode.serve.reasoning import HarmonyParser, ReasoningParser, detect, reasoning_parser
+from specdecode.serve.reasoning import HarmonyParser, ReasoningParser, detect, reasoning_parser, reasoning_tokens
 from specdecode.serve.server import BackgroundServer, build_state
 from specdecode.serve.tools import HERMES, ToolParser
 
@@ -82,6 +82,20 @@ def test_the_prompt_decides_where_the_answer_starts():
     harmony = HarmonyParser()
     harmony.prime("<|start|>assistant<|channel|>analysis<|message|>")
     assert harmony.in_reasoning and harmony.feed("x") == ("x", "")
+
+
+def test_reasoning_tokens_count_the_markers_with_the_reasoning():
+    think = ["<think>", "\n", "a", " b", "</", "think", ">", "\n\n", "ok", " <", "x"]
+    gemma = ["<|channel>", "thought", "\n", "x", "<channel|>", "y"]
+    harmony = ["<|channel|>", "analysis", "<|message|>", "x", "<|end|>", "<|start|>", "assistant", "<|channel|>",
+               "final", "<|message|>", "y"]
+    for make, prompt, texts, count in ((CASES["qwen3"][0], QWEN_PROMPT, think, 7),
+                                       (CASES["qwen3.5"][0], QWEN_PROMPT + "<think>\n", think[1:], 6),
+                                       (CASES["gemma4"][0], "", gemma, 5),
+                                       (HarmonyParser, "<|start|>assistant", harmony, 5)):
+        parser = make()
+        parser.prime(prompt)
+        assert reasoning_tokens(parser, texts) == count, texts
 
 
 def test_text_without_a_harmony_header_is_content():
@@ -192,9 +206,15 @@ def test_reasoning_content_beside_content_streamed_and_not(family):
     for speculate in (True, False):
         r = client.chat.completions.create(**dict(body, extra_body=dict(body["extra_body"], speculate=speculate)))
         c = r.choices[0]
-        results[speculate] = (c.model_extra["token_ids"], reasoning_of(c.message), c.message.content)
+        results[speculate] = (c.model_extra["token_ids"], reasoning_of(c.message), c.message.content,
+                              r.usage.completion_tokens_details.reasoning_tokens)
     assert results[True] == results[False]
-    ids, reasoning, content = results[True]
+    ids, reasoning, content, thought = results[True]
+    close = state.tokenizer.token_id({"qwen3": "</think>", "qwen3.5": "</think>", "gemma4": "<channel|>",
+                                      "gpt-oss": "<|end|>"}[name])
+    assert 0 < thought < len(ids)
+    if close in ids:                                # the reasoning's tokens: from the start to its end marker
+        assert thought == ids.index(close) + 1
     assert c.finish_reason == "stop", c
     words = reasoning.split()
     assert 2 <= len(words) <= 4 and all(w.isalpha() for w in words), reasoning
@@ -202,8 +222,10 @@ def test_reasoning_content_beside_content_streamed_and_not(family):
     kept = dict(detect(state.tokenizer).kept)
     assert kept and set(kept) & set(ids)            # the markers were tokens of their own
     body["extra_body"].pop("return_token_ids")
-    r, text, chunks = streamed(client, **body)
+    r, text, chunks = streamed(client, stream_options={"include_usage": True}, **body)
     assert (r, text) == (reasoning, content)
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thought
+    chunks = chunks[:-1]
     first = [i for i, ch in enumerate(chunks) if ch.choices and (ch.choices[0].delta.model_extra or {}).get(
         "reasoning_content")]
     later = [i for i, ch in enumerate(chunks) if ch.choices and ch.choices[0].delta.content]
