@@ -33,7 +33,7 @@ from .errors import read_json
 from .events import HeldTokens, Mailbox, TextStream, drain, merge_tokens
 from .prompts import echo_logprobs, infill_answer, infill_body, vllm_prompt_logprobs
 from .protocol import ApiError, ParsedRequest, error_body, parse, stream_error
-from .reasoning import marker_decoder, reasoning_parser, reasoning_tokens
+from .reasoning import marker_decoder, reasoned_params, reasoning_parser, reasoning_tokens
 from .tokenize import detokenize, tokenize, tokenizer_info
 from .tools import ToolParser, openai_deltas
 
@@ -59,6 +59,8 @@ class Generation:
         params = parsed.params
         if choice and params.seed is not None:
             params = dataclasses.replace(params, seed=(params.seed + choice) % 2**63)
+        self.reasoning = reasoning_parser(state, parsed)   # reasoning.py: thinking apart from the answer
+        params = reasoned_params(self.reasoning, parsed, params)
         post = lambda event: mailbox.post(queue, (self, event))         # noqa: E731
         self.request = Request(parsed.prompt_ids, params, self._sink(post, state.engine.config.stream_interval_ms),
                                parsed.speculate, parsed.num_speculative_tokens,
@@ -66,7 +68,6 @@ class Generation:
         tools = parsed.tools             # tools/: the calls are parsed out of the text as it comes
         self.tools = ToolParser(tools.fmt, [f["name"] for f in tools.functions()],
                                 None if tools.parallel else 1) if tools is not None else None
-        self.reasoning = reasoning_parser(state, parsed)   # reasoning.py: thinking apart from the answer
         kept = (tools.fmt.kept_tokens() if tools is not None else {}) | (self.reasoning.kept if self.reasoning else {})
         self.text = TextStream(state.tokenizer, params, marker_decoder(state.tokenizer, kept) if kept else None)
         self.done = False

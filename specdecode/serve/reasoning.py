@@ -27,10 +27,12 @@ vLLM's and llama.cpp's servers do (their tool parsers read only the content).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import weakref
 from dataclasses import dataclass
 
+from ..params import SamplingParams
 from .tools.formats import single_token
 
 FORMATS = ("auto", "none")        # `serve --reasoning-format`
@@ -115,6 +117,23 @@ class ReasoningParser:
     def deciding(self) -> bool:
         """Is text held that a later delta decides (a marker's first characters)?"""
         return bool(self.pending)
+
+    def before_answer(self) -> str | None:
+        """A Lark expression of the reasoning the answer may (or, inside an open block, must) start
+        with, in the markers' own tokens, for a constraint that applies after it; None when the
+        markers are not one token each or the prompt closed the reasoning."""
+        ids = {text: token for token, text in self.kept.items()}
+        close = ids.get(self.close)
+        if close is None or self.closed_in_prompt:
+            return None
+        block = f"<[^{close}]>* <[{close}]> /[ \\t\\r\\n]{{0,4}}/"   # (the line breaks after it, bounded)
+        if self.in_reasoning:
+            return block
+        head = max((text for text in ids if self.open.startswith(text)), key=len, default=None)
+        if head is None:                # the opener's token, then the rest of its text (Gemma 4's "thought")
+            return None
+        rest = self.open[len(head):]
+        return f"(<[{ids[head]}]> {json.dumps(rest) + ' ' if rest else ''}{block})?"
 
     def leave(self) -> None:
         """The answer starts in the content whatever the prompt opened."""
@@ -226,6 +245,19 @@ class HarmonyParser(ReasoningParser):
     def deciding(self) -> bool:
         return bool(self.pending) or self.state == "header"
 
+    def before_answer(self) -> str | None:
+        """An analysis message at most, then the final channel's header (see the base class)."""
+        ids = {text: token for token, text in self.kept.items()}
+        if any(m not in ids for m in HARMONY[:4]):
+            return None
+        start, channel, message, end = (ids[m] for m in HARMONY[:4])
+        final = f'<[{channel}]> "final" <[{message}]>'
+        if self.state == "body" and self.channel in HARMONY_REASONING:
+            return f'<[^{end}]>* <[{end}]> <[{start}]> "assistant" {final}'
+        if self.state != "header" or self.header[self.primed:]:
+            return None
+        return f'(<[{channel}]> "analysis" <[{message}]> <[^{end}]>* <[{end}]> <[{start}]> "assistant")? {final}'
+
     def leave(self) -> None:
         if self.state == "body":
             self.channel, self.in_reasoning = None, False
@@ -273,17 +305,28 @@ def reasoning_parser(state, parsed) -> ReasoningParser | None:
         return None
     parser = fmt.parser(parsed.tools.fmt if parsed.tools is not None else None)
     parser.prime(state.tokenizer.decode(parsed.prompt_ids[-PROMPT_TAIL:], skip_special=False))
-    if parser.in_reasoning and shapes_the_answer(parsed):
+    if parser.in_reasoning and shapes_the_answer(parsed) and parser.before_answer() is None:
         parser.leave()
     return parser
 
 
+def reasoned_params(parser: ReasoningParser | None, parsed, params: SamplingParams) -> SamplingParams:
+    """A choice's sampling parameters, the request's constraint (response_format, guided_json /
+    regex / choice, a forced tool call) applying after the reasoning: the model thinks first, as
+    vLLM's and llama.cpp's servers let it (parser: the choice's; None: as they are)."""
+    after = parser.before_answer() if parser is not None and shapes_the_answer(parsed) else None
+    if after is None:
+        return params
+    return dataclasses.replace(params, structured=dataclasses.replace(params.structured, after=after))
+
+
 def shapes_the_answer(parsed) -> bool:
-    """Does the request's constraint write the answer from its first token (response_format,
-    guided_json / regex / choice, a forced tool call)? Then the model has no room to think, and
-    what it writes is the content even after a generation prompt that opened the reasoning (Qwen3.5:
-    a forced call would otherwise be reasoning text). A grammar of the request's own (guided_grammar)
-    may write the reasoning's markup itself, and is read as any answer."""
+    """Does the request's constraint write the answer (response_format, guided_json / regex /
+    choice, a forced tool call)? It applies after the reasoning (`reasoned_params`); where it cannot
+    (markers of several tokens) the model has no room to think and what it writes is the content,
+    even after a generation prompt that opened the reasoning (Qwen3.5: a forced call would otherwise
+    be reasoning text). A grammar of the request's own (guided_grammar) may write the reasoning's
+    markup itself, and is read as any answer."""
     structured = parsed.params.structured
     forced_call = parsed.tools is not None and parsed.tools.choice not in ("auto", "none")
     return structured is not None and (forced_call or structured.kind != "grammar")

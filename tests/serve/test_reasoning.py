@@ -299,21 +299,39 @@ def test_a_tool_call_after_thinking(family):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_a_constrained_answer_is_content_after_a_prompt_that_opened_thinking(family):
-    """Qwen3.5's generation prompt opens <think>; a forced call or a JSON schema writes the answer
-    from its first token, so it is the content (and the call a call), not reasoning."""
+def test_a_constraint_applies_after_the_reasoning(family):
+    """A forced call or a JSON schema starts after the reasoning (the model thinks first, as vLLM and
+    llama.cpp let it), also where the generation prompt opened <think> (Qwen3.5): the answer is the
+    call or the JSON, the reasoning apart. A logit bias on the markers makes the random model open
+    and end its reasoning."""
     name, client, state, _ = family
+    marks = {"qwen3": ("<think>", "</think>"), "qwen3.5": ("</think>",), "gemma4": ("<|channel>", "<channel|>"),
+             "gpt-oss": ("analysis", "<|end|>")}[name]
+    first = [state.tokenizer.encode(m, add_special=False)[0] for m in marks]
+    bias = {str(token): 50 * (i + 1) for i, token in enumerate(first)}      # (the end wins inside)
+    thinking = {"chat_template_kwargs": {"enable_thinking": True}, "return_token_ids": True}
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
-    c = client.chat.completions.create(model="m", messages=ASK, tools=tools, max_tokens=60, temperature=0,
-                                       tool_choice={"type": "function", "function": {"name": "get_time"}}).choices[0]
+    c = client.chat.completions.create(model="m", messages=ASK, tools=tools, max_tokens=150, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                       logit_bias=bias, extra_body=thinking).choices[0]
     assert c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name == "get_time", c
-    assert not reasoning_of(c.message)
+    assert not c.message.content and first[-1] in c.model_extra["token_ids"]
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
-    c = client.chat.completions.create(model="m", messages=ASK, max_tokens=30, temperature=0, response_format={
-        "type": "json_schema", "json_schema": {"name": "r", "schema": schema}}).choices[0]
-    assert isinstance(json.loads(c.message.content)["ok"], bool) and not reasoning_of(c.message), c
+    body = dict(model="m", messages=ASK, max_tokens=100, temperature=0, logit_bias=bias, extra_body=thinking,
+                response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
+    c = client.chat.completions.create(**body).choices[0]
+    assert isinstance(json.loads(c.message.content)["ok"], bool), c
+    ids = c.model_extra["token_ids"]
+    assert first[-1] in ids and ids[0] == state.tokenizer.token_id(
+        {"qwen3": "<think>", "qwen3.5": "</think>", "gemma4": "<|channel>", "gpt-oss": "<|channel|>"}[name])
+    r, text, _ = streamed(client, **body)
+    assert text == c.message.content and r == (reasoning_of(c.message) or "")
+    plain = client.chat.completions.create(**dict(body, logit_bias=None, extra_body={  # thinking off: at once
+        "chat_template_kwargs": {"enable_thinking": False}})).choices[0]
+    if name != "gpt-oss":
+        assert json.loads(plain.message.content) and not reasoning_of(plain.message)
 
 
 def test_the_family_is_read_from_template_and_vocabulary(family):
