@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from ..params import SamplingParams
 from .tools.formats import single_token
 
-FORMATS = ("auto", "none")        # `serve --reasoning-format`
 WS = " \t\r\n"
 PROMPT_TAIL = 48                  # prompt tokens read for the state the answer starts in
 HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>")
@@ -185,8 +184,9 @@ class HarmonyParser(ReasoningParser):
     format), a message to `functions.NAME` is written to the content as a call in that format, so
     the tool-call parser finds it as it finds any other."""
 
-    def __init__(self, kept: dict[int, str] | None = None, calls=None) -> None:   # noqa: D107 -- (the base's
-        self.open = self.close = ""  # fields, but its whitespace rules: a harmony message is kept as written)
+    def __init__(self, kept: dict[int, str] | None = None, calls=None) -> None:
+        # the base's fields (not its whitespace rules: a harmony message is kept as written)
+        self.open = self.close = ""
         self.kept, self.in_reasoning, self.pending, self.closed_in_prompt = kept or {}, False, "", False
         self.calls = calls           # tools/formats.py ToolFormat, or None
         self.state = "header"        # header | body
