@@ -158,8 +158,11 @@ class Generation:
 
     def reasoning_tokens(self) -> int:
         """How many of the answer's tokens are its reasoning (OpenAI's usage.completion_tokens_details)."""
+        parser = reasoning_parser(self.state, self.parsed)
+        if not parser.in_reasoning and not parser.deciding and parser.open not in self.text.full_text(None):
+            return 0                  # (no block opened: not worth a second detokenization, token by token)
         texts = TextStream(self.state.tokenizer, SamplingParams(), self.text.decode).add(self.text.ids, True)[1]
-        return reasoning_tokens(reasoning_parser(self.state, self.parsed), texts)
+        return reasoning_tokens(parser, texts)
 
     def answer_deltas(self, text: str, final: bool = False) -> list[dict]:
         """OpenAI's chunk deltas of the answer's next text (`final`: its last): the reasoning's

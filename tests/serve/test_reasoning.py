@@ -259,6 +259,7 @@ def test_thinking_turned_off_and_reasoning_format_none(family):
     if name != "gpt-oss":                   # the template closed the block (harmony's cannot be turned off)
         assert off.usage.prompt_tokens != on.usage.prompt_tokens
     assert "reasoning_content" in off.choices[0].message.model_extra and reasoning_of(off.choices[0].message) is None
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0
     assert off.choices[0].message.content.split() and all(w.isalpha() for w in off.choices[0].message.content.split())
     state.reasoning_format = "none"
     try:
