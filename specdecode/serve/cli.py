@@ -125,7 +125,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           prefix_cache_dir_bytes=int(args.prefix_cache_dir_size * 2**30))
     llm = LLM(**llm_args)
     state = build_state(llm, config)
-    state.reasoning_format = args.reasoning_format
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = state.engine
     print(f"specdecode serve: {state.ctx.model_names[0]} ({engine.metrics.method}, k={config.num_speculative_tokens}), "
@@ -138,6 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"specdecode serve: prefix cache {'on' if cache.prefix_caching else 'off'}"
           + (f" ({engine.runner.prefix_note})" if engine.runner.prefix_note else "")
           + "".join(f"; {d.loaded} blocks loaded from {d.dir}" for d in engine.disks), file=sys.stderr)
+    state.reasoning_format = args.reasoning_format
     if args.reasoning_format == "auto":
         from .reasoning import thinking_format
         thinking = thinking_format(state.tokenizer)
