@@ -33,7 +33,9 @@ import weakref
 from dataclasses import dataclass
 
 from ..params import SamplingParams
+from ..structured import JSON_STYLE, Structured
 from .tools.formats import single_token
+from .tools.spec import closed
 
 WS = " \t\r\n"
 PROMPT_TAIL = 48                  # prompt tokens read for the state the answer starts in
@@ -245,18 +247,44 @@ class HarmonyParser(ReasoningParser):
     def deciding(self) -> bool:
         return bool(self.pending) or self.state == "header"
 
-    def before_answer(self) -> str | None:
-        """An analysis message at most, then the final channel's header (see the base class)."""
+    def _analysis_first(self) -> str | None:
+        """Lark of the analysis message the answer may (inside one: must) start with; None without
+        the markers' tokens, or in the middle of another message."""
         ids = {text: token for token, text in self.kept.items()}
         if any(m not in ids for m in HARMONY[:4]):
             return None
         start, channel, message, end = (ids[m] for m in HARMONY[:4])
-        final = f'<[{channel}]> "final" <[{message}]>'
         if self.state == "body" and self.channel in HARMONY_REASONING:
-            return f'<[^{end}]>* <[{end}]> <[{start}]> "assistant" {final}'
+            return f'<[^{end}]>* <[{end}]> <[{start}]> "assistant"'
         if self.state != "header" or self.header[self.primed:]:
             return None
-        return f'(<[{channel}]> "analysis" <[{message}]> <[^{end}]>* <[{end}]> <[{start}]> "assistant")? {final}'
+        return f'(<[{channel}]> "analysis" <[{message}]> <[^{end}]>* <[{end}]> <[{start}]> "assistant")?'
+
+    def before_answer(self) -> str | None:
+        """An analysis message at most, then the final channel's header (see the base class)."""
+        first = self._analysis_first()
+        if first is None:
+            return None
+        ids = {text: token for token, text in self.kept.items()}
+        return f'{first} <[{ids["<|channel|>"]}]> "final" <[{ids["<|message|>"]}]>'
+
+    def call_grammar(self, functions: list[dict]) -> str | None:
+        """Lark of a forced call in harmony's own form: an analysis message at most, then
+        `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>` and arguments that
+        follow the function's schema (`<|call|>`, an end of the answer, after them); None without
+        the markers' tokens."""
+        first = self._analysis_first()
+        ids = {text: token for token, text in self.kept.items()}
+        if first is None or "<|constrain|>" not in ids:
+            return None
+        channel, constrain, message = ids["<|channel|>"], ids["<|constrain|>"], ids["<|message|>"]
+        rules = [f"start: {first} call", "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+        for i, f in enumerate(functions):
+            schema = dict(closed(f.get("parameters") or {"type": "object"}), **{"x-guidance": dict(JSON_STYLE)})
+            recipient = json.dumps(f"commentary to=functions.{f['name']} ")
+            rules += [f'call_{i}: <[{channel}]> {recipient} <[{constrain}]> "json" <[{message}]> args_{i}',
+                      f"args_{i}: %json {json.dumps(schema)}"]
+        return "\n".join(rules) + "\n"
 
     def leave(self) -> None:
         if self.state == "body":
@@ -314,7 +342,15 @@ def reasoned_params(parser: ReasoningParser | None, parsed, params: SamplingPara
     """A choice's sampling parameters, the request's constraint (response_format, guided_json /
     regex / choice, a forced tool call) applying after the reasoning: the model thinks first, as
     vLLM's and llama.cpp's servers let it (parser: the choice's; None: as they are)."""
-    after = parser.before_answer() if parser is not None and shapes_the_answer(parsed) else None
+    if parser is None or not shapes_the_answer(parsed):
+        return params
+    tools = parsed.tools
+    if isinstance(parser, HarmonyParser) and tools is not None and tools.choice not in ("auto", "none"):
+        chosen = [f for f in tools.functions() if tools.choice == "required" or f["name"] == tools.choice]
+        call = parser.call_grammar(chosen)        # gpt-oss's own call, which the parser hands on as any call
+        if call is not None:
+            return dataclasses.replace(params, structured=Structured("grammar", call))
+    after = parser.before_answer()
     if after is None:
         return params
     return dataclasses.replace(params, structured=dataclasses.replace(params.structured, after=after))

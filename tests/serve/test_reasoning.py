@@ -303,8 +303,8 @@ def test_a_tool_call_after_thinking(family):
 def test_a_constraint_applies_after_the_reasoning(family):
     """A forced call or a JSON schema starts after the reasoning (the model thinks first, as vLLM and
     llama.cpp let it), also where the generation prompt opened <think> (Qwen3.5): the answer is the
-    call or the JSON, the reasoning apart. A logit bias on the markers makes the random model open
-    and end its reasoning."""
+    call or the JSON, the reasoning apart; gpt-oss's forced call is a commentary message to the
+    function. A logit bias on the markers makes the random model open and end its reasoning."""
     name, client, state, _ = family
     marks = {"qwen3": ("<think>", "</think>"), "qwen3.5": ("</think>",), "gemma4": ("<|channel>", "<channel|>"),
              "gpt-oss": ("analysis", "<|end|>")}[name]
@@ -318,6 +318,9 @@ def test_a_constraint_applies_after_the_reasoning(family):
                                        logit_bias=bias, extra_body=thinking).choices[0]
     assert c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name == "get_time", c
     assert not c.message.content and first[-1] in c.model_extra["token_ids"]
+    assert json.loads(c.message.tool_calls[0].function.arguments).keys() == {"city"}
+    if name == "gpt-oss":                           # its own form: to=functions.get_time <|constrain|>json
+        assert state.tokenizer.token_id("<|constrain|>") in c.model_extra["token_ids"]
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
     body = dict(model="m", messages=ASK, max_tokens=100, temperature=0, logit_bias=bias, extra_body=thinking,
