@@ -233,6 +233,22 @@ def test_reasoning_content_beside_content_streamed_and_not(family):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_each_choice_has_its_reasoning(family):
+    name, client, state, _ = family
+    r = client.chat.completions.create(model="m", messages=ASK, max_tokens=100, temperature=0.8, seed=3, n=2,
+                                       extra_body={"guided_grammar": thinking_then_answer(name, state),
+                                                   "chat_template_kwargs": {"enable_thinking": True},
+                                                   "return_token_ids": True})
+    assert len(r.choices) == 2 and all(reasoning_of(c.message) and c.message.content for c in r.choices)
+    single = [client.chat.completions.create(model="m", messages=ASK, max_tokens=100, temperature=0.8, seed=3 + i,
+                                             extra_body={"guided_grammar": thinking_then_answer(name, state),
+                                                         "chat_template_kwargs": {"enable_thinking": True}})
+              for i in range(2)]
+    assert [reasoning_of(c.message) for c in r.choices] == [reasoning_of(s.choices[0].message) for s in single]
+    assert r.usage.completion_tokens_details.reasoning_tokens == sum(
+        s.usage.completion_tokens_details.reasoning_tokens for s in single)
+
+
 def test_thinking_cut_by_max_tokens_is_reasoning(family):
     name, client, state, _ = family
     long = "/[a-z]{3,6}( [a-z]{3,6}){30,40}/"
