@@ -181,10 +181,6 @@ class Generation:
             out.append({"content": text})
         return out
 
-    def tool_chunks(self, deltas: list[tuple], first: dict | None = None) -> list[dict]:
-        """Chunks of the tool parser's deltas (`delta_chunks`)."""
-        return self.delta_chunks(openai_deltas(deltas), first)
-
     def delta_chunks(self, deltas: list[dict], first: dict | None = None) -> list[dict]:
         """Chunks of OpenAI deltas; `first` (a choice with the step's token kinds, ids, logprobs)
         carries the first delta, or goes alone when there is none."""
