@@ -125,7 +125,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           prefix_cache_dir_bytes=int(args.prefix_cache_dir_size * 2**30))
     llm = LLM(**llm_args)
     state = build_state(llm, config)
-    state.reasoning_format = args.reasoning_format
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = state.engine
     print(f"specdecode serve: {state.ctx.model_names[0]} ({engine.metrics.method}, k={config.num_speculative_tokens}), "
@@ -138,6 +137,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"specdecode serve: prefix cache {'on' if cache.prefix_caching else 'off'}"
           + (f" ({engine.runner.prefix_note})" if engine.runner.prefix_note else "")
           + "".join(f"; {d.loaded} blocks loaded from {d.dir}" for d in engine.disks), file=sys.stderr)
+    state.reasoning_format = args.reasoning_format
+    if args.reasoning_format == "auto":
+        from .reasoning import thinking_format
+        thinking = thinking_format(state.tokenizer)
+        if thinking is not None:
+            print(f"specdecode serve: thinking markup {thinking.name}: chat answers carry the reasoning in "
+                  f"reasoning_content (--reasoning-format none: in content)", file=sys.stderr)
     warn_if_exposed(args.host, args.api_key)
     app = create_app(state, api_key=args.api_key, max_body_bytes=args.max_body_bytes, engine_thread=False)
     return serve_forever(state, app, args.host, args.port, args.log_level, args.shutdown_timeout)
