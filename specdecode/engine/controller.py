@@ -142,10 +142,12 @@ class RowSpec:
 
 
 class SpeculationController:
-    def __init__(self, capabilities, costs: StepCosts, adaptive: bool = True) -> None:
+    def __init__(self, capabilities, costs: StepCosts, adaptive: bool = True, max_batch: int | None = None) -> None:
+        """`max_batch`: in a batch of more rows only ON rows draft (the server's spec_max_batch_size)."""
         caps = capabilities
         self.costs = costs
         self.adaptive = adaptive
+        self.max_batch = max_batch
         self.shadowed = caps is not None and not caps.has_state     # shadows measure: no probes, no priors
         self.chains = caps is None or not caps.drafts_trees
         acceptance = caps.prior_acceptance if caps is not None else None
@@ -208,12 +210,15 @@ class SpeculationController:
         go into the pass besides its drafts (normally 1)."""
         sizes = [0] * len(rows)
         free = []
+        held = self.held(rows)
         for i, r in enumerate(rows):
             if r.mode == OFF:
                 continue
             r.steps += 1
             if r.mode == ON:
                 sizes[i] = r.k
+            elif held:
+                r.probing = False
             elif r.pinned:
                 sizes[i] = self._probe(r, self.fixed) or self._alone(r, self.fixed, pending[i])
             elif (probe := self._probe(r, self.costs)):
@@ -416,7 +421,33 @@ class SpeculationController:
         later = self.costs.pass_seconds(pass_rows + length)
         return (batch - 1 + expected_tokens(acceptance, length)) / later > MARGIN * batch / now
 
+    def free_rows(self, rows: list[RowSpec], sizes: list[int], constrained: list[bool]) -> list[int]:
+        """The rows planned plain that may take drafts that cost nothing to make (a cascade's
+        lookups; each kept only where `free_draft_pays`): AUTO rows at size 0, not pinned (their
+        random draws follow their sizes), without a grammar, while the batch may draft."""
+        if self.held(rows):
+            return []
+        return [i for i, (r, k) in enumerate(zip(rows, sizes))
+                if k == 0 and r.mode == AUTO and not r.pinned and not constrained[i]]
+
+    def held(self, rows: list[RowSpec]) -> bool:
+        """Whether a batch of these rows is too large for any but ON rows to draft (`max_batch`)."""
+        return self.max_batch is not None and len(rows) > self.max_batch
+
     # ------------------------------------------------------------------ shadow drafts
+    def shadow_rows(self, rows: list[RowSpec], sizes: list[int], rooms: list[int], greedy: list[bool]) -> list[int]:
+        """The rows that draft shadows this step ([]: none): a stateless drafter's AUTO rows at size
+        0 with none pending and room for their k, when shadows are due (`shadow_due`). A young greedy
+        row shadows every step (a short answer that copies is found early); a sampled row's shadows
+        are rationed from the start: their hidden cost (the passes after them ran slower) outweighed
+        what a sampled row's drafts win."""
+        idle = [i for i, (r, k) in enumerate(zip(rows, sizes)) if k == 0 and r.mode == AUTO
+                and r.shadow is None and not r.pinned and rooms[i] > 0]
+        if not idle:
+            return []
+        young = any(rows[i].steps < YOUNG and greedy[i] for i in idle)
+        return idle if self.shadow_due(self.costs.pass_seconds(len(rows)), young) else []
+
     def shadow_due(self, step_seconds: float, young: bool = False) -> bool:
         """Should this step draft shadows (stateless drafters' rows at size 0)? Every step while they
         are cheap, or while a row is `young` (its first YOUNG steps: a short answer is over before
