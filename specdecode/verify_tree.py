@@ -52,7 +52,7 @@ from specdecode import tree
 from specdecode.sampling import Generators, sample, sample_at, uniforms
 from specdecode.verify import PAD_TOKEN, _residual_probs, verify
 
-__all__ = ["TreeVerifyResult", "verify_greedy", "verify_greedy_lists", "verify_point_mass", "verify_tree"]
+__all__ = ["TreeVerifyResult", "verify_greedy_lists", "verify_point_mass", "verify_tree"]
 
 
 @dataclass
@@ -267,28 +267,13 @@ def verify_greedy_lists(drafts: list[list[int]],           # [batch][n] draft to
                         num_draft: list[int],              # [batch]
                         target_tokens: list[list[int]],    # [batch][n+1] target argmax after the root / node i's path
                         ) -> tuple[list[list[int]], list[list[int]]]:
-    """`verify_greedy` on lists, as the engine reads it: per row the accepted path (node indices by
-    depth) and the emitted tokens (accepted drafts, then the recovered or bonus token). Building
-    and reading back the result's tensors would be a visible share of a small model's step
-    (specdecode/engine/README.md, "Rules the code keeps")."""
-    return walk_lists(drafts, links, num_draft, lambda b, node, depth: target_tokens[b][node + 1])
-
-
-def verify_greedy(
-    draft_tokens: torch.Tensor,          # [batch, n] int64, node i of row b valid for i < num_draft[b]
-    parents: torch.Tensor | None,        # [batch, n] int64 parent node (-1 = root), or None = chain
-    num_draft: torch.Tensor,             # [batch] int64 in [0, n]
-    target_tokens: torch.Tensor,         # [batch, n+1] int64 target argmax after the root / node i's path
-) -> TreeVerifyResult:
     """`verify_tree` for a batch of greedy rows, from the target's argmax alone (what a greedy row
-    reads of its one-hot distributions): from the root, the first child whose token is the target's
-    argmax is accepted, until none is; then that argmax is emitted (recovered or bonus). The same
-    result as `verify_tree` with one-hot target_probs, without building them."""
-    batch, n = draft_tokens.shape
-    if tuple(target_tokens.shape) != (batch, n + 1):
-        raise ValueError(f"target_tokens must be [batch, n+1] = [{batch}, {n + 1}], got {tuple(target_tokens.shape)}")
-    best = target_tokens.tolist()
-    return _walk(draft_tokens, parents, num_draft, lambda b, node, depth: best[b][node + 1])
+    reads of its one-hot distributions), on lists as the engine reads it: from the root, the first
+    child whose token is the target's argmax is accepted, until none is; then that argmax is
+    emitted (recovered or bonus). Per row the accepted path (node indices by depth) and the emitted
+    tokens. Building and reading back result tensors would be a visible share of a small model's
+    step (specdecode/engine/README.md, "Rules the code keeps")."""
+    return walk_lists(drafts, links, num_draft, lambda b, node, depth: target_tokens[b][node + 1])
 
 
 def verify_point_mass(

@@ -29,18 +29,19 @@ from ..footprint import kv_bytes_per_token
 from ..params import ParamError
 from ..structured import grammar_tokenizer
 from ..tree import MAX_TREE_NODES
-from .config import MAX_CHAIN, SPAN, EngineConfig
+from .config import MAX_CHAIN, SLACK, SPAN, EngineConfig
 from .controller import AUTO, OFF, ON, SpeculationController
 from .costs import StepCosts
 from .drafting import Drafting, StepDrafts
 from .loop import EngineLoop
-from .runner import SLACK, ModelRunner
+from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Failed, Request, Sequence, Tokens
 from .threads import ThreadTuner
 
 log = logging.getLogger("specdecode.engine")
 MAX_CURVE_ROWS = 16     # the start-up cost curve's largest pass (beyond, its last segment; the steps correct it)
+REMEASURE_STEPS = 512   # steps between two measurements of a stale cost curve (costs.StepCosts.stale)
 
 
 class EngineCore(EngineLoop):
@@ -64,9 +65,9 @@ class EngineCore(EngineLoop):
         if num_blocks is None:
             num_blocks = config.blocks(self.context, kv_bytes_per_token(target.model)
                                        + kv_bytes_per_token(draft.model if draft is not None else None))
-        full = rows == config.max_batch_size      # the server's engine: every row may hold the whole context
+        self.full = rows == config.max_batch_size   # a server's engine: every row may hold the whole context
         self.runner = ModelRunner(target, self.drafter, rows, self.context, num_blocks if target.native else 0,
-                                  config.block_size, self.context + SLACK if full else 0)
+                                  config.block_size, self.context + SLACK if self.full else 0)
         self.scheduler = Scheduler(config, rows)
         # a model whose passes run fastest up to some length (Qwen3.5's one-call stack) prefills in such chunks
         best = getattr(target.model, "prefill_tokens", None)
@@ -84,6 +85,7 @@ class EngineCore(EngineLoop):
         self.costs = StepCosts({1: 1.0}, draft_cost=caps.relative_cost if caps is not None else None,
                                passes=caps is not None and caps.has_state)
         self.curve_rows = 0                           # the cost curve is measured up to this many rows
+        self.curve_age = 0                            # steps since it was measured
         self.controller = SpeculationController(caps, self.costs, config.adaptive, config.spec_max_batch_size)
         self.drafting = Drafting(self.drafter, self.controller, self.context, self.max_k)
         self.threads = ThreadTuner() if target.model.device.type == "cpu" else None
@@ -219,15 +221,22 @@ class EngineCore(EngineLoop):
 
     def measure_costs(self, batch: int) -> None:
         """The start-up cost curve, up to the rows this batch may verify (measured once per doubling,
-        on a free row)."""
+        on a free row), and again when the steps show it was measured under load (`StepCosts.stale`)."""
         need = min(MAX_CURVE_ROWS, batch * (self.config.num_speculative_tokens + 1))
-        if need <= self.curve_rows or not self.scheduler.free_rows or not self.config.adaptive:
+        self.curve_age += 1
+        if not self.scheduler.free_rows or not self.config.adaptive:
+            return
+        if self.curve_rows and self.costs.stale and self.curve_age >= REMEASURE_STEPS:
+            self.costs.remeasured(self.runner.cost_curve(self.scheduler.free_rows[-1], self.curve_rows))
+            self.curve_age = 0
+            return
+        if need <= self.curve_rows:
             return
         if self.curve_rows and need < 2 * self.curve_rows:
             return
         row = self.scheduler.free_rows[-1]
         self.costs.extend(self.runner.cost_curve(row, need))
-        self.curve_rows = need
+        self.curve_rows, self.curve_age = need, 0
 
     def _commit(self, seqs, drafts: StepDrafts, paths: list[list[int]], emitted: list[list[int]],
                 logprobs) -> list[list[int]]:
@@ -304,7 +313,10 @@ class EngineCore(EngineLoop):
     # ------------------------------------------------------------------ growth (the Python front)
     def grow(self, rows: int, tokens: int) -> None:
         """Room for `rows` requests of up to `tokens` positions each (between calls), plus the
-        idle cached prefix blocks the config allows."""
+        idle cached prefix blocks the config allows. A server's engine is built at its full size
+        and does not grow (a call waits for its rows)."""
+        if self.full:
+            return
         runner = self.runner
         blocks = 0
         if runner.paged:

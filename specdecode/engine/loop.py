@@ -36,6 +36,7 @@ class EngineLoop:
         workers then keep spinning between passes (a second thread's parallel regions get a second
         worker pool, whose workers sleep after every region)."""
         self.stopping = False
+        self.looping = True                          # from now on: a call waits for the loop (offline.run)
         self.thread = threading.Thread(target=self.run, name="specdecode-engine", daemon=True)
         self.thread.start()
 

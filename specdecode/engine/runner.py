@@ -27,10 +27,10 @@ from ..sampling import position_uniforms, probs_from_logits, sample_at, transfor
 from ..structured import allowed_masks, lazy_rows, mask_greedy
 from ..tree import ancestors
 from ..verify_tree import verify_greedy_lists, verify_point_mass, verify_tree
+from .config import SLACK
 from .costs import curve_rows, measure_cost_curve
 from .sequence import Sequence
 
-SLACK = 66              # cache positions past a row's context that a padded pass may write (a tree of 64 + 2)
 
 def kv_salt(loaded) -> bytes:
     """What a model's keys and values depend on besides the tokens: its weights (fingerprint),

@@ -12,7 +12,7 @@ import torch
 
 from ..drafters.prediction import prediction_usage
 from ..params import ParamError, SamplingParams
-from .controller import AUTO, ON, RowSpec
+from .rowspec import AUTO, ON, RowSpec
 
 _ids = itertools.count(1)
 
