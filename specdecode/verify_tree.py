@@ -49,10 +49,10 @@ from dataclasses import dataclass
 import torch
 
 from specdecode import tree
-from specdecode.sampling import Generators, sample, sample_at, uniforms
+from specdecode.sampling import Generators, position_uniforms, sample, sample_at, uniforms
 from specdecode.verify import PAD_TOKEN, _residual_probs, verify
 
-__all__ = ["TreeVerifyResult", "verify_greedy_lists", "verify_point_mass", "verify_tree"]
+__all__ = ["TreeVerifyResult", "verify_drafts", "verify_greedy_lists", "verify_point_mass", "verify_tree"]
 
 
 @dataclass
@@ -301,3 +301,53 @@ def verify_point_mass(
             return int(probs.max(dim=-1).indices)
         return int(sample_at(probs.unsqueeze(0), u[b, depth].reshape(1, 1))[0])
     return _walk(draft_tokens, parents, num_draft, target_token)
+
+
+def verify_drafts(
+    draft_tokens: torch.Tensor,          # [batch, n] int64, node i of row b valid for i < num_draft[b]
+    parents: torch.Tensor | None,        # [batch, n] int64 parent node (-1 = root), or None = chains
+    num_draft: torch.Tensor,             # [batch] int64 in [0, n]
+    draft_probs: torch.Tensor | None,    # [batch, n, vocab] the drafts' distributions, or None = point masses
+    target_probs: torch.Tensor | None,   # [batch, n+1, vocab] after the root / node i's path; None: every row greedy
+    target_tokens: torch.Tensor | None,  # [batch, n+1] int64 the target's argmax there (read when target_probs is None)
+    greedy: list[bool],                  # [batch]
+    generators: list[torch.Generator],   # [batch] each sampled row's own (draft distributions' draws)
+    seeds: list[int],                    # [batch] each row's seed (its position uniforms, sampling.position_uniforms)
+    positions: list[int],                # [batch] the sequence position of each row's first emitted token
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The verifier of a step, chosen by its input (the engine's one entry point; accepted,
+    recovered and bonus tokens as `specdecode.verify` defines them). Per row the accepted path
+    (node indices by depth) and the emitted tokens (the accepted drafts, then the recovered or
+    bonus token):
+
+    * every row greedy (`target_probs` None): the argmax walk on lists (`verify_greedy_lists`);
+    * point masses (`draft_probs` None: lookups, predictions): `verify_point_mass`, each sampled
+      row's token at depth d drawn at the uniform of its position (positions[b] + d), so the text is
+      the one plain decoding samples with that seed;
+    * draft distributions: `verify_tree` (chains and trees) with each row's generator; a sampled
+      row that drafted nothing takes its token as a plain step does, at its position's uniform, and
+      leaves its generator alone (as if it ran alone: its text does not depend on the rows beside it).
+    """
+    if target_probs is None:             # the target's argmax is all a greedy row reads
+        links = parents.tolist() if parents is not None else None
+        return verify_greedy_lists(draft_tokens.tolist(), links, num_draft.tolist(), target_tokens.tolist())
+    device = target_probs.device          # drafts may come from the host (lookups)
+    batch, width = draft_tokens.shape[0], draft_tokens.shape[1] + 1
+    greedy_t = torch.tensor(greedy, device=device)
+    if draft_probs is None:
+        u = torch.tensor([[0.0] * width if g else position_uniforms(seed, at, width)
+                          for g, seed, at in zip(greedy, seeds, positions)], dtype=torch.float64).reshape(batch, width)
+        result = verify_point_mass(draft_tokens.cpu(), parents, num_draft.cpu(), target_probs, greedy_t, u)
+    else:
+        counts = num_draft.tolist()
+        idle = [b for b in range(batch) if counts[b] == 0 and not greedy[b]]
+        own = [torch.Generator(device=device) if b in idle else generators[b] for b in range(batch)]
+        result = verify_tree(draft_tokens.to(device), parents, num_draft.to(device), draft_probs, target_probs,
+                             greedy_t, own)
+        if idle:
+            index = torch.tensor(idle, device=device)
+            u = torch.tensor([position_uniforms(seeds[b], positions[b], 1) for b in idle],
+                             dtype=torch.float64, device=device)                           # [idle, 1]
+            result.tokens[index, 0] = sample_at(target_probs[index, 0], u).to(result.tokens.device)
+    paths = [result.accepted_nodes[b, :n].tolist() for b, n in enumerate(result.num_accepted.tolist())]
+    return paths, result.tokens.tolist()

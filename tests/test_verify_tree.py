@@ -143,6 +143,37 @@ def test_verify_greedy_lists_equals_verify_tree_on_argmaxes():
                 assert out == expected.tokens[b, :n + 1].tolist(), (trial, b)
 
 
+def test_verify_drafts_chooses_the_verifier_by_its_input():
+    """The engine's one entry point: greedy rows from the argmax alone; point masses at each row's
+    position uniforms (a sampled row's token is plain decoding's with that seed); draft
+    distributions by rejection sampling, where a sampled row without drafts takes plain decoding's
+    token and leaves its generator alone."""
+    from specdecode.sampling import position_uniforms, sample_at
+    from specdecode.verify_tree import verify_drafts, verify_greedy_lists
+    cases = GREEDY_CASES[:3]
+    d, par, num, probs = greedy_batch([(nodes, a) for nodes, a, _, _ in cases])
+    gens = [torch.Generator().manual_seed(b) for b in range(len(cases))]
+    greedy = verify_drafts(d, par, num, None, None, probs.argmax(-1), [True] * len(cases), gens, [0] * 3, [0] * 3)
+    assert greedy == verify_greedy_lists(d.tolist(), par.tolist(), num.tolist(), probs.argmax(-1).tolist())
+    flat = torch.full((2, 3, 10), 0.1)                                  # a sampled row's uniform target
+    tokens = torch.tensor([[4, 4], [0, 0]])
+    seeds, positions = [7, 9], [20, 30]
+    paths, emitted = verify_drafts(tokens, None, torch.tensor([2, 0]), None, flat, None, [False, False],
+                                   gens[:2], seeds, positions)
+    for b in range(2):                   # each emitted token is plain decoding's at its position (then padding)
+        out = emitted[b][:len(paths[b]) + 1]
+        u = position_uniforms(seeds[b], positions[b], len(out))
+        plain = [int(sample_at(flat[b, :1], torch.tensor([[x]], dtype=torch.float64))[0]) for x in u]
+        assert out == plain and paths[b] == list(range(len(paths[b])))
+    before = gens[1].get_state()
+    draft_probs = torch.full((2, 2, 10), 0.1)
+    paths, emitted = verify_drafts(tokens, None, torch.tensor([2, 0]), draft_probs, flat, None, [False, False],
+                                   gens[:2], seeds, positions)
+    u = torch.tensor([position_uniforms(seeds[1], positions[1], 1)], dtype=torch.float64)
+    assert emitted[1][:1] == [int(sample_at(flat[1, :1], u)[0])] and paths[1] == []
+    assert torch.equal(gens[1].get_state(), before)
+
+
 # ----------------------------------------------------------------------------- chain equivalence
 
 

@@ -35,7 +35,7 @@ def main() -> int:
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
 
-    from specdecode import LLM
+    from specdecode import LLM, verify_tree
     from specdecode.bench.systems import Cell, SpecdecodeSystem
     from specdecode.datasets import spec_bench
     from specdecode.engine import runner as runner_module
@@ -72,7 +72,7 @@ def main() -> int:
                                (Drafting, "_shadow", "drafting._shadow"),
                                (RowSpec, "score_shadow", "row.score_shadow"),
                                (runner_module, "transform_logits", "transform_logits"),
-                               (runner_module, "verify_greedy_lists", "verify_greedy_lists")):
+                               (verify_tree, "verify_greedy_lists", "verify_greedy_lists")):
         timed(owner, name, label)
     system = SpecdecodeSystem(llm)
     methods = [m for m in args.methods.split(",") if m]
