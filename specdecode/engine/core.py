@@ -226,7 +226,8 @@ class EngineCore(EngineLoop):
         self.curve_age += 1
         if not self.scheduler.free_rows or not self.config.adaptive:
             return
-        if self.curve_rows and self.costs.stale and self.curve_age >= REMEASURE_STEPS:
+        if self.curve_rows and self.costs.stale and self.curve_age >= REMEASURE_STEPS \
+                and self.runner.can_admit(self.curve_rows + 1, {}):      # its blocks never taken from a request
             self.costs.remeasured(self.runner.cost_curve(self.scheduler.free_rows[-1], self.curve_rows))
             self.curve_age = 0
             return

@@ -169,3 +169,18 @@ def test_one_core_per_llm_the_server_runs_on_it_and_calls_join_its_batch(tiny_mo
     finally:
         state.engine.stop()
     assert llm.generate([ids], params)[0].token_ids == alone and llm.core is not state.engine
+
+
+def test_a_stale_cost_curve_is_measured_again_between_steps(tiny_models, monkeypatch):
+    """A curve the steps show was measured under load (`StepCosts.stale`) is measured again on a
+    free row, at most every REMEASURE_STEPS steps; the text does not change."""
+    from specdecode.engine import core as core_module
+    llm = LLM(model=str(tiny_models["llama"]), dtype="fp32", progress=False, method="ngram")
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    first = llm.generate([PROMPTS[0], PROMPTS[1]], params)[0].token_ids
+    measured = []
+    monkeypatch.setattr(llm.core.runner, "cost_curve", lambda row, rows: measured.append(rows) or {1: 1.0, 2: 1.1})
+    monkeypatch.setattr(type(llm.core.costs), "stale", property(lambda costs: costs.scale < 10.0))   # always
+    llm.core.curve_age = core_module.REMEASURE_STEPS
+    assert llm.generate([PROMPTS[0], PROMPTS[1]], params)[0].token_ids == first
+    assert measured == [llm.core.curve_rows] and llm.core.curve_age < core_module.REMEASURE_STEPS
