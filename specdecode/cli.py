@@ -9,6 +9,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from .cli_common import CliError, add_model_options, drafter_options, number, option_error, positive_int
@@ -134,6 +135,22 @@ def prediction_option(args: argparse.Namespace) -> str | None:
     return text
 
 
+COMPARE_PAIRS = 3         # --compare: alternating (speculative, plain) runs timed at least (greedy or seeded)
+COMPARE_MAX_PAIRS = 9     # ... at most, adding pairs while their speed-ups fall on both sides of 1.0x
+COMPARE_SECONDS = 30.0    # ... and while the pairs after the first took less than this
+
+
+def pair_ratios(spec_runs: list[dict], base_speeds: list[float]) -> list[float]:
+    """Each alternating pair's speed-up (speculative over plain tokens per second)."""
+    return [run["tokens_per_s"] / max(base, 1e-9) for run, base in zip(spec_runs, base_speeds)]
+
+
+def straddles(spec_runs: list[dict], base_speeds: list[float]) -> bool:
+    """Whether the pairs' speed-ups fall on both sides of 1.0x (the median alone cannot tell)."""
+    ratios = pair_ratios(spec_runs, base_speeds)
+    return min(ratios) <= 1.0 <= max(ratios)
+
+
 GENERATE_EPILOG = (
     "The closing stats line: acceptance rate = draft tokens the target kept / draft tokens proposed (steps "
     "that drafted only); mean accepted length = tokens emitted per target pass, the target's own token "
@@ -247,10 +264,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.compare:
         base = llm.generate([ids], params, num_speculative_tokens=0)[0]
         spec_runs, base_speeds = [out.stats], [base.stats["tokens_per_s"]]
-        # a generation this short is timed mostly by noise: alternate a few more runs of each, medians
-        # (greedy or seeded: every run writes the same text; unseeded samples differ in length and work)
-        repeats = min(6, int(1.0 / max(out.stats["total_s"] + base.stats["total_s"], 1e-3)))
-        for _ in range(repeats if params.greedy or params.seed is not None else 0):
+        # one timed pair is mostly noise on a loaded host: alternate pairs, at least COMPARE_PAIRS, more
+        # while their spread straddles 1.0x and COMPARE_SECONDS allow (greedy or seeded: every run writes
+        # the same text; unseeded samples differ in length and work, so their pairs do not compare)
+        until = time.perf_counter() + COMPARE_SECONDS
+        while (params.greedy or params.seed is not None) and len(spec_runs) < COMPARE_MAX_PAIRS and (
+                len(spec_runs) < COMPARE_PAIRS or (time.perf_counter() < until and straddles(spec_runs, base_speeds))):
             fresh_drafter()                              # not drafting from the runs before
             spec_runs.append(llm.generate([ids], params)[0].stats)
             base_speeds.append(llm.generate([ids], params, num_speculative_tokens=0)[0].stats["tokens_per_s"])
@@ -263,6 +282,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result["baseline_tokens_per_s"] = round(base_tps, 2)
         result["timed_runs"] = len(spec_runs)
         result["speedup"] = round(spec_tps / base_tps, 3)
+        ratios = pair_ratios(spec_runs, base_speeds)
+        result["speedup_spread"] = [round(min(ratios), 3), round(max(ratios), 3)]
+        # the same work in both arms (nothing drafted), or pairs on both sides of 1.0x: noise decides
+        result["within_noise"] = all(run["drafted_tokens"] == 0 for run in spec_runs) or straddles(spec_runs,
+                                                                                                  base_speeds)
         result["identical"] = base.token_ids == out.token_ids
         if not result["identical"]:
             diverge = next((i for i, (a, b) in enumerate(zip(base.token_ids, out.token_ids)) if a != b),
@@ -279,8 +303,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         note = "" if params.greedy or result["identical"] else (
             " (sampling without --seed: the runs draw different samples of the same distribution)"
             if params.seed is None else " (seeded sampling with a drafter that samples its drafts: same distribution)")
-        runs = f" (median of {result['timed_runs']} alternating runs each)" if result["timed_runs"] > 1 else ""
-        print(f"[plain] {result['baseline_tokens_per_s']:.1f} tok/s -> speed-up {result['speedup']:.2f}x{runs}, "
+        low, high = result["speedup_spread"]
+        runs = (f" (median of {result['timed_runs']} alternating runs each, pairs {low:.2f}-{high:.2f}x)"
+                if result["timed_runs"] > 1 else " (one timed run each)")
+        noise = ""
+        if result["within_noise"]:
+            noise = (": within noise (nothing was drafted: both arms decoded plain)"
+                     if all(run["drafted_tokens"] == 0 for run in spec_runs) else ": within noise")
+        print(f"[plain] {result['baseline_tokens_per_s']:.1f} tok/s -> speed-up {result['speedup']:.2f}x{noise}{runs}, "
               f"identical output: {'yes' if result['identical'] else 'no'}{note}", file=sys.stderr)
     return 0
 

@@ -24,7 +24,7 @@ Rows that report log-probabilities or sample get every mask.
 Forced tokens (jump-forward): where the grammar allows exactly one continuation, those tokens
 (`Constraint.forced`) have probability 1 under the masked target distribution whatever the logits
 (so verifying them as drafts would accept every one): a speculating engine commits them at the
-start of a step (engine.py `_jump_forward`), the step's target pass writes their keys/values as
+start of a step (engine/drafting.py `_jump_forward`), the step's target pass writes their keys/values as
 pending tokens, and the drafter drafts what follows them.
 """
 from __future__ import annotations

@@ -110,6 +110,8 @@ def test_json_with_compare(runs, reference):
     assert out["method"] == "cascade" and out["k"] == 3                # the default with --draft
     assert out["tokens"] == reference["fox"].token_ids and out["text"] == reference["fox"].text
     assert out["tokens_per_s"] > 0 and out["baseline_tokens_per_s"] > 0 and out["speedup"] > 0
+    low, high = out["speedup_spread"]                         # alternating pairs, their spread printed too
+    assert out["timed_runs"] >= 3 and 0 < low <= high and isinstance(out["within_noise"], bool)
     assert 0.0 <= out["acceptance_rate"] <= 1.0 and 1.0 <= out["mean_accepted_length"] <= 4.0
 
 
@@ -126,6 +128,7 @@ def test_streaming_prints_the_text(runs):
     run = ok(runs["stream_chat"].result())
     assert run.stdout == text + "\n"
     assert "identical output: yes" in run.stderr and "tok/s" in run.stderr
+    assert "alternating runs each, pairs" in run.stderr
 
 
 def test_prompt_from_stdin_without_streaming(runs, reference):

@@ -55,7 +55,7 @@ def build_state(llm, config: EngineConfig, check_budget: bool = True, available:
                        config.prefill_chunk, context)
     if check_budget:
         check_memory(plan, available if available is not None else available_bytes())
-    engine = EngineCore(target, drafter, config)
+    engine = llm.serve_core(config)                 # the LLM's one core, at the server's size
     name = config.served_model_name or target.name
     engine.metrics = ServeMetrics(name, llm.method if drafter else "none",
                                   config.num_speculative_tokens if drafter else 0, plan.weights,
