@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import __version__
 from .cli_common import CliError, add_model_options, drafter_options, number, option_error, positive_int
 from .params import ParamError
 
@@ -162,6 +163,7 @@ GENERATE_EPILOG = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding on CPU and CUDA.")
+    parser.add_argument("--version", action="version", version=f"specdecode {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt, streaming it as it is accepted",
                          epilog=GENERATE_EPILOG)
@@ -191,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_distill_parser(sub)
     from .info import add_parser as add_info_parser  # `specdecode info`: what this machine runs (info.py)
     add_info_parser(sub)
+    parser.subcommands = sub.choices       # main() reports a bad -k as the subcommand's usage error
     return parser
 
 
@@ -246,15 +249,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
             llm.drafter.restore(memory)
     fresh_drafter()
     stream = not (args.json or args.no_stream)
+    drafts = llm.drafter is not None and args.k > 0
+    method = f"{llm.method} k={args.k}" if drafts else "none"     # no k where nothing drafts
     if args.compare and stream:
-        print(f"--- speculative ({llm.method}, k={args.k}) ---", file=sys.stderr)
+        print(f"--- speculative ({method}) ---", file=sys.stderr)
     out = llm.generate([ids], params, on_tokens=Streamer(llm.tokenizer) if stream else None)[0]
     if stream:
         print()
     elif not args.json:
         print(out.text)
     result = {"text": out.text, "tokens": out.token_ids, "num_tokens": len(out.token_ids),
-              "finish_reason": out.finish_reason, "method": llm.method if args.k else "none", "k": args.k,
+              "finish_reason": out.finish_reason, "method": llm.method if drafts else "none",
+              "k": args.k if drafts else 0,
               "weights": llm.target.weights_kind,
               **{key: out.stats[key] for key in ("tokens_per_s", "acceptance_rate", "mean_accepted_length",
                                                  "acceptance_per_position", "draft_s", "verify_s",
@@ -295,10 +301,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"[{result['method']} k={args.k}] {result['num_tokens']} tokens ({result['weights']} weights), "
+    print(f"[{method}] {result['num_tokens']} tokens ({result['weights']} weights), "
           f"{result['tokens_per_s']:.1f} tok/s, "
           f"acceptance rate {result['acceptance_rate']:.2f}, mean accepted length "
-          f"{result['mean_accepted_length']:.2f}", file=sys.stderr)
+          f"{result['mean_accepted_length']:.2f}, {finish_note(out.finish_reason, params.max_tokens)}",
+          file=sys.stderr)
     if args.compare:
         note = "" if params.greedy or result["identical"] else (
             " (sampling without --seed: the runs draw different samples of the same distribution)"
@@ -315,12 +322,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def finish_note(reason: str | None, max_tokens: int) -> str:
+    """Why the answer ended, as the stats line says it (a cut answer says so, and how to lengthen it)."""
+    if reason == "length":
+        return f"finish_reason length: cut at --max-tokens {max_tokens} (raise it for the rest)"
+    return f"finish_reason {reason}"
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .cli_common import draft_size_error
     from .drafters.base import DrafterError
     from .models.config import ModelError
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in ("generate", "serve"):
+        problem = draft_size_error(args)        # before any model loads
+        if problem:
+            parser.subcommands[args.command].error(problem)
     try:
         return args.run(args)
     except (ParamError, ModelError, DrafterError, CliError, FileNotFoundError) as exc:
