@@ -221,3 +221,55 @@ def write_qwen35_gguf(path: Path, model, tokenizer_json: Path, eos_token: str, q
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_qwen3moe_gguf(path: Path, model, tokenizer_json: Path, eos_token: str, qtype: str = "F32") -> Path:
+    """A transformers Qwen3-MoE (Qwen3MoeForCausalLM) as llama.cpp's converter writes it (its
+    Qwen3MoeModel, through Qwen2MoeModel.modify_tensors): every expert's gate / up / down matrix
+    stacked into one tensor per layer (blk.N.ffn_{gate,up,down}_exps [n_expert, out, in]), the router
+    as blk.N.ffn_gate_inp, and the expert metadata. qtype "Q8_0": matrices and expert stacks whose rows
+    are a multiple of 32 weights in Q8_0 blocks, the router and norms F32 (llama.cpp's quantizer keeps
+    ffn_gate_inp in F32 too)."""
+    import gguf
+    from gguf.quants import quantize
+
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_name("tiny-qwen3moe")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    writer.add_expert_count(c.num_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    write_tokenizer(writer, tokenizer_json, eos_token)
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.QWEN3MOE, c.num_hidden_layers)
+    state = model.state_dict()        # transformers 5 holds the experts fused: gate_up_proj [E, 2I, D], down_proj
+    tensors = {k: v for k, v in state.items() if ".mlp.experts." not in k}
+    for layer in range(c.num_hidden_layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        gate, up = state[p + "gate_up_proj"].chunk(2, dim=1)
+        tensors.update({p + "gate_proj.weight": gate, p + "up_proj.weight": up, p + "down_proj.weight": state[p + "down_proj"]})
+    tied = bool(c.tie_word_embeddings)
+    for hf_name, tensor in tensors.items():
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None or (tied and name == "output.weight"):
+            continue
+        array = np.ascontiguousarray(tensor.detach().to(torch.float32).numpy())
+        if qtype == "Q8_0" and array.ndim >= 2 and array.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name:
+            writer.add_tensor(name, quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
