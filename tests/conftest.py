@@ -504,3 +504,31 @@ def check_openai_schema(instance: dict, name: str) -> None:
     validator = jsonschema.Draft202012Validator({"$ref": f"#/$defs/{name}", "$defs": schemas["$defs"]})
     errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(instance)]
     assert not errors, f"{name}: " + "; ".join(errors)
+
+
+# Tiny random Qwen3-MoE (tests/models/test_qwen3_moe.py): 8 experts of which 2 routed, the router's and
+# the experts' weights scaled so routing and the experts' outputs matter to the next token
+def make_qwen3_moe(folder: Path, seed: int = 5, norm_topk: bool = True, mlp_only_layers: tuple[int, ...] = ()):
+    """A tiny random Qwen3-MoE saved in `folder` as transformers saves it; returns the transformers model."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3MoeForCausalLM"):
+        pytest.skip("this transformers has no Qwen3-MoE")
+    make_tokenizer(folder)
+    vocab = json.loads((folder / "tokenizer.json").read_text())
+    base = len(vocab["model"]["vocab"])
+    size = base + len([t for t in vocab["added_tokens"] if t["id"] >= base])
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=size, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=norm_topk, mlp_only_layers=list(mlp_only_layers), max_position_embeddings=256,
+        tie_word_embeddings=False, eos_token_id=2, rms_norm_eps=1e-6)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(2.5)
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0, 0.5)
+                layer.mlp.experts.down_proj.mul_(5.0)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return model

@@ -256,7 +256,8 @@ def write_qwen3moe_gguf(path: Path, model, tokenizer_json: Path, eos_token: str,
     for layer in range(c.num_hidden_layers):
         p = f"model.layers.{layer}.mlp.experts."
         gate, up = state[p + "gate_up_proj"].chunk(2, dim=1)
-        tensors.update({p + "gate_proj.weight": gate, p + "up_proj.weight": up, p + "down_proj.weight": state[p + "down_proj"]})
+        tensors.update({p + "gate_proj.weight": gate, p + "up_proj.weight": up,
+                        p + "down_proj.weight": state[p + "down_proj"]})
     tied = bool(c.tie_word_embeddings)
     for hf_name, tensor in tensors.items():
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
