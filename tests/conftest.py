@@ -532,3 +532,31 @@ def make_qwen3_moe(folder: Path, seed: int = 5, norm_topk: bool = True, mlp_only
                 layer.mlp.experts.down_proj.mul_(5.0)
     model.save_pretrained(str(folder), safe_serialization=True)
     return model
+
+
+def make_qwen35_moe(folder: Path, seed: int = 3):
+    """A tiny random Qwen3.5-MoE text model (qwen3_5_moe_text: the hybrid stack, every MLP 8 experts of
+    which 2 routed plus a gated shared expert) saved in `folder`; returns the transformers model."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3_5MoeForCausalLM"):
+        pytest.skip("this transformers has no Qwen3.5-MoE")
+    make_tokenizer(folder)
+    vocab = json.loads((folder / "tokenizer.json").read_text())
+    base = len(vocab["model"]["vocab"])
+    size = base + len([t for t in vocab["added_tokens"] if t["id"] >= base])
+    config = transformers.Qwen3_5MoeTextConfig(
+        vocab_size=size, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=2,
+        rms_norm_eps=1e-6, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=8,
+        num_experts_per_tok=2)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(2.5)
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+            layer.mlp.experts.down_proj.mul_(5.0)
+            layer.mlp.shared_expert_gate.weight.normal_(0, 0.5)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return model

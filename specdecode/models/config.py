@@ -189,9 +189,11 @@ class ModelConfig:
                 "tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings", True)))))
         if model_type == "qwen3_5" and isinstance(cfg.get("text_config"), dict):
             cfg, model_type = {**cfg["text_config"], "model_type": "qwen3_5_text"}, "qwen3_5_text"
+        if model_type == "qwen3_5_moe" and isinstance(cfg.get("text_config"), dict):
+            cfg, model_type = {**cfg["text_config"], "model_type": "qwen3_5_moe_text"}, "qwen3_5_moe_text"
         arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "smollm3": "llama",
                 "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma4_text": "gemma4",
-                "qwen3_5_text": "qwen3_5", "qwen3_moe": "qwen3moe"}.get(model_type)
+                "qwen3_5_text": "qwen3_5", "qwen3_moe": "qwen3moe", "qwen3_5_moe_text": "qwen3_5"}.get(model_type)
         if arch is None:
             raise ModelError(f"model_type {model_type!r} is not native")
         if arch == "gemma4":
@@ -226,11 +228,14 @@ class ModelConfig:
         if arch == "qwen3moe":
             from .moe import hf_fields
             hybrid = hf_fields(cfg)
+        if model_type == "qwen3_5_moe_text":       # the hybrid stack with MoE MLPs and a shared expert
+            from .moe import qwen3_5_fields
+            hybrid.update(qwen3_5_fields(cfg))
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,

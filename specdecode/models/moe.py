@@ -157,11 +157,12 @@ def route(logits: torch.Tensor,       # [N, E] router logits, model dtype
 
 
 def moe_mlp(layer: dict, x: torch.Tensor,      # [B, T, D] normed hidden states
-            config) -> torch.Tensor:            # -> [B, T, D] the MLP's output
+            moe: dict) -> torch.Tensor:         # -> [B, T, D] the MLP's output
     """The eager MoE MLP: route, then each routed expert on the rows routed to it, in ascending
-    expert id, the weighted outputs added into the rows (index_add_ in the model dtype)."""
+    expert id, the weighted outputs added into the rows (index_add_ in the model dtype); then, where
+    the layer has one (Qwen3.5), the shared expert's output times sigmoid(its gate) added."""
     flat = x.reshape(-1, x.shape[-1])                                       # [N, D]
-    weights, ids = route(layer["router"](flat), config.moe["used"], config.moe["norm_topk"])
+    weights, ids = route(layer["router"](flat), moe["used"], moe["norm_topk"])
     out = torch.zeros_like(flat)
     for e in sorted(set(ids.reshape(-1).tolist())):
         rows, rank = torch.where(ids == e)
@@ -170,9 +171,35 @@ def moe_mlp(layer: dict, x: torch.Tensor,      # [B, T, D] normed hidden states
         gate, up = layer["experts_gate_up"][e](flat[rows]).chunk(2, dim=-1)
         y = layer["experts_down"][e](F.silu(gate) * up)                     # [n, D]
         out.index_add_(0, rows, (y * weights[rows, rank, None]).to(out.dtype))
+    if "shared_gate_up" in layer:                                           # Qwen3.5's shared expert
+        gate, up = layer["shared_gate_up"](flat).chunk(2, dim=-1)
+        out = out + torch.sigmoid(layer["shared_gate"](flat)) * layer["shared_down"](F.silu(gate) * up)
     return out.view_as(x)
 
 
 def projections(layer: dict) -> list:
-    """A MoE layer's projections: router, then every expert's gate|up and down."""
-    return [layer["router"]] + layer["experts_gate_up"] + layer["experts_down"]
+    """A MoE layer's projections: router, then every expert's gate|up and down (and the shared expert's)."""
+    shared = [layer[k] for k in ("shared_gate", "shared_gate_up", "shared_down") if k in layer]
+    return [layer["router"]] + layer["experts_gate_up"] + layer["experts_down"] + shared
+
+
+def build_shared(weights: dict, prefix: str, make_linear, dtype: torch.dtype) -> dict:
+    """Qwen3.5's shared expert (mlp.shared_expert.{gate,up,down}_proj) and its gate (mlp.shared_expert_gate,
+    [1, D]: the sigmoid weight of its output), where the layer has one."""
+    s = prefix + "mlp.shared_expert."
+    if s + "gate_proj.weight" not in weights:
+        return {}
+    from .transformer import cat_rows
+    gate_up = cat_rows([weights[s + "gate_proj.weight"], weights[s + "up_proj.weight"]], dtype)
+    return {"shared_gate_up": make_linear(gate_up, None),
+            "shared_down": make_linear(weights[s + "down_proj.weight"], None),
+            "shared_gate": make_linear(weights[prefix + "mlp.shared_expert_gate.weight"], None)}
+
+
+def qwen3_5_fields(cfg: dict) -> dict:
+    """The MoE fields of a qwen3_5_moe_text config.json: every layer a MoE layer with a shared expert,
+    the top-k weights always renormalised (transformers' Qwen3_5MoeTopKRouter)."""
+    return {"moe": {"experts": int(cfg["num_experts"]), "used": int(cfg["num_experts_per_tok"]),
+                    "intermediate": int(cfg["moe_intermediate_size"]), "norm_topk": True,
+                    "shared": int(cfg.get("shared_expert_intermediate_size") or 0)},
+            "moe_layers": (True,) * int(cfg["num_hidden_layers"])}

@@ -319,7 +319,7 @@ class Transformer:
             # 2. MLP: SwiGLU with fused gate/up, or a mixture of experts
             x = F.rms_norm(hidden, (c.hidden_size,), layer["mlp_norm"], c.rms_norm_eps)
             if "router" in layer:
-                hidden = hidden + moe_mlp(layer, x, c)
+                hidden = hidden + moe_mlp(layer, x, c.moe)
                 continue
             gate, up = layer["gate_up"](x).chunk(2, dim=-1)
             hidden = hidden + layer["down"](F.silu(gate) * up)
