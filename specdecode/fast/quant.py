@@ -28,6 +28,7 @@ from . import linear as _lin
 
 __all__ = ["QuantWeight", "QuantLinear", "NATIVE_TYPES", "quantize_int8", "type_name", "repacks16", "qamx_min_rows"]
 
+_MADV_DONTNEED = 4
 # ggml type ids (gguf.GGMLQuantizationType) the native kernel reads; I8 is our int8 per channel
 I8 = 1000
 NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
@@ -248,6 +249,20 @@ class QuantLinear:
     @property
     def nbytes(self) -> int:
         return self.weight_q.nbytes
+
+    def drop_source_pages(self) -> None:
+        """Where every segment was repacked (the kernels read only the repacked copy), ask the OS to drop
+        the source rows' pages from this process (madvise MADV_DONTNEED): for rows that are views of a
+        memory-mapped file (a MoE model's experts) they leave its resident memory, so the file is not
+        held twice; a later read of them (dequantize) faults them back in from the file."""
+        libc = _lin._libc()
+        if not self.fast or libc is None or len(self._packed) != len(self.weight_q.segments):
+            return
+        page = os.sysconf("SC_PAGE_SIZE")
+        for _, data in self.weight_q.segments:
+            start = data.data_ptr() // page * page
+            end = -(-(data.data_ptr() + data.numel()) // page) * page
+            libc.madvise(start, end - start, _MADV_DONTNEED)
 
     def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:  # x[..., in] -> [..., out] bf16
         if not self.fast:

@@ -138,6 +138,9 @@ def build_layer(weights: dict, prefix: str, config, make_linear) -> dict:
                                for w in (gate, up)])
         gate_up.append(make_linear(fused, None))
         down.append(make_linear(_expert(weights, prefix, "down_proj", e, experts), None))
+        for lin in (gate_up[-1], down[-1]):
+            if isinstance(fused, QuantWeight) and hasattr(lin, "drop_source_pages"):
+                lin.drop_source_pages()      # the file's rows, repacked: not held in memory twice
     return {"router": make_linear(weights[prefix + "mlp.gate.weight"], None), "experts_gate_up": gate_up,
             "experts_down": down}
 
