@@ -196,7 +196,7 @@ def build_shared(weights: dict, prefix: str, make_linear, dtype: torch.dtype) ->
     gate_up = cat_rows([weights[s + "gate_proj.weight"], weights[s + "up_proj.weight"]], dtype)
     return {"shared_gate_up": make_linear(gate_up, None),
             "shared_down": make_linear(weights[s + "down_proj.weight"], None),
-            "shared_gate": make_linear(weights[prefix + "mlp.shared_expert_gate.weight"], None)}
+            "shared_gate": make_linear(weights[prefix + "mlp.shared_expert_gate.weight"].reshape(1, -1), None)}
 
 
 def qwen3_5_fields(cfg: dict) -> dict:

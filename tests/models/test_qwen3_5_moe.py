@@ -110,3 +110,31 @@ def test_adapter_rolls_a_hybrid_model_back_by_replaying(qwen35_moe):
     with torch.no_grad():
         expected = hf(torch.tensor([prompt + drafts[:2] + other])).logits[0, -2:]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_gguf_as_llama_cpp_writes_it(qwen35_moe, tmp_path, qtype):
+    """llama.cpp's qwen35moe layout (expert stacks, ffn_*_shexp, ffn_gate_inp_shexp): native on the
+    file's blocks near transformers' logits, dense exactly them, greedy speculation equal to plain."""
+    from gguf_writer import write_qwen35_gguf
+    folder, hf = qwen35_moe
+    path = write_qwen35_gguf(tmp_path / f"tiny-qwen35moe-{qtype.lower()}.gguf", hf, folder / "tokenizer.json",
+                             "<|im_end|>", qtype=qtype)
+    ids = torch.tensor([[5, 17, 40, 99, 23, 8, 61, 7, 12, 33] * 3])
+    with torch.no_grad():
+        expected = hf(ids).logits
+    exact = 1e-4 if qtype == "F32" else 0.05               # Q8_0's own rounding
+    for options, atol in (({}, 0.05), ({"weights": "dense", "dtype": "fp32"}, exact)):
+        lm = load_model(str(path), progress=False, **options)
+        assert lm.native and lm.model.config.moe["shared"] == 64
+        if qtype == "Q8_0" and not options:
+            assert lm.weights_kind == "native Q8_0"
+        cache = lm.model.new_paged_cache(1, 64, 8, 16)
+        cache.reserve(0, 40)
+        got = lm.model.logits(lm.model.run(ForwardBatch.chain(ids, 0, torch.tensor([0])), cache))
+        torch.testing.assert_close(got, expected, atol=atol, rtol=0)
+    llm = LLM(model=str(path), progress=False, adaptive=False)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = llm.generate(PROMPTS, params, num_speculative_tokens=0)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params, num_speculative_tokens=4)] == \
+        [o.token_ids for o in plain]
