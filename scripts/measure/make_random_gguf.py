@@ -22,8 +22,12 @@ layer), rope_theta 1e6, rms_norm_eps 1e-6, max_position_embeddings 40960, vocabu
 embeddings. Tensors and metadata as llama.cpp's convert_hf_to_gguf.py (Qwen3MoeModel) writes them:
 expert matrices stacked per layer (blk.N.ffn_{gate,up,down}_exps [128, out, in]), the router
 blk.N.ffn_gate_inp in F32, written block by block (random Q8_0 blocks drawn directly, a few hundred MB in
-memory at a time), so a full-depth file (~32 GB as Q8_0) needs little memory. Routing over random
-weights spreads tokens evenly over the experts: the worst case for the experts a verify pass reads.
+memory at a time), so a full-depth file (~32 GB as Q8_0) needs little memory. The token embedding is
+drawn with standard deviation 1 (the other matrices 0.02): with small embeddings the attention output,
+nearly the same for every row of a pass over random weights, would decide the routing and the rows of a
+verify pass would share most experts (measured: 8 rows read 15.6 distinct experts per layer of 128);
+so each token's own embedding decides its experts, which spread as under random routing: the worst
+case for the experts a verify pass reads.
 --llamacpp-python PY --quantize Q4_K_M then runs llama.cpp's own quantizer (llama_model_quantize,
 through llama-cpp-python in that interpreter) on the written file into --quantized-out.
 
@@ -135,8 +139,9 @@ def write_qwen3moe(out: Path, layers: int, seed: int, shape: dict | None = None)
     size = max(len(spec["model"]["vocab"]), max(t["id"] for t in spec["added_tokens"]) + 1)
     spec["model"]["vocab"].update({f"<|unused_{i}|>": i for i in range(size, c["vocab"])})
     write_tokenizer(writer, spec, "<|im_end|>")
-    # (name, shape [.., rows, cols], kind): "q8" random Q8_0 blocks, "router" random F32, "norm" ones in F32
-    plan = [("token_embd.weight", (c["vocab"], d), "q8")]
+    # (name, shape [.., rows, cols], kind): "q8" random Q8_0 blocks ("embed": of standard deviation 1), "router"
+    # random F32, "norm" ones in F32
+    plan = [("token_embd.weight", (c["vocab"], d), "embed")]
     for i in range(layers):
         b = f"blk.{i}."
         plan += [(b + "attn_norm.weight", (d,), "norm"), (b + "attn_q.weight", (c["heads"] * hd, d), "q8"),
@@ -149,7 +154,7 @@ def write_qwen3moe(out: Path, layers: int, seed: int, shape: dict | None = None)
     plan += [("output_norm.weight", (d,), "norm"), ("output.weight", (c["vocab"], d), "q8")]
     q8 = gguf.GGMLQuantizationType.Q8_0
     for name, shape, kind in plan:
-        if kind == "q8":
+        if kind in ("q8", "embed"):
             byte_shape = (*shape[:-1], shape[-1] // 32 * 34)
             writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=q8)
         else:
@@ -158,9 +163,9 @@ def write_qwen3moe(out: Path, layers: int, seed: int, shape: dict | None = None)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for _name, shape, kind in plan:     # one tensor in memory at a time
-        if kind == "q8":
-            rows = int(np.prod(shape[:-1]))
-            writer.write_tensor_data(random_q8_0(rng, rows, shape[-1]).reshape(*shape[:-1], -1))
+        if kind in ("q8", "embed"):
+            rows, std = int(np.prod(shape[:-1])), 1.0 if kind == "embed" else 0.02
+            writer.write_tensor_data(random_q8_0(rng, rows, shape[-1], std).reshape(*shape[:-1], -1))
         elif kind == "router":
             writer.write_tensor_data(rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02))
         else:
