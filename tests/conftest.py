@@ -534,9 +534,11 @@ def make_qwen3_moe(folder: Path, seed: int = 5, norm_topk: bool = True, mlp_only
     return model
 
 
-def make_qwen35_moe(folder: Path, seed: int = 3):
+def make_qwen35_moe(folder: Path, seed: int = 3, mtp: bool = False):
     """A tiny random Qwen3.5-MoE text model (qwen3_5_moe_text: the hybrid stack, every MLP 8 experts of
-    which 2 routed plus a gated shared expert) saved in `folder`; returns the transformers model."""
+    which 2 routed plus a gated shared expert) saved in `folder`; returns the transformers model. With
+    `mtp`: a random multi-token-prediction head whose layer has the same MoE MLP (`mtp.*`, one matrix per
+    expert as a checkpoint ships them), as make_qwen35 adds one."""
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "Qwen3_5MoeForCausalLM"):
         pytest.skip("this transformers has no Qwen3.5-MoE")
@@ -559,4 +561,27 @@ def make_qwen35_moe(folder: Path, seed: int = 3):
             layer.mlp.experts.down_proj.mul_(5.0)
             layer.mlp.shared_expert_gate.weight.normal_(0, 0.5)
     model.save_pretrained(str(folder), safe_serialization=True)
+    if mtp:
+        from safetensors.torch import load_file, save_file
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
+        torch.manual_seed(seed + 1)
+        layer = Qwen3_5MoeDecoderLayer(config, config.layer_types.index("full_attention"))
+        d = config.hidden_size
+        head = {"fc.weight": torch.cat([torch.eye(d), torch.randn(d, d) * (2 * d) ** -0.5], dim=1),
+                **{f"{name}.weight": torch.empty(d).uniform_(-0.3, 0.3)
+                   for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}}
+        for name, t in layer.state_dict().items():
+            if name.endswith("experts.gate_up_proj"):          # one matrix per expert, as checkpoints hold them
+                for e, (gate, up) in enumerate(zip(*t.chunk(2, dim=1))):
+                    head[f"layers.0.mlp.experts.{e}.gate_proj.weight"] = gate
+                    head[f"layers.0.mlp.experts.{e}.up_proj.weight"] = up
+            elif name.endswith("experts.down_proj"):
+                head.update({f"layers.0.mlp.experts.{e}.down_proj.weight": w for e, w in enumerate(t)})
+            else:
+                head[f"layers.0.{name}"] = t.uniform_(-0.3, 0.3) if "norm" in name else t
+        weights = load_file(str(folder / "model.safetensors"))
+        weights.update({f"mtp.{name}": t.detach().contiguous() for name, t in head.items()})
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
     return model

@@ -138,3 +138,17 @@ def test_gguf_as_llama_cpp_writes_it(qwen35_moe, tmp_path, qtype):
     plain = llm.generate(PROMPTS, params, num_speculative_tokens=0)
     assert [o.token_ids for o in llm.generate(PROMPTS, params, num_speculative_tokens=4)] == \
         [o.token_ids for o in plain]
+
+
+def test_mtp_head_with_moe_mlp_drafts_losslessly(tmp_path):
+    """A checkpoint whose MTP head's layer has the MoE MLP (as Qwen3.5-35B-A3B's): the default method is
+    mtp, and greedy output with it is plain decoding's, alone and batched."""
+    make_qwen35_moe(tmp_path, mtp=True)
+    llm = LLM(model=str(tmp_path), dtype="fp32", progress=False, adaptive=False)
+    assert llm.method == "mtp"
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in llm.generate(PROMPTS, params, num_speculative_tokens=0)]
+    spec = llm.generate(PROMPTS, params, num_speculative_tokens=2)
+    assert [o.token_ids for o in spec] == plain
+    assert sum(o.stats["drafted_tokens"] for o in spec) > 0
+    assert llm.generate(PROMPTS[0], params, num_speculative_tokens=2)[0].token_ids == plain[0]
