@@ -41,3 +41,18 @@ def test_bad_layers_is_one_error(script, tmp_path, capsys):
     with pytest.raises(SystemExit):
         script.main(["--arch", "qwen3moe", "--layers", "49", "--out", str(tmp_path / "x.gguf")])
     assert "--layers must be in [1, 48]" in capsys.readouterr().err
+
+
+def test_info_counts_the_expert_stacks_as_native(script, tmp_path):
+    """`specdecode info --model` on a qwen3moe file: each expert stack is one matrix of native blocks."""
+    from specdecode.info import kernels, model_paths
+    shape = dict(script.QWEN3_30B_A3B, hidden=128, heads=4, kv_heads=2, head_dim=32, experts=16, used=4,
+                 expert_ff=64, ff=256, vocab=512)
+    out = tmp_path / "random-qwen3moe.gguf"
+    script.write_qwen3moe(out, 1, seed=0, shape=shape)
+    kern = kernels()
+    groups = {g["path"]: g["tensors"] for g in model_paths(out, kern)["groups"] if g["type"] == "Q8_0"}
+    if kern["isa"] == "none":
+        pytest.skip("no native kernels on this CPU")
+    native = sum(n for path, n in groups.items() if path.startswith("native"))
+    assert native == 4 + 3 + 1        # attention q/k/v/o, the three expert stacks, the LM head
