@@ -62,9 +62,11 @@ def row_bytes(qtype: int, in_features: int) -> int:
 
 @dataclass
 class QuantWeight:
-    """A [out, in] weight as raw quantized rows: segments[i] = (ggml type, uint8 [rows_i, row_bytes])."""
+    """A [out, in] weight as raw quantized rows: segments[i] = (ggml type, uint8 [rows_i, row_bytes]).
+    `mapped`: the rows are views of a memory-mapped file (QuantLinear.drop_source_pages may release them)."""
     segments: list[tuple[int, Tensor]]
     in_features: int
+    mapped: bool = False
 
     @classmethod
     def from_blocks(cls, qtype: int, data, shape: tuple[int, int]) -> QuantWeight:
@@ -256,8 +258,9 @@ class QuantLinear:
         memory-mapped file (a MoE model's experts) they leave its resident memory, so the file is not
         held twice; a later read of them (dequantize) faults them back in from the file."""
         libc = _lin._libc()
-        if not self.fast or libc is None or len(self._packed) != len(self.weight_q.segments):
-            return
+        if (not self.weight_q.mapped or not self.fast or libc is None
+                or len(self._packed) != len(self.weight_q.segments)):
+            return               # anonymous memory would be zeroed, not released: only a file's pages
         page = os.sysconf("SC_PAGE_SIZE")
         for _, data in self.weight_q.segments:
             start = data.data_ptr() // page * page

@@ -103,6 +103,7 @@ def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
                 with warnings.catch_warnings():      # a read-only mapping: the kernels only read it
                     warnings.simplefilter("ignore", UserWarning)
                     weights[name] = QuantWeight.from_blocks(qtype, data, (shape[0] * shape[1], shape[2]))
+                weights[name].mapped = True
                 continue
         if kept_as_stored(name, qtype, shape):
             qw = QuantWeight.from_blocks(qtype, np.array(data, copy=True), shape)

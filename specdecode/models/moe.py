@@ -120,7 +120,7 @@ def _expert(weights: dict, prefix: str, kind: str, e: int, experts: int):
     from ..fast.quant import QuantWeight
     (qtype, data), = stack.segments
     rows = data.shape[0] // experts
-    return QuantWeight([(qtype, data[e * rows:(e + 1) * rows])], stack.in_features)
+    return QuantWeight([(qtype, data[e * rows:(e + 1) * rows])], stack.in_features, stack.mapped)
 
 
 def build_layer(weights: dict, prefix: str, config, make_linear) -> dict:
@@ -132,15 +132,15 @@ def build_layer(weights: dict, prefix: str, config, make_linear) -> dict:
     for e in range(experts):
         gate, up = (_expert(weights, prefix, k, e, experts) for k in ("gate_proj", "up_proj"))
         if isinstance(gate, QuantWeight) and isinstance(up, QuantWeight):
-            fused = QuantWeight(gate.segments + up.segments, gate.in_features)
+            fused = QuantWeight(gate.segments + up.segments, gate.in_features, gate.mapped and up.mapped)
         else:
             fused = torch.cat([w.dequantize(config_dtype(weights)) if isinstance(w, QuantWeight) else w
                                for w in (gate, up)])
         gate_up.append(make_linear(fused, None))
         down.append(make_linear(_expert(weights, prefix, "down_proj", e, experts), None))
         for lin in (gate_up[-1], down[-1]):
-            if isinstance(fused, QuantWeight) and hasattr(lin, "drop_source_pages"):
-                lin.drop_source_pages()      # the file's rows, repacked: not held in memory twice
+            if hasattr(lin, "drop_source_pages"):
+                lin.drop_source_pages()      # a mapped file's rows, repacked: not held in memory twice
     return {"router": make_linear(weights[prefix + "mlp.gate.weight"], None), "experts_gate_up": gate_up,
             "experts_down": down}
 

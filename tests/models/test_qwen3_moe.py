@@ -170,3 +170,16 @@ def test_gguf_dense_conversion_matches_transformers(moe_gguf):
     lm = load_model(str(path), progress=False, weights="dense", dtype="fp32", fast=False)
     assert lm.native and lm.model.config.moe["experts"] == 8
     _check_logits(lm.model, hf, 0.05)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [None, "q4_0"])
+def test_expert_rows_stay_readable_after_their_pages_are_dropped(moe_gguf, dtype):
+    """The file's expert rows, released from the process once repacked, read back as the file's values
+    (a view of the mapping); re-quantized experts live in anonymous memory and are never released."""
+    hf, path = moe_gguf
+    lm = load_model(str(path), progress=False, dtype=dtype)
+    lin = lm.model.layers[1]["experts_gate_up"][3]
+    assert lin.weight_q.mapped == (dtype is None)
+    gate_up = hf.model.layers[1].mlp.experts.gate_up_proj[3]
+    torch.testing.assert_close(lin.weight_q.dequantize(), gate_up, atol=0.02 if dtype else 0.002, rtol=0)
