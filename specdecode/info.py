@@ -160,6 +160,7 @@ def model_paths(path: Path, kern: dict) -> dict:
     from .fast.quant import repacks16, type_name
     from .models.config import ModelError
     from .models.gguf import NATIVE_ARCHS, kept_as_stored, tensor_table
+    from .models.moe import stacked_name
     if path.is_dir() and not (path / "config.json").is_file():
         raise ModelError(f"--model: {path} has no config.json: not a Hugging Face model directory "
                          f"(give a .gguf file or a Hugging Face directory)")
@@ -178,6 +179,8 @@ def model_paths(path: Path, kern: dict) -> dict:
     groups: dict[tuple[str, str], int] = {}
     for hf, _gguf, qtype, shape in tensors:
         name = type_name(qtype)
+        if hf is not None and len(shape) == 3 and stacked_name(hf):     # a MoE layer's experts, read as rows
+            shape = (shape[0] * shape[1], shape[2])
         if hf is None:
             verdict = "not read by the native decoder"
         elif len(shape) != 2:
