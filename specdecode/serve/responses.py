@@ -174,9 +174,12 @@ def feed(gen: Generation, out: Output, text: str, final: bool = False) -> list[d
 
 
 def usage_of(usage: dict, out: Output, tokenizer) -> dict:
+    """The API's usage of the engine's: cached_tokens from the prefix cache; no cache writes, as
+    OpenAI's implicit caching reports."""
     thought = len(tokenizer.encode(out.reasoning_text, add_special=False)) if out.reasoning_text else 0
     return {"input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                     "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": thought},
             "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
 
