@@ -60,12 +60,14 @@ class Tokenizer:
         return self.backend.id_to_token(token_id) or f"<{token_id}>"
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, variables: dict | None = None) -> str:
+        """`variables`: more names for the template (a request's `chat_template_kwargs`, e.g.
+        `enable_thinking`); they cannot replace the ones set here."""
         if not self.chat_template:
             raise ModelError("this model has no chat template; use --no-chat (chat=False)")
         extra = {"tools": tools} if tools else {}
         return self._compiled_template().render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            **(variables or {}), messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
 
     @property

@@ -504,3 +504,88 @@ def check_openai_schema(instance: dict, name: str) -> None:
     validator = jsonschema.Draft202012Validator({"$ref": f"#/$defs/{name}", "$defs": schemas["$defs"]})
     errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(instance)]
     assert not errors, f"{name}: " + "; ".join(errors)
+
+
+# ---------------------------------------------------------------- thinking models (serve/reasoning.py)
+THINKING_CORPUS = ["the quick brown fox jumps over the lazy dog. what is the weather in paris? 1 2 3 4 5",
+                   '{"name": "get_time", "arguments": {"city": "Oslo"}} let me think about it first',
+                   "analysis final commentary assistant user system thought model"]
+_TURNS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n")
+_OFF = "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+_QWEN_TOOLS = ("{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
+               "\n</tools>\nReturn each call as <tool_call>\n{\"name\": <function-name>, \"arguments\": <args>}\n"
+               "</tool_call><|im_end|>\n{% endif %}")
+THINKING_FAMILIES = {   # name: (added tokens (special?), eos tokens, bos, chat template)
+    # Qwen3: the model opens <think> itself; enable_thinking false renders an empty block
+    "qwen3": ({"<|endoftext|>": True, "<|im_start|>": True, "<|im_end|>": True, "<think>": False,
+               "</think>": False, "<tool_call>": False, "</tool_call>": False}, ["<|im_end|>"], None,
+              _QWEN_TOOLS + _TURNS + _OFF + "{% endif %}{% endif %}"),
+    # Qwen3.5 / DeepSeek-R1 distills: the generation prompt opens <think>
+    "qwen3.5": ({"<|endoftext|>": True, "<|im_start|>": True, "<|im_end|>": True, "<think>": False,
+                 "</think>": False, "<tool_call>": False, "</tool_call>": False}, ["<|im_end|>"], None,
+                _QWEN_TOOLS + _TURNS + _OFF + "{% else %}<think>\n{% endif %}{% endif %}"),
+    # gpt-oss: harmony messages; <|return|> and <|call|> end the answer
+    "gpt-oss": ({"<|startoftext|>": True, "<|start|>": True, "<|channel|>": True, "<|message|>": True,
+                 "<|end|>": True, "<|constrain|>": True, "<|return|>": True, "<|call|>": True},
+                ["<|return|>", "<|call|>"], "<|startoftext|>",
+                "{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final"
+                "{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|start|>assistant{% endif %}"),
+    # Gemma 4: turns, <|think|> in the system turn turns thinking on; the thought channel is read
+    # from the vocabulary (the template does not write it)
+    "gemma4": ({"<bos>": True, "<eos>": True, "<|turn>": True, "<turn|>": True, "<|think|>": True,
+                "<|channel>": True, "<channel|>": True}, ["<turn|>", "<eos>"], "<bos>",
+               "{{ bos_token }}{% if enable_thinking %}<|turn>system\n<|think|><turn|>\n{% endif %}"
+               "{% for m in messages %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}\n{{ m.content }}"
+               "<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"),
+}
+
+
+def make_thinking_model(folder: Path, family: str) -> Path:
+    """A 2-layer random Qwen2 model whose byte-level BPE tokenizer holds a thinking family's markers
+    as added tokens (special or not, as the family's own tokenizer has them) and whose chat template
+    lays out turns and thinking the family's way (THINKING_FAMILIES; templates written for the tests)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    added, eos, bos, template = THINKING_FAMILIES[family]
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(THINKING_CORPUS * 4, trainer)
+    tok.add_tokens([AddedToken(t, special=special, normalized=False) for t, special in added.items()])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": bos, "eos_token": eos[0], "add_bos_token": False, "chat_template": template}))
+    ids = [tok.token_to_id(t) for t in eos]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
+    torch.manual_seed(7)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=2048, tie_word_embeddings=True,
+                                         eos_token_id=ids[0], bos_token_id=None))
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def thinking_grammar(tokenizer, vocab_size: int, eos_token_ids, *parts: str) -> str:
+    """A Lark grammar (vLLM's guided_grammar) that makes a random model write `parts` in order: a
+    marker the vocabulary holds as one token llguidance treats as special is named by its id
+    (`<[id]>`: its spelled-out text does not match it), other parts are quoted text, and a part
+    written `/regex/` stays a regex."""
+    from specdecode.serve.tools.formats import single_token
+    from specdecode.structured import grammar_tokenizer_for
+    special = grammar_tokenizer_for(tokenizer, vocab_size, tuple(eos_token_ids)).is_special
+    out = []
+    for part in parts:
+        token = single_token(tokenizer, part)
+        if part.startswith("/") and part.endswith("/") and len(part) > 1:
+            out.append(part)
+        elif token is not None and special(token):
+            out.append(f"<[{token}]>")
+        else:
+            out.append(json.dumps(part))
+    return "start: " + " ".join(out) + "\n"

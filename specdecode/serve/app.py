@@ -33,8 +33,9 @@ from .errors import read_json
 from .events import HeldTokens, Mailbox, TextStream, drain, merge_tokens
 from .prompts import echo_logprobs, infill_answer, infill_body, vllm_prompt_logprobs
 from .protocol import ApiError, ParsedRequest, error_body, parse, stream_error
+from .reasoning import marker_decoder, reasoning_parser
 from .tokenize import detokenize, tokenize, tokenizer_info
-from .tools import ToolParser, decoder, openai_deltas
+from .tools import ToolParser, openai_deltas
 
 log = logging.getLogger("specdecode.serve")
 STATIC = Path(__file__).parent / "static"
@@ -66,8 +67,9 @@ class Generation:
         tools = parsed.tools             # tools/: the calls are parsed out of the text as it comes
         self.tools = ToolParser(tools.fmt, [f["name"] for f in tools.functions()],
                                 None if tools.parallel else 1) if tools is not None else None
-        self.text = TextStream(state.tokenizer, params,
-                               decoder(state.tokenizer, tools.fmt) if tools is not None else None)
+        self.reasoning = reasoning_parser(state, parsed)   # reasoning.py: thinking apart from the answer
+        kept = (tools.fmt.kept_tokens() if tools is not None else {}) | (self.reasoning.kept if self.reasoning else {})
+        self.text = TextStream(state.tokenizer, params, marker_decoder(state.tokenizer, kept) if kept else None)
         self.done = False
         self.held_logprobs: list[tuple[int, int, tuple]] = []   # (text start, end, entry) not yet released
         self.logprobs_at = 0                                     # the text offset after the held entries
@@ -146,11 +148,40 @@ class Generation:
             out["token_ids"] = ids
         return out
 
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning, content) of a whole answer: reasoning None when the choice has no reasoning parser."""
+        if self.reasoning is None:
+            return None, text
+        reasoning, content = self.reasoning.feed(text)
+        more, rest = self.reasoning.finish()
+        return reasoning + more, content + rest
+
+    def answer_deltas(self, text: str, final: bool = False) -> list[dict]:
+        """OpenAI's chunk deltas of the answer's next text (`final`: its last): the reasoning's
+        (`reasoning_content`), then the content's and tool calls' as the tool parser finds them."""
+        out: list[dict] = []
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.feed(text)
+            if final:
+                more, rest = self.reasoning.finish()
+                reasoning, text = reasoning + more, text + rest
+            if reasoning:
+                out.append({"reasoning_content": reasoning})
+        if self.tools is not None:
+            out += openai_deltas(self.tools.feed(text) + (self.tools.finish() if final else []))
+        elif text:
+            out.append({"content": text})
+        return out
+
     def tool_chunks(self, deltas: list[tuple], first: dict | None = None) -> list[dict]:
-        """Chunks of the parser's deltas; `first` (a choice with the step's token kinds, ids,
-        logprobs) carries the first delta, or goes alone when there is none."""
+        """Chunks of the tool parser's deltas (`delta_chunks`)."""
+        return self.delta_chunks(openai_deltas(deltas), first)
+
+    def delta_chunks(self, deltas: list[dict], first: dict | None = None) -> list[dict]:
+        """Chunks of OpenAI deltas; `first` (a choice with the step's token kinds, ids, logprobs)
+        carries the first delta, or goes alone when there is none."""
         chunks = []
-        for i, delta in enumerate(openai_deltas(deltas) or ([{}] if first is not None else [])):
+        for i, delta in enumerate(deltas or ([{}] if first is not None else [])):
             choice = dict(first) if i == 0 and first is not None else {"index": self.index, "logprobs": None,
                                                                        "finish_reason": None}
             choice["delta"] = delta
@@ -214,10 +245,10 @@ async def stream_events(gens: list[Generation], queue: asyncio.Queue):
                 if isinstance(event, Tokens):
                     delta, texts = gen.text.add(event.ids, p.return_token_kinds or event.logprobs is not None)
                     lps, at = gen.release_logprobs(event.logprobs, texts)
-                    if gen.tools is not None:        # content and tool calls as the parser finds them
+                    if gen.tools is not None or gen.reasoning is not None:   # reasoning, content, tool calls
                         extra = p.return_token_kinds or p.return_token_ids or lps
                         first = gen.choice("", event.kinds, event.ids, texts, None, lps, at) if extra else None
-                        for chunk in gen.tool_chunks(gen.tools.feed(delta), first):
+                        for chunk in gen.delta_chunks(gen.answer_deltas(delta), first):
                             yield sse(chunk)
                     elif p.return_token_kinds or p.return_token_ids or lps:
                         yield sse(gen.envelope([gen.choice(delta, event.kinds, event.ids, texts, None, lps, at)]))
@@ -230,10 +261,11 @@ async def stream_events(gens: list[Generation], queue: asyncio.Queue):
                     delta = "" if p.echo_only else gen.text.finish(event.stop_text_index)
                     lps, at = gen.release_logprobs(None, [], final=True, end=event.stop_text_index)
                     reason = "length" if p.echo_only else event.reason
-                    if gen.tools is not None:
-                        for chunk in gen.tool_chunks(gen.tools.feed(delta) + gen.tools.finish()):
+                    if gen.tools is not None or gen.reasoning is not None:
+                        for chunk in gen.delta_chunks(gen.answer_deltas(delta, final=True)):
                             yield sse(chunk)
-                        if gen.tools.calls and reason == "stop" and gen.tools.calls_complete():
+                        if gen.tools is not None and gen.tools.calls and reason == "stop" \
+                                and gen.tools.calls_complete():
                             reason = "tool_calls"            # (a stop string inside a call: "stop")
                         delta = ""
                     yield sse(gen.envelope([gen.choice(delta, [], [], [], reason, lps, at)],
@@ -295,7 +327,7 @@ async def collect(gens: list[Generation], queue: asyncio.Queue, http: HttpReques
                 lps += gen.release_logprobs(event.logprobs, new)[0] or []
             elif isinstance(event, Finished):
                 gen.done = True
-                text = gen.text.full_text(event.stop_text_index)
+                reasoning, text = gen.split(gen.text.full_text(event.stop_text_index))
                 lps += gen.release_logprobs(None, [], final=True, end=event.stop_text_index)[0] or []
                 choice = gen.choice(text, kinds, ids, texts, event.reason, lps if lps else None)
                 if gen.tools is not None:
@@ -305,6 +337,8 @@ async def collect(gens: list[Generation], queue: asyncio.Queue, http: HttpReques
                                              "tool_calls": calls}
                         if event.reason == "stop" and gen.tools.calls_complete():
                             choice["finish_reason"] = "tool_calls"
+                if gen.reasoning is not None:
+                    choice["message"]["reasoning_content"] = reasoning or None
                 if gen.parsed.echo or gen.parsed.prompt_logprobs:
                     echoed(gen, choice, event.sequence)
                 results[gen] = (choice, event.usage, event.speculation)

@@ -63,6 +63,10 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--shutdown-timeout", type=number("--shutdown-timeout"), default=30.0,
                    help="on SIGTERM / SIGINT: new requests get 503 and those in flight have this many seconds to "
                         "finish before they end with an error (default 30; a second signal stops at once)")
+    g.add_argument("--reasoning-format", choices=["auto", "none"], default="auto",
+                   help="auto: a thinking model's reasoning (Qwen3 / 3.5 and DeepSeek-R1 <think>, gpt-oss's analysis "
+                        "channel, Gemma 4's thought channel, read from its chat template) goes in reasoning_content "
+                        "beside content; none: all of it in content (default auto)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"), metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every endpoint but /health and the dashboard page "
@@ -121,6 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           prefix_cache_dir_bytes=int(args.prefix_cache_dir_size * 2**30))
     llm = LLM(**llm_args)
     state = build_state(llm, config)
+    state.reasoning_format = args.reasoning_format
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = state.engine
     print(f"specdecode serve: {state.ctx.model_names[0]} ({engine.metrics.method}, k={config.num_speculative_tokens}), "

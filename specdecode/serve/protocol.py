@@ -192,7 +192,7 @@ def _chat_ids(body: dict, ctx: ServeContext, tools=None) -> list[int]:
 
     from ..models.config import ModelError
     try:
-        text = ctx.tokenizer.apply_chat_template(clean, tools=template_tools)
+        text = ctx.tokenizer.apply_chat_template(clean, tools=template_tools, variables=_template_kwargs(body))
     except ModelError:
         raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages") from None
     except TemplateError as exc:
@@ -201,6 +201,24 @@ def _chat_ids(body: dict, ctx: ServeContext, tools=None) -> list[int]:
     if not ids:
         raise _bad("messages", "encode to no tokens")
     return ids
+
+
+TEMPLATE_NAMES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")   # set by the server
+
+
+def _template_kwargs(body: dict) -> dict:
+    """`chat_template_kwargs` (vLLM's field): more names for the chat template, e.g.
+    `{"enable_thinking": false}`."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _bad("chat_template_kwargs", f"must be an object of names for the chat template, got {value!r:.80}")
+    taken = [name for name in value if name in TEMPLATE_NAMES]
+    if taken:
+        raise _bad("chat_template_kwargs", f"cannot set {', '.join(taken)} (the server sets "
+                                           f"{', '.join(TEMPLATE_NAMES)})")
+    return value
 
 
 def _joined(content, param: str, field: str):
@@ -274,6 +292,8 @@ def parse(body, ctx: ServeContext, chat: bool) -> ParsedRequest:
     echo = not chat and _bool(body, "echo")
     if chat and body.get("echo"):
         raise _bad("echo", "is for /v1/completions")
+    if not chat and body.get("chat_template_kwargs") is not None:
+        raise _bad("chat_template_kwargs", "is for /v1/chat/completions")
     name = "max_tokens"          # chat: max_completion_tokens (OpenAI's current name) wins over max_tokens
     max_tokens = _int(body, "max_tokens", 0 if echo else 1)
     echo_only = max_tokens == 0                  # the prompt alone: one token is run and dropped

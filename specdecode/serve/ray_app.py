@@ -124,6 +124,7 @@ class EngineReplica:
         from .server import build_state
         llm = LLM(progress=False, **spec["llm"])
         self.state = build_state(llm, EngineConfig(**spec["config"]))
+        self.state.reasoning_format = spec.get("reasoning_format", "auto")
         self.app = create_app(self.state, max_body_bytes=spec["max_body_bytes"])   # the ingress checks keys
         self.state.engine.start()
         context = serve.get_replica_context()

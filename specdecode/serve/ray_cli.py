@@ -27,7 +27,8 @@ def ray_spec(args: argparse.Namespace) -> dict:
     return {"llm": llm, "config": config, "replicas": args.replicas, "min_replicas": low, "max_replicas": high,
             "shutdown_timeout": args.shutdown_timeout,
             "imbalance": args.route_imbalance if args.route_imbalance is not None else args.max_batch_size,
-            "retries": args.replica_retries, "api_key": args.api_key, "max_body_bytes": args.max_body_bytes}
+            "retries": args.replica_retries, "api_key": args.api_key, "max_body_bytes": args.max_body_bytes,
+            "reasoning_format": args.reasoning_format}
 
 
 def plural(count: int, word: str) -> str:

@@ -28,6 +28,7 @@ class ServeState:
     health_token: int
     created: int
     health_probe: object = None      # the /health generation in flight (an asyncio future): checks share it
+    reasoning_format: str = "auto"   # --reasoning-format: auto (a thinking model's reasoning apart) | none
 
 
 def build_state(llm, config: EngineConfig, check_budget: bool = True, available: int | None = None) -> ServeState:
