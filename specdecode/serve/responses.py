@@ -159,7 +159,7 @@ class Output:
 def feed(gen: Generation, out: Output, text: str, final: bool = False) -> list[dict]:
     """Events of the answer's next text: thinking (a reasoning parser, where the model has one),
     then content and tool calls (the tool parser, where the request has tools)."""
-    reasoning = getattr(gen, "reasoning", None)
+    reasoning = gen.reasoning            # reasoning.py's parser, or None
     events = []
     if reasoning is not None:
         thought, text = reasoning.feed(text)

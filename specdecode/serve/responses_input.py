@@ -24,7 +24,7 @@ TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "r
 # chat fields a Responses request may carry unchanged: sampling, and this server's own extras
 PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
           "frequency_penalty", "stop", "ignore_eos", "logit_bias", "speculate", "num_speculative_tokens",
-          "chat_template_kwargs", "user")
+          "chat_template_kwargs", "user", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 REFUSED = {"conversation": "the Conversations API is not served: send previous_response_id or the whole input",
            "prompt": "reusable prompts (a prompt id) are not served: send instructions and input"}
 _warned: set[tuple[str, ...]] = set()       # the sets of skipped tool types already logged
@@ -233,6 +233,10 @@ def chat_body(body: dict, history: list[dict]) -> tuple[dict, list[dict], list[i
     fmt = response_format(body)
     if fmt is not None:
         chat["response_format"] = fmt
+    effort = body.get("reasoning").get("effort") if isinstance(body.get("reasoning"), dict) else None
+    # effort "none": no thinking, where the chat template reads enable_thinking (Qwen3, Gemma 4)
+    if effort == "none" and isinstance(chat.get("chat_template_kwargs", {}), dict):
+        chat["chat_template_kwargs"] = {"enable_thinking": False, **(chat.get("chat_template_kwargs") or {})}
     return chat, items, where
 
 

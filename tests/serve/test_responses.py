@@ -14,6 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from conftest import make_thinking_model, thinking_grammar
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
@@ -330,3 +331,38 @@ def test_thinking_becomes_a_reasoning_item_before_the_message():
     for event in events:
         EVENTS.validate_python(dict(event, sequence_number=0))
     Response.model_validate(dict(out.response, status="completed"))
+
+
+@pytest.fixture(scope="module", params=["qwen3.5", "gpt-oss"])
+def thinking(request, tmp_path_factory):
+    """A tiny random model with a thinking family's markup (conftest.THINKING_FAMILIES) behind a server."""
+    folder = make_thinking_model(tmp_path_factory.mktemp("thinking") / request.param, request.param)
+    llm = LLM(model=str(folder), method="ngram", dtype="fp32", progress=False)
+    state = build_state(llm, EngineConfig(max_batch_size=2, max_model_len=512, served_model_name="m"))
+    with BackgroundServer(create_app(state)) as srv:
+        yield request.param, state, srv
+
+
+def test_a_thinking_models_reasoning_is_a_reasoning_item(thinking):
+    name, state, srv = thinking
+    words, answer = "/[a-z]{2,4}( [a-z]{2,4}){1,3}/", "/[a-z]{2,4}( [a-z]{2,4}){0,2}/"
+    parts = (words, "\n", "</think>", "\n\n", answer) if name == "qwen3.5" else (      # the prompt opened <think>
+        "<|channel|>", "analysis", "<|message|>", words, "<|end|>", "<|start|>", "assistant", "<|channel|>", "final",
+        "<|message|>", answer)
+    body = {"model": "m", "input": "what is the weather in paris?", "temperature": 0, "max_output_tokens": 80,
+            "guided_grammar": thinking_grammar(state.tokenizer, state.ctx.vocab_size, state.ctx.eos_token_ids,
+                                               *parts)}
+    made = {on: httpx.post(srv.url + "/v1/responses", json=dict(body, speculate=on), timeout=60).json()
+            for on in (True, False)}
+    assert [i["content"] for i in made[True]["output"]] == [i["content"] for i in made[False]["output"]]
+    Response.model_validate(made[True])
+    reasoning, message = made[True]["output"]
+    thought, text = reasoning["content"][0]["text"], message["content"][0]["text"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_") and message["type"] == "message"
+    assert 2 <= len(thought.split()) <= 4 and all(w.isalpha() for w in thought.split() + text.split()), (thought, text)
+    assert 0 < made[True]["usage"]["output_tokens_details"]["reasoning_tokens"] < made[True]["usage"]["output_tokens"]
+    events = raw_events(srv, body)
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == thought
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == text
