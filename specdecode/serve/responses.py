@@ -27,7 +27,7 @@ from .app import Generation, client_gone, error, log
 from .errors import ApiError, read_json
 from .events import Mailbox, drain, merge_tokens
 from .protocol import ParsedRequest, parse
-from .responses_input import chat_body, param_of
+from .responses_input import chat_body, check_echoed, param_of
 
 MAX_STORED = 256         # responses kept for previous_response_id / GET (the oldest go first)
 
@@ -250,6 +250,9 @@ def skeleton(body: dict, parsed: ParsedRequest, chat: dict) -> dict:
     for tool in tools:
         tool.setdefault("parameters", None)
         tool.setdefault("strict", None)
+    choice = chat.get("tool_choice") or "auto"       # as the server took it (a hosted tool's: auto)
+    if isinstance(choice, dict):
+        choice = {"type": "function", "name": choice["function"]["name"]}
     return {"id": new_id("resp_"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "background": False, "error": None, "incomplete_details": None,
             "instructions": body.get("instructions"), "max_output_tokens": parsed.params.max_tokens,
@@ -258,7 +261,7 @@ def skeleton(body: dict, parsed: ParsedRequest, chat: dict) -> dict:
             "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
             "store": body.get("store") is not False, "temperature": parsed.params.temperature,
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
-            "tool_choice": body.get("tool_choice") or "auto", "tools": tools, "top_p": parsed.params.top_p,
+            "tool_choice": choice, "tools": tools, "top_p": parsed.params.top_p,
             "truncation": body.get("truncation") or "disabled", "usage": None, "user": body.get("user"),
             "metadata": body.get("metadata") or {}, "prompt_cache_key": body.get("prompt_cache_key")}
 
@@ -275,10 +278,11 @@ async def create_response(http: HttpRequest) -> Response:
         body = await read_json(http)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
+        check_echoed(body)
         history: list[dict] = []
         previous = body.get("previous_response_id")
         if previous is not None:
-            entry = store.get(previous) if isinstance(previous, str) else None
+            entry = store.get(previous)
             if entry is None:
                 raise ApiError(404, f"previous_response_id {previous!r:.80} names no stored response (this server "
                                     f"keeps the last {store.limit} responses made with store: true)",

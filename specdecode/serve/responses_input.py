@@ -27,6 +27,7 @@ PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty"
           "chat_template_kwargs", "user", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 REFUSED = {"conversation": "the Conversations API is not served: send previous_response_id or the whole input",
            "prompt": "reusable prompts (a prompt id) are not served: send instructions and input"}
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _warned: set[tuple[str, ...]] = set()       # the sets of skipped tool types already logged
 
 
@@ -156,10 +157,10 @@ def chat_tools(body: dict) -> tuple[list[dict], list[int]]:
 
 def chat_tool_choice(choice, names: list[str]):
     """Responses' tool_choice in chat's terms; a choice of a hosted tool is "auto"."""
-    if choice is None or isinstance(choice, str):
+    if choice is None or choice in ("auto", "required", "none"):
         return choice if names or choice in (None, "none") else None
-    if not isinstance(choice, dict):
-        raise _bad("tool_choice", f"must be auto, required, none or an object, got {choice!r:.80}")
+    if not isinstance(choice, dict) or not isinstance(choice.get("type"), str):
+        raise _bad("tool_choice", f"must be auto, required, none or an object with a type, got {choice!r:.80}")
     if choice.get("type") == "function":
         name = choice.get("name", (choice.get("function") or {}).get("name"))
         if name not in names:
@@ -207,6 +208,23 @@ def response_format(body: dict) -> dict | None:
         return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "answer", "schema": fmt["schema"],
                                                        "strict": fmt.get("strict")}}
     raise _bad("text.format", f"must be {{'type': 'text' | 'json_object' | 'json_schema', ...}}, got {fmt!r:.80}")
+
+
+def check_echoed(body: dict) -> None:
+    """The fields the response echoes, unused otherwise: of the API's types."""
+    for name, kind, what in (("metadata", dict, "an object of strings"), ("reasoning", dict, "an object"),
+                             ("user", str, "a string"), ("prompt_cache_key", str, "a string"),
+                             ("previous_response_id", str, "a string")):
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise _bad(name, f"must be {what}, got {body[name]!r:.80}")
+    if body.get("metadata") and not all(isinstance(v, str) for v in body["metadata"].values()):
+        raise _bad("metadata", f"values must be strings, got {body['metadata']!r:.80}")
+    for name, values in (("truncation", ("auto", "disabled")), ("reasoning.effort", EFFORTS),
+                         ("reasoning.summary", ("auto", "concise", "detailed"))):
+        outer, _, inner = name.partition(".")
+        value = (body.get(outer) or {}).get(inner) if inner else body.get(outer)
+        if value is not None and value not in values:
+            raise _bad(name, f"must be one of {', '.join(values)}, got {value!r:.40}")
 
 
 def chat_body(body: dict, history: list[dict]) -> tuple[dict, list[dict], list[int]]:

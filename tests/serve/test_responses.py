@@ -366,3 +366,49 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item(thinking):
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
     assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == thought
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == text
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_models):
+    llm = LLM(model=str(tiny_models["llama"]), method="ngram", dtype="fp32", progress=False)
+    state = build_state(llm, EngineConfig(max_batch_size=4, max_model_len=256, block_size=8, served_model_name="tiny"))
+    with BackgroundServer(create_app(state)) as srv:
+        yield srv
+
+
+FUZZ_VALUES = [None, True, 0, -1, 2**70, 1.5, float("nan"), "", "x", "auto", [], [None], [{}], {}, {"type": "x"},
+               [{"type": "function"}], {"type": "function", "name": 3}, [{"role": "user", "content": {"a": 1}}],
+               [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text"}]}],
+               {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}, {"effort": "none"}]
+FUZZ_BASE = {"model": "tiny", "input": "hello", "max_output_tokens": 4, "instructions": "be brief",
+             "tools": [{"type": "web_search"}], "tool_choice": "auto", "text": {"format": {"type": "text"}},
+             "temperature": 0, "top_p": 1, "store": True, "reasoning": {"effort": "low"}, "include": [], "metadata": {},
+             "previous_response_id": None, "parallel_tool_calls": True, "chat_template_kwargs": {},
+             "speculate": None, "stream": False}
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_fuzzed_fields_never_get_a_5xx(tiny_server, caplog):
+    """Each field of a valid request, and each input item's, set to values of every JSON type (a
+    bounded sweep): a 200 or a 4xx in OpenAI's error shape naming a field, never a 5xx or a traceback."""
+    import random
+    rng = random.Random(0)
+    bodies = [dict(FUZZ_BASE, **{name: value}) for name in FUZZ_BASE for value in FUZZ_VALUES]
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+    bodies += [dict(FUZZ_BASE, input=[dict(item, **{key: value})]) for key in item for value in FUZZ_VALUES]
+    bodies += [dict(FUZZ_BASE, **{n: rng.choice(FUZZ_VALUES) for n in rng.sample(list(FUZZ_BASE), 4)})
+               for _ in range(60)]
+    statuses = []
+    with caplog.at_level(logging.ERROR, logger="specdecode.serve"), httpx.Client(timeout=60) as http:
+        for body in bodies:
+            r = http.post(tiny_server.url + "/v1/responses", content=json.dumps(body, allow_nan=True),
+                          headers={"Content-Type": "application/json"})
+            statuses.append(r.status_code)
+            assert r.status_code < 500, (body, r.text)
+            if r.status_code >= 400:
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}, (body, r.text)
+            elif body.get("stream") is not True:
+                Response.model_validate(r.json())
+    assert not [rec for rec in caplog.records if rec.exc_info], "a traceback in the server log"
+    assert statuses.count(200) > len(bodies) / 10 and statuses.count(400) > len(bodies) / 10, \
+        {s: statuses.count(s) for s in set(statuses)}     # the sweep reached both answers and refusals
