@@ -328,8 +328,8 @@ async def collect(events, out: Output, queue: asyncio.Queue, http: HttpRequest) 
     finally:
         watcher.cancel()
         await events.aclose()
-    if last is None or "response" not in last:
-        return Response(status_code=499)
+    if last is None or last["type"] not in ("response.completed", "response.incomplete", "response.failed"):
+        return Response(status_code=499)                 # the client went away
     if out.failure is not None:
         return error(*out.failure)
     return JSONResponse(last["response"])

@@ -412,3 +412,16 @@ def test_fuzzed_fields_never_get_a_5xx(tiny_server, caplog):
     assert not [rec for rec in caplog.records if rec.exc_info], "a traceback in the server log"
     assert statuses.count(200) > len(bodies) / 10 and statuses.count(400) > len(bodies) / 10, \
         {s: statuses.count(s) for s in set(statuses)}     # the sweep reached both answers and refusals
+
+
+def test_the_api_key_guards_responses_too(tiny_models):
+    llm = LLM(model=str(tiny_models["llama"]), method="ngram", dtype="fp32", progress=False)
+    state = build_state(llm, EngineConfig(max_batch_size=2, max_model_len=256, block_size=8, served_model_name="tiny"))
+    with BackgroundServer(create_app(state, api_key="sesame")) as srv:
+        body = {"model": "tiny", "input": "hello", "max_output_tokens": 2}
+        assert httpx.post(srv.url + "/v1/responses", json=body, timeout=60).status_code == 401
+        made = httpx.post(srv.url + "/v1/responses", json=body, headers={"Authorization": "Bearer sesame"}, timeout=60)
+        assert made.status_code == 200
+        assert httpx.get(srv.url + "/v1/responses/" + made.json()["id"], timeout=60).status_code == 401
+        got = httpx.get(srv.url + "/v1/responses/" + made.json()["id"], headers={"Authorization": "Bearer sesame"})
+        assert got.json() == made.json()
