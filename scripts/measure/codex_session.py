@@ -6,14 +6,16 @@ the requests' `speculate` field (the proxy adds it): auto (absent), on, off.
     python scripts/measure/codex_session.py --server http://127.0.0.1:8000 --model qwen-coder \\
         --codex node_modules/.bin/codex --arms off,auto,auto,off --json codex.json
 
-Each run gets a fresh work folder and CODEX_HOME (config.toml pointing Codex at the proxy); the
-sandbox is bypassed (the folder is a temporary one), as `codex exec` in a container cannot set one up.
+Each run gets a CODEX_HOME of its own (config.toml pointing Codex at the proxy) and works in one
+folder, emptied before it; the sandbox is bypassed (the folder is a scratch one), as `codex exec` in
+a container cannot set one up.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -118,8 +120,11 @@ stream_idle_timeout_ms = {idle_ms}
 """
 
 
-def run_codex(args, url: str) -> dict:
-    with tempfile.TemporaryDirectory() as home, tempfile.TemporaryDirectory() as work:
+def run_codex(args, url: str, work: str) -> dict:
+    """One `codex exec` in `work` (emptied first), with a CODEX_HOME of its own."""
+    for path in Path(work).iterdir():
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    with tempfile.TemporaryDirectory() as home:
         Path(home, "config.toml").write_text(CONFIG.format(model=args.model, url=url, idle_ms=args.timeout * 1000))
         env = dict(os.environ, CODEX_HOME=home)
         start = time.monotonic()
@@ -145,6 +150,9 @@ def main() -> int:
     ap.add_argument("--arms", default="auto,off", help="comma-separated runs: auto, on or off (speculate)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds one codex run may take")
     ap.add_argument("--json", help="write every run's record here")
+    ap.add_argument("--workdir", help="the folder every run works in, emptied before each (default: a temporary "
+                                      "one); one folder for all runs, as a user's project, keeps the prompts' "
+                                      "prefix (which names the folder) the same from run to run")
     args = ap.parse_args()
     arms = args.arms.split(",")
     if any(a not in SPECULATE for a in arms):
@@ -153,10 +161,12 @@ def main() -> int:
     arm = [arms[0]]
     url, proxy = start_proxy(proxy_app(args.server, log, arm))
     runs = []
+    work = args.workdir or tempfile.mkdtemp(prefix="codex-session-")
+    Path(work).mkdir(parents=True, exist_ok=True)
     for name in arms:
         arm[0] = name
         before = len(log)
-        result = run_codex(args, url)
+        result = run_codex(args, url, work)
         requests = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in e.items() if k != "start"}
                     for e in log[before:]]
         posts = [r for r in requests if r["method"] == "POST"]
