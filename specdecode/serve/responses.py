@@ -27,7 +27,7 @@ from .app import Generation, client_gone, error, log
 from .errors import ApiError, read_json
 from .events import Mailbox, drain, merge_tokens
 from .protocol import ParsedRequest, parse
-from .responses_input import chat_body, check_echoed, param_of
+from .responses_input import chat_body, check_echoed, echoed, param_of
 
 MAX_STORED = 256         # responses kept for previous_response_id / GET (the oldest go first)
 
@@ -245,7 +245,6 @@ def with_room(parsed: ParsedRequest, body: dict, state) -> ParsedRequest:
 
 def skeleton(body: dict, parsed: ParsedRequest, chat: dict) -> dict:
     """The response object before its output: the request's settings as the API echoes them."""
-    reasoning = body.get("reasoning") if isinstance(body.get("reasoning"), dict) else {}
     tools = [dict(t["function"], type="function") for t in chat.get("tools", [])]
     for tool in tools:
         tool.setdefault("parameters", None)
@@ -258,11 +257,11 @@ def skeleton(body: dict, parsed: ParsedRequest, chat: dict) -> dict:
             "instructions": body.get("instructions"), "max_output_tokens": parsed.params.max_tokens,
             "model": parsed.model, "output": [], "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "previous_response_id": body.get("previous_response_id"),
-            "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
+            "reasoning": {"effort": echoed(body, "reasoning.effort"), "summary": echoed(body, "reasoning.summary")},
             "store": body.get("store") is not False, "temperature": parsed.params.temperature,
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "tool_choice": choice, "tools": tools, "top_p": parsed.params.top_p,
-            "truncation": body.get("truncation") or "disabled", "usage": None, "user": body.get("user"),
+            "truncation": echoed(body, "truncation") or "disabled", "usage": None, "user": body.get("user"),
             "metadata": body.get("metadata") or {}, "prompt_cache_key": body.get("prompt_cache_key")}
 
 

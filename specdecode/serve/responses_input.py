@@ -27,7 +27,8 @@ PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty"
           "chat_template_kwargs", "user", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 REFUSED = {"conversation": "the Conversations API is not served: send previous_response_id or the whole input",
            "prompt": "reusable prompts (a prompt id) are not served: send instructions and input"}
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+KNOWN = {"reasoning.effort": ("none", "minimal", "low", "medium", "high", "xhigh"),
+         "reasoning.summary": ("auto", "concise", "detailed"), "truncation": ("auto", "disabled")}
 _warned: set[tuple[str, ...]] = set()       # the sets of skipped tool types already logged
 
 
@@ -211,20 +212,26 @@ def response_format(body: dict) -> dict | None:
 
 
 def check_echoed(body: dict) -> None:
-    """The fields the response echoes, unused otherwise: of the API's types."""
+    """The fields the response echoes, unused otherwise: of the API's types (a value the API may
+    add later, e.g. a new reasoning effort, is accepted: `echoed` leaves it out)."""
     for name, kind, what in (("metadata", dict, "an object of strings"), ("reasoning", dict, "an object"),
                              ("user", str, "a string"), ("prompt_cache_key", str, "a string"),
-                             ("previous_response_id", str, "a string")):
+                             ("previous_response_id", str, "a string"), ("truncation", str, "a string")):
         if body.get(name) is not None and not isinstance(body[name], kind):
             raise _bad(name, f"must be {what}, got {body[name]!r:.80}")
     if body.get("metadata") and not all(isinstance(v, str) for v in body["metadata"].values()):
         raise _bad("metadata", f"values must be strings, got {body['metadata']!r:.80}")
-    for name, values in (("truncation", ("auto", "disabled")), ("reasoning.effort", EFFORTS),
-                         ("reasoning.summary", ("auto", "concise", "detailed"))):
-        outer, _, inner = name.partition(".")
-        value = (body.get(outer) or {}).get(inner) if inner else body.get(outer)
-        if value is not None and value not in values:
-            raise _bad(name, f"must be one of {', '.join(values)}, got {value!r:.40}")
+    for key in ("effort", "summary"):
+        value = (body.get("reasoning") or {}).get(key)
+        if value is not None and not isinstance(value, str):
+            raise _bad(f"reasoning.{key}", f"must be a string, got {value!r:.40}")
+
+
+def echoed(body: dict, name: str):
+    """A setting as the response echoes it: the value sent when the API knows it, else None."""
+    outer, _, inner = name.partition(".")
+    value = (body.get(outer) or {}).get(inner) if inner else body.get(outer)
+    return value if value in KNOWN[name] else None
 
 
 def chat_body(body: dict, history: list[dict]) -> tuple[dict, list[dict], list[int]]:

@@ -214,8 +214,9 @@ def test_greedy_text_is_identical_with_speculation_on_and_off(client):
 @pytest.mark.slow
 def test_what_codex_sends_is_served(server):
     codex = {"model": "smollm2", "stream": True, "tool_choice": "auto", "parallel_tool_calls": True,
-             "reasoning": {"summary": "auto"}, "store": False, "include": ["reasoning.encrypted_content"],
-             "prompt_cache_key": "0198a-session", "client_metadata": {"originator": "codex_exec"},
+             "reasoning": {"summary": "auto", "effort": "a-later-effort"}, "store": False,
+             "include": ["reasoning.encrypted_content"], "prompt_cache_key": "0198a-session",
+             "client_metadata": {"originator": "codex_exec"},
              "max_output_tokens": 32, "temperature": 0, "input": [
                  {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be terse."}]},
                  {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "No tools."}]},
@@ -227,6 +228,7 @@ def test_what_codex_sends_is_served(server):
     events = raw_events(server, codex)
     assert events[-1]["type"] in ("response.completed", "response.incomplete")
     assert events[-1]["response"]["store"] is False
+    assert events[-1]["response"]["reasoning"] == {"effort": None, "summary": "auto"}     # a value it does not know
 
 
 @pytest.mark.slow
