@@ -6,9 +6,10 @@ the requests' `speculate` field (the proxy adds it): auto (absent), on, off.
     python scripts/measure/codex_session.py --server http://127.0.0.1:8000 --model qwen-coder \\
         --codex node_modules/.bin/codex --arms off,auto,auto,off --json codex.json
 
-Each run gets a CODEX_HOME of its own (config.toml pointing Codex at the proxy) and works in one
-folder, emptied before it; the sandbox is bypassed (the folder is a scratch one), as `codex exec` in
-a container cannot set one up.
+The runs share one CODEX_HOME (config.toml pointing Codex at the proxy) and one work folder, emptied
+before each: Codex writes both paths into its prompt, so a user's sessions share its whole prefix of
+instructions and tools. The sandbox is bypassed (the folder is a scratch one), as `codex exec` in a
+container cannot set one up.
 """
 from __future__ import annotations
 
@@ -120,24 +121,21 @@ stream_idle_timeout_ms = {idle_ms}
 """
 
 
-def run_codex(args, url: str, work: str) -> dict:
-    """One `codex exec` in `work` (emptied first), with a CODEX_HOME of its own."""
+def run_codex(args, url: str, work: str, home: str) -> dict:
+    """One `codex exec` in `work` (emptied first) with CODEX_HOME `home`."""
     for path in Path(work).iterdir():
         shutil.rmtree(path) if path.is_dir() else path.unlink()
-    with tempfile.TemporaryDirectory() as home:
-        Path(home, "config.toml").write_text(CONFIG.format(model=args.model, url=url, idle_ms=args.timeout * 1000))
-        env = dict(os.environ, CODEX_HOME=home)
-        start = time.monotonic()
-        try:
-            done = subprocess.run([args.codex, "exec", "--skip-git-repo-check",
-                                   "--dangerously-bypass-approvals-and-sandbox", args.task],
-                                  cwd=work, env=env, capture_output=True, text=True, timeout=args.timeout)
-            code, out = done.returncode, done.stdout + done.stderr
-        except subprocess.TimeoutExpired as exc:
-            code, out = "timeout", (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) \
-                else (exc.stdout or "")
-        wall = time.monotonic() - start
-        written = {p.name: p.read_text(errors="replace")[:400] for p in Path(work).iterdir() if p.is_file()}
+    Path(home, "config.toml").write_text(CONFIG.format(model=args.model, url=url, idle_ms=args.timeout * 1000))
+    start = time.monotonic()
+    try:
+        command = [args.codex, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", args.task]
+        done = subprocess.run(command, cwd=work, env=dict(os.environ, CODEX_HOME=home), stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=args.timeout)
+        code, out = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as exc:
+        code, out = "timeout", exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else ""
+    wall = time.monotonic() - start
+    written = {p.name: p.read_text(errors="replace")[:400] for p in Path(work).iterdir() if p.is_file()}
     return {"exit": code, "wall_s": round(wall, 2), "files": written, "log_tail": out[-1500:]}
 
 
@@ -150,6 +148,8 @@ def main() -> int:
     ap.add_argument("--arms", default="auto,off", help="comma-separated runs: auto, on or off (speculate)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds one codex run may take")
     ap.add_argument("--json", help="write every run's record here")
+    ap.add_argument("--codex-home", help="CODEX_HOME of every run (default: a temporary one; its config.toml is "
+                                         "rewritten): the same one across invocations keeps the prompts' prefix")
     ap.add_argument("--workdir", help="the folder every run works in, emptied before each (default: a temporary "
                                       "one); one folder for all runs, as a user's project, keeps the prompts' "
                                       "prefix (which names the folder) the same from run to run")
@@ -163,10 +163,12 @@ def main() -> int:
     runs = []
     work = args.workdir or tempfile.mkdtemp(prefix="codex-session-")
     Path(work).mkdir(parents=True, exist_ok=True)
+    home = args.codex_home or tempfile.mkdtemp(prefix="codex-home-")     # one for all runs, as a user's ~/.codex
+    Path(home).mkdir(parents=True, exist_ok=True)
     for name in arms:
         arm[0] = name
         before = len(log)
-        result = run_codex(args, url, work)
+        result = run_codex(args, url, work, home)
         requests = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in e.items() if k != "start"}
                     for e in log[before:]]
         posts = [r for r in requests if r["method"] == "POST"]
