@@ -532,13 +532,14 @@ THINKING_FAMILIES = {   # name: (added tokens (special?), eos tokens, bos, chat 
                 "{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final"
                 "{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
                 "{% if add_generation_prompt %}<|start|>assistant{% endif %}"),
-    # Gemma 4: turns, <|think|> in the system turn turns thinking on; the thought channel is read
-    # from the vocabulary (the template does not write it)
+    # Gemma 4: turns, <|think|> in the system turn turns thinking on, and without it the generation
+    # prompt closes an empty thought channel (as the larger Gemma 4 templates do)
     "gemma4": ({"<bos>": True, "<eos>": True, "<|turn>": True, "<turn|>": True, "<|think|>": True,
                 "<|channel>": True, "<channel|>": True}, ["<turn|>", "<eos>"], "<bos>",
                "{{ bos_token }}{% if enable_thinking %}<|turn>system\n<|think|><turn|>\n{% endif %}"
                "{% for m in messages %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}\n{{ m.content }}"
-               "<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"),
+               "<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% if not enable_thinking %}"
+               "<|channel>thought\n<channel|>{% endif %}{% endif %}"),
 }
 
 

@@ -8,7 +8,7 @@ are timed, and the rest of each step is what the engine core, the speculation co
 drafter cost. `--plain` holds every row at draft size 0 after the controller has chosen (the cost of
 a method that never drafts: the controller's bookkeeping, the drafter's hooks, its shadow drafts).
 Prints per method microseconds per step in all, outside the model, and in each timed part (each
-wrapper adds ~0.5 us; parts nest: `core._shadow` holds the drafter's shadow `propose` calls). The
+wrapper adds ~0.5 us; parts nest: `drafting._shadow` holds the drafter's shadow `propose` calls). The
 same work with cold caches costs several times its microbenchmark: after a step's pass a torch
 call took ~10 us, so this measures in place.
 """
@@ -35,12 +35,12 @@ def main() -> int:
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
 
-    from specdecode import LLM
+    from specdecode import LLM, verify_tree
     from specdecode.bench.systems import Cell, SpecdecodeSystem
     from specdecode.datasets import spec_bench
     from specdecode.engine import runner as runner_module
     from specdecode.engine.controller import RowSpec, SpeculationController
-    from specdecode.engine.core import EngineCore
+    from specdecode.engine.drafting import Drafting
     from specdecode.fast.linear import cpu_label
     spent: collections.Counter = collections.Counter()
 
@@ -69,10 +69,10 @@ def main() -> int:
     timed(llm.target.model, "logits", "model")
     for owner, name, label in ((SpeculationController, "plan", "controller.plan"),
                                (SpeculationController, "observe", "controller.observe"),
-                               (EngineCore, "_shadow", "core._shadow"),
+                               (Drafting, "_shadow", "drafting._shadow"),
                                (RowSpec, "score_shadow", "row.score_shadow"),
                                (runner_module, "transform_logits", "transform_logits"),
-                               (runner_module, "verify_greedy_lists", "verify_greedy_lists")):
+                               (verify_tree, "verify_greedy_lists", "verify_greedy_lists")):
         timed(owner, name, label)
     system = SpecdecodeSystem(llm)
     methods = [m for m in args.methods.split(",") if m]

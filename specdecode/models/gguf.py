@@ -78,17 +78,18 @@ def tokenizer_dir(path: Path) -> Path:
 def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
     """The file's tensors in HF names without dequantizing the projections: each q/k/v/o/gate/
     up/down and the output matrix whose format has a native kernel (fast.quant.NATIVE_TYPES, rows
-    a multiple of 64) stays a QuantWeight of the file's own blocks; norms, biases and the token
+    a multiple of 64) stays a QuantWeight of the file's own blocks, views of the memory-mapped file (read
+    in place: no copy in memory; QuantLinear repacks what its kernels read otherwise); norms, biases and the token
     embedding (read one row per token) are dequantized to `dtype`. A tied output matrix is the
     quantized token embedding."""
     import torch
     from gguf.quants import dequantize
 
-    from ..fast.quant import QuantWeight
+    from ..fast.quant import QuantWeight, release_pages
 
     table = json.loads((tokenizer_dir(path) / "tensors.json").read_text())
     config = ModelConfig(**dict(table["config"], eos_token_ids=tuple(table["config"]["eos_token_ids"])))
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    raw = np.memmap(path, dtype=np.uint8, mode="c")     # private: the weights are views of the file, read in place
     weights: dict = {}
     for t in table["tensors"]:
         name, qtype, shape = _hf_name(t["name"], config.arch, config.num_layers), t["type"], tuple(t["shape"])
@@ -96,7 +97,7 @@ def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
             continue
         data = raw[t["offset"]:t["offset"] + t["bytes"]]
         if kept_as_stored(name, qtype, shape):
-            qw = QuantWeight.from_blocks(qtype, np.array(data, copy=True), shape)
+            qw = QuantWeight.from_blocks(qtype, data, shape, mapped=True)
             if config.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.num_heads if "q_proj" in name else config.num_kv_heads
                 order = torch.from_numpy(_unpermute(np.arange(shape[0]), heads).copy())
@@ -105,6 +106,8 @@ def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
                 if config.tie_word_embeddings:
                     weights["lm_head.weight"] = qw
                 weights[name] = qw.dequantize(dtype).to(device)
+                if not config.tie_word_embeddings:         # read once: its rows live on dequantized
+                    release_pages(qw.segments[0][1])
             else:
                 weights[name] = qw
             continue
