@@ -69,7 +69,6 @@ class Output:
         self.seq = 0
         self.open: dict | None = None            # the item being written
         self.calls: dict[int, dict] = {}         # the parser's call index -> its item
-        self.reasoning_text = ""
         self.failure: tuple[int, str] | None = None   # the engine's (status, message) when it failed
 
     def event(self, kind: str, **fields) -> dict:
@@ -111,7 +110,6 @@ class Output:
             events.append(self.event("response.content_part.added", **self._where(item), content_index=0,
                                      part={"type": "reasoning_text", "text": ""}))
         self.open["content"][0]["text"] += delta
-        self.reasoning_text += delta
         return events + [self.event("response.reasoning_text.delta", **self._where(self.open), content_index=0,
                                     delta=delta)]
 
@@ -173,10 +171,10 @@ def feed(gen: Generation, out: Output, text: str, final: bool = False) -> list[d
     return events + out.parsed(gen.tools.feed(text) + (gen.tools.finish() if final else []))
 
 
-def usage_of(usage: dict, out: Output, tokenizer) -> dict:
+def usage_of(usage: dict, gen: Generation) -> dict:
     """The API's usage of the engine's: cached_tokens from the prefix cache; no cache writes, as
-    OpenAI's implicit caching reports."""
-    thought = len(tokenizer.encode(out.reasoning_text, add_special=False)) if out.reasoning_text else 0
+    OpenAI's implicit caching reports; the reasoning's tokens, markers included."""
+    thought = gen.reasoning_tokens() if gen.reasoning is not None else 0
     return {"input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
                                      "cache_write_tokens": 0},
@@ -216,7 +214,7 @@ async def run(gen: Generation, queue: asyncio.Queue, out: Output, store: Respons
                     yield e
                 response.update(status="incomplete" if cut else "completed", completed_at=int(time.time()),
                                 incomplete_details={"reason": "max_output_tokens"} if cut else None,
-                                usage=usage_of(event.usage, out, gen.state.tokenizer), speculation=event.speculation)
+                                usage=usage_of(event.usage, gen), speculation=event.speculation)
                 if store is not None:
                     store.put(response, items)
                 yield out.event("response.incomplete" if cut else "response.completed", response=response)
