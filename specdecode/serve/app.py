@@ -40,6 +40,7 @@ from .tools import ToolParser, openai_deltas
 log = logging.getLogger("specdecode.serve")
 STATIC = Path(__file__).parent / "static"
 POSTED = ("/v1/completions", "/v1/chat/completions", "/infill", "/tokenize", "/detokenize")   # the rest: GET
+POSTED += ("/v1/responses",)
 
 
 def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -560,7 +561,9 @@ def create_app(state, api_key: str | None = None, max_body_bytes: int = DEFAULT_
             if engine_thread:
                 state.engine.stop()
 
+    from .responses import create_response, get_response  # (it builds on this module's Generation)
     app = api_app({"/v1/completions": partial(generate, chat=False),
+                   "/v1/responses": create_response, "/v1/responses/{response_id}": get_response,
                    "/v1/chat/completions": partial(generate, chat=True), "/infill": infill, "/tokenize": tokenize,
                    "/detokenize": detokenize, "/tokenizer_info": tokenizer_info, "/v1/models": models,
                    "/v1/models/{model:path}": models, "/health": health, "/metrics": metrics, "/api/stats": stats},
