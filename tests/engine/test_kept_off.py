@@ -105,5 +105,6 @@ def test_a_drafter_kept_off_hears_nothing_between_its_bounded_probes(tiny_models
     idle = [s for s in spy.heard - set(spy.proposed) if s > late]
     probes = [s for s in spy.proposed if s > late]
     assert len(probes) <= most_probes(spy.step - late)
+    assert all(b - a > 1 for a, b in zip(probes, probes[1:]))     # a probe is one step that drafts
     assert len(idle) <= LISTEN * (len(probes) + 1)
     assert len(spy.heard) < spy.step // 2
