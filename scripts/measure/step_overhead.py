@@ -39,7 +39,7 @@ def main() -> int:
     from specdecode.bench.systems import Cell, SpecdecodeSystem
     from specdecode.datasets import spec_bench
     from specdecode.engine import runner as runner_module
-    from specdecode.engine.controller import RowSpec, SpeculationController
+    from specdecode.engine.controller import AUTO, MAX_PROBE_EVERY, RowSpec, SpeculationController
     from specdecode.engine.drafting import Drafting
     from specdecode.fast.linear import cpu_label
     spent: collections.Counter = collections.Counter()
@@ -61,7 +61,12 @@ def main() -> int:
         def held_plain(self, rows, pending):
             sizes = plan(self, rows, pending)            # the controller's bookkeeping, as it would run
             for r in rows:                               # ... then plain, as if it had chosen 0
+                if r.probing:                            # a probe that did not pay: the next waits longer
+                    r.probe_interval = min(2 * r.probe_interval, MAX_PROBE_EVERY)
+                    r.probe_wait = r.probe_interval
                 r.size, r.probing, r.probed = 0, False, False
+                if r.mode == AUTO:                       # kept off: its drafter hears of it only before a probe
+                    r.listening = self.listens(r, 0)
             return [0] * len(sizes)
         SpeculationController.plan = held_plain
     llm = LLM(None, method="none", num_speculative_tokens=0, progress=False, prefix_cache=False)
@@ -70,6 +75,7 @@ def main() -> int:
     for owner, name, label in ((SpeculationController, "plan", "controller.plan"),
                                (SpeculationController, "observe", "controller.observe"),
                                (Drafting, "_shadow", "drafting._shadow"),
+                               (runner_module.ModelRunner, "_observe", "runner._observe"),
                                (RowSpec, "score_shadow", "row.score_shadow"),
                                (runner_module, "transform_logits", "transform_logits"),
                                (verify_tree, "verify_greedy_lists", "verify_greedy_lists")):

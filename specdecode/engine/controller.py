@@ -25,9 +25,11 @@ climbs past k, up to the span of a copying drafter); every EXPLORE steps, the ne
 best, up to k. Their gains are estimates (every node accepted; PRIOR over plain decoding) weighed
 like measured ones. A drafter with state pays for every try: a row it does not draft for is probed
 at a small size after a wait that doubles after each probe that does not pay, and never more often
-than PROBE_SHARE of the time allows. New rows of such a drafter start from what the last long row
-measured (`template`, weak evidence: another request's acceptance), drafting at most a probe's
-size until one of their drafts is accepted.
+than PROBE_SHARE of the time allows; a probe is one step at `probe_size`. While such a row is kept
+off, its drafter hears nothing of it (`RowSpec.listening`: no target features, no commit), except in
+the LISTEN steps before a probe, whose catch-up reads their features. New rows of such a drafter
+start from what the last long row measured (`template`, weak evidence: another request's
+acceptance), drafting at most a probe's size until one of their drafts is accepted.
 
 Evidence before timings. Timings are noisy on a busy host; counted acceptance is not. A stateless
 drafter's row (lookups, a prediction: drafting costs it nothing but the pass's rows) whose measured
@@ -67,6 +69,7 @@ SHADOW_SHARE = 0.01     # shadow drafts (drafting and scoring) take at most this
 YOUNG = 16              # a row's first steps, drafting shadows at every step
 PLAIN_RECHECK = 8       # steps a plain choice is kept while no row's gains changed (choosing is Python every step)
 PREDICTED = 4           # a predicted output's row drafts this many from its first step (at most its k)
+LISTEN = 16             # plain steps before a probe in which a drafter with state hears of the row again
 
 
 class SpeculationController:
@@ -96,7 +99,7 @@ class SpeculationController:
         `sampled`: temperature > 0 (a lookup's draft is then accepted with the target's probability
         of each token, below the prior: such a row starts plain and its shadows decide)."""
         if mode == OFF or k <= 0:
-            return RowSpec(0, OFF)
+            return RowSpec(0, OFF, listening=False)
         mode = mode if self.adaptive else ON
         top = max(k, span)
         row = RowSpec(k, mode, tuple(sorted({s for s in LEVELS if s <= top} | {k, top})), pinned)
@@ -153,7 +156,7 @@ class SpeculationController:
                 sizes[i] = self._probe(r, self.fixed) or self._alone(r, self.fixed, pending[i])
             elif (probe := self._probe(r, self.costs)):
                 sizes[i] = probe
-            else:
+            elif self.shadowed or r.listening:    # a row kept off (not listening) waits for its probe
                 if self.shadowed:                 # drafts being accepted go on; timings may raise the size
                     sizes[i] = min(r.kept, max(r.k, r.size))
                 free.append(i)
@@ -169,7 +172,17 @@ class SpeculationController:
         for i, r in enumerate(rows):
             if r.mode == AUTO:
                 self._after_plan(r, sizes[i])
+                if not held:
+                    r.listening = self.listens(r, sizes[i])
         return sizes
+
+    def listens(self, r: RowSpec, size: int) -> bool:
+        """Whether the drafter hears of an AUTO row this step (its target features, its commit):
+        a stateless drafter's rows always (their shadows and lookups cost nothing to keep); a drafter
+        with state's while the row drafts, is pinned, or is within LISTEN plain steps of its next
+        probe. A row kept off costs its drafter nothing per step; only a listening row may be raised
+        from plain (`plan`), so a draft always reads the features of the step before it."""
+        return self.shadowed or size > 0 or r.pinned or r.probe_wait <= LISTEN
 
     def _choose(self, rows: list[RowSpec], pending: list[int], sizes: list[int], free: list[int]) -> None:
         """Raise the free rows' sizes while the batch's tokens per second grows (module docstring)."""
@@ -295,6 +308,7 @@ class SpeculationController:
         s = self.probe_size(r)
         plain = 1.0 / costs.step_seconds(1, 0, 0.0)
         if expected_tokens(PROBE_ACCEPTANCE, s) / costs.step_seconds(1 + s, 1, s) < MARGIN * plain:
+            r.probe_interval = min(2 * r.probe_interval, MAX_PROBE_EVERY)   # as a probe that did not pay
             r.probe_wait = r.probe_interval
             return 0
         r.probing = True

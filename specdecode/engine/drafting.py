@@ -111,15 +111,17 @@ class Drafting:
     def commit(self, seqs: list[Sequence], drafts: StepDrafts, accepted: list[int]) -> None:
         """Tell the drafter each row's accepted drafts (`accepted[b]` of them; seqs[b].token_ids
         already holds them and the recovered or bonus token): each source's rows with its own
-        proposal, the other rows that may draft with an empty one. Rows that never draft (speculation
-        off) never reach the drafter."""
+        proposal, the other rows it hears of (`RowSpec.listening`) with an empty one, and a row
+        that finished. Rows that never draft (speculation off) never reach the drafter; rows the
+        controller keeps off reach it only as they finish."""
         if self.drafter is None:
             return
         told = set()
         for part in drafts.parts:
             self.drafter.commit([seqs[i] for i in part.rows], part.proposal, [accepted[i] for i in part.rows])
             told.update(part.rows)
-        idle = [i for i, s in enumerate(seqs) if i not in told and s.spec.mode != OFF]
+        idle = [i for i, s in enumerate(seqs)
+                if i not in told and s.spec.mode != OFF and (s.spec.listening or s.finished)]
         if idle:
             self.drafter.commit([seqs[i] for i in idle], DraftProposal.empty(len(idle)), [0] * len(idle))
 

@@ -42,6 +42,8 @@ class RowSpec:
     shadow: tuple | None = None                  # (tokens when drafted, main path, its node indices, proposed)
     version: int = 0                             # bumped whenever a gain changes
     kept: int = 0                                # the size the row's counted acceptance keeps it drafting at
+    listening: bool = True                       # the drafter hears of this row this step (its target features,
+                                                 # its commit); False while speculation is kept off (controller.py)
 
     def update(self, size: int, emitted: float, proposed: float, decay: float = DECAY,
                prior: float | None = None) -> None:

@@ -190,13 +190,25 @@ class ModelRunner:
         hidden = model.run(ForwardBatch.chain(tokens.to(device), torch.tensor(starts, device=device), rows,
                                               lengths=[n for _, n in chunks]), cache)   # [B, width, D]
         if not draft and self.wants_hidden:   # an EAGLE head reads the target's features of the prompt
-            self.drafter.observe([s for s, _ in chunks], starts, hidden)
+            self._observe([s for s, _ in chunks], starts, hidden)
         if not draft:
             for b, ((s, n), start) in enumerate(zip(chunks, starts)):
                 if s.params.prompt_logprobs is not None:
                     s.prompt_logprobs += self._prompt_logprobs(s, start, hidden[b:b + 1, :n])
         for (s, n), start in zip(chunks, starts):
             cache.truncate(s.row, start + n)
+
+    def _observe(self, seqs: list[Sequence], starts: list[int],
+                 hidden: torch.Tensor,      # [B, width, D]: a pass's outputs, row b from position starts[b]
+                 ) -> None:
+        """Hand the drafter the target's features of the rows it hears of (`RowSpec.listening`):
+        none of a row whose speculation is kept off."""
+        keep = [b for b, s in enumerate(seqs) if s.spec.listening]
+        if len(keep) == len(seqs):
+            self.drafter.observe(seqs, starts, hidden)
+        elif keep:
+            self.drafter.observe([seqs[b] for b in keep], [starts[b] for b in keep],
+                                 hidden[torch.tensor(keep, device=hidden.device)])
 
     def _prompt_logprobs(self, s: Sequence, start: int,
                          hidden: torch.Tensor,      # [1, n, D]: prompt positions start .. start+n-1
@@ -248,7 +260,7 @@ class ModelRunner:
         hidden = self.model.run(fb, self.cache)                                      # [B, width, D]
         logits = self.model.logits(hidden, fb.logit_index)                           # [B, k+1, vocab]
         if self.wants_hidden:
-            self.drafter.observe(seqs, starts, hidden)
+            self._observe(seqs, starts, hidden)
         history = any(s.params.uses_penalties for s in seqs)
         lazy = lazy_rows(seqs)           # greedy constrained rows: masks only where the argmax is forbidden
         transformed = transform_logits(
