@@ -9,8 +9,9 @@ import torch
 
 from .drafters.base import Drafter, DrafterError
 from .drafters.prediction import prediction_usage
-from .drafters.registry import build_drafter, check_drafter_options, drafter_option_names, method_names
-from .engine.config import MAX_CHAIN
+from .drafters.registry import build_drafter, check_drafter_options, method_names
+from .engine.config import MAX_CHAIN, EngineConfig
+from .engine.core import EngineCore
 from .engine.offline import StreamCallback, offline_core, run
 from .engine.threads import usable_cpus
 from .models.dtypes import canonical_dtype
@@ -174,22 +175,28 @@ class LLM:
                                     weights=weights, dtype_param="draft_dtype" if draft_dtype else "dtype")
         self.method = method or default_method(draft, self.target, drafter_options.get("drafter_path"))
         check_drafter_options(self.method, {k: v for k, v in drafter_options.items() if k != "drafter_path"})
-        if adaptive is False and self.method in method_names() and "draft_confidence" not in drafter_options \
-                and "draft_confidence" in drafter_option_names(self.method):
-            drafter_options["draft_confidence"] = 0.0      # k drafts every step, as asked
         self.num_speculative_tokens = num_speculative_tokens
         self.drafter: Drafter | None = None
         if self.method != "none" and num_speculative_tokens > 0:
-            self.drafter = build_drafter(self.method, self.target, draft=self.draft if assistant is None else assistant,
-                                         **drafter_options)
+            self.drafter = build_drafter(self.method, self.target, adaptive=adaptive,
+                                         draft=self.draft if assistant is None else assistant, **drafter_options)
         elif self.method != "none" and self.method not in method_names():
             raise DrafterError(f"method must be one of {', '.join(sorted([*method_names(), 'none']))}, "
                                f"got {self.method!r}")
         check_num_speculative_tokens(num_speculative_tokens, self.drafter)
         self.adaptive = adaptive
         self.tokenizer = self.target.tokenizer
-        self.core = offline_core(self.target, self.drafter, num_speculative_tokens, adaptive is not False,
-                                 self._prefix_bytes(prefix_cache))
+        self.core_options = (self.num_speculative_tokens, adaptive is not False, self._prefix_bytes(prefix_cache))
+        self.core = offline_core(self.target, self.drafter, *self.core_options)
+
+    def serve_core(self, config: EngineConfig) -> EngineCore:
+        """This LLM's one engine core re-made at a server's `config` (its rows, blocks, flags, at full
+        size: serve/server.py `build_state`) and returned. The server runs on it, and `generate`
+        calls from then on join its batch (the same rows, blocks and prefix cache); the core used
+        so far (and its cached prefixes) is dropped, and so is this one at the first call after
+        its server stopped. Call it before the core serves."""
+        self.core = offline_core(self.target, self.drafter, self.num_speculative_tokens, config=config)
+        return self.core
 
     def _prefix_bytes(self, prefix_cache) -> int:
         """The prefix cache's bound in bytes (0: off; see the class docstring)."""
@@ -245,6 +252,8 @@ class LLM:
                              f"got {type(on_tokens).__name__}")
         ids = [list(p) if isinstance(p, (list, tuple)) and (not p or isinstance(p[0], int)) else self.encode(p, chat)
                for p in prompt_list]   # an empty list is an empty prompt (ParamError), not an empty chat
+        if self.core.scheduler.closed and not self.core.looping:    # the server it ran has stopped
+            self.core = offline_core(self.target, self.drafter, *self.core_options)
         seqs = run(self.core, ids, params, num_speculative_tokens, on_tokens)
         outputs = []
         for prompt, s in zip(prompt_list, seqs):

@@ -9,8 +9,10 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
+from . import __version__
 from .cli_common import CliError, add_model_options, drafter_options, number, option_error, positive_int
 from .params import ParamError
 
@@ -134,6 +136,22 @@ def prediction_option(args: argparse.Namespace) -> str | None:
     return text
 
 
+COMPARE_PAIRS = 3         # --compare: alternating (speculative, plain) runs timed at least (greedy or seeded)
+COMPARE_MAX_PAIRS = 9     # ... at most, adding pairs while their speed-ups fall on both sides of 1.0x
+COMPARE_SECONDS = 30.0    # ... and while the pairs after the first took less than this
+
+
+def pair_ratios(spec_runs: list[dict], base_speeds: list[float]) -> list[float]:
+    """Each alternating pair's speed-up (speculative over plain tokens per second)."""
+    return [run["tokens_per_s"] / max(base, 1e-9) for run, base in zip(spec_runs, base_speeds)]
+
+
+def straddles(spec_runs: list[dict], base_speeds: list[float]) -> bool:
+    """Whether the pairs' speed-ups fall on both sides of 1.0x (the median alone cannot tell)."""
+    ratios = pair_ratios(spec_runs, base_speeds)
+    return min(ratios) <= 1.0 <= max(ratios)
+
+
 GENERATE_EPILOG = (
     "The closing stats line: acceptance rate = draft tokens the target kept / draft tokens proposed (steps "
     "that drafted only); mean accepted length = tokens emitted per target pass, the target's own token "
@@ -145,6 +163,7 @@ GENERATE_EPILOG = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding on CPU and CUDA.")
+    parser.add_argument("--version", action="version", version=f"specdecode {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt, streaming it as it is accepted",
                          epilog=GENERATE_EPILOG)
@@ -174,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_distill_parser(sub)
     from .info import add_parser as add_info_parser  # `specdecode info`: what this machine runs (info.py)
     add_info_parser(sub)
+    parser.subcommands = sub.choices       # main() reports a bad -k as the subcommand's usage error
     return parser
 
 
@@ -229,15 +249,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
             llm.drafter.restore(memory)
     fresh_drafter()
     stream = not (args.json or args.no_stream)
+    drafts = llm.drafter is not None and args.k > 0
+    method = f"{llm.method} k={args.k}" if drafts else "none"     # no k where nothing drafts
     if args.compare and stream:
-        print(f"--- speculative ({llm.method}, k={args.k}) ---", file=sys.stderr)
+        print(f"--- speculative ({method}) ---", file=sys.stderr)
     out = llm.generate([ids], params, on_tokens=Streamer(llm.tokenizer) if stream else None)[0]
     if stream:
         print()
     elif not args.json:
         print(out.text)
     result = {"text": out.text, "tokens": out.token_ids, "num_tokens": len(out.token_ids),
-              "finish_reason": out.finish_reason, "method": llm.method if args.k else "none", "k": args.k,
+              "finish_reason": out.finish_reason, "method": llm.method if drafts else "none",
+              "k": args.k if drafts else 0,
               "weights": llm.target.weights_kind,
               **{key: out.stats[key] for key in ("tokens_per_s", "acceptance_rate", "mean_accepted_length",
                                                  "acceptance_per_position", "draft_s", "verify_s",
@@ -247,10 +270,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.compare:
         base = llm.generate([ids], params, num_speculative_tokens=0)[0]
         spec_runs, base_speeds = [out.stats], [base.stats["tokens_per_s"]]
-        # a generation this short is timed mostly by noise: alternate a few more runs of each, medians
-        # (greedy or seeded: every run writes the same text; unseeded samples differ in length and work)
-        repeats = min(6, int(1.0 / max(out.stats["total_s"] + base.stats["total_s"], 1e-3)))
-        for _ in range(repeats if params.greedy or params.seed is not None else 0):
+        # one timed pair is mostly noise on a loaded host: alternate pairs, at least COMPARE_PAIRS, more
+        # while their spread straddles 1.0x and COMPARE_SECONDS allow (greedy or seeded: every run writes
+        # the same text; unseeded samples differ in length and work, so their pairs do not compare)
+        until = time.perf_counter() + COMPARE_SECONDS
+        while (params.greedy or params.seed is not None) and len(spec_runs) < COMPARE_MAX_PAIRS and (
+                len(spec_runs) < COMPARE_PAIRS or (time.perf_counter() < until and straddles(spec_runs, base_speeds))):
             fresh_drafter()                              # not drafting from the runs before
             spec_runs.append(llm.generate([ids], params)[0].stats)
             base_speeds.append(llm.generate([ids], params, num_speculative_tokens=0)[0].stats["tokens_per_s"])
@@ -263,6 +288,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result["baseline_tokens_per_s"] = round(base_tps, 2)
         result["timed_runs"] = len(spec_runs)
         result["speedup"] = round(spec_tps / base_tps, 3)
+        ratios = pair_ratios(spec_runs, base_speeds)
+        result["speedup_spread"] = [round(min(ratios), 3), round(max(ratios), 3)]
+        # the same work in both arms (nothing drafted), or pairs on both sides of 1.0x: noise decides
+        result["within_noise"] = all(run["drafted_tokens"] == 0 for run in spec_runs) or straddles(spec_runs,
+                                                                                                  base_speeds)
         result["identical"] = base.token_ids == out.token_ids
         if not result["identical"]:
             diverge = next((i for i, (a, b) in enumerate(zip(base.token_ids, out.token_ids)) if a != b),
@@ -271,26 +301,45 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"[{result['method']} k={args.k}] {result['num_tokens']} tokens ({result['weights']} weights), "
+    print(f"[{method}] {result['num_tokens']} tokens ({result['weights']} weights), "
           f"{result['tokens_per_s']:.1f} tok/s, "
           f"acceptance rate {result['acceptance_rate']:.2f}, mean accepted length "
-          f"{result['mean_accepted_length']:.2f}", file=sys.stderr)
+          f"{result['mean_accepted_length']:.2f}, {finish_note(out.finish_reason, params.max_tokens)}",
+          file=sys.stderr)
     if args.compare:
         note = "" if params.greedy or result["identical"] else (
             " (sampling without --seed: the runs draw different samples of the same distribution)"
             if params.seed is None else " (seeded sampling with a drafter that samples its drafts: same distribution)")
-        runs = f" (median of {result['timed_runs']} alternating runs each)" if result["timed_runs"] > 1 else ""
-        print(f"[plain] {result['baseline_tokens_per_s']:.1f} tok/s -> speed-up {result['speedup']:.2f}x{runs}, "
+        low, high = result["speedup_spread"]
+        runs = (f" (median of {result['timed_runs']} alternating runs each, pairs {low:.2f}-{high:.2f}x)"
+                if result["timed_runs"] > 1 else " (one timed run each)")
+        noise = ""
+        if result["within_noise"]:
+            noise = (": within noise (nothing was drafted: both arms decoded plain)"
+                     if all(run["drafted_tokens"] == 0 for run in spec_runs) else ": within noise")
+        print(f"[plain] {result['baseline_tokens_per_s']:.1f} tok/s -> speed-up {result['speedup']:.2f}x{noise}{runs}, "
               f"identical output: {'yes' if result['identical'] else 'no'}{note}", file=sys.stderr)
     return 0
 
 
+def finish_note(reason: str | None, max_tokens: int) -> str:
+    """Why the answer ended, as the stats line says it (a cut answer says so, and how to lengthen it)."""
+    if reason == "length":
+        return f"finish_reason length: cut at --max-tokens {max_tokens} (raise it for the rest)"
+    return f"finish_reason {reason}"
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .cli_common import draft_size_error
     from .drafters.base import DrafterError
     from .models.config import ModelError
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in ("generate", "serve"):
+        problem = draft_size_error(args)        # before any model loads
+        if problem:
+            parser.subcommands[args.command].error(problem)
     try:
         return args.run(args)
     except (ParamError, ModelError, DrafterError, CliError, FileNotFoundError) as exc:

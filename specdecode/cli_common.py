@@ -110,6 +110,42 @@ def drafter_options(args: argparse.Namespace) -> dict:
     return options
 
 
+def draft_size_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with -k for the method the arguments pick (a chain drafter, or none, takes at most
+    MAX_CHAIN draft tokens per step, a tree drafter MAX_TREE_NODES nodes), or None; read from the
+    arguments alone, so that a bad -k is refused before any model loads (the limits' modules import
+    torch: called after parsing, so that --help stays quick)."""
+    k, method = getattr(args, "k", None), getattr(args, "method", None)
+    if not isinstance(k, int):
+        return None
+    from .engine.config import MAX_CHAIN
+    from .tree import MAX_TREE_NODES
+    if k > MAX_TREE_NODES:
+        return f"-k {k}: at most {MAX_TREE_NODES} (draft tree nodes of a tree drafter; {MAX_CHAIN} draft tokens " \
+               f"of a chain drafter)"
+    if k <= MAX_CHAIN:
+        return None
+    from .drafters.base import DrafterError
+    from .drafters.registry import drafter_class, method_names
+    if method is None:                       # the default drafter for these arguments (api.default_method)
+        from .api import default_method
+        try:
+            method = default_method(getattr(args, "draft", None), getattr(args, "model", None),
+                                    getattr(args, "drafter", None))
+        except (DrafterError, OSError, ValueError):
+            return None                      # the load reports it, naming the file
+    if method == "none":
+        return f"-k {k}: --method none drafts nothing; leave -k out (or give at most {MAX_CHAIN})"
+    if method not in method_names():
+        return None
+    options = dict(getattr(args, "drafter_options", None) or [])
+    tree_topk = options.get("tree_topk", 1)  # EAGLE's head drafts trees when asked for more than one child
+    if drafter_class(method).capabilities.drafts_trees or (isinstance(tree_topk, int) and tree_topk > 1):
+        return None
+    return f"-k {k}: method {method!r} drafts chains of at most {MAX_CHAIN} tokens per step (tree drafters: " \
+           f"up to {MAX_TREE_NODES} nodes)"
+
+
 def _check_models_used(args: argparse.Namespace) -> None:
     """CliError for --draft / --drafter given with a --method that never reads them (the draft was
     loaded, re-quantized and never used)."""
@@ -146,9 +182,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "docs/drafters.md)")
     g.add_argument("--drafter", default=None, metavar="DIR",
                    help=f"trained drafter directory from `specdecode distill` (methods {DRAFTER_DIR_METHODS})")
-    g.add_argument("-k", "--num-speculative-tokens", dest="k", type=positive_int("-k", 0, 64), default=5,
-                   help="draft tokens per step (chains, up to 32) or draft tree nodes (tree drafters: recycle, "
-                        "suffix, lookahead, eagle2, medusa; up to 64); 0 = plain decoding (default 5)")
+    g.add_argument("-k", "--num-speculative-tokens", dest="k", type=positive_int("-k", 0), default=5,
+                   help="draft tokens per step (chain drafters) or draft tree nodes (tree drafters: recycle, "
+                        "suffix, lookahead, eagle2, medusa); 0 = plain decoding (default 5; the limits: "
+                        "engine/config.py MAX_CHAIN, tree.py MAX_TREE_NODES)")
     g.add_argument("--drafter-option", dest="drafter_options", action="append", default=[], metavar="KEY=VALUE",
                    type=drafter_option,
                    help="an option of the method's drafter, repeatable, e.g. tree_topk=8 tree_depth=6 (eagle2), "

@@ -20,3 +20,49 @@ def kv_bytes_per_token(model) -> int:
     if model is None or not hasattr(model, "config"):     # none, or the transformers adapter's own caches
         return 0
     return model.config.kv_elements_per_token() * model.embed.element_size()
+
+
+def gguf_footprint(path) -> dict:
+    """What a GGUF file takes in memory loaded natively, from its header alone (nothing is read or
+    cached): `weights` bytes (projections as stored, repacked for the kernels at the same size; the
+    token embedding also dequantized to bf16 when its blocks are the tied LM head; everything else
+    in bf16), `kv_per_token` bytes (bf16 keys and values), and `context` (the model's own) with
+    `total` = weights + a full context of KV."""
+    from pathlib import Path
+
+    from .fast.quant import row_bytes
+    from .models.gguf import _open, kept_as_stored, read_config, tensor_table
+    path = Path(path)
+    _, tensors = tensor_table(path)
+    config = read_config(_open(path), path)
+    bf16 = 2
+    tied = not any(name == "output.weight" for _, name, _, _ in tensors)    # the LM head is the embedding
+    weights = 0
+    for hf, _gguf, qtype, shape in tensors:
+        elements = 1
+        for dim in shape:
+            elements *= int(dim)
+        if hf is None:
+            continue
+        embedding = hf == "model.embed_tokens.weight"        # its rows in bf16 (read one per token) ...
+        if len(shape) == 2 and kept_as_stored(hf, qtype, shape) and (tied or not embedding):
+            weights += int(shape[0]) * row_bytes(qtype, int(shape[1]))   # ... and its blocks as the tied LM head
+        weights += elements * bf16 if embedding or not (len(shape) == 2 and kept_as_stored(hf, qtype, shape)) else 0
+    kv = config.kv_elements_per_token() * bf16
+    context = config.max_position_embeddings
+    return {"weights": weights, "kv_per_token": kv, "context": context, "total": weights + kv * context}
+
+
+def check_fits(path, available: int | None) -> None:
+    """ModelError, before anything is loaded, when a GGUF file's weights (gguf_footprint) exceed the
+    memory available (serve/memory.available_bytes: MemAvailable, or the cgroup's limit); None
+    `available` (unknown) passes."""
+    from .models.config import ModelError
+    if available is None:
+        return
+    need = gguf_footprint(path)["weights"]
+    if need > available:
+        raise ModelError(f"{path}: its weights need {need / 2**30:.1f} GiB of memory loaded, and this machine has "
+                         f"{available / 2**30:.1f} GiB available (MemAvailable, or the container's limit): it would "
+                         f"swap or be killed; free memory or pick a smaller quantization of the model "
+                         f"(`specdecode info --model FILE` says what a file needs)")

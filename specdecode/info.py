@@ -160,6 +160,7 @@ def model_paths(path: Path, kern: dict) -> dict:
     from .fast.quant import repacks16, type_name
     from .models.config import ModelError
     from .models.gguf import NATIVE_ARCHS, kept_as_stored, tensor_table
+    from .models.moe import stacked_name
     if path.is_dir() and not (path / "config.json").is_file():
         raise ModelError(f"--model: {path} has no config.json: not a Hugging Face model directory "
                          f"(give a .gguf file or a Hugging Face directory)")
@@ -178,6 +179,8 @@ def model_paths(path: Path, kern: dict) -> dict:
     groups: dict[tuple[str, str], int] = {}
     for hf, _gguf, qtype, shape in tensors:
         name = type_name(qtype)
+        if hf is not None and len(shape) == 3 and stacked_name(hf):     # a MoE layer's experts, read as rows
+            shape = (shape[0] * shape[1], shape[2])
         if hf is None:
             verdict = "not read by the native decoder"
         elif len(shape) != 2:
@@ -187,16 +190,21 @@ def model_paths(path: Path, kern: dict) -> dict:
         elif native and kept_as_stored(hf, qtype, shape):
             layout = "16-column layout" if repacks16(qtype, 0, shape[0], shape[1]) else "file layout"
             amx = f", AMX int8 tiles from {kern['qamx_min_rows']} rows" if kern["amx_int8"] and layout[0] == "1" else ""
-            tied = " [tied LM head]" if hf.startswith("model.embed") else ""
-            verdict = f"native ({kern['path']}, {layout}{amx}){tied}"
+            head = " [tied LM head]" if hf.startswith("model.embed") else ""
+            verdict = f"native ({kern['path']}, {layout}{amx}){head}"
         else:
             why = "no native kernel for this type" if native else "native kernels unavailable"
             verdict = f"dequantized to bf16 at load ({why}): {kern['dense_bf16']}"
         groups[(name, verdict)] = groups.get((name, verdict), 0) + 1
     note = None if arch in NATIVE_ARCHS else (f"architecture {arch!r} has no native decoder: it runs through "
                                               "transformers, dequantized (eager torch)")
+    from .footprint import gguf_footprint
+    from .serve.memory import available_bytes
+    footprint = (dict(gguf_footprint(path), available=available_bytes())
+                 if arch in NATIVE_ARCHS and native else None)      # the native load's; the adapter's is dense
     return {"path": str(path), "format": "GGUF", "architecture": arch, "note": note,
-            "groups": [{"type": t, "tensors": n, "path": v} for (t, v), n in sorted(groups.items())]}
+            "groups": [{"type": t, "tensors": n, "path": v} for (t, v), n in sorted(groups.items())],
+            "footprint": footprint}
 
 
 def draft_vocabulary(model: str | None, draft: str) -> dict:
@@ -307,6 +315,13 @@ def format_text(r: dict) -> str:
         lines += [f"  {g['type']:<8} {g['tensors']:>4} x  {g['path']}" for g in m["groups"]]
         if m.get("note"):
             lines.append(f"  note      {m['note']}")
+        if m.get("footprint"):
+            f = m["footprint"]
+            room = f"; {_bytes(f['available'])} available here" if f["available"] is not None else ""
+            fits = "" if f["available"] is None or f["weights"] <= f["available"] else " (does not fit: refused)"
+            kv = f"{f['kv_per_token'] / 1024:.1f} KiB"
+            lines.append(f"  memory    weights {_bytes(f['weights'])}{fits}, KV cache {kv} per token; "
+                         f"{_bytes(f['total'])} with its whole {f['context']}-token context{room}")
     if "draft" in r:
         d, v = r["draft"], r["draft"]["vocabulary"]
         how = ("the same tokenizer: drafts by token id (method model)" if d["same_tokenizer"] else

@@ -24,7 +24,7 @@ Rows that report log-probabilities or sample get every mask.
 Forced tokens (jump-forward): where the grammar allows exactly one continuation, those tokens
 (`Constraint.forced`) have probability 1 under the masked target distribution whatever the logits
 (so verifying them as drafts would accept every one): a speculating engine commits them at the
-start of a step (engine.py `_jump_forward`), the step's target pass writes their keys/values as
+start of a step (engine/drafting.py `_jump_forward`), the step's target pass writes their keys/values as
 pending tokens, and the drafter drafts what follows them.
 """
 from __future__ import annotations
@@ -51,9 +51,12 @@ FORCED_MAX = 16                     # forced tokens proposed per step
 @dataclass(frozen=True)
 class Structured:
     """kind: json_schema (value: a schema dict or JSON string), json_object (any JSON object),
-    regex (a pattern string), choice (a list of strings), grammar (GBNF with `::=`, else Lark)."""
+    regex (a pattern string), choice (a list of strings), grammar (GBNF with `::=`, else Lark).
+    after: a Lark expression the answer starts with before the constraint applies (a thinking
+    model's reasoning: serve/reasoning.py), or None."""
     kind: str
     value: Any = None
+    after: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -75,17 +78,28 @@ class Structured:
         try:
             if self.kind == "json_schema":
                 schema = json.loads(self.value) if isinstance(self.value, str) else self.value
-                return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
+                return self._preceded(LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE))
             if self.kind == "json_object":
-                return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE)
+                return self._preceded(LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE))
             if self.kind == "regex":
                 re.compile(self.value)
-                return LLMatcher.grammar_from_regex(self.value)
+                return self._preceded(LLMatcher.grammar_from_regex(self.value))
             if self.kind == "choice":
-                return LLMatcher.grammar_from_regex("(" + "|".join(re.escape(c) for c in self.value) + ")")
-            return LLMatcher.grammar_from_lark(any_to_lark(self.value))     # GBNF or Lark
+                return self._preceded(LLMatcher.grammar_from_regex("(" + "|".join(re.escape(c) for c in self.value)
+                                                                + ")"))
+            return self._preceded(LLMatcher.grammar_from_lark(any_to_lark(self.value)))     # GBNF or Lark
         except Exception as exc:       # noqa: BLE001 -- llguidance raises its own kinds (GbnfToLarkError, ...)
             raise ParamError(f"invalid {self.kind}: {exc}") from None
+
+    def _preceded(self, grammar: str) -> str:
+        """`grammar` (llguidance's JSON, or Lark) preceded by `after`: a grammar whose start is `after`, then
+        the constraint's own grammar as a sub-grammar."""
+        if self.after is None:
+            return grammar
+        top = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
+        top["grammars"][0]["name"] = "answer"
+        top["grammars"].insert(0, {"lark_grammar": f"start: {self.after} @answer\n"})
+        return json.dumps(top)
 
 
 class GrammarTokenizer:

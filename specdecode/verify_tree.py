@@ -49,10 +49,10 @@ from dataclasses import dataclass
 import torch
 
 from specdecode import tree
-from specdecode.sampling import Generators, sample, sample_at, uniforms
+from specdecode.sampling import Generators, position_uniforms, sample, sample_at, uniforms
 from specdecode.verify import PAD_TOKEN, _residual_probs, verify
 
-__all__ = ["TreeVerifyResult", "verify_greedy", "verify_greedy_lists", "verify_point_mass", "verify_tree"]
+__all__ = ["TreeVerifyResult", "verify_drafts", "verify_greedy_lists", "verify_point_mass", "verify_tree"]
 
 
 @dataclass
@@ -267,28 +267,13 @@ def verify_greedy_lists(drafts: list[list[int]],           # [batch][n] draft to
                         num_draft: list[int],              # [batch]
                         target_tokens: list[list[int]],    # [batch][n+1] target argmax after the root / node i's path
                         ) -> tuple[list[list[int]], list[list[int]]]:
-    """`verify_greedy` on lists, as the engine reads it: per row the accepted path (node indices by
-    depth) and the emitted tokens (accepted drafts, then the recovered or bonus token). Building
-    and reading back the result's tensors would be a visible share of a small model's step
-    (specdecode/engine/README.md, "Rules the code keeps")."""
-    return walk_lists(drafts, links, num_draft, lambda b, node, depth: target_tokens[b][node + 1])
-
-
-def verify_greedy(
-    draft_tokens: torch.Tensor,          # [batch, n] int64, node i of row b valid for i < num_draft[b]
-    parents: torch.Tensor | None,        # [batch, n] int64 parent node (-1 = root), or None = chain
-    num_draft: torch.Tensor,             # [batch] int64 in [0, n]
-    target_tokens: torch.Tensor,         # [batch, n+1] int64 target argmax after the root / node i's path
-) -> TreeVerifyResult:
     """`verify_tree` for a batch of greedy rows, from the target's argmax alone (what a greedy row
-    reads of its one-hot distributions): from the root, the first child whose token is the target's
-    argmax is accepted, until none is; then that argmax is emitted (recovered or bonus). The same
-    result as `verify_tree` with one-hot target_probs, without building them."""
-    batch, n = draft_tokens.shape
-    if tuple(target_tokens.shape) != (batch, n + 1):
-        raise ValueError(f"target_tokens must be [batch, n+1] = [{batch}, {n + 1}], got {tuple(target_tokens.shape)}")
-    best = target_tokens.tolist()
-    return _walk(draft_tokens, parents, num_draft, lambda b, node, depth: best[b][node + 1])
+    reads of its one-hot distributions), on lists as the engine reads it: from the root, the first
+    child whose token is the target's argmax is accepted, until none is; then that argmax is
+    emitted (recovered or bonus). Per row the accepted path (node indices by depth) and the emitted
+    tokens. Building and reading back result tensors would be a visible share of a small model's
+    step (specdecode/engine/README.md, "Rules the code keeps")."""
+    return walk_lists(drafts, links, num_draft, lambda b, node, depth: target_tokens[b][node + 1])
 
 
 def verify_point_mass(
@@ -316,3 +301,53 @@ def verify_point_mass(
             return int(probs.max(dim=-1).indices)
         return int(sample_at(probs.unsqueeze(0), u[b, depth].reshape(1, 1))[0])
     return _walk(draft_tokens, parents, num_draft, target_token)
+
+
+def verify_drafts(
+    draft_tokens: torch.Tensor,          # [batch, n] int64, node i of row b valid for i < num_draft[b]
+    parents: torch.Tensor | None,        # [batch, n] int64 parent node (-1 = root), or None = chains
+    num_draft: torch.Tensor,             # [batch] int64 in [0, n]
+    draft_probs: torch.Tensor | None,    # [batch, n, vocab] the drafts' distributions, or None = point masses
+    target_probs: torch.Tensor | None,   # [batch, n+1, vocab] after the root / node i's path; None: every row greedy
+    target_tokens: torch.Tensor | None,  # [batch, n+1] int64 the target's argmax there (read when target_probs is None)
+    greedy: list[bool],                  # [batch]
+    generators: list[torch.Generator],   # [batch] each sampled row's own (draft distributions' draws)
+    seeds: list[int],                    # [batch] each row's seed (its position uniforms, sampling.position_uniforms)
+    positions: list[int],                # [batch] the sequence position of each row's first emitted token
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The verifier of a step, chosen by its input (the engine's one entry point; accepted,
+    recovered and bonus tokens as `specdecode.verify` defines them). Per row the accepted path
+    (node indices by depth) and the emitted tokens (the accepted drafts, then the recovered or
+    bonus token):
+
+    * every row greedy (`target_probs` None): the argmax walk on lists (`verify_greedy_lists`);
+    * point masses (`draft_probs` None: lookups, predictions): `verify_point_mass`, each sampled
+      row's token at depth d drawn at the uniform of its position (positions[b] + d), so the text is
+      the one plain decoding samples with that seed;
+    * draft distributions: `verify_tree` (chains and trees) with each row's generator; a sampled
+      row that drafted nothing takes its token as a plain step does, at its position's uniform, and
+      leaves its generator alone (as if it ran alone: its text does not depend on the rows beside it).
+    """
+    if target_probs is None:             # the target's argmax is all a greedy row reads
+        links = parents.tolist() if parents is not None else None
+        return verify_greedy_lists(draft_tokens.tolist(), links, num_draft.tolist(), target_tokens.tolist())
+    device = target_probs.device          # drafts may come from the host (lookups)
+    batch, width = draft_tokens.shape[0], draft_tokens.shape[1] + 1
+    greedy_t = torch.tensor(greedy, device=device)
+    if draft_probs is None:
+        u = torch.tensor([[0.0] * width if g else position_uniforms(seed, at, width)
+                          for g, seed, at in zip(greedy, seeds, positions)], dtype=torch.float64).reshape(batch, width)
+        result = verify_point_mass(draft_tokens.cpu(), parents, num_draft.cpu(), target_probs, greedy_t, u)
+    else:
+        counts = num_draft.tolist()
+        idle = [b for b in range(batch) if counts[b] == 0 and not greedy[b]]
+        own = [torch.Generator(device=device) if b in idle else generators[b] for b in range(batch)]
+        result = verify_tree(draft_tokens.to(device), parents, num_draft.to(device), draft_probs, target_probs,
+                             greedy_t, own)
+        if idle:
+            index = torch.tensor(idle, device=device)
+            u = torch.tensor([position_uniforms(seeds[b], positions[b], 1) for b in idle],
+                             dtype=torch.float64, device=device)                           # [idle, 1]
+            result.tokens[index, 0] = sample_at(target_probs[index, 0], u).to(result.tokens.device)
+    paths = [result.accepted_nodes[b, :n].tolist() for b, n in enumerate(result.num_accepted.tolist())]
+    return paths, result.tokens.tolist()

@@ -532,13 +532,14 @@ THINKING_FAMILIES = {   # name: (added tokens (special?), eos tokens, bos, chat 
                 "{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final"
                 "{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
                 "{% if add_generation_prompt %}<|start|>assistant{% endif %}"),
-    # Gemma 4: turns, <|think|> in the system turn turns thinking on; the thought channel is read
-    # from the vocabulary (the template does not write it)
+    # Gemma 4: turns, <|think|> in the system turn turns thinking on, and without it the generation
+    # prompt closes an empty thought channel (as the larger Gemma 4 templates do)
     "gemma4": ({"<bos>": True, "<eos>": True, "<|turn>": True, "<turn|>": True, "<|think|>": True,
                 "<|channel>": True, "<channel|>": True}, ["<turn|>", "<eos>"], "<bos>",
                "{{ bos_token }}{% if enable_thinking %}<|turn>system\n<|think|><turn|>\n{% endif %}"
                "{% for m in messages %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}\n{{ m.content }}"
-               "<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"),
+               "<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% if not enable_thinking %}"
+               "<|channel>thought\n<channel|>{% endif %}{% endif %}"),
 }
 
 
@@ -589,3 +590,84 @@ def thinking_grammar(tokenizer, vocab_size: int, eos_token_ids, *parts: str) -> 
         else:
             out.append(json.dumps(part))
     return "start: " + " ".join(out) + "\n"
+
+
+# Tiny random Qwen3-MoE (tests/models/test_qwen3_moe.py): 8 experts of which 2 routed, the router's and
+# the experts' weights scaled so routing and the experts' outputs matter to the next token
+def make_qwen3_moe(folder: Path, seed: int = 5, norm_topk: bool = True, mlp_only_layers: tuple[int, ...] = ()):
+    """A tiny random Qwen3-MoE saved in `folder` as transformers saves it; returns the transformers model."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3MoeForCausalLM"):
+        pytest.skip("this transformers has no Qwen3-MoE")
+    make_tokenizer(folder)
+    vocab = json.loads((folder / "tokenizer.json").read_text())
+    base = len(vocab["model"]["vocab"])
+    size = base + len([t for t in vocab["added_tokens"] if t["id"] >= base])
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=size, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=norm_topk, mlp_only_layers=list(mlp_only_layers), max_position_embeddings=256,
+        tie_word_embeddings=False, eos_token_id=2, rms_norm_eps=1e-6)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(2.5)
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0, 0.5)
+                layer.mlp.experts.down_proj.mul_(5.0)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return model
+
+
+def make_qwen35_moe(folder: Path, seed: int = 3, mtp: bool = False):
+    """A tiny random Qwen3.5-MoE text model (qwen3_5_moe_text: the hybrid stack, every MLP 8 experts of
+    which 2 routed plus a gated shared expert) saved in `folder`; returns the transformers model. With
+    `mtp`: a random multi-token-prediction head whose layer has the same MoE MLP (`mtp.*`, one matrix per
+    expert as a checkpoint ships them), as make_qwen35 adds one."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3_5MoeForCausalLM"):
+        pytest.skip("this transformers has no Qwen3.5-MoE")
+    make_tokenizer(folder)
+    vocab = json.loads((folder / "tokenizer.json").read_text())
+    base = len(vocab["model"]["vocab"])
+    size = base + len([t for t in vocab["added_tokens"] if t["id"] >= base])
+    config = transformers.Qwen3_5MoeTextConfig(
+        vocab_size=size, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=2,
+        rms_norm_eps=1e-6, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=8,
+        num_experts_per_tok=2)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(2.5)
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+            layer.mlp.experts.down_proj.mul_(5.0)
+            layer.mlp.shared_expert_gate.weight.normal_(0, 0.5)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    if mtp:
+        from safetensors.torch import load_file, save_file
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
+        torch.manual_seed(seed + 1)
+        layer = Qwen3_5MoeDecoderLayer(config, config.layer_types.index("full_attention"))
+        d = config.hidden_size
+        head = {"fc.weight": torch.cat([torch.eye(d), torch.randn(d, d) * (2 * d) ** -0.5], dim=1),
+                **{f"{name}.weight": torch.empty(d).uniform_(-0.3, 0.3)
+                   for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}}
+        for name, t in layer.state_dict().items():
+            if name.endswith("experts.gate_up_proj"):          # one matrix per expert, as checkpoints hold them
+                for e, (gate, up) in enumerate(zip(*t.chunk(2, dim=1))):
+                    head[f"layers.0.mlp.experts.{e}.gate_proj.weight"] = gate
+                    head[f"layers.0.mlp.experts.{e}.up_proj.weight"] = up
+            elif name.endswith("experts.down_proj"):
+                head.update({f"layers.0.mlp.experts.{e}.down_proj.weight": w for e, w in enumerate(t)})
+            else:
+                head[f"layers.0.{name}"] = t.uniform_(-0.3, 0.3) if "norm" in name else t
+        weights = load_file(str(folder / "model.safetensors"))
+        weights.update({f"mtp.{name}": t.detach().contiguous() for name, t in head.items()})
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
+    return model

@@ -168,14 +168,22 @@ def write_qwen35_gguf(path: Path, model, tokenizer_json: Path, eos_token: str, q
     c = model.config
     layers = c.num_hidden_layers
     extra = len({n.split(".")[2] for n in mtp or {} if n.startswith("mtp.layers.")})
-    writer = gguf.GGUFWriter(str(path), "qwen35")
-    writer.add_name("tiny-qwen35")
+    moe = hasattr(c, "num_experts")             # Qwen3.5-MoE: llama.cpp's qwen35moe
+    arch = "qwen35moe" if moe else "qwen35"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
     writer.add_block_count(layers + extra)
     if extra:
         writer.add_nextn_predict_layers(extra)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
+    if moe:
+        writer.add_expert_count(c.num_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    else:
+        writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
     writer.add_key_length(c.head_dim)
@@ -190,7 +198,7 @@ def write_qwen35_gguf(path: Path, model, tokenizer_json: Path, eos_token: str, q
     writer.add_ssm_group_count(c.linear_num_key_heads)
     writer.add_ssm_time_step_rank(c.linear_num_value_heads)
     writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
-    writer.add_array("qwen35.attention.recurrent_layers",
+    writer.add_array(f"{arch}.attention.recurrent_layers",
                      [t == "linear_attention" for t in c.layer_types] + [False] * extra)   # MTP: attention
     writer.add_full_attention_interval(4)
     spec = json.loads(Path(tokenizer_json).read_text())
@@ -198,10 +206,15 @@ def write_qwen35_gguf(path: Path, model, tokenizer_json: Path, eos_token: str, q
         size = max(len(spec["model"]["vocab"]), max(t["id"] for t in spec["added_tokens"]) + 1)
         spec["model"]["vocab"].update({f"<|unused_{i}|>": i for i in range(size, vocab_size)})
     write_tokenizer(writer, spec, eos_token)
-    names = gguf.TensorNameMap(gguf.MODEL_ARCH.QWEN35, layers + extra)
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35, layers + extra)
     nextn = gguf.TensorNameMap(gguf.MODEL_ARCH.GLM4_MOE, layers + extra)   # gguf 0.19's QWEN35 lacks nextn
     tied = bool(c.tie_word_embeddings)
     tensors = {**model.state_dict(), **_mtp_tensors(mtp or {}, layers)}
+    for name in [n for n in tensors if n.endswith("mlp.experts.gate_up_proj")]:   # stacks per kind, as the converter
+        p = name[:-len("gate_up_proj")]
+        gate, up = tensors.pop(name).chunk(2, dim=1)
+        tensors.update({p + "gate_proj.weight": gate, p + "up_proj.weight": up,
+                        p + "down_proj.weight": tensors.pop(p + "down_proj")})
     for hf_name, tensor in tensors.items():
         hf_name, array = _qwen35_tensor(hf_name, tensor.detach().to(torch.float32).numpy(), c)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -211,7 +224,61 @@ def write_qwen35_gguf(path: Path, model, tokenizer_json: Path, eos_token: str, q
         if name is None or name in skip or (tied and name == "output.weight"):
             continue
         array = np.ascontiguousarray(array, dtype=np.float32)
-        if qtype == "Q8_0" and array.ndim == 2 and array.shape[1] % 32 == 0 and "ssm_conv1d" not in name:
+        if (qtype == "Q8_0" and array.ndim >= 2 and array.shape[-1] % 32 == 0 and "ssm_conv1d" not in name
+                and "ffn_gate_inp" not in name):
+            writer.add_tensor(name, quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_qwen3moe_gguf(path: Path, model, tokenizer_json: Path, eos_token: str, qtype: str = "F32") -> Path:
+    """A transformers Qwen3-MoE (Qwen3MoeForCausalLM) as llama.cpp's converter writes it (its
+    Qwen3MoeModel, through Qwen2MoeModel.modify_tensors): every expert's gate / up / down matrix
+    stacked into one tensor per layer (blk.N.ffn_{gate,up,down}_exps [n_expert, out, in]), the router
+    as blk.N.ffn_gate_inp, and the expert metadata. qtype "Q8_0": matrices and expert stacks whose rows
+    are a multiple of 32 weights in Q8_0 blocks, the router and norms F32 (llama.cpp's quantizer keeps
+    ffn_gate_inp in F32 too)."""
+    import gguf
+    from gguf.quants import quantize
+
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_name("tiny-qwen3moe")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    writer.add_expert_count(c.num_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    write_tokenizer(writer, tokenizer_json, eos_token)
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.QWEN3MOE, c.num_hidden_layers)
+    state = model.state_dict()        # transformers 5 holds the experts fused: gate_up_proj [E, 2I, D], down_proj
+    tensors = {k: v for k, v in state.items() if ".mlp.experts." not in k}
+    for layer in range(c.num_hidden_layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        gate, up = state[p + "gate_up_proj"].chunk(2, dim=1)
+        tensors.update({p + "gate_proj.weight": gate, p + "up_proj.weight": up,
+                        p + "down_proj.weight": state[p + "down_proj"]})
+    tied = bool(c.tie_word_embeddings)
+    for hf_name, tensor in tensors.items():
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None or (tied and name == "output.weight"):
+            continue
+        array = np.ascontiguousarray(tensor.detach().to(torch.float32).numpy())
+        if qtype == "Q8_0" and array.ndim >= 2 and array.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name:
             writer.add_tensor(name, quantize(array, gguf.GGMLQuantizationType.Q8_0),
                               raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:

@@ -65,6 +65,9 @@ def commands(paths) -> dict[str, tuple[list[str], str | None]]:
         "dtype_int8": (["hi", "--model", model, "--dtype", "int8"], None),   # models/dtypes.py DtypeAction
         # argparse usage errors
         "k_99": (["hi", "--model", model, "-k", "99"], None),
+        "k_40": (["hi", "--model", model, "-k", "40"], None),                  # the default drafter: chains
+        "k_40_none": (["hi", "--model", model, "-k", "40", "--method", "none"], None),
+        "k_40_tree": (["hi", "--model", paths["missing"], "-k", "40", "--method", "suffix"], None),  # passes
         "max_tokens_0": (["hi", "--model", model, "--max-tokens", "0"], None),
     }
 
@@ -110,6 +113,8 @@ def test_json_with_compare(runs, reference):
     assert out["method"] == "cascade" and out["k"] == 3                # the default with --draft
     assert out["tokens"] == reference["fox"].token_ids and out["text"] == reference["fox"].text
     assert out["tokens_per_s"] > 0 and out["baseline_tokens_per_s"] > 0 and out["speedup"] > 0
+    low, high = out["speedup_spread"]                         # alternating pairs, their spread printed too
+    assert out["timed_runs"] >= 3 and 0 < low <= high and isinstance(out["within_noise"], bool)
     assert 0.0 <= out["acceptance_rate"] <= 1.0 and 1.0 <= out["mean_accepted_length"] <= 4.0
 
 
@@ -126,12 +131,13 @@ def test_streaming_prints_the_text(runs):
     run = ok(runs["stream_chat"].result())
     assert run.stdout == text + "\n"
     assert "identical output: yes" in run.stderr and "tok/s" in run.stderr
+    assert "alternating runs each, pairs" in run.stderr
 
 
 def test_prompt_from_stdin_without_streaming(runs, reference):
     run = ok(runs["stdin_no_stream"].result())
     assert run.stdout == reference["digits"].text + "\n"
-    assert "[none k=5]" in run.stderr
+    assert "[none] " in run.stderr and "k=" not in run.stderr       # no k where nothing drafts
 
 
 def test_default_path(runs):
@@ -161,7 +167,9 @@ def test_bad_argument_is_one_line(runs, name, words):
 
 
 @pytest.mark.parametrize("name,option", [
-    ("k_99", "-k"),
+    ("k_99", "-k 99: at most 64"),
+    ("k_40", "-k 40: method 'ngram' drafts chains of at most 32"),
+    ("k_40_none", "-k 40: --method none drafts nothing"),
     ("max_tokens_0", "--max-tokens"),
 ])
 def test_bad_argument_usage_error(runs, name, option):
@@ -171,6 +179,38 @@ def test_bad_argument_usage_error(runs, name, option):
     lines = run.stderr.splitlines()
     assert lines[0].startswith("usage: specdecode generate")
     assert "error:" in lines[-1] and option in lines[-1], lines[-1]
+
+
+def test_k_within_a_tree_drafters_limit_passes_the_parser(runs, paths):
+    """-k 40 with a tree drafter is within its limit: the run goes on to load the (missing) model."""
+    run = runs["k_40_tree"].result()
+    assert run.returncode == 2 and "model not found" in run.stderr and "-k" not in run.stderr, run.stderr
+
+
+def test_the_stats_line_says_why_the_answer_ended(runs):
+    """A --max-tokens cut is said on the stats line (it was silent), as the JSON's finish_reason."""
+    stats = ok(runs["stream_chat"].result()).stderr.splitlines()
+    finish = json.loads(ok(runs["json_chat"].result()).stdout)["finish_reason"]
+    line = next(line for line in stats if line.startswith("[ngram k=5]"))
+    assert f"finish_reason {finish}" in line, line
+    assert ("cut at --max-tokens 16" in line) == (finish == "length"), line
+
+
+def test_version_and_python_m():
+    """`specdecode --version` and `python -m specdecode` (specdecode/__main__.py)."""
+    import re
+    from pathlib import Path
+
+    import specdecode
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    version = re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)
+    assert specdecode.__version__ == version
+    run = subprocess.run([sys.executable, "-m", "specdecode", "--version"], env=ENV, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == f"specdecode {version}", run
+    run = subprocess.run([sys.executable, "-m", "specdecode", "generate", "hi", "-k", "99"], env=ENV,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "usage: specdecode generate" in run.stderr, run.stderr
 
 
 def test_api_refuses_bad_inputs_by_name():

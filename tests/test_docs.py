@@ -453,3 +453,12 @@ def test_the_terms_are_defined_once_where_outputs_point():
     for doc in USER_DOCS:                       # one definition: the other pages link to it
         if doc.name != "drafters.md":
             assert "**acceptance rate**" not in doc.read_text(), rel(doc)
+
+
+def test_the_readme_defines_its_jargon_at_first_use():
+    """A newcomer reads the README top down: each term of the trade is bold (defined there) where the
+    prose first uses it, code blocks aside (they met "prompt lookup" or "Spec-Bench" in a table first)."""
+    readme = " ".join(prose((ROOT / "README.md").read_text()).split())
+    for term in ("prompt lookup", "cascade", "controller", "jump-forward", "Spec-Bench", "TTFT"):
+        first = readme.find(term)
+        assert first >= 0 and readme[first - 2:first] == "**", (term, readme[max(0, first - 80):first + 80])

@@ -103,13 +103,15 @@ def test_greedy_ragged_batch_and_sampled_rows_with_one_hot_targets():
                                         mixed.accepted_nodes[::2]), GREEDY_CASES[::2])
 
 
-def test_verify_greedy_equals_verify_tree_on_argmaxes():
+def test_verify_greedy_lists_equals_verify_tree_on_argmaxes():
     """The all-greedy fast path reads only the target's argmax: the hand-built cases, and random
-    trees and chains (ragged, with padding) give exactly verify_tree's result, as tensors and as
-    the lists the engine reads."""
-    from specdecode.verify_tree import verify_greedy, verify_greedy_lists
+    trees and chains (ragged, with padding) give exactly verify_tree's result, as the lists the
+    engine reads."""
+    from specdecode.verify_tree import verify_greedy_lists
     draft_tokens, parents, num_draft, target_probs = greedy_batch([(nodes, a) for nodes, a, _, _ in GREEDY_CASES])
-    check_greedy_cases(verify_greedy(draft_tokens, parents, num_draft, target_probs.argmax(-1)), GREEDY_CASES)
+    paths, emitted = verify_greedy_lists(draft_tokens.tolist(), parents.tolist(), num_draft.tolist(),
+                                         target_probs.argmax(-1).tolist())
+    assert [(e, p) for e, p in zip(emitted, paths)] == [(t, n) for _, _, t, n in GREEDY_CASES]
     gen = torch.Generator().manual_seed(7)
     for trial in range(200):
         batch, n, vocab = 3, int(torch.randint(0, 9, (1,), generator=gen)), 4
@@ -133,16 +135,43 @@ def test_verify_greedy_equals_verify_tree_on_argmaxes():
         d, par, num, probs = greedy_batch(list(zip(rows, argmaxes)), vocab)
         expected = verify_tree(d, par, num, None, probs, torch.ones(batch, dtype=torch.bool))
         for links in (par, None) if all(all(p == i - 1 for i, (_, p) in enumerate(r)) for r in rows) else (par,):
-            got = verify_greedy(d, links, num, probs.argmax(-1))
-            for field in ("tokens", "num_accepted", "num_emitted", "accepted_nodes"):
-                assert torch.equal(getattr(got, field), getattr(expected, field)), (trial, field)
             paths, emitted = verify_greedy_lists(d.tolist(), None if links is None else links.tolist(), num.tolist(),
                                                  probs.argmax(-1).tolist())      # what the engine reads
             for b, (path, out) in enumerate(zip(paths, emitted)):
                 n = int(expected.num_accepted[b])
-                assert path == expected.accepted_nodes[b, :n].tolist() and out == expected.tokens[b, :n + 1].tolist()
-    with pytest.raises(ValueError, match="target_tokens must be"):
-        verify_greedy(d, par, num, probs.argmax(-1)[:, :1])
+                assert path == expected.accepted_nodes[b, :n].tolist(), (trial, b)
+                assert out == expected.tokens[b, :n + 1].tolist(), (trial, b)
+
+
+def test_verify_drafts_chooses_the_verifier_by_its_input():
+    """The engine's one entry point: greedy rows from the argmax alone; point masses at each row's
+    position uniforms (a sampled row's token is plain decoding's with that seed); draft
+    distributions by rejection sampling, where a sampled row without drafts takes plain decoding's
+    token and leaves its generator alone."""
+    from specdecode.sampling import position_uniforms, sample_at
+    from specdecode.verify_tree import verify_drafts, verify_greedy_lists
+    cases = GREEDY_CASES[:3]
+    d, par, num, probs = greedy_batch([(nodes, a) for nodes, a, _, _ in cases])
+    gens = [torch.Generator().manual_seed(b) for b in range(len(cases))]
+    greedy = verify_drafts(d, par, num, None, None, probs.argmax(-1), [True] * len(cases), gens, [0] * 3, [0] * 3)
+    assert greedy == verify_greedy_lists(d.tolist(), par.tolist(), num.tolist(), probs.argmax(-1).tolist())
+    flat = torch.full((2, 3, 10), 0.1)                                  # a sampled row's uniform target
+    tokens = torch.tensor([[4, 4], [0, 0]])
+    seeds, positions = [7, 9], [20, 30]
+    paths, emitted = verify_drafts(tokens, None, torch.tensor([2, 0]), None, flat, None, [False, False],
+                                   gens[:2], seeds, positions)
+    for b in range(2):                   # each emitted token is plain decoding's at its position (then padding)
+        out = emitted[b][:len(paths[b]) + 1]
+        u = position_uniforms(seeds[b], positions[b], len(out))
+        plain = [int(sample_at(flat[b, :1], torch.tensor([[x]], dtype=torch.float64))[0]) for x in u]
+        assert out == plain and paths[b] == list(range(len(paths[b])))
+    before = gens[1].get_state()
+    draft_probs = torch.full((2, 2, 10), 0.1)
+    paths, emitted = verify_drafts(tokens, None, torch.tensor([2, 0]), draft_probs, flat, None, [False, False],
+                                   gens[:2], seeds, positions)
+    u = torch.tensor([position_uniforms(seeds[1], positions[1], 1)], dtype=torch.float64)
+    assert emitted[1][:1] == [int(sample_at(flat[1, :1], u)[0])] and paths[1] == []
+    assert torch.equal(gens[1].get_state(), before)
 
 
 # ----------------------------------------------------------------------------- chain equivalence

@@ -1,23 +1,46 @@
-"""Write a random Qwen3.5 model of Qwen3.5-0.8B's shape as a GGUF file of llama.cpp's "qwen35"
-architecture, for speed measurements without the real weights (their values do not change the work
-a decode step does). The shape is Qwen3.5-0.8B's published config.json: hidden 1024, 24 layers (three
-Gated DeltaNet to one gated attention), 8 attention heads over 2 kv heads of 256, linear attention
-with 16 key and 16 value heads of 128, conv kernel 4, MLP 3584, vocabulary 248320, tied embeddings.
+"""Write a random model of a published shape as a GGUF file llama.cpp loads, for speed measurements
+without the real weights (their values do not change the work a decode step does): Qwen3.5-0.8B's
+(`--arch qwen35`, the default) or Qwen3-30B-A3B's (`--arch qwen3moe`).
+
+--arch qwen35: a model of llama.cpp's "qwen35" architecture. The shape is Qwen3.5-0.8B's published
+config.json: hidden 1024, 24 layers (three Gated DeltaNet to one gated attention), 8 attention heads
+over 2 kv heads of 256, linear attention with 16 key and 16 value heads of 128, conv kernel 4, MLP
+3584, vocabulary 248320, tied embeddings.
 
 The tensors and metadata are written as llama.cpp's convert_hf_to_gguf.py writes them
 (tests/gguf_writer.py: write_qwen35_gguf); the vocabulary is a small byte-level BPE padded with
 unused tokens to 248320 rows. --qtype Q8_0 quantizes every matrix (as `--outtype q8_0`); for Q4_K_M,
-quantize that file with llama.cpp (llama-quantize, or llama_cpp.llama_model_quantize). --mtp adds a
+quantize that file with llama.cpp (llama-quantize, or --quantize below). --mtp adds a
 random multi-token-prediction head of the released checkpoint's shape (mtp_num_hidden_layers 1: one
 gated attention layer as the decoder's, fc [1024, 2048], three norms; the LM head shared) as the
 converter writes it (blk.24.nextn.*), for `--method mtp`.
 
+--arch qwen3moe: Qwen3-30B-A3B's published config.json (Qwen/Qwen3-30B-A3B): 48 layers, hidden 2048, 32 q
+heads and 4 kv heads of 128 (q/k RMSNorm), 128 experts of moe_intermediate_size 768 with 8 routed per
+token (norm_topk_prob), intermediate_size 6144 (written as feed_forward_length; every layer is a MoE
+layer), rope_theta 1e6, rms_norm_eps 1e-6, max_position_embeddings 40960, vocabulary 151936, untied
+embeddings. Tensors and metadata as llama.cpp's convert_hf_to_gguf.py (Qwen3MoeModel) writes them:
+expert matrices stacked per layer (blk.N.ffn_{gate,up,down}_exps [128, out, in]), the router
+blk.N.ffn_gate_inp in F32, written block by block (random Q8_0 blocks drawn directly, a few hundred MB in
+memory at a time), so a full-depth file (~32 GB as Q8_0) needs little memory. The token embedding is
+drawn with standard deviation 1 (the other matrices 0.02): with small embeddings the attention output,
+nearly the same for every row of a pass over random weights, would decide the routing and the rows of a
+verify pass would share most experts (measured: 8 rows read 15.6 distinct experts per layer of 128);
+so each token's own embedding decides its experts, which spread as under random routing: the worst
+case for the experts a verify pass reads.
+--llamacpp-python PY --quantize Q4_K_M then runs llama.cpp's own quantizer (llama_model_quantize,
+through llama-cpp-python in that interpreter) on the written file into --quantized-out.
+
 Usage: python scripts/measure/make_random_gguf.py --out qwen35-0.8b-random-q8_0.gguf [--qtype Q8_0] [--layers 24]
        [--mtp]
+       python scripts/measure/make_random_gguf.py --arch qwen3moe --layers 8 --out qwen3moe-8l-q8_0.gguf
+       [--llamacpp-python ~/llama-venv/bin/python --quantize Q4_K_M --quantized-out qwen3moe-8l-q4_k_m.gguf]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -63,15 +86,130 @@ def small_tokenizer(folder: Path) -> Path:
     return folder / "tokenizer.json"
 
 
+# Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B)
+QWEN3_30B_A3B = dict(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, experts=128, used=8,
+                     expert_ff=768, ff=6144, vocab=151936, rope_theta=1_000_000.0, eps=1e-6, context=40960)
+QUANTIZE_CHILD = r"""
+import sys, llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + sys.argv[3])
+params.allow_requantize = True
+params.nthread = int(sys.argv[4])
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params))
+"""
+
+
+def random_q8_0(rng, rows: int, cols: int, std: float = 0.02):
+    """[rows, cols] weights as random Q8_0 blocks (bytes [rows, cols / 32 * 34]): int8 values uniform in
+    -127..127 under one fp16 scale, so the weights have standard deviation `std`."""
+    import numpy as np
+    blocks = np.empty((rows, cols // 32, 34), dtype=np.uint8)
+    blocks[:, :, :2] = np.frombuffer(np.float16(std * 3 ** 0.5 / 127).tobytes(), dtype=np.uint8)
+    blocks[:, :, 2:] = rng.integers(-127, 128, size=(rows, cols // 32, 32), dtype=np.int8).view(np.uint8)
+    return blocks.reshape(rows, cols // 32 * 34)
+
+
+def write_qwen3moe(out: Path, layers: int, seed: int, shape: dict | None = None) -> None:
+    """A random qwen3moe file of `shape` (default Qwen3-30B-A3B's), tensor by tensor (see the module docstring)."""
+    import gguf
+    import numpy as np
+    sys.path.insert(0, str(ROOT / "tests"))
+    from gguf_writer import write_tokenizer
+
+    c, rng = shape or QWEN3_30B_A3B, np.random.default_rng(seed)
+    d, hd, ff, e = c["hidden"], c["head_dim"], c["expert_ff"], c["experts"]
+    writer = gguf.GGUFWriter(str(out), "qwen3moe")
+    writer.add_name("random-qwen3-30b-a3b-shape")
+    writer.add_block_count(layers)
+    writer.add_context_length(c["context"])
+    writer.add_embedding_length(d)
+    writer.add_feed_forward_length(c["ff"])
+    writer.add_head_count(c["heads"])
+    writer.add_head_count_kv(c["kv_heads"])
+    writer.add_key_length(hd)
+    writer.add_value_length(hd)
+    writer.add_rope_freq_base(c["rope_theta"])
+    writer.add_layer_norm_rms_eps(c["eps"])
+    writer.add_expert_count(e)
+    writer.add_expert_used_count(c["used"])
+    writer.add_expert_feed_forward_length(ff)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = json.loads(small_tokenizer(Path(tmp)).read_text())
+    size = max(len(spec["model"]["vocab"]), max(t["id"] for t in spec["added_tokens"]) + 1)
+    spec["model"]["vocab"].update({f"<|unused_{i}|>": i for i in range(size, c["vocab"])})
+    write_tokenizer(writer, spec, "<|im_end|>")
+    # (name, shape [.., rows, cols], kind): "q8" random Q8_0 blocks ("embed": of standard deviation 1), "router"
+    # random F32, "norm" ones in F32
+    plan = [("token_embd.weight", (c["vocab"], d), "embed")]
+    for i in range(layers):
+        b = f"blk.{i}."
+        plan += [(b + "attn_norm.weight", (d,), "norm"), (b + "attn_q.weight", (c["heads"] * hd, d), "q8"),
+                 (b + "attn_k.weight", (c["kv_heads"] * hd, d), "q8"),
+                 (b + "attn_v.weight", (c["kv_heads"] * hd, d), "q8"),
+                 (b + "attn_output.weight", (d, c["heads"] * hd), "q8"), (b + "attn_q_norm.weight", (hd,), "norm"),
+                 (b + "attn_k_norm.weight", (hd,), "norm"), (b + "ffn_norm.weight", (d,), "norm"),
+                 (b + "ffn_gate_inp.weight", (e, d), "router"), (b + "ffn_gate_exps.weight", (e, ff, d), "q8"),
+                 (b + "ffn_up_exps.weight", (e, ff, d), "q8"), (b + "ffn_down_exps.weight", (e, d, ff), "q8")]
+    plan += [("output_norm.weight", (d,), "norm"), ("output.weight", (c["vocab"], d), "q8")]
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for name, shape, kind in plan:
+        if kind in ("q8", "embed"):
+            byte_shape = (*shape[:-1], shape[-1] // 32 * 34)
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=q8)
+        else:
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _name, shape, kind in plan:     # one tensor in memory at a time
+        if kind in ("q8", "embed"):
+            rows, std = int(np.prod(shape[:-1])), 1.0 if kind == "embed" else 0.02
+            writer.write_tensor_data(random_q8_0(rng, rows, shape[-1], std).reshape(*shape[:-1], -1))
+        elif kind == "router":
+            writer.write_tensor_data(rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02))
+        else:
+            writer.write_tensor_data(np.ones(shape, dtype=np.float32))
+    writer.close()
+
+
+def quantize_with_llamacpp(python: str, source: Path, out: Path, qtype: str, threads: int) -> None:
+    """llama.cpp's own quantizer (llama_model_quantize through llama-cpp-python in `python`)."""
+    result = subprocess.run([python, "-c", QUANTIZE_CHILD, str(source), str(out), qtype, str(threads)])
+    if result.returncode != 0:
+        raise SystemExit(f"llama.cpp's quantizer failed on {source} (exit {result.returncode})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="the GGUF file to write")
-    parser.add_argument("--qtype", choices=("Q8_0", "F32"), default="Q8_0")
-    parser.add_argument("--layers", type=int, default=24, help="decoder layers (a multiple of 4; 24 as 0.8B)")
+    parser.add_argument("--arch", choices=("qwen35", "qwen3moe"), default="qwen35",
+                        help="qwen35: Qwen3.5-0.8B's shape; qwen3moe: Qwen3-30B-A3B's")
+    parser.add_argument("--qtype", choices=("Q8_0", "F32"), default="Q8_0", help="qwen35's matrices (qwen3moe: Q8_0)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (qwen35: a multiple of 4, 24 as 0.8B; qwen3moe: 48 as 30B-A3B)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mtp", action="store_true", help="add a random MTP head (blk.N.nextn.*)")
+    parser.add_argument("--mtp", action="store_true", help="add a random MTP head (blk.N.nextn.*; qwen35)")
+    parser.add_argument("--llamacpp-python", help="a Python with llama-cpp-python, for --quantize")
+    parser.add_argument("--quantize", choices=("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q4_0"),
+                        help="quantize the written file with llama.cpp's quantizer into --quantized-out")
+    parser.add_argument("--quantized-out", type=Path, help="where --quantize writes")
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp's quantizer threads")
     args = parser.parse_args(argv)
+    if args.quantize and not (args.llamacpp_python and args.quantized_out):
+        parser.error("--quantize needs --llamacpp-python and --quantized-out")
+    if args.arch == "qwen3moe":
+        layers = QWEN3_30B_A3B["layers"] if args.layers is None else args.layers
+        if not 1 <= layers <= QWEN3_30B_A3B["layers"]:
+            parser.error(f"--layers must be in [1, {QWEN3_30B_A3B['layers']}] for qwen3moe, got {layers}")
+        write_qwen3moe(args.out, layers, args.seed)
+        print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.0f} MiB, Q8_0, {layers} layers)")
+        if args.quantize:
+            quantize_with_llamacpp(args.llamacpp_python, args.out, args.quantized_out, args.quantize, args.threads)
+            print(f"wrote {args.quantized_out} ({args.quantized_out.stat().st_size / 2**20:.0f} MiB, {args.quantize})")
+        return 0
+    args.layers = 24 if args.layers is None else args.layers
     if args.layers < 4 or args.layers % 4:
         parser.error(f"--layers must be a multiple of 4 (three DeltaNet layers to one attention), got {args.layers}")
     import torch
@@ -86,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         write_qwen35_gguf(args.out, model, small_tokenizer(Path(tmp)), "<|im_end|>", qtype=args.qtype,
                           vocab_size=config.vocab_size, mtp=random_mtp_head(config) if args.mtp else None)
     print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.0f} MiB, {args.qtype})")
+    if args.quantize:
+        quantize_with_llamacpp(args.llamacpp_python, args.out, args.quantized_out, args.quantize, args.threads)
     return 0
 
 

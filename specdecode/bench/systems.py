@@ -101,10 +101,8 @@ class SpecdecodeSystem(System):
         if (method, k) not in self.drafters:
             names = drafter_option_names(method)
             options = {key: v for key, v in self.drafter_options.items() if key in names}
-            if self.adaptive is False and "draft_confidence" in names:      # k drafts every step, as asked
-                options.setdefault("draft_confidence", 0.0)
-            self.drafters[method, k] = build_drafter(method, self.llm.target, draft=self.llm.draft,
-                                                     drafter_path=self.drafter_path, **options)
+            self.drafters[method, k] = build_drafter(method, self.llm.target, adaptive=self.adaptive,
+                                                     draft=self.llm.draft, drafter_path=self.drafter_path, **options)
         return self.drafters[method, k]
 
     def supports(self, method: str) -> bool:

@@ -194,13 +194,6 @@ class PagedKVCache:
     def prefix_caching(self) -> bool:
         return self.salt is not None
 
-    def match(self, tokens: list[int], limit: int) -> list[int]:
-        """The registered blocks that hold the first positions of `tokens`, covering at most
-        `limit` positions (a prompt's last token is always computed: it is the first step's)."""
-        if self.salt is None:
-            return []
-        return self.pool.match(chain_hashes(tokens, self.block_size, self.salt, limit // self.block_size))
-
     def commit(self, row: int, tokens: list[int]) -> None:
         """Register the row's full blocks below its length (committed: never written again);
         `tokens`: the row's tokens from position 0 (at least its length of them)."""

@@ -307,7 +307,8 @@ class Drafter(ABC):
 
     def commit(self, seqs: list[Sequence], proposal: DraftProposal, num_accepted: list[int]) -> None:
         """Feedback after verification of `proposal` (the one this drafter's propose returned for
-        these seqs, or an empty one when the engine did not ask for drafts this step): the first
+        these seqs, or an empty one when the engine did not ask for drafts this step; a drafter with
+        state is not told of rows whose speculation is kept off, until they finish): the first
         num_accepted[b] drafts were kept and seqs[b].token_ids already holds them plus one
         recovered/bonus token."""
 
@@ -316,7 +317,10 @@ class Drafter(ABC):
                 ) -> None:
         """Called (only when capabilities.needs_target_hidden) after every target pass, prefill
         included: hidden[b, t] belongs to position starts[b] + t of seqs[b]. Positions past what
-        the step commits (rejected drafts, padding) are overwritten by later passes."""
+        the step commits (rejected drafts, padding) are overwritten by later passes. A drafter with
+        state does not get the rows whose speculation the controller keeps off (it hears of them
+        again some steps before it is asked to draft for them), so a row's next pass may start past
+        the positions observed last: the features in between were never given."""
 
     def observe_topk(self, seqs: list[Sequence], proposal: DraftProposal,
                      topk_ids: torch.Tensor,   # [batch, n+1, needs_target_topk] int64

@@ -75,6 +75,7 @@ class HeadDrafter(Drafter):
         self.features = None
         self.head_from: torch.Tensor | None = None      # [rows] first head slot a catch-up computed
         self.pending: PendingFeatures | None = None     # features not yet written into `features`
+        self.seen: list[list[int]] = []                 # per row [first, end) of the features observed without a gap
 
     def _load_head(self, target, link) -> Head:
         """The head; `link(weight, bias)` makes a projection (the fast kernels' where they run)."""
@@ -95,10 +96,12 @@ class HeadDrafter(Drafter):
         self.features = torch.zeros(batch_size, max_len, c.hidden_size, dtype=self.dtype, device=self.device)
         self.head_from = torch.zeros(batch_size, dtype=torch.long)
         self.pending = PendingFeatures(self.features, self.catch_up_window + MAX_TREE_DEPTH + 2)
+        self.seen = [[0, 0] for _ in range(batch_size)]
         return ContiguousState(self.cache, self.features)
 
     def close(self) -> None:
         self.cache = self.features = self.head_from = self.pending = None
+        self.seen = []
 
     def observe(self, seqs, starts, hidden):
         width, max_len = hidden.shape[1], self.features.shape[1]
@@ -106,6 +109,10 @@ class HeadDrafter(Drafter):
             n = min(width, max_len - starts[b])
             if n > 0:
                 self.pending.add(s.row, starts[b], hidden[b, :n])
+                seen = self.seen[s.row]   # the engine skips a row while its speculation is kept off:
+                if not seen[0] <= starts[b] <= seen[1]:     # the features before such a gap are stale
+                    seen[0] = starts[b]
+                seen[1] = starts[b] + n
 
     # ------------------------------------------------------------------ one head pass
     def _pass(self, rows: torch.Tensor, starts: list[int],
@@ -252,6 +259,9 @@ class HeadDrafter(Drafter):
             start = 0
         if end - start > self.catch_up_window:
             start = end - self.catch_up_window
+        first = self.seen[row][0]                # no slot from a feature the engine did not observe
+        if start < first <= end:
+            start = first
         if start != self.cache.lengths[row] or start == 0:
             self.head_from[row] = start
             self.cache.truncate(row, start)

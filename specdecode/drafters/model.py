@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine.config import SLACK
 from ..models.config import ModelError
 from ..sampling import probs_from_logits, sample_drafts, transform_logits
 from .base import ContiguousState, Drafter, DrafterCapabilities, DrafterError, DrafterState, DraftProposal
@@ -90,7 +91,7 @@ class ModelDrafter(Drafter):
 
     def prepare(self, batch_size: int, max_len: int) -> DrafterState:
         """A contiguous cache of its own (a subclass whose model the engine does not page)."""
-        if max_len > self.model.max_len + 66:
+        if max_len > self.model.max_len + SLACK:
             raise ModelError(f"draft {self.draft.name} has a context of {self.model.max_len} tokens, "
                              f"fewer than the {max_len} this batch needs")
         self.cache = self.model.new_cache(batch_size, max_len)

@@ -133,7 +133,11 @@ def check_drafter_options(method: str, options: dict) -> None:
                                 f"{', '.join(known) or '(none)'}")
 
 
-def build_drafter(method: str, target: LoadedModel, **options) -> Drafter:
+def build_drafter(method: str, target: LoadedModel, adaptive: bool | None = None, **options) -> Drafter:
     """A drafter of `method` for `target`; options are passed to its constructor (each drafter
-    takes what it knows: draft=, drafter_path=, ngram_min=, ... and ignores the rest)."""
+    takes what it knows: draft=, drafter_path=, ngram_min=, ... and ignores the rest).
+    `adaptive=False` (fixed draft sizes): k drafts every step, as asked, so a drafter's own early
+    stop (`draft_confidence`) is off unless given."""
+    if adaptive is False and "draft_confidence" not in options and "draft_confidence" in drafter_option_names(method):
+        options["draft_confidence"] = 0.0
     return drafter_class(method)(target, **options)

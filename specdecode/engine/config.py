@@ -8,6 +8,7 @@ from ..tree import MAX_TREE_NODES
 
 MAX_CHAIN = 32          # draft tokens per step of a chain drafter (tree drafters: MAX_TREE_NODES nodes)
 SPAN = 32               # the longest draft of a copying drafter's row (a long copy: an edit, a quote)
+SLACK = 66              # cache positions past a row's context that a padded pass may write (a tree of 64 + 2)
 STREAM_INTERVAL_MS = 20.0   # a streamed choice's tokens go out at most this often (its first at once)
 
 

@@ -25,9 +25,19 @@ climbs past k, up to the span of a copying drafter); every EXPLORE steps, the ne
 best, up to k. Their gains are estimates (every node accepted; PRIOR over plain decoding) weighed
 like measured ones. A drafter with state pays for every try: a row it does not draft for is probed
 at a small size after a wait that doubles after each probe that does not pay, and never more often
-than PROBE_SHARE of the time allows. New rows of such a drafter start from what the last long row
-measured (`template`, weak evidence: another request's acceptance), drafting at most a probe's
-size until one of their drafts is accepted.
+than PROBE_SHARE of the time allows; a probe is one step at `probe_size`. While such a row is kept
+off, its drafter hears nothing of it (`RowSpec.listening`: no target features, no commit), except in
+the LISTEN steps before a probe, whose catch-up reads their features. New rows of such a drafter
+start from what the last long row measured (`template`, weak evidence: another request's
+acceptance), drafting at most a probe's size until one of their drafts is accepted.
+
+Evidence before timings. Timings are noisy on a busy host; counted acceptance is not. A stateless
+drafter's row (lookups, a prediction: drafting costs it nothing but the pass's rows) whose measured
+tokens per step at a size show at least EVIDENT of its drafts accepted (verified drafts or shadows
+that came true) keeps drafting at that size (`RowSpec.kept`); the costs may raise it, never lower
+it, and it ends when the drafts stop being accepted. A predicted output's row drafts PREDICTED
+tokens from its first step. A drafter with state pays real, measured work per draft: its rows stay
+with the costs (and their MARGIN).
 
 Pinned rows (seeded sampling with a drafter that samples its drafts: the row's random draws follow
 its sizes) decide alone, from their own tokens and acceptance and fixed costs, never from timings,
@@ -40,112 +50,35 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
 
 from .costs import StepCosts, fixed_costs
+from .rowspec import AUTO, DECAY, OFF, ON, PROBE_EVERY, RowSpec, expected_tokens
+
+__all__ = ["AUTO", "OFF", "ON", "PROBE_EVERY", "RowSpec", "SpeculationController", "expected_tokens"]
 
 LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-AUTO, ON, OFF = "auto", "on", "off"
-DECAY = 0.7             # weight of the past in a size's moving averages (~3 steps)
-SHADOW_DECAY = 0.9      # ... when a shadow draft updates it: shadows cost nothing, ~10 of them are averaged
-CARRIED_WEIGHT = 0.1    # a gain carried from another row (or a prior) against this row's first step at that size
 PRIOR = 1.2             # an explored size is assumed to decode this much faster than plain decoding
 PRIOR_ACCEPTANCE = 0.7  # per position: what a drafter with state is assumed to reach before any step
 PROBE_ACCEPTANCE = 0.9  # a row is probed only at sizes where drafts accepted this often would pay
 PROBE_SHARE = 0.01      # failed probes take at most this share of plain decoding's time
-PROBE_EVERY = 16        # plain steps before a row's first probe; doubled after each that does not pay,
-MAX_PROBE_EVERY = 256   # up to this
+MAX_PROBE_EVERY = 256   # the wait between probes (PROBE_EVERY first) doubles after each that does not pay, up to this
 EXPLORE = 8             # steps between explorations of the next larger size
 MARGIN = 1.05           # drafting must be predicted this much faster than plain decoding
 CARRY_MIN_STEPS = 32    # a finished row becomes the template of new rows only after this many steps
 SHADOW_SHARE = 0.01     # shadow drafts (drafting and scoring) take at most this share of the steps' time
 YOUNG = 16              # a row's first steps, drafting shadows at every step
 PLAIN_RECHECK = 8       # steps a plain choice is kept while no row's gains changed (choosing is Python every step)
-
-
-def expected_tokens(acceptance: float, size: int) -> float:
-    """Tokens a chain step of `size` drafts emits when each is accepted with probability `acceptance`
-    (1 + a + ... + a^size, the bonus token included)."""
-    return sum(acceptance ** i for i in range(size + 1))
-
-
-@dataclass
-class RowSpec:
-    """One row's speculation state: its gains per size and where its exploration stands."""
-    k: int                                       # drafts per step asked for (0: never drafts)
-    mode: str = AUTO
-    levels: tuple[int, ...] = (0,)               # sizes this row may draft: up to k, or its span
-    pinned: bool = False
-    gain: dict[int, float] = field(default_factory=lambda: {0: 1.0})   # size -> tokens per step
-    nodes: dict[int, float] = field(default_factory=lambda: {0: 0.0})  # size -> nodes proposed per step
-    carried: set[int] = field(default_factory=set)   # sizes whose gain is a prior or another row's
-    size: int = 0                                # the size of the step planned last
-    previous: int = 0                            # the size of the step before it
-    steps: int = 0
-    all_accepted: bool = False                   # the last step accepted every node it drafted
-    untried: bool = False                        # started from the template; no draft accepted yet
-    probe_interval: int = PROBE_EVERY
-    probe_wait: int = PROBE_EVERY
-    probing: bool = False                        # this step is a probe (after plain steps)
-    probed: bool = False                         # the last step was one
-    shadow: tuple | None = None                  # (tokens when drafted, main path, its node indices, proposed)
-    version: int = 0                             # bumped whenever a gain changes
-
-    def update(self, size: int, emitted: float, proposed: float, decay: float = DECAY,
-               prior: float | None = None) -> None:
-        """Moving averages of a size's tokens and nodes. A first observation at a size is blended
-        with `prior` (as if a step had measured it; default: what the smaller sizes emit), so one
-        unlucky step does not rule a size out and one lucky one does not choose it."""
-        self.version += 1
-        if size not in self.gain:
-            self.gain[size] = prior if prior is not None else max(g for s, g in self.gain.items() if s < size)
-            self.nodes[size] = float(proposed)
-        elif size in self.carried:
-            self.carried.discard(size)
-            decay = CARRIED_WEIGHT
-        self.gain[size] = decay * self.gain[size] + (1 - decay) * emitted
-        self.nodes[size] = decay * self.nodes[size] + (1 - decay) * proposed
-
-    def observe(self, size: int, proposed: int, path: list[int], chains: bool, prior=None) -> None:
-        """A verified step at `size`: `proposed` nodes, `path` the accepted node indices by depth.
-        `prior(nodes)`: the gain a first observation of that many nodes is blended with (None: what
-        the smaller sizes emit)."""
-        self.all_accepted = size > 0 and proposed > 0 and len(path) == proposed
-        self.untried = self.untried and not path
-        decided = proposed < size or (chains and len(path) < proposed)
-        for s in self.levels:
-            if s == 0 or (s > size and not (decided and s in self.gain)):
-                continue
-            emitted = 1 + sum(1 for node in path if node < s)
-            nodes = min(proposed, s) if proposed < size or s <= size else s
-            self.update(s, emitted, nodes, prior=None if s in self.gain or prior is None else prior(nodes))
-
-    def observe_shadow(self, proposed: int, matched: int, nodes: list[int] | None) -> None:
-        """A shadow draft of `proposed` nodes whose main path's first `matched` tokens came true;
-        `nodes`: the path's node indices (a tree's; None: a chain). A size of s nodes is credited
-        with the matched path nodes below s only (a tree's first nodes are mostly siblings)."""
-        for s in self.levels[1:]:
-            hits = matched if nodes is None else sum(1 for node in nodes[:matched] if node < s)
-            self.update(s, 1.0 + min(hits, s), float(min(proposed, s)), SHADOW_DECAY)
-
-    def score_shadow(self, tokens: list[int], finished: bool) -> bool:
-        """Score the pending shadow draft if its outcome is known (a mismatch, its whole length
-        emitted, or the row finished); True if it was scored."""
-        start, path, nodes, proposed = self.shadow
-        out = tokens[start:]
-        matched = next((i for i, (a, b) in enumerate(zip(path, out)) if a != b), min(len(path), len(out)))
-        if matched < len(out) or len(out) >= len(path) or finished:
-            self.observe_shadow(proposed, matched, nodes)
-            self.shadow = None
-            return True
-        return False
+PREDICTED = 4           # a predicted output's row drafts this many from its first step (at most its k)
+LISTEN = 16             # plain steps before a probe in which a drafter with state hears of the row again
 
 
 class SpeculationController:
-    def __init__(self, capabilities, costs: StepCosts, adaptive: bool = True) -> None:
+    def __init__(self, capabilities, costs: StepCosts, adaptive: bool = True, max_batch: int | None = None) -> None:
+        """`max_batch`: in a batch of more rows only ON rows draft (the server's spec_max_batch_size)."""
         caps = capabilities
         self.costs = costs
         self.adaptive = adaptive
+        self.max_batch = max_batch
         self.shadowed = caps is not None and not caps.has_state     # shadows measure: no probes, no priors
         self.chains = caps is None or not caps.drafts_trees
         acceptance = caps.prior_acceptance if caps is not None else None
@@ -166,7 +99,7 @@ class SpeculationController:
         `sampled`: temperature > 0 (a lookup's draft is then accepted with the target's probability
         of each token, below the prior: such a row starts plain and its shadows decide)."""
         if mode == OFF or k <= 0:
-            return RowSpec(0, OFF)
+            return RowSpec(0, OFF, listening=False)
         mode = mode if self.adaptive else ON
         top = max(k, span)
         row = RowSpec(k, mode, tuple(sorted({s for s in LEVELS if s <= top} | {k, top})), pinned)
@@ -194,6 +127,8 @@ class SpeculationController:
             if s <= 4:
                 row.gain[s], row.nodes[s] = expected_tokens(self.prior_acceptance, s), float(s)
                 row.carried.add(s)
+        if predicted:                             # a prediction is news the first step checks, whatever the timings
+            row.kept = max(s for s in row.levels if s <= PREDICTED)
         return row
 
     def finish_row(self, row: RowSpec) -> None:
@@ -208,17 +143,22 @@ class SpeculationController:
         go into the pass besides its drafts (normally 1)."""
         sizes = [0] * len(rows)
         free = []
+        held = self.held(rows)
         for i, r in enumerate(rows):
             if r.mode == OFF:
                 continue
             r.steps += 1
             if r.mode == ON:
                 sizes[i] = r.k
+            elif held:
+                r.probing = False
             elif r.pinned:
                 sizes[i] = self._probe(r, self.fixed) or self._alone(r, self.fixed, pending[i])
             elif (probe := self._probe(r, self.costs)):
                 sizes[i] = probe
-            else:
+            elif self.shadowed or r.listening:    # a row kept off (not listening) waits for its probe
+                if self.shadowed:                 # drafts being accepted go on; timings may raise the size
+                    sizes[i] = min(r.kept, max(r.k, r.size))
                 free.append(i)
         if free:
             key = (tuple(id(rows[i]) for i in free), sum(rows[i].version for i in free),
@@ -232,7 +172,17 @@ class SpeculationController:
         for i, r in enumerate(rows):
             if r.mode == AUTO:
                 self._after_plan(r, sizes[i])
+                if not held:
+                    r.listening = self.listens(r, sizes[i])
         return sizes
+
+    def listens(self, r: RowSpec, size: int) -> bool:
+        """Whether the drafter hears of an AUTO row this step (its target features, its commit):
+        a stateless drafter's rows always (their shadows and lookups cost nothing to keep); a drafter
+        with state's while the row drafts, is pinned, or is within LISTEN plain steps of its next
+        probe. A row kept off costs its drafter nothing per step; only a listening row may be raised
+        from plain (`plan`), so a draft always reads the features of the step before it."""
+        return self.shadowed or size > 0 or r.pinned or r.probe_wait <= LISTEN
 
     def _choose(self, rows: list[RowSpec], pending: list[int], sizes: list[int], free: list[int]) -> None:
         """Raise the free rows' sizes while the batch's tokens per second grows (module docstring)."""
@@ -263,7 +213,7 @@ class SpeculationController:
         options = {i: self._options(rows[i], pending[i]) for i in free}
         heap = []
         for i in free:
-            if (key := self._steepest(options[i], 0)) is not None:
+            if (key := self._steepest(options[i], sizes[i])) is not None:
                 heapq.heappush(heap, (-key, i))
         while heap:
             _, i = heapq.heappop(heap)
@@ -358,6 +308,7 @@ class SpeculationController:
         s = self.probe_size(r)
         plain = 1.0 / costs.step_seconds(1, 0, 0.0)
         if expected_tokens(PROBE_ACCEPTANCE, s) / costs.step_seconds(1 + s, 1, s) < MARGIN * plain:
+            r.probe_interval = min(2 * r.probe_interval, MAX_PROBE_EVERY)   # as a probe that did not pay
             r.probe_wait = r.probe_interval
             return 0
         r.probing = True
@@ -416,7 +367,33 @@ class SpeculationController:
         later = self.costs.pass_seconds(pass_rows + length)
         return (batch - 1 + expected_tokens(acceptance, length)) / later > MARGIN * batch / now
 
+    def free_rows(self, rows: list[RowSpec], sizes: list[int], constrained: list[bool]) -> list[int]:
+        """The rows planned plain that may take drafts that cost nothing to make (a cascade's
+        lookups; each kept only where `free_draft_pays`): AUTO rows at size 0, not pinned (their
+        random draws follow their sizes), without a grammar, while the batch may draft."""
+        if self.held(rows):
+            return []
+        return [i for i, (r, k) in enumerate(zip(rows, sizes))
+                if k == 0 and r.mode == AUTO and not r.pinned and not constrained[i]]
+
+    def held(self, rows: list[RowSpec]) -> bool:
+        """Whether a batch of these rows is too large for any but ON rows to draft (`max_batch`)."""
+        return self.max_batch is not None and len(rows) > self.max_batch
+
     # ------------------------------------------------------------------ shadow drafts
+    def shadow_rows(self, rows: list[RowSpec], sizes: list[int], rooms: list[int], greedy: list[bool]) -> list[int]:
+        """The rows that draft shadows this step ([]: none): a stateless drafter's AUTO rows at size
+        0 with none pending and room for their k, when shadows are due (`shadow_due`). A young greedy
+        row shadows every step (a short answer that copies is found early); a sampled row's shadows
+        are rationed from the start: their hidden cost (the passes after them ran slower) outweighed
+        what a sampled row's drafts win."""
+        idle = [i for i, (r, k) in enumerate(zip(rows, sizes)) if k == 0 and r.mode == AUTO
+                and r.shadow is None and not r.pinned and rooms[i] > 0]
+        if not idle:
+            return []
+        young = any(rows[i].steps < YOUNG and greedy[i] for i in idle)
+        return idle if self.shadow_due(self.costs.pass_seconds(len(rows)), young) else []
+
     def shadow_due(self, step_seconds: float, young: bool = False) -> bool:
         """Should this step draft shadows (stateless drafters' rows at size 0)? Every step while they
         are cheap, or while a row is `young` (its first YOUNG steps: a short answer is over before

@@ -5,11 +5,13 @@ rows of one pass), corrected by two factors learned from the steps run: `scale` 
 `row_scale` for what the rows past the first add. Both grow with the context (every row reads the
 keys before it). A batch of B sequences is a pass of B rows and more; the curve is read between its
 points and extended along its last segment. Where the curve says extra rows cost nothing (a flat
-start-up measurement), `row_floor` learns the seconds each row adds. Drafting costs seconds per
-drafting sequence (looking for drafts) plus seconds per drafted node, measured; until measured, a
-drafter's prior per node (its relative cost times a one-row pass). A drafter that runs a model pass
-per draft depth over the rows drafting (a draft model, a trained head: `passes`) costs per pass
-what the curve's shape says a pass over that many rows costs (a batch's drafts share each pass).
+start-up measurement), `row_floor` learns the seconds each row adds. A curve whose one-row passes
+now run far faster than it says was measured under load (`stale`): the engine measures it again.
+Drafting costs seconds per drafting sequence (looking for drafts) plus seconds per drafted node,
+measured; until measured, a drafter's prior per node (its relative cost times a one-row pass). A
+drafter that runs a model pass per draft depth over the rows drafting (a draft model, a trained
+head: `passes`) costs per pass what the curve's shape says a pass over that many rows costs (a
+batch's drafts share each pass).
 
 Torch-free except `measure_cost_curve`.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 SPIKE = 3.0             # one step's time counts at most this many times the estimate it updates (a step
                         # descheduled on a busy core must not price drafting out for good)
 DECAY = 0.7             # weight of the past in the moving averages
+STALE = 0.67            # one-row passes running below this share of the curve's: it was measured under load
 VERIFY_ROW = 0.15       # a verified row's cost in one-row passes: the fixed prior of pinned rows
 
 
@@ -94,6 +97,21 @@ class StepCosts:
         """More measured points (a larger batch)."""
         self.curve.update(curve)
         self._at.clear()
+
+    @property
+    def stale(self) -> bool:
+        """Whether the passes run so much faster than the curve says that it was measured while
+        another process held the cores (the context only makes passes slower): its shape, which
+        prices every added row, is then wrong too, and the curve should be measured again."""
+        return self.scale < STALE
+
+    def remeasured(self, curve: dict[int, float]) -> None:
+        """The curve measured again (`stale`): its points replace the old ones, and the corrections
+        learned against the old ones start over."""
+        self.curve = dict(curve)
+        self._at.clear()
+        self.scale = self.row_scale = 1.0
+        self.row_floor = 0.0
 
     def _curve(self, rows: float) -> float:
         seconds = self._at.get(rows)

@@ -23,14 +23,14 @@ from ..cache.paged import PagedKVCache
 from ..drafters.base import Drafter, DraftProposal, TargetCacheView
 from ..fast import argmax_last, top_k_indices
 from ..forward import ForwardBatch
-from ..sampling import position_uniforms, probs_from_logits, sample_at, transform_logits
+from ..sampling import probs_from_logits, transform_logits
 from ..structured import allowed_masks, lazy_rows, mask_greedy
 from ..tree import ancestors
-from ..verify_tree import verify_greedy_lists, verify_point_mass, verify_tree
+from ..verify_tree import verify_drafts
+from .config import SLACK
 from .costs import curve_rows, measure_cost_curve
 from .sequence import Sequence
 
-SLACK = 66              # cache positions past a row's context that a padded pass may write (a tree of 64 + 2)
 
 def kv_salt(loaded) -> bytes:
     """What a model's keys and values depend on besides the tokens: its weights (fingerprint),
@@ -190,13 +190,25 @@ class ModelRunner:
         hidden = model.run(ForwardBatch.chain(tokens.to(device), torch.tensor(starts, device=device), rows,
                                               lengths=[n for _, n in chunks]), cache)   # [B, width, D]
         if not draft and self.wants_hidden:   # an EAGLE head reads the target's features of the prompt
-            self.drafter.observe([s for s, _ in chunks], starts, hidden)
+            self._observe([s for s, _ in chunks], starts, hidden)
         if not draft:
             for b, ((s, n), start) in enumerate(zip(chunks, starts)):
                 if s.params.prompt_logprobs is not None:
                     s.prompt_logprobs += self._prompt_logprobs(s, start, hidden[b:b + 1, :n])
         for (s, n), start in zip(chunks, starts):
             cache.truncate(s.row, start + n)
+
+    def _observe(self, seqs: list[Sequence], starts: list[int],
+                 hidden: torch.Tensor,      # [B, width, D]: a pass's outputs, row b from position starts[b]
+                 ) -> None:
+        """Hand the drafter the target's features of the rows it hears of (`RowSpec.listening`):
+        none of a row whose speculation is kept off."""
+        keep = [b for b, s in enumerate(seqs) if s.spec.listening]
+        if len(keep) == len(seqs):
+            self.drafter.observe(seqs, starts, hidden)
+        elif keep:
+            self.drafter.observe([seqs[b] for b in keep], [starts[b] for b in keep],
+                                 hidden[torch.tensor(keep, device=hidden.device)])
 
     def _prompt_logprobs(self, s: Sequence, start: int,
                          hidden: torch.Tensor,      # [1, n, D]: prompt positions start .. start+n-1
@@ -248,7 +260,7 @@ class ModelRunner:
         hidden = self.model.run(fb, self.cache)                                      # [B, width, D]
         logits = self.model.logits(hidden, fb.logit_index)                           # [B, k+1, vocab]
         if self.wants_hidden:
-            self.drafter.observe(seqs, starts, hidden)
+            self._observe(seqs, starts, hidden)
         history = any(s.params.uses_penalties for s in seqs)
         lazy = lazy_rows(seqs)           # greedy constrained rows: masks only where the argmax is forbidden
         transformed = transform_logits(
@@ -275,36 +287,10 @@ class ModelRunner:
     def verify(self, seqs: list[Sequence], proposal: DraftProposal, target_probs: torch.Tensor | None,
                target_tokens: torch.Tensor | None) -> tuple[list[list[int]], list[list[int]]]:
         """Per row the accepted path (node indices by depth) and the emitted tokens (the accepted
-        drafts, then the recovered or bonus token): the verifier that fits the drafts (verify_tree)."""
-        num_drafted = proposal.num_tokens.tolist()
-        if target_probs is None:          # every row greedy: the target's argmax is all it reads
-            links = proposal.parents.tolist() if proposal.is_tree else None
-            paths, emitted = verify_greedy_lists(proposal.tokens.tolist(), links, num_drafted, target_tokens.tolist())
-            return paths, emitted
-        device = target_probs.device      # drafts may come from the host (lookups)
-        greedy = torch.tensor([s.params.greedy for s in seqs], device=device)
-        if proposal.probs is None:        # point masses: each token sampled as plain decoding samples it
-            width = proposal.k + 1        # at its position's uniform (a greedy row reads none)
-            uniforms = torch.tensor([[0.0] * width if s.params.greedy else
-                                     position_uniforms(s.seed, len(s.token_ids), width) for s in seqs],
-                                    dtype=torch.float64).reshape(len(seqs), width)
-            result = verify_point_mass(proposal.tokens.cpu(), proposal.parents, proposal.num_tokens.cpu(),
-                                       target_probs, greedy, uniforms)
-        else:
-            # a sampled row that drafted nothing this step (its room, or its own early stop) takes its
-            # token as a plain step does, at its position's uniform, and leaves its generator alone: as
-            # it would if it ran alone, so its text does not depend on the rows drafting beside it
-            idle = [b for b, (s, n) in enumerate(zip(seqs, num_drafted)) if n == 0 and not s.params.greedy]
-            generators = [torch.Generator(device=device) if b in idle else s.generator for b, s in enumerate(seqs)]
-            result = verify_tree(proposal.tokens.to(device), proposal.parents, proposal.num_tokens.to(device),
-                                 proposal.probs, target_probs, greedy, generators)
-            if idle:
-                index = torch.tensor(idle, device=device)
-                u = torch.tensor([position_uniforms(seqs[b].seed, len(seqs[b].token_ids), 1) for b in idle],
-                                 dtype=torch.float64, device=device)                   # [idle, 1]
-                result.tokens[index, 0] = sample_at(target_probs[index, 0], u).to(result.tokens.device)
-        paths = [result.accepted_nodes[b, :n].tolist() for b, n in enumerate(result.num_accepted.tolist())]
-        return paths, result.tokens.tolist()
+        drafts, then the recovered or bonus token): the one verifier, `verify_tree.verify_drafts`."""
+        return verify_drafts(proposal.tokens, proposal.parents, proposal.num_tokens, proposal.probs, target_probs,
+                             target_tokens, [s.params.greedy for s in seqs], [s.generator for s in seqs],
+                             [s.seed for s in seqs], [len(s.token_ids) for s in seqs])
 
     def commit_row(self, row: int, first_node: int, path: list[int], is_tree: bool) -> None:
         """A row's cache after its step: a tree's accepted path moved to consecutive slots from the

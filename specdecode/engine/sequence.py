@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..drafters.prediction import prediction_usage
 from ..params import ParamError, SamplingParams
-from .controller import RowSpec
+from .rowspec import AUTO, ON, RowSpec
 
 _ids = itertools.count(1)
 
@@ -233,6 +234,21 @@ class Sequence:
                 self.finish_reason = "length"
                 return count
         return len(tokens)
+
+    def finished_event(self) -> Finished:
+        """The event that ends a request that stopped or reached its length: usage and speculation."""
+        st, spec = self.stats, self.spec
+        prediction = self.prediction.ids if self.prediction is not None else []
+        return Finished(self.finish_reason or "length", self.stop_text_index,
+                        {"prompt_tokens": self.prompt_len, "completion_tokens": self.num_output,
+                         "total_tokens": self.prompt_len + self.num_output,
+                         "prompt_tokens_details": {"cached_tokens": st.cached_tokens},
+                         "completion_tokens_details": prediction_usage(prediction, self.output_ids)},
+                        {"mode": spec.mode, "num_speculative_tokens": spec.k,
+                         "on_at_end": spec.mode == ON or (spec.mode == AUTO and spec.size > 0),
+                         "steps": st.steps, "drafted_tokens": st.drafted, "accepted_tokens": st.accepted,
+                         "acceptance_rate": round(st.acceptance_rate, 4),
+                         "mean_accepted_length": round(st.mean_accepted_length, 4)}, self)
 
     def record_logprobs(self, tokens: list[int], logprobs: torch.Tensor) -> None:   # [len >= len(tokens), vocab]
         """Each emitted token's log-probability and the top N alternatives, at the position it was

@@ -65,6 +65,14 @@ typedef struct {
     const void *const *rope_cos_l, *const *rope_sin_l;          /* [L] each layer's RoPE tables, or NULL */
     float attn_softcap, final_softcap;                          /* cap * tanh(x / cap) of scores / logits; 0 = none */
     int gelu;                        /* MLP activation gelu(tanh approximation) instead of silu */
+    /* mixture-of-experts layers (decoder_moe.c); E = 0 / NULL for none */
+    int E, EK, EI, EIp, norm_topk;   /* experts, routed per token, expert intermediate size (padded: EIp) */
+    const void *const *router_w;     /* [L] packed router [E, Dp], or NULL for a dense-MLP layer */
+    const void *const *const *egu_w, *const *const *edn_w;     /* [L][E] packed gate|up [2EI, Dp], down [D, EIp] */
+    const sd_qmat *const *const *egu_q, *const *const *edn_q;  /* [L][E] quantized ones, or NULL arrays */
+    void *ex, *egu, *eact, *ey;      /* scratch [SD_MAX_T * EK, ld Dp / 2EI / EIp / D] */
+    void *rlog;                      /* scratch [SD_MAX_T, E] router logits */
+    int32_t *moe_count;              /* [L] out: distinct experts each layer's last pass read, or NULL */
 } sd_model;
 
 /* Where the cache keeps key/value j of kv head h for one token row (elements from a layer's base):
@@ -106,6 +114,8 @@ static inline void range(int n, int t, int nt, int *a, int *b) {
     *a = (int)((long)n * t / nt);
     *b = (int)((long)n * (t + 1) / nt);
 }
+
+#include "decoder_moe.c"
 
 /* A sublayer's output projection x[T, K] @ W^T into the residual md->hid, then a barrier: added
  * directly (rne(hid + rne(out))), or when `post` (Gemma) through an RMSNorm first, via md->xn
@@ -246,6 +256,8 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
         }
         memset(ready, 0, sizeof ready);
     }
+    moe_route route;                          /* shared by the pass's threads (filled by one of them) */
+    if (md->E > SD_MOE_MAX_E || md->EK > SD_MOE_MAX_K || (md->E && md->EK > md->E)) return -1;
 
 #pragma omp parallel num_threads(nthreads)
     {
@@ -318,25 +330,13 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
                 rmsnorm_row(hid + (size_t)r * D * esz, md->mlp_norm[l], wbf, xn + (size_t)r * md->Dp * esz, D, md->eps,
                             bf, 0);
 #pragma omp barrier
+            if (md->router_w && md->router_w[l]) {
+                moe_mlp(md, l, T, &route, t, nt, &cfg);
+                continue;
+            }
             mm_part(md, xn, md->Dp, md->gu_w[l], md->gu_q ? md->gu_q[l] : NULL, NULL, gu, 2 * I, T, 2 * I, md->Dp, mode_out, t, nt, &cfg);
 #pragma omp barrier
-            /* act = rne(rne(silu(gate)) * up), or gelu_tanh(gate) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) */
-            {
-                const int CH = (I + 15) / 16;
-                range(T * CH, t, nt, &a, &b);
-                for (int u = a; u < b; u++) {
-                    int r = u / CH, i = (u % CH) * 16;
-                    __mmask16 m = lanes(I - i);
-                    __m512 g = ld16(gu, (size_t)r * 2 * I + i, bf, m), up = ld16(gu, (size_t)r * 2 * I + I + i, bf, m);
-                    __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-                    if (md->gelu) {
-                        __m512 inner = _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(0.044715f), _mm512_mul_ps(_mm512_mul_ps(g, g), g)));
-                        __m512 th = tanh512(_mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), inner));
-                        s = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(_mm512_set1_ps(1.f), th));
-                    }
-                    st16(act, (size_t)r * md->Ip + i, bf, m, _mm512_mul_ps(rnd(s, bf), up));
-                }
-            }
+            act_rows(md, gu, 2 * I, I, act, md->Ip, T, t, nt);
 #pragma omp barrier
             sublayer_out(md, act, md->Ip, md->down_w[l], md->down_q ? md->down_q[l] : NULL,
                          md->post_mlp_norm ? md->post_mlp_norm[l] : NULL, T, t, nt, &cfg);

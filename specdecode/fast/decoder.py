@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from . import linear as _lin
+from .decoder_moe import bind_moe
 from .linear import PackedLinear
 from .quant import QuantLinear
 
@@ -41,7 +42,9 @@ class _Model(ctypes.Structure):  # must match sd_model in decoder.c
         ("hid", P), ("xn", P), ("qkv", P), ("q", P), ("att", P), ("gu", P), ("act", P),
         ("qkv_q", P), ("o_q", P), ("gu_q", P), ("down_q", P), ("head_q", P), ("q_norm", P), ("k_norm", P),
         ("window", I), ("embed_scale", F), ("norm_f32", I), ("post_attn_norm", P), ("post_mlp_norm", P),
-        ("windows", P), ("rope_cos_l", P), ("rope_sin_l", P), ("attn_softcap", F), ("final_softcap", F), ("gelu", I)]
+        ("windows", P), ("rope_cos_l", P), ("rope_sin_l", P), ("attn_softcap", F), ("final_softcap", F), ("gelu", I),
+        ("E", I), ("EK", I), ("EI", I), ("EIp", I), ("norm_topk", I), ("router_w", P), ("egu_w", P), ("edn_w", P),
+        ("egu_q", P), ("edn_q", P), ("ex", P), ("egu", P), ("eact", P), ("ey", P), ("rlog", P), ("moe_count", P)]
 
 
 class _KV(ctypes.Structure):  # must match sd_kv in decoder.c
@@ -79,8 +82,8 @@ def why_not(model) -> str | None:
     for lin in model.projections():
         if not isinstance(lin, (PackedLinear, QuantLinear)) or not lin.fast or lin.dtype != model.dtype:
             return "projections are not native PackedLinear / QuantLinear (eager make_linear?)"
-    if model.lm_head.bias32 is not None or any(ly[k].bias32 is not None for ly in model.layers
-                                               for k in ("o", "gate_up", "down")):
+    if model.lm_head.bias32 is not None or any(ly[k] is not None and ly[k].bias32 is not None
+                                               for ly in model.layers for k in ("o", "gate_up", "down")):
         return "unexpected bias on o/gate_up/down/lm_head"
     return None
 
@@ -128,8 +131,9 @@ class FusedDecoder:
         D, H, KVH, HD, Im = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
         L = len(self.kept)
         ly0 = model.layers[0]
-        Dp, Qp, Ip = ly0["qkv"].Kp, ly0["o"].Kp, ly0["down"].Kp
-        assert ly0["gate_up"].Kp == Dp and model.lm_head.Kp == Dp
+        dense = [ly for ly in model.layers if ly["gate_up"] is not None]   # the others: MoE layers
+        Dp, Qp, Ip = ly0["qkv"].Kp, ly0["o"].Kp, dense[0]["down"].Kp if dense else 32
+        assert all(ly["gate_up"].Kp == Dp for ly in dense) and model.lm_head.Kp == Dp
         keep = []  # everything the C side points to
         norms_a = [ly["attn_norm"].contiguous() for ly in kept_layers]
         norms_m = [ly["mlp_norm"].contiguous() for ly in kept_layers]
@@ -175,6 +179,9 @@ class FusedDecoder:
             m.q_norm, m.k_norm = arr(qn), arr(kn)
         if c.is_gemma:
             self._gemma(model, m, keep, arr, self.kept)
+        self.moe_count = None          # distinct experts each layer's last pass read (MoE models)
+        if c.moe is not None:
+            self.moe_count = bind_moe(model, m, keep, arr, kept_layers, Dp)
         self._m, self._keep = m, keep
         self._mref = ctypes.byref(m)
         rows_fn = self._lib.sd_decoder_rows

@@ -47,6 +47,8 @@ def why_not(model) -> str | None:
     lib = _lin._load()["lib"]
     if lib is None or not hasattr(lib, "sd_hybrid_rows"):
         return "native kernels unavailable"
+    if any("router" in layer for layer in model.layers):
+        return "mixture-of-experts MLPs run per piece (the one-call stack has dense MLPs only)"
     if model.native is None or model.ops is None:
         return "no native DeltaNet kernels or row ops for this model"
     if model.dtype != torch.bfloat16 or model.device.type != "cpu":

@@ -37,8 +37,8 @@ __all__ = ["PackedLinear", "available", "reason", "self_check", "isa", "kernel_p
            "cpu_field", "kernel_cache", "features"]
 
 _SRC = Path(__file__).with_name("kernels.c")
-_SOURCES = (_SRC, *(_SRC.with_name(n) for n in ("decoder.c", "decoder_ops.c", "decoder_attn.c", "quant.c", "quant16.c",
-                                                  "quant16_amx.c", "quant_dequant.c",
+_SOURCES = (_SRC, *(_SRC.with_name(n) for n in ("decoder.c", "decoder_moe.c", "decoder_ops.c", "decoder_attn.c",
+                                                  "quant.c", "quant16.c", "quant16_amx.c", "quant_dequant.c",
                                                   "avx512_compat.h", "quant16_avx2.c", "deltanet.c",
                                                   "rowops.c", "hybrid.c")))  # #included
 # -mamx-*: the AMX kernels compile on any x86 CPU; they only run where the CPU has AMX (checked at load)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import os
 import re
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K
 _BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144),
           13: (256, 176), 14: (256, 210)}
 MAX_SEGMENTS = 4  # SD_QSEG in quant.c
+MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+DEQUANT_ROWS = 4096   # rows QuantWeight.dequantize expands to fp32 at a time (scratch: this x in_features x 4 B)
 # type -> (its 16-column interleaved type, bytes per 16 columns x 256 k)
 INTERLEAVED = {12: (1012, 2368), 14: (1014, 3360), 2: (1002, 288 * 8), 3: (1003, 320 * 8), 6: (1006, 352 * 8),
                7: (1007, 384 * 8), 8: (1008, 544 * 8)}
@@ -61,31 +64,40 @@ def row_bytes(qtype: int, in_features: int) -> int:
 
 @dataclass
 class QuantWeight:
-    """A [out, in] weight as raw quantized rows: segments[i] = (ggml type, uint8 [rows_i, row_bytes])."""
+    """A [out, in] weight as raw quantized rows: segments[i] = (ggml type, uint8 [rows_i, row_bytes]).
+    `mapped`: the segments are views of a memory-mapped model file (read in place, not copied);
+    QuantLinear gives their pages back once it has repacked them (`release_pages`)."""
     segments: list[tuple[int, Tensor]]
     in_features: int
+    mapped: bool = False
 
     @classmethod
-    def from_blocks(cls, qtype: int, data, shape: tuple[int, int]) -> QuantWeight:
+    def from_blocks(cls, qtype: int, data, shape: tuple[int, int], mapped: bool = False) -> QuantWeight:
         out, inp = int(shape[0]), int(shape[1])
         if qtype not in NATIVE_TYPES:
             raise ValueError(f"{type_name(qtype)} has no native kernel (native: {', '.join(NATIVE_TYPES.values())})")
         raw = torch.as_tensor(np.ascontiguousarray(data)).view(torch.uint8).reshape(out, row_bytes(qtype, inp))
-        return cls([(qtype, raw)], inp)
+        return cls([(qtype, raw)], inp, mapped)
 
     @classmethod
     def cat(cls, weights: list[QuantWeight]) -> QuantWeight:
-        """Row-wise concatenation (q|k|v, gate|up); runs of the same type merge into one segment."""
+        """Row-wise concatenation (q|k|v, gate|up), without copying: each part stays a segment of its
+        own (`runs` groups those of one type, as the kernel reads them)."""
         if len({w.in_features for w in weights}) != 1:
             raise ValueError("QuantWeight.cat: different in_features")
-        segs: list[tuple[int, Tensor]] = []
-        for w in weights:
-            for qtype, data in w.segments:
-                if segs and segs[-1][0] == qtype:
-                    segs[-1] = (qtype, torch.cat([segs[-1][1], data]))
-                else:
-                    segs.append((qtype, data))
-        return cls(segs, weights[0].in_features)
+        return cls([seg for w in weights for seg in w.segments], weights[0].in_features,
+                   all(w.mapped for w in weights))
+
+    def runs(self) -> list[tuple[int, list[Tensor]]]:
+        """Consecutive segments of one type grouped: (ggml type, [uint8 [rows_i, row_bytes]]), one
+        kernel segment each."""
+        runs: list[tuple[int, list[Tensor]]] = []
+        for qtype, data in self.segments:
+            if runs and runs[-1][0] == qtype:
+                runs[-1][1].append(data)
+            else:
+                runs.append((qtype, [data]))
+        return runs
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -96,7 +108,7 @@ class QuantWeight:
         return sum(d.numel() for _, d in self.segments)
 
     def type_names(self) -> str:
-        return "+".join(type_name(t) for t, _ in self.segments)
+        return "+".join(type_name(t) for t, _ in self.runs())
 
     def permute_rows(self, order: Tensor) -> QuantWeight:
         """Rows reordered (one segment only): llama.cpp's q/k row permutation undone."""
@@ -130,26 +142,45 @@ class QuantWeight:
         return dense[inverse, idx % K]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The exact weights [out, in] (reference / fallback)."""
-        parts = []
-        lib = _quant_lib() if native_reason() is None else None
+        """The exact weights [out, in] (reference / fallback), in `dtype`. Rows are dequantized to
+        fp32 DEQUANT_ROWS at a time, so that a vocabulary-sized embedding read into bf16 never holds
+        its whole fp32 expansion."""
+        out = torch.empty(self.shape[0], self.in_features, dtype=dtype)             # [out, in]
+        row = 0
         for qtype, data in self.segments:
-            if data.shape[0] == 0:
-                continue
-            if lib is not None:       # the same float operations as gguf's numpy dequantize, in C
-                out = torch.empty(data.shape[0], self.in_features, dtype=torch.float32)
-                if lib.sd_qdequant(data.data_ptr(), qtype, data.shape[1], self.in_features, data.shape[0],
-                                   out.data_ptr(), torch.get_num_threads()) == 0:
-                    parts.append(out)
-                    continue
-            if qtype == I8:
-                scale = data[:, :4].contiguous().view(torch.float32)            # [rows, 1]
-                parts.append(data[:, 4:].contiguous().view(torch.int8).float() * scale)
-            else:
-                from gguf.quants import dequantize
-                arr = dequantize(data.numpy(), qtype)
-                parts.append(torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(data.shape[0], -1))
-        return torch.cat(parts).to(dtype)
+            for first in range(0, data.shape[0], DEQUANT_ROWS):
+                chunk = data[first:first + DEQUANT_ROWS]
+                out[row + first:row + first + chunk.shape[0]] = self._dequantize_rows(qtype, chunk)
+            row += data.shape[0]
+        return out
+
+    def _dequantize_rows(self, qtype: int, data: Tensor) -> Tensor:      # uint8 [rows, row_bytes] -> fp32 [rows, in]
+        lib = _quant_lib() if native_reason() is None else None
+        if lib is not None:       # the same float operations as gguf's numpy dequantize, in C
+            out = torch.empty(data.shape[0], self.in_features, dtype=torch.float32)
+            if lib.sd_qdequant(data.data_ptr(), qtype, data.shape[1], self.in_features, data.shape[0],
+                               out.data_ptr(), torch.get_num_threads()) == 0:
+                return out
+        if qtype == I8:
+            scale = data[:, :4].contiguous().view(torch.float32)            # [rows, 1]
+            return data[:, 4:].contiguous().view(torch.int8).float() * scale
+        from gguf.quants import dequantize
+        arr = dequantize(data.numpy(), qtype)
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(data.shape[0], -1)
+
+
+def release_pages(data: Tensor) -> None:
+    """Drop the whole pages inside a tensor that views a memory-mapped file from this process's
+    resident memory (madvise MADV_DONTNEED): the page cache keeps them, and a later read maps them
+    again from the file. Only for file views (QuantWeight.mapped): on anonymous memory it would zero them."""
+    libc = _lin._libc()
+    if libc is None or data.numel() == 0:
+        return
+    page = mmap.PAGESIZE
+    start = -(-data.data_ptr() // page) * page
+    end = (data.data_ptr() + data.numel() * data.element_size()) // page * page
+    if end > start:
+        libc.madvise(start, end - start, MADV_DONTNEED)
 
 
 def quantize_int8(weight: Tensor) -> QuantWeight:
@@ -216,32 +247,46 @@ class QuantLinear:
         self.out_features, self.in_features = weight.shape
         self.Kp = self.in_features
         self.bias32 = None if bias is None else bias.detach().float().contiguous()  # [out] fp32
-        self.fast = native_reason() is None and len(weight.segments) <= MAX_SEGMENTS
+        runs = weight.runs()
+        self.fast = native_reason() is None and len(runs) <= MAX_SEGMENTS
         if not self.fast:
             self.weight = weight.dequantize(torch.bfloat16)
             self.bias = None if bias is None else bias.to(torch.bfloat16)
             return
         self._lib = _quant_lib()
-        m = _QMat(N=self.out_features, K=self.in_features, nseg=len(weight.segments))
+        m = _QMat(N=self.out_features, K=self.in_features, nseg=len(runs))
         end = 0
-        self._packed = []     # 16-column interleaved copies of the segments, see quant16.c
-        for i, (qtype, data) in enumerate(weight.segments):
-            start, end = end, end + data.shape[0]
-            qtype, data = self._interleave(qtype, data, start, end)
+        self._packed = []     # the kernel's copies of the runs: 16-column interleaved or concatenated
+        for i, (qtype, parts) in enumerate(runs):
+            start, end = end, end + sum(part.shape[0] for part in parts)
+            qtype, data = self._interleave(qtype, parts, start, end)
             m.type[i], m.n_end[i], m.data[i], m.row_bytes[i] = qtype, end, data.data_ptr(), data.shape[-1]
+        if weight.mapped:       # what the kernel reads from the file is read there; the repacked rest not again
+            for _, data in weight.segments:
+                if not any(data.data_ptr() == m.data[i] for i in range(len(runs))):
+                    release_pages(data)
         self.qmat = m
         self.qmat_ref = ctypes.byref(m)
 
-    def _interleave(self, qtype: int, data: Tensor, start: int, end: int) -> tuple[int, Tensor]:
-        """A segment's rows repacked 16 columns at a time (lossless, same size; see quant16.c)
-        where repacks16 says so, else the file layout."""
+    def _interleave(self, qtype: int, parts: list[Tensor], start: int, end: int) -> tuple[int, Tensor]:
+        """A run's rows repacked 16 columns at a time (lossless, same size; see quant16.c) where
+        repacks16 says so, part by part into one buffer (16 rows of a part are 16 rows of the run:
+        every part of a run starts on a 16-row boundary or the run is not repacked); else one part
+        as stored (a file's rows read in place), several concatenated."""
         K = self.in_features
-        if not repacks16(qtype, start, end, K):
-            return qtype, data
-        n = data.shape[0]
+        bounds = np.cumsum([start] + [part.shape[0] for part in parts])     # each part's first row, and the end
+        if not (repacks16(qtype, start, end, K) and not (bounds % 16).any()):
+            if len(parts) == 1:
+                return qtype, parts[0]
+            self._packed.append(torch.cat(parts))
+            return qtype, self._packed[-1]
         row_bytes = K * INTERLEAVED[qtype][1] // 256
-        packed = _lin.weight_empty(n // 16 * row_bytes, torch.uint8).view(n // 16, row_bytes)
-        self._lib.sd_repack16(qtype, data.data_ptr(), data.shape[1], K, n, packed.data_ptr())
+        packed = _lin.weight_empty((end - start) // 16 * row_bytes, torch.uint8).view((end - start) // 16, row_bytes)
+        row = 0
+        for part in parts:
+            n = part.shape[0]
+            self._lib.sd_repack16(qtype, part.data_ptr(), part.shape[1], K, n, packed[row // 16].data_ptr())
+            row += n
         self._packed.append(packed)
         return INTERLEAVED[qtype][0], packed
 

@@ -22,7 +22,7 @@ from typing import Any
 from .errors import ModelError
 from .gemma_config import gemma4_fields, gemma4_weight_count, gemma_fields, gemma_hf_config
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma4", "qwen3_5")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma4", "qwen3_5", "qwen3moe")
 GEMMA_ARCHS = ("gemma2", "gemma3")          # (1 + weight) norms, the fused decoder's Gemma path
 SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3", "proportional")
 
@@ -65,6 +65,10 @@ class ModelConfig:
     per_layer_input_size: int = 0           # width of each layer's per-layer input; 0 = none
     per_layer_vocab_size: int = 0           # rows of the per-layer embedding table
     double_wide_mlp: bool = False           # the kv-shared layers' MLPs are twice intermediate_size
+    # mixture of experts (models/moe.py): experts, used (routed per token), intermediate (each expert's),
+    # norm_topk (the k weights renormalised); moe_layers: which layers have them (the rest a dense MLP)
+    moe: dict[str, Any] | None = None
+    moe_layers: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -95,6 +99,9 @@ class ModelConfig:
                                  f"the model has {self.num_layers}")
         if self.arch == "gemma4":
             self._check_gemma4()
+        if self.moe is not None:
+            from .moe import check_config
+            check_config(self)
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                      "rope_local_theta"):
             value = getattr(self, name)
@@ -182,9 +189,11 @@ class ModelConfig:
                 "tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings", True)))))
         if model_type == "qwen3_5" and isinstance(cfg.get("text_config"), dict):
             cfg, model_type = {**cfg["text_config"], "model_type": "qwen3_5_text"}, "qwen3_5_text"
+        if model_type == "qwen3_5_moe" and isinstance(cfg.get("text_config"), dict):
+            cfg, model_type = {**cfg["text_config"], "model_type": "qwen3_5_moe_text"}, "qwen3_5_moe_text"
         arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "smollm3": "llama",
                 "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma4_text": "gemma4",
-                "qwen3_5_text": "qwen3_5"}.get(model_type)
+                "qwen3_5_text": "qwen3_5", "qwen3_moe": "qwen3moe", "qwen3_5_moe_text": "qwen3_5"}.get(model_type)
         if arch is None:
             raise ModelError(f"model_type {model_type!r} is not native")
         if arch == "gemma4":
@@ -216,11 +225,17 @@ class ModelConfig:
                                            "value_dim": cfg["linear_value_head_dim"],
                                            "conv_kernel": cfg["linear_conv_kernel_dim"]}}
             # mrope_section: text positions are the same on its three grids, which is plain RoPE
+        if arch == "qwen3moe":
+            from .moe import hf_fields
+            hybrid = hf_fields(cfg)
+        if model_type == "qwen3_5_moe_text":       # the hybrid stack with MoE MLPs and a shared expert
+            from .moe import qwen3_5_fields
+            hybrid.update(qwen3_5_fields(cfg))
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -233,7 +248,7 @@ class ModelConfig:
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            qk_norm=arch in ("qwen3", "qwen3_5"),
+            qk_norm=arch in ("qwen3", "qwen3_5", "qwen3moe"),
             sliding_window=_hf_window(cfg, model_type),
             partial_rotary_factor=partial,
             rope_layers=_hf_rope_layers(cfg, model_type),
@@ -250,6 +265,9 @@ class ModelConfig:
             return hf_config(self)
         if self.arch == "gemma4":
             raise ModelError("a Gemma 4 config is read from its own config.json, not written back")
+        if self.moe is not None:
+            from .moe import hf_config
+            return hf_config(self)
         model_type = "mistral" if self.arch == "llama" and self.sliding_window else self.arch
         model_type = "smollm3" if self.rope_layers is not None else model_type
         arch_name = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -293,10 +311,18 @@ class ModelConfig:
         """Parameters read per decoded token (the LM head counted once even when tied)."""
         if self.arch == "gemma4":
             return gemma4_weight_count(self)
-        d, i, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        d, hd = self.hidden_size, self.head_dim
         attn = d * (self.num_heads + 2 * self.num_kv_heads) * hd + self.num_heads * hd * d
-        per_layer = attn + 3 * d * i + (4 if self.is_gemma else 2) * d + (2 * hd if self.qk_norm else 0)
-        return self.num_layers * per_layer + self.vocab_size * d + d
+        per_layer = attn + (4 if self.is_gemma else 2) * d + (2 * hd if self.qk_norm else 0)
+        mlps = sum(self.mlp_weight_count(layer) for layer in range(self.num_layers))
+        return self.num_layers * per_layer + mlps + self.vocab_size * d + d
+
+    def mlp_weight_count(self, layer: int) -> int:
+        """Parameters of layer `layer`'s MLP read per token: a MoE layer's router and routed experts."""
+        if self.moe is not None and self.moe_layers[layer]:
+            return self.moe["experts"] * self.hidden_size + self.moe["used"] * 3 * self.hidden_size * self.moe[
+                "intermediate"]
+        return 3 * self.hidden_size * self.intermediate_size
 
 
 def _hf_window(cfg: dict[str, Any], model_type: str) -> int | None:

@@ -27,9 +27,11 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig, ModelError
+from .moe import GGUF_NAMES as MOE_NAMES
+from .moe import split_stacked, stacked_name
 
 FORMAT_VERSION = 3   # 2: end-of-generation tokens of the vocabulary added to the EOS ids; 3: Qwen3.5's MTP head
-NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen35")
+NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen35", "qwen3moe", "qwen35moe")
 # llama.cpp's names of architectures that transformers files under another (its load_gguf_checkpoint)
 TRANSFORMERS_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
                       "minimax-m2": "minimax_m2", "t5encoder": "t5"}
@@ -78,25 +80,30 @@ def tokenizer_dir(path: Path) -> Path:
 def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
     """The file's tensors in HF names without dequantizing the projections: each q/k/v/o/gate/
     up/down and the output matrix whose format has a native kernel (fast.quant.NATIVE_TYPES, rows
-    a multiple of 64) stays a QuantWeight of the file's own blocks; norms, biases and the token
+    a multiple of 64) stays a QuantWeight of the file's own blocks, views of the memory-mapped file (read
+    in place: no copy in memory; QuantLinear repacks what its kernels read otherwise); norms, biases and the token
     embedding (read one row per token) are dequantized to `dtype`. A tied output matrix is the
     quantized token embedding."""
     import torch
     from gguf.quants import dequantize
 
-    from ..fast.quant import QuantWeight
+    from ..fast.quant import QuantWeight, release_pages
 
     table = json.loads((tokenizer_dir(path) / "tensors.json").read_text())
     config = ModelConfig(**dict(table["config"], eos_token_ids=tuple(table["config"]["eos_token_ids"])))
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    raw = np.memmap(path, dtype=np.uint8, mode="c")     # private: the weights are views of the file, read in place
     weights: dict = {}
     for t in table["tensors"]:
         name, qtype, shape = _hf_name(t["name"], config.arch, config.num_layers), t["type"], tuple(t["shape"])
         if name is None:
             continue
         data = raw[t["offset"]:t["offset"] + t["bytes"]]
+        if len(shape) == 3 and stacked_name(name):   # every expert's matrix [E, out, in]: read in place
+            if kept_as_stored(name, qtype, (shape[0] * shape[1], shape[2])):
+                weights[name] = QuantWeight.from_blocks(qtype, data, (shape[0] * shape[1], shape[2]), mapped=True)
+                continue
         if kept_as_stored(name, qtype, shape):
-            qw = QuantWeight.from_blocks(qtype, np.array(data, copy=True), shape)
+            qw = QuantWeight.from_blocks(qtype, data, shape, mapped=True)
             if config.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.num_heads if "q_proj" in name else config.num_kv_heads
                 order = torch.from_numpy(_unpermute(np.arange(shape[0]), heads).copy())
@@ -105,6 +112,8 @@ def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
                 if config.tie_word_embeddings:
                     weights["lm_head.weight"] = qw
                 weights[name] = qw.dequantize(dtype).to(device)
+                if not config.tie_word_embeddings:         # read once: its rows live on dequantized
+                    release_pages(qw.segments[0][1])
             else:
                 weights[name] = qw
             continue
@@ -261,6 +270,9 @@ def required_tensors(config: ModelConfig) -> list[str]:
     if config.arch == "qwen3_5":
         from .qwen3_5_gguf import required_tensors as qwen3_5_tensors
         return qwen3_5_tensors(config)
+    if config.moe is not None and config.arch == "qwen3moe":
+        from .moe import required_tensors as moe_tensors
+        return moe_tensors(config)
     per_layer = ["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
                  "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
     if config.arch == "phi3":      # q|k|v fused in attn_qkv, gate|up in ffn_up
@@ -343,7 +355,7 @@ def _hf_name(name: str, arch: str | None = None, num_layers: int | None = None) 
     if name == "output.weight":
         return "lm_head.weight"
     parts = name.split(".")
-    if arch in ("qwen35", "qwen3_5") and parts[0] == "blk":   # its blocks past num_layers: the MTP head
+    if arch in ("qwen35", "qwen35moe", "qwen3_5") and parts[0] == "blk":   # its blocks past num_layers: the MTP head
         from .qwen3_5_gguf import hf_name
         return hf_name(parts, num_layers)
     if parts[0] == "blk" and num_layers is not None and int(parts[1]) >= num_layers:
@@ -355,6 +367,8 @@ def _hf_name(name: str, arch: str | None = None, num_layers: int | None = None) 
         return f"model.layers.{parts[1]}.{_PHI3_NAMES[parts[2]]}.{parts[3]}"
     if parts[0] == "blk" and parts[2] in _NAMES:
         return f"model.layers.{parts[1]}.{_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and parts[2] in MOE_NAMES:                 # a MoE layer's router and expert stacks
+        return f"model.layers.{parts[1]}.{MOE_NAMES[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -400,7 +414,7 @@ def read_config(reader, path: Path | str = "the GGUF file") -> ModelConfig:
     eos_ids = tuple(int(x) for x in (eos, eot) if x is not None) + end_of_generation_ids(reader)
     fields = dict(
         arch=arch, vocab_size=int(vocab), hidden_size=hidden,
-        intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
+        intermediate_size=int(g("feed_forward_length", 0) or 0), num_layers=int(g("block_count")),
         num_heads=heads, num_kv_heads=int(g("attention.head_count_kv", heads)),
         head_dim=head_dim,
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
@@ -408,12 +422,15 @@ def read_config(reader, path: Path | str = "the GGUF file") -> ModelConfig:
         max_position_embeddings=int(g("context_length", 2048)),
         tie_word_embeddings="output.weight" not in names, attention_bias=arch == "qwen2",
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos_ids)),
-        qk_norm=arch == "qwen3", sliding_window=int(window) if window else None,
+        qk_norm=arch in ("qwen3", "qwen3moe"), sliding_window=int(window) if window else None,
         partial_rotary_factor=int(g("rope.dimension_count", head_dim)) / head_dim,
     )
-    if arch == "qwen35":                          # hybrid DeltaNet / attention layers (models/qwen3_5_gguf.py)
+    if arch in ("qwen35", "qwen35moe"):           # hybrid DeltaNet / attention layers (models/qwen3_5_gguf.py)
         from .qwen3_5_gguf import gguf_fields as qwen3_5_fields
-        fields.update(qwen3_5_fields(g, path))
+        fields.update(qwen3_5_fields(g, path, moe=arch == "qwen35moe"))
+    if arch == "qwen3moe":                        # mixture-of-experts MLPs (models/moe.py)
+        from .moe import gguf_fields as moe_fields
+        fields.update(moe_fields(g))
     config = ModelConfig(**fields)
     if config.is_gemma:
         from dataclasses import replace
@@ -444,6 +461,8 @@ def convert(path: Path, out: Path) -> None:
         array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
         weights[name] = torch.from_numpy(_hf_order(name, array, config))
+        if stacked_name(name):                   # llama.cpp's expert stack: the checkpoint's one per expert
+            weights.update(split_stacked(name, weights.pop(name)))
     _write_dir(path, out, config, {}, weights)
 
 

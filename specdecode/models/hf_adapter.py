@@ -1,7 +1,9 @@
 """Adapter that runs any causal LM transformers can load behind the native forward contract.
 
 Slower than the native engine (one row at a time, transformers' own cache), but lossless:
-rollback is `DynamicCache.crop`, so speculative and plain decoding see the same model.
+rollback is `DynamicCache.crop`, so speculative and plain decoding see the same model. A model with
+recurrent layers (Qwen3.5's linear attention: `layer_types`) gets a cache built from its config, and
+its rollback replays the row's kept tokens into a new one (a recurrent state cannot be cropped).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ class AdapterCache:
 
     def __init__(self, batch_size: int, max_len: int) -> None:
         self.rows: list = [None] * batch_size
+        self.tokens: list[torch.Tensor | None] = [None] * batch_size   # [1, length] each row's tokens so far
         self.lengths = [0] * batch_size
         self.batch_size = batch_size
         self.max_len = max_len
@@ -28,7 +31,7 @@ class AdapterCache:
     def reset(self, row: int | None = None) -> None:
         for r in (range(self.batch_size) if row is None else [row]):
             self.lengths[r] = 0
-            self.rows[r] = None
+            self.rows[r] = self.tokens[r] = None
 
     def nbytes(self) -> int:
         return 0
@@ -47,6 +50,8 @@ class HFAdapter:
         self.vocab_size = int(cfg.vocab_size)
         self.max_len = int(getattr(cfg, "max_position_embeddings", 2048) or 2048)
         self.dtype, self.device = dtype, device
+        layer_types = getattr(cfg.get_text_config(), "layer_types", None) or ()
+        self.recurrent = "linear_attention" in layer_types     # a cache of its own layer kinds, replayed to roll back
         eos = getattr(cfg, "eos_token_id", None)
         self.eos_token_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
 
@@ -89,20 +94,31 @@ class HFAdapter:
 
     @torch.inference_mode()
     def _pass(self, tokens: torch.Tensor, cache: AdapterCache, start, rows: torch.Tensor | None) -> torch.Tensor:
-        from transformers import DynamicCache
         batch, num_tokens = tokens.shape
         starts = [start] * batch if isinstance(start, int) else [int(s) for s in torch.as_tensor(start).reshape(-1)]
         row_ids = list(range(batch)) if rows is None else [int(r) for r in rows]
         outputs = []
         for b, (row, pos) in enumerate(zip(row_ids, starts)):
-            past = cache.rows[row]
+            past, kept = cache.rows[row], cache.tokens[row]
             if past is None or pos == 0:
-                past = DynamicCache()
+                past, kept = self._new_cache(), None
+            elif past.get_seq_length() > pos and self.recurrent:       # replay the tokens kept
+                past, kept = self._new_cache(), kept[:, :pos]
+                self.hf(input_ids=kept.to(self.device), past_key_values=past, use_cache=True)
             elif past.get_seq_length() > pos:
                 past.crop(pos - past.get_seq_length())     # a negative count removes that many tokens
             positions = torch.arange(pos, pos + num_tokens, device=self.device)[None]
             out = self.hf(input_ids=tokens[b:b + 1].to(self.device), past_key_values=past,
                           position_ids=positions, use_cache=True)
             cache.rows[row] = out.past_key_values
+            if self.recurrent:
+                new = tokens[b:b + 1].cpu()
+                cache.tokens[row] = new if kept is None else torch.cat([kept[:, :pos], new], dim=1)
             outputs.append(out.logits[0].float())                       # [T, vocab]
         return torch.stack(outputs)
+
+    def _new_cache(self):
+        """An empty transformers cache for one row: built from the model's config where it has recurrent
+        layers (which a bare DynamicCache does not know of: their state has no slot there)."""
+        from transformers import DynamicCache
+        return DynamicCache(config=self.hf.config) if self.recurrent else DynamicCache()

@@ -33,6 +33,9 @@ from ..fast.quant import QuantWeight
 from ..forward import ForwardBatch
 from .config import ModelConfig, ModelError
 from .gemma import fp32_rms_norm
+from .moe import build_layer as build_moe
+from .moe import build_shared, moe_mlp
+from .moe import projections as moe_projections
 from .transformer import Transformer, apply_rope, attention_mask, cat_rows, eager_linear, rope_at, rope_inv_freq
 
 CHUNK = 64              # tokens per chunk of the chunked delta rule
@@ -72,8 +75,10 @@ class Qwen35Transformer(Transformer):
         self._head_weight = self._head_source = head
         self.quantized = any(isinstance(w, QuantWeight) for w in weights.values())
         nbytes = lambda w: w.nbytes if isinstance(w, QuantWeight) else w.numel() * w.element_size()   # noqa: E731
-        self._weight_bytes = sum(nbytes(w) for name, w in weights.items() if not name.startswith("mtp.")
-                                 and (name != "model.embed_tokens.weight" or head is self.embed))
+        routed = c.moe["used"] / c.moe["experts"] if c.moe else 1.0      # the share of the experts a token reads
+        self._weight_bytes = int(sum(nbytes(w) * (routed if ".mlp.experts." in name else 1.0)
+                                     for name, w in weights.items() if not name.startswith("mtp.")
+                                     and (name != "model.embed_tokens.weight" or head is self.embed)))
         self.mtp, self.mtp_problem = self._mtp_head(weights, make_linear)
         self.mtp_bytes = sum(nbytes(w) for name, w in weights.items() if name.startswith("mtp."))
         angles = torch.outer(torch.arange(c.max_position_embeddings + 64, dtype=torch.float32), rope_inv_freq(c))
@@ -109,10 +114,14 @@ class Qwen35Transformer(Transformer):
         """One decoder layer's weights under prefix `p`: a DeltaNet layer's (`index`: its recurrent
         state) or a gated attention layer's (`index`: its layer of the KV cache)."""
         layer = {"attn_norm": self._norm(weights[p + "input_layernorm.weight"]),
-                 "mlp_norm": self._norm(weights[p + "post_attention_layernorm.weight"]),
-                 "gate_up": make_linear(cat_rows([weights[p + "mlp.gate_proj.weight"],
-                                                  weights[p + "mlp.up_proj.weight"]], self.dtype), None),
-                 "down": make_linear(weights[p + "mlp.down_proj.weight"], None), "index": index}
+                 "mlp_norm": self._norm(weights[p + "post_attention_layernorm.weight"]), "index": index}
+        if p + "mlp.gate.weight" in weights:          # Qwen3.5-MoE: routed experts and a shared one (models/moe.py)
+            layer.update(build_moe(weights, p, self.config, make_linear), moe=self.config.moe,
+                         **build_shared(weights, p, make_linear, self.dtype))
+        else:
+            layer.update(gate_up=make_linear(cat_rows([weights[p + "mlp.gate_proj.weight"],
+                                                       weights[p + "mlp.up_proj.weight"]], self.dtype), None),
+                         down=make_linear(weights[p + "mlp.down_proj.weight"], None))
         if linear:
             a = p + "linear_attn."
             inputs = cat_rows([weights[a + f"in_proj_{n}.weight"] for n in ("qkv", "z", "b", "a")], self.dtype)
@@ -152,8 +161,9 @@ class Qwen35Transformer(Transformer):
         return head, ""
 
     def projections(self) -> list:
-        return [self.lm_head] + [ly[k] for ly in self.layers for k in ("qkv", "o", "inputs", "out", "gate_up", "down")
-                                 if k in ly]
+        return [self.lm_head] + [lin for ly in self.layers for lin in (
+            [ly[k] for k in ("qkv", "o", "inputs", "out", "gate_up", "down") if k in ly]
+            + (moe_projections(ly) if "router" in ly else []))]
 
     def weight_bytes(self) -> int:
         """Bytes of weights read per decoded token (the embedding table only as a tied head)."""
@@ -270,9 +280,13 @@ def decoder_layer(layer: dict, eps: float, hidden: torch.Tensor,      # [B, T, D
     if ops is not None:
         hidden, x = ops.add_rms_norm(hidden, mix(ops.rms_norm(hidden, layer["attn_norm"], eps)), layer["mlp_norm"],
                                      eps)
+        if "router" in layer:
+            return hidden + moe_mlp(layer, x, layer["moe"])
         return hidden + layer["down"](ops.silu_mul(layer["gate_up"](x)))
     hidden = hidden + mix(fp32_rms_norm(hidden, layer["attn_norm"], eps))
     x = fp32_rms_norm(hidden, layer["mlp_norm"], eps)
+    if "router" in layer:
+        return hidden + moe_mlp(layer, x, layer["moe"])
     gate, up = layer["gate_up"](x).chunk(2, dim=-1)
     return hidden + layer["down"](F.silu(gate) * up)
 

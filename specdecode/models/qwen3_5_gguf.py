@@ -38,6 +38,11 @@ GGUF_NAMES = {
     "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
     "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
     "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
+    # qwen35moe: the router, the expert stacks (models/moe.py) and the shared expert with its gate
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 ATTENTION = ["attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q_norm.weight",
              "attn_k_norm.weight"]
@@ -47,6 +52,9 @@ DELTA_NET = ["attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alph
 NEXTN_NAMES = {"eh_proj": "fc", "enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
                "shared_head_norm": "norm"}
 SHARED = ["attn_norm.weight", "post_attention_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
+MOE = ["attn_norm.weight", "post_attention_norm.weight", "ffn_gate_inp.weight", "ffn_gate_exps.weight",
+       "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
+       "ffn_down_shexp.weight", "ffn_gate_inp_shexp.weight"]
 
 
 def hf_name(parts: list[str], num_layers: int | None = None) -> str | None:
@@ -68,8 +76,9 @@ def hf_name(parts: list[str], num_layers: int | None = None) -> str | None:
     return None
 
 
-def gguf_fields(g, path) -> dict:
-    """ModelConfig fields of a qwen35 file from its metadata (`g(key, default)` reads qwen35.<key>)."""
+def gguf_fields(g, path, moe: bool = False) -> dict:
+    """ModelConfig fields of a qwen35 (`moe`: qwen35moe) file from its metadata (`g(key, default)` reads
+    <arch>.<key>)."""
     layers = int(g("block_count")) - int(g("nextn_predict_layers", 0) or 0)
     flags = g("attention.recurrent_layers")
     if flags is None:
@@ -79,7 +88,13 @@ def gguf_fields(g, path) -> dict:
     if not key_heads or value_heads % key_heads:
         raise ModelError(f"{path}: qwen35.ssm.time_step_rank (value heads, {value_heads}) must be a multiple of "
                          f"qwen35.ssm.group_count (key heads, {key_heads})")
-    return {"arch": "qwen3_5", "num_layers": layers, "qk_norm": True, "attention_bias": False,
+    experts = {}
+    if moe:            # every MLP a MoE layer with a shared expert; the top-k weights renormalised
+        experts = {"moe": {"experts": int(g("expert_count")), "used": int(g("expert_used_count")),
+                           "intermediate": int(g("expert_feed_forward_length")), "norm_topk": True,
+                           "shared": int(g("expert_shared_feed_forward_length", 0) or 0)},
+                   "moe_layers": (True,) * layers, "intermediate_size": int(g("expert_feed_forward_length"))}
+    return {**experts, "arch": "qwen3_5", "num_layers": layers, "qk_norm": True, "attention_bias": False,
             "linear_layers": tuple(bool(x) for x in list(flags)[:layers]),
             "linear_attention": {"key_heads": key_heads, "value_heads": value_heads,
                                  "key_dim": int(g("ssm.state_size")),
@@ -90,7 +105,7 @@ def gguf_fields(g, path) -> dict:
 def required_tensors(config) -> list[str]:
     return ["token_embd.weight", "output_norm.weight"] + [
         f"blk.{i}.{n}" for i in range(config.num_layers)
-        for n in SHARED + (DELTA_NET if config.linear_layers[i] else ATTENTION)]
+        for n in (MOE if config.moe else SHARED) + (DELTA_NET if config.linear_layers[i] else ATTENTION)]
 
 
 def hf_order(name: str, array: np.ndarray, config, grouped: bool) -> np.ndarray:
@@ -150,4 +165,9 @@ def hf_config(config) -> dict:
         "linear_conv_kernel_dim": lin["conv_kernel"],
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta,
                             "partial_rotary_factor": config.partial_rotary_factor},
+        **({} if config.moe is None else {
+            "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+            "num_experts": config.moe["experts"], "num_experts_per_tok": config.moe["used"],
+            "moe_intermediate_size": config.moe["intermediate"],
+            "shared_expert_intermediate_size": config.moe["shared"]}),
     }

@@ -31,6 +31,9 @@ from ..fast.quant import QuantWeight
 from ..forward import ForwardBatch
 from .config import ModelConfig
 from .interface import HeadRows
+from .moe import build_layer as build_moe
+from .moe import moe_mlp
+from .moe import projections as moe_projections
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -74,7 +77,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def fused_projections(weights: dict, prefix: str, config: ModelConfig,
-                      dtype: torch.dtype) -> tuple[Weight, torch.Tensor | None, Weight]:
+                      dtype: torch.dtype) -> tuple[Weight, torch.Tensor | None, Weight | None]:
     """Layer `prefix`'s q|k|v weight [(H+2KVH)*HD, D], its bias (or None) and gate|up weight [2I, D]:
     Phi-3 stores them fused already (qkv_proj; gate_up_proj with gate first, as here), the other
     families as separate q/k/v and gate/up projections."""
@@ -87,7 +90,7 @@ def fused_projections(weights: dict, prefix: str, config: ModelConfig,
         if qkv_bias is None:
             qkv_bias = torch.cat([weights[prefix + f"self_attn.{n}_proj.bias"] for n in "qkv"])
     gate_up = weights.get(prefix + "mlp.gate_up_proj.weight")
-    if gate_up is None:
+    if gate_up is None and prefix + "mlp.gate_proj.weight" in weights:     # none: a MoE layer (models/moe.py)
         gate_up = cat_rows([weights[prefix + "mlp.gate_proj.weight"], weights[prefix + "mlp.up_proj.weight"]], dtype)
     return qkv, qkv_bias, gate_up
 
@@ -156,15 +159,17 @@ class Transformer:
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             qkv, qkv_bias, gate_up = fused_projections(weights, p, config, self.dtype)
+            moe = config.moe_layers is not None and config.moe_layers[i]
             self.layers.append({
                 "attn_norm": weights[p + "input_layernorm.weight"],
                 "qkv": make_linear(qkv, qkv_bias),
                 "o": make_linear(weights[p + "self_attn.o_proj.weight"], None),
                 "mlp_norm": weights[p + "post_attention_layernorm.weight"],
-                "gate_up": make_linear(gate_up, None),
-                "down": make_linear(weights[p + "mlp.down_proj.weight"], None),
+                "gate_up": None if moe else make_linear(gate_up, None),
+                "down": None if moe else make_linear(weights[p + "mlp.down_proj.weight"], None),
                 "q_norm": weights[p + "self_attn.q_norm.weight"] if config.qk_norm else None,
                 "k_norm": weights[p + "self_attn.k_norm.weight"] if config.qk_norm else None,
+                **(build_moe(weights, p, config, make_linear) if moe else {}),
             })
         self.final_norm = weights["model.norm.weight"]
         self._init_head(weights, make_linear)
@@ -192,8 +197,10 @@ class Transformer:
         self.quantized = any(isinstance(w, QuantWeight) for w in weights.values())
 
     def projections(self) -> list:
-        """Every projection: the LM head, then each layer's qkv, o, gate_up and down."""
-        return [self.lm_head] + [ly[k] for ly in self.layers for k in ("qkv", "o", "gate_up", "down")]
+        """Every projection: the LM head, then each layer's qkv, o, gate_up and down (a MoE layer: its
+        router and experts, models/moe.py)."""
+        return [self.lm_head] + [lin for ly in self.layers for lin in (
+            [ly["qkv"], ly["o"]] + (moe_projections(ly) if "router" in ly else [ly["gate_up"], ly["down"]]))]
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -216,14 +223,21 @@ class Transformer:
         return KVCache(layers, batch_size, heads, dims, max_len, self.dtype, self.device)
 
     def weight_bytes(self) -> int:
-        """Bytes of weights read per decoded token."""
+        """Bytes of weights read per decoded token (a MoE layer's experts: the share a token routes to)."""
         if not self.quantized:
             return self.config.weight_count() * self.embed.element_size()
-        lins = self.projections()
         esz = self.embed.element_size()
-        dense = sum(getattr(lin, "out_features", 0) * getattr(lin, "in_features", 0) * esz
-                    for lin in lins if not hasattr(lin, "nbytes"))
-        return sum(lin.nbytes for lin in lins if hasattr(lin, "nbytes")) + dense + self.config.hidden_size * esz
+
+        def read(lins) -> int:
+            return sum(lin.nbytes if hasattr(lin, "nbytes") else
+                       getattr(lin, "out_features", 0) * getattr(lin, "in_features", 0) * esz for lin in lins)
+
+        experts = [ly["experts_gate_up"] + ly["experts_down"] for ly in self.layers if "router" in ly]
+        moe = self.config.moe or {"used": 0, "experts": 1}
+        routed = sum(read(lins) for lins in experts) * moe["used"] // moe["experts"]
+        routed_ids = {id(lin) for lins in experts for lin in lins}
+        others = [lin for lin in self.projections() if id(lin) not in routed_ids]
+        return read(others) + routed + self.config.hidden_size * esz
 
     def forward(self,
                 tokens: torch.Tensor,                 # [B, T] int64
@@ -302,8 +316,11 @@ class Transformer:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
             attn = attn.transpose(1, 2).reshape(batch, num_tokens, q_size)
             hidden = hidden + layer["o"](attn)
-            # 2. MLP: SwiGLU with fused gate/up
+            # 2. MLP: SwiGLU with fused gate/up, or a mixture of experts
             x = F.rms_norm(hidden, (c.hidden_size,), layer["mlp_norm"], c.rms_norm_eps)
+            if "router" in layer:
+                hidden = hidden + moe_mlp(layer, x, c.moe)
+                continue
             gate, up = layer["gate_up"](x).chunk(2, dim=-1)
             hidden = hidden + layer["down"](F.silu(gate) * up)
 

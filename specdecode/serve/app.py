@@ -36,13 +36,14 @@ from .errors import read_json
 from .events import HeldTokens, Mailbox, TextStream, drain, merge_tokens
 from .prompts import echo_logprobs, infill_answer, infill_body, vllm_prompt_logprobs
 from .protocol import ApiError, ParsedRequest, error_body, parse, stream_error
-from .reasoning import marker_decoder, reasoning_parser
+from .reasoning import marker_decoder, reasoned_params, reasoning_parser, reasoning_tokens
 from .tokenize import detokenize, tokenize, tokenizer_info
 from .tools import ToolParser, openai_deltas
 
 log = logging.getLogger("specdecode.serve")
 STATIC = Path(__file__).parent / "static"
 POSTED = ("/v1/completions", "/v1/chat/completions", "/infill", "/tokenize", "/detokenize")   # the rest: GET
+POSTED += ("/v1/responses",)
 POSTED += ("/v1/messages", "/v1/messages/count_tokens")          # Anthropic's Messages API (anthropic.py)
 
 
@@ -63,6 +64,8 @@ class Generation:
         params = parsed.params
         if choice and params.seed is not None:
             params = dataclasses.replace(params, seed=(params.seed + choice) % 2**63)
+        self.reasoning = reasoning_parser(state, parsed)   # reasoning.py: thinking apart from the answer
+        params = reasoned_params(self.reasoning, parsed, params)
         post = lambda event: mailbox.post(queue, (self, event))         # noqa: E731
         self.request = Request(parsed.prompt_ids, params, self._sink(post, state.engine.config.stream_interval_ms),
                                parsed.speculate, parsed.num_speculative_tokens,
@@ -70,7 +73,6 @@ class Generation:
         tools = parsed.tools             # tools/: the calls are parsed out of the text as it comes
         self.tools = ToolParser(tools.fmt, [f["name"] for f in tools.functions()],
                                 None if tools.parallel else 1) if tools is not None else None
-        self.reasoning = reasoning_parser(state, parsed)   # reasoning.py: thinking apart from the answer
         kept = (tools.fmt.kept_tokens() if tools is not None else {}) | (self.reasoning.kept if self.reasoning else {})
         self.text = TextStream(state.tokenizer, params, marker_decoder(state.tokenizer, kept) if kept else None)
         self.done = False
@@ -159,6 +161,14 @@ class Generation:
         more, rest = self.reasoning.finish()
         return reasoning + more, content + rest
 
+    def reasoning_tokens(self) -> int:
+        """How many of the answer's tokens are its reasoning (OpenAI's usage.completion_tokens_details)."""
+        parser = reasoning_parser(self.state, self.parsed)
+        if not parser.in_reasoning and not parser.deciding and parser.open not in self.text.full_text(None):
+            return 0                  # (no block opened: not worth a second detokenization, token by token)
+        texts = TextStream(self.state.tokenizer, SamplingParams(), self.text.decode).add(self.text.ids, True)[1]
+        return reasoning_tokens(parser, texts)
+
     def answer_deltas(self, text: str, final: bool = False) -> list[dict]:
         """OpenAI's chunk deltas of the answer's next text (`final`: its last): the reasoning's
         (`reasoning_content`), then the content's and tool calls' as the tool parser finds them."""
@@ -175,10 +185,6 @@ class Generation:
         elif text:
             out.append({"content": text})
         return out
-
-    def tool_chunks(self, deltas: list[tuple], first: dict | None = None) -> list[dict]:
-        """Chunks of the tool parser's deltas (`delta_chunks`)."""
-        return self.delta_chunks(openai_deltas(deltas), first)
 
     def delta_chunks(self, deltas: list[dict], first: dict | None = None) -> list[dict]:
         """Chunks of OpenAI deltas; `first` (a choice with the step's token kinds, ids, logprobs)
@@ -221,8 +227,13 @@ def merged_usage(usages: list[tuple[Generation, dict]]) -> dict:
     prompt = sum(u["prompt_tokens"] for u in firsts)
     cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts)
     completion = sum(0 if g.parsed.echo_only else u["completion_tokens"] for g, u in usages)
-    return dict(usages[0][1], prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                prompt_tokens_details={"cached_tokens": cached})
+    out = dict(usages[0][1], prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+               prompt_tokens_details={"cached_tokens": cached})
+    thinking = [g.reasoning_tokens() for g, _ in usages if g.reasoning is not None]
+    if thinking:
+        out["completion_tokens_details"] = dict(out.get("completion_tokens_details") or {},
+                                                reasoning_tokens=sum(thinking))
+    return out
 
 
 async def stream_events(gens: list[Generation], queue: asyncio.Queue):
@@ -556,7 +567,9 @@ def create_app(state, api_key: str | None = None, max_body_bytes: int = DEFAULT_
             if engine_thread:
                 state.engine.stop()
 
+    from .responses import create_response, get_response  # (it builds on this module's Generation)
     app = api_app({"/v1/completions": partial(generate, chat=False),
+                   "/v1/responses": create_response, "/v1/responses/{response_id}": get_response,
                    "/v1/chat/completions": partial(generate, chat=True), "/infill": infill, "/tokenize": tokenize,
                    "/detokenize": detokenize, "/tokenizer_info": tokenizer_info, "/v1/models": models,
                    "/v1/models/{model:path}": models, "/health": health, "/metrics": metrics, "/api/stats": stats,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -104,7 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .app import create_app
     from .auth import warn_if_exposed
     from .memory import weights_bytes
-    from .server import build_state, serve_forever, serve_options
+    from .server import bind_port, build_state, serve_forever, serve_options
     if args.method == "model" and args.draft is None:
         raise CliError("--method model needs a draft model: add --draft PATH")
     if not 0 <= args.shutdown_timeout <= 86400:
@@ -114,21 +115,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.prefix_cache_dir_size <= 1e6:
         raise CliError(f"--prefix-cache-dir-size must be a number of GB in [0, 1e6], "
                        f"got {args.prefix_cache_dir_size:g}")
+    try:                                    # the port before the model: a port in use is said at once
+        sock = bind_port(args.host, args.port)
+    except OSError as exc:
+        raise CliError(f"--host {args.host} --port {args.port}: cannot listen there: {exc.strerror or exc}"
+                       + (" (another server runs on it? stop it or choose another --port)"
+                          if exc.errno == errno.EADDRINUSE else "")) from None
     if uses_ray(args):
+        sock.close()                        # Ray Serve's proxy binds it
         if args.prefix_cache_dir is not None:
             raise CliError("--prefix-cache-dir applies to one server; with --replicas each replica keeps its own "
                            "cache in memory")
         from .ray_cli import serve_on_ray
         return serve_on_ray(args)
+    args.port = sock.getsockname()[1]       # --port 0: the free port it bound
     fields, llm_args = serve_options(args)
     config = EngineConfig(**fields, prefix_cache_dir=args.prefix_cache_dir,
                           prefix_cache_dir_bytes=int(args.prefix_cache_dir_size * 2**30))
-    llm = LLM(**llm_args)
-    state = build_state(llm, config)
-    state.reasoning_format = args.reasoning_format
+    try:
+        llm = LLM(**llm_args)
+        state = build_state(llm, config)
+    except BaseException:                   # a model or memory error: main() says it
+        sock.close()
+        raise
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = state.engine
-    print(f"specdecode serve: {state.ctx.model_names[0]} ({engine.metrics.method}, k={config.num_speculative_tokens}), "
+    drafting = engine.drafter is not None        # no k where nothing drafts
+    print(f"specdecode serve: {state.ctx.model_names[0]} ({engine.metrics.method}"
+          f"{f', k={config.num_speculative_tokens}' if drafting else ''}), "
           f"batch {config.max_batch_size}, context {state.ctx.max_model_len}, KV "
           f"{engine.runner.cache.nbytes() / 2**20:.0f} MiB target + "
           f"{(engine.runner.draft_cache.nbytes() if engine.runner.draft_cache else 0) / 2**20:.0f} MiB draft, "
@@ -138,6 +152,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"specdecode serve: prefix cache {'on' if cache.prefix_caching else 'off'}"
           + (f" ({engine.runner.prefix_note})" if engine.runner.prefix_note else "")
           + "".join(f"; {d.loaded} blocks loaded from {d.dir}" for d in engine.disks), file=sys.stderr)
+    state.reasoning_format = args.reasoning_format
+    if args.reasoning_format == "auto":
+        from .reasoning import thinking_format
+        thinking = thinking_format(state.tokenizer)
+        if thinking is not None:
+            print(f"specdecode serve: thinking markup {thinking.name}: chat answers carry the reasoning in "
+                  f"reasoning_content (--reasoning-format none: in content)", file=sys.stderr)
     warn_if_exposed(args.host, args.api_key)
     app = create_app(state, api_key=args.api_key, max_body_bytes=args.max_body_bytes, engine_thread=False)
-    return serve_forever(state, app, args.host, args.port, args.log_level, args.shutdown_timeout)
+    return serve_forever(state, app, args.host, args.port, args.log_level, args.shutdown_timeout, sock=sock)

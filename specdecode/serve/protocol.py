@@ -185,6 +185,11 @@ def _chat_ids(body: dict, ctx: ServeContext, tools=None) -> list[int]:
                 entry[key] = m[key]
         if m.get("tool_calls") is not None:
             _check_calls(m["tool_calls"], m["role"], f"messages[{i}].tool_calls")
+        reasoning = m.get("reasoning_content", m.get("reasoning"))
+        if reasoning is not None and m["role"] == "assistant":   # an earlier answer's reasoning, sent back
+            if not isinstance(reasoning, str):
+                raise _bad(f"messages[{i}].reasoning_content", f"must be a string, got {reasoning!r:.80}")
+            entry["reasoning_content"] = entry["thinking"] = reasoning    # Qwen3's name, gpt-oss's
         clean.append(entry)
     from .tools import with_tools
     clean, template_tools = with_tools(clean, tools, ctx.tokenizer, ctx.tool_format)

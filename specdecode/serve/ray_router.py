@@ -9,7 +9,8 @@ a hash covering the chunks before it (`routing_key`), and `AffinityRouter` (a Ra
 request router, which runs inside the ingress replica) sends the request to the replica that
 holds the longest run of its chunks (its next turn: the whole previous conversation), unless
 that replica has more than `imbalance` requests in flight above the least-loaded one. A request
-that names its end user (OpenAI's `user`) goes where that user went last, on the same terms.
+that names its end user (OpenAI's `user`, or a Responses request's `prompt_cache_key`: an agent
+session's) goes where that user went last, on the same terms.
 """
 from __future__ import annotations
 
@@ -28,14 +29,17 @@ MAX_KEYS = 200_000         # remembered chunks and users (least recently used on
 
 @dataclass(frozen=True)
 class RouteKey:
-    user: str | None           # OpenAI's `user` field
+    user: str | None           # OpenAI's `user` field (Responses: else `prompt_cache_key`)
     chunks: tuple[str, ...]    # hashes of the conversation's text, chunk by chunk (each covers those before)
 
 
 def conversation_text(body: dict) -> str | None:
-    """A chat's messages (roles, text, tool calls) or a completions prompt, as one string that a
-    later turn extends."""
+    """A chat's messages (roles, text, tool calls), a Responses request's instructions and input
+    items, or a completions prompt, as one string that a later turn extends."""
     messages, prompt = body.get("messages"), body.get("prompt")
+    if isinstance(body.get("input"), (str, list)) and body["input"]:
+        items = [body["input"]] if isinstance(body["input"], str) else body["input"]
+        messages = [body.get("instructions")] + items
     if isinstance(messages, list) and messages:
         return "".join(json.dumps(m, sort_keys=True, ensure_ascii=False, default=str) + "\n" for m in messages)
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -52,7 +56,8 @@ def routing_key(body: object) -> RouteKey | None:
     prompt): least-loaded routing."""
     if not isinstance(body, dict):
         return None
-    user = body.get("user") if isinstance(body.get("user"), str) and body.get("user") else None
+    user = next((body[name] for name in ("user", "prompt_cache_key") if isinstance(body.get(name), str) and body[name]),
+                None)
     text = conversation_text(body)
     chunks, previous = [], b""
     for i in range(0, min(len(text or ""), CHUNK_CHARS * MAX_CHUNKS) - CHUNK_CHARS + 1, CHUNK_CHARS):

@@ -55,7 +55,7 @@ def build_state(llm, config: EngineConfig, check_budget: bool = True, available:
                        config.prefill_chunk, context)
     if check_budget:
         check_memory(plan, available if available is not None else available_bytes())
-    engine = EngineCore(target, drafter, config)
+    engine = llm.serve_core(config)                 # the LLM's one core, at the server's size
     name = config.served_model_name or target.name
     engine.metrics = ServeMetrics(name, llm.method if drafter else "none",
                                   config.num_speculative_tokens if drafter else 0, plan.weights,
@@ -79,12 +79,31 @@ def serve_options(args: argparse.Namespace) -> tuple[dict, dict]:
     return config, llm
 
 
+def bind_port(host: str, port: int):
+    """A socket bound to host:port for uvicorn to listen on (`serve_forever(sock=...)`), made before
+    the model loads, so that a port in use is said at once; OSError (errno, strerror) when it cannot
+    be bound. Not listening yet: a client that connects while the model loads is refused, not
+    left waiting. Port 0 binds a free port (`sock.getsockname()[1]`)."""
+    import socket
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET     # as uvicorn binds a host
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)    # as uvicorn: a restart reuses the port
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve_forever(state: ServeState, app, host: str, port: int, log_level: str = "info",
-                  shutdown_timeout: float = 30.0) -> int:
+                  shutdown_timeout: float = 30.0, sock=None) -> int:
     """`specdecode serve`: uvicorn in a thread, the engine loop on this thread (the process's main
     thread: `EngineCore.start` says why). SIGTERM / SIGINT stop it gracefully: new requests get
     503, those queued or running have `shutdown_timeout` seconds to finish (then an error event /
-    503), then the HTTP server closes; a second signal ends the wait at once. Returns the exit code."""
+    503), then the HTTP server closes; a second signal ends the wait at once. `sock`: the socket
+    `bind_port` bound (else uvicorn binds host:port itself). Returns the exit code."""
     import signal
     import threading
 
@@ -95,7 +114,7 @@ def serve_forever(state: ServeState, app, host: str, port: int, log_level: str =
 
     def http() -> None:
         try:
-            server.run()
+            server.run(sockets=None if sock is None else [sock])
         finally:                                # however the HTTP side ends, the engine loop ends too
             engine.stop()
 

@@ -28,7 +28,8 @@ def llamacpp_installed() -> bool:
 
 
 def bench(out, tiny_models, *extra: str) -> int:
-    return main(["bench", "--model", str(tiny_models["llama"]), "--draft", str(tiny_models["llama_draft"]),
+    """--full: every method unless --methods (--quick runs plain and ngram only)."""
+    return main(["bench", "--full", "--model", str(tiny_models["llama"]), "--draft", str(tiny_models["llama_draft"]),
                  "--max-tokens", "8", "--prompts-per-task", "1", "--no-progress", "--out", str(out), *extra])
 
 
@@ -175,7 +176,7 @@ def test_custom_prompts_and_sampling(tiny_models, tmp_path):
     out = tmp_path / "out"
     assert main(["bench", "--model", str(tiny_models["llama"]), "--prompts-file", str(prompts), "--max-tokens", "6",
                  "--systems", "specdecode", "--methods", "plain,ngram", "--temperature", "0.8",
-                 "--no-progress", "--out", str(out)]) == 0
+                 "--prompts-per-task", "2", "--no-progress", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     assert {r["task"] for r in results["rows"]} == {"mine", "all"}
     assert all(r["prompts"] == 2 and r["identical_share"] is None for r in results["rows"])
@@ -271,3 +272,18 @@ def test_regressions_are_flagged_in_the_report():
     text = "\n".join(_regression_lines(rows))
     assert "2 cell(s) below 0.97x" in text and text.index("0.95x") < text.index("0.97x |")
     assert _regression_lines(rows[:2]) == ["No speculative cell is below 0.97x its system's plain decoding."]
+
+
+def test_quick_runs_plain_and_the_default_drafter_on_a_prompt_per_task():
+    """`bench --quick` (the default) is the short look the docs promise: plain decoding and the default
+    drafter on one prompt of each task; --full runs every method, and --methods still wins."""
+    from specdecode.api import default_method
+    from specdecode.bench.cli import config_from, methods
+    from specdecode.cli import build_parser
+    quick = config_from(build_parser().parse_args(["bench"]))
+    assert quick["methods"] == ["plain", default_method(None)] and quick["prompts_per_task"] == 1
+    assert quick["command"] == "specdecode bench --quick -k 5 --out bench-out", quick["command"]
+    full = config_from(build_parser().parse_args(["bench", "--full"]))
+    assert full["methods"] == list(methods()) and "--methods" not in full["command"]
+    chosen = config_from(build_parser().parse_args(["bench", "--methods", "plain,suffix"]))
+    assert chosen["methods"] == ["plain", "suffix"] and "--methods plain,suffix" in chosen["command"]

@@ -74,7 +74,7 @@ def test_admission_counts_matched_blocks_as_held():
     cache.commit(0, tokens)                                 # blocks 0..3 registered
     cache.release(0)
     assert cache.used_blocks == 0 and cache.cached_blocks == 4
-    hits = cache.match(tokens, 16)
+    hits = cache.pool.match(chain_hashes(tokens, BLOCK, cache.salt, 16 // BLOCK))   # as ModelRunner.match
     assert len(hits) == 4
     assert cache.can_reserve(32, hits) and not cache.can_reserve(33, hits)   # 4 held + 4 new = 8
     assert cache.can_reserve(32) and not cache.can_reserve(33)               # evicting them makes room too

@@ -170,7 +170,7 @@ def test_sampled_continuations_keep_the_target_distribution(xllm, monkeypatch):
         return 0.5 * sum(abs(counts.get(s, 0) / n - exact.get(s, 0.0)) for s in set(exact) | set(counts)), accepted
     distance, acceptance = tv(xllm)
     assert distance < bound < 0.1 and 0.2 < acceptance < 0.95, (distance, bound, acceptance)
-    from specdecode.engine import runner
+    from specdecode import verify_tree
 
     def accept_all(draft_tokens, parents, num_draft, target_probs, *args, **kwargs):   # a broken verifier
         result = real(draft_tokens, parents, num_draft, target_probs, *args, **kwargs)
@@ -181,8 +181,8 @@ def test_sampled_continuations_keep_the_target_distribution(xllm, monkeypatch):
         result.num_accepted[:] = num_draft
         result.num_emitted[:] = num_draft + 1
         return result
-    real = runner.verify_point_mass
-    monkeypatch.setattr(runner, "verify_point_mass", accept_all)
+    real = verify_tree.verify_point_mass
+    monkeypatch.setattr(verify_tree, "verify_point_mass", accept_all)
     assert tv(xllm)[0] > 2 * bound
 
 

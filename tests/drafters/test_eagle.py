@@ -371,3 +371,34 @@ def test_pending_features_are_written_as_the_passes_wrote_them():
             for r in range(2):
                 low = max(0, newest[r] - keep)
                 assert torch.equal(lazy.features[r, low:newest[r]], eager[r, low:newest[r]]), step
+
+
+def test_a_catch_up_after_a_gap_reads_only_the_features_observed_since(tiny_models, heads):
+    """While the controller keeps a row off, the engine hands its drafter no features (a gap); the
+    probe's catch-up then starts after the gap, whatever the features tensor holds inside it."""
+    from conftest import make_seq
+
+    from specdecode.forward import ForwardBatch
+    llm = LLM(model=str(tiny_models["llama"]), method="eagle", drafter_path=str(heads["llama"]), dtype="fp32",
+              progress=False)
+    drafter, model = llm.drafter, llm.target.model
+    ids = llm.encode(" ".join(PROMPTS), False)[:40]
+    hidden = model.run(ForwardBatch.chain(torch.tensor([ids]), 0), model.new_cache(1, len(ids)))   # [1, L, D]
+    cut, resumed = len(ids) // 2, len(ids) - 4          # features of cut .. resumed - 1 never observed
+    widths, original = [], drafter._pass
+
+    def spy(rows, starts, tokens, features, fb=None):
+        widths.append(tokens.shape[1])
+        return original(rows, starts, tokens, features, fb)
+    drafter._pass = spy
+    drafts = []
+    for fill in (0.0, 1e4):      # what the unobserved features hold: zeros, or values that would swamp any output
+        drafter.prepare(1, 128)
+        drafter.features.fill_(fill)
+        seq = make_seq(0, ids, SamplingParams(max_tokens=8), (), row=0)
+        drafter.observe([seq], [0], hidden[:, :cut])
+        drafter.observe([seq], [resumed], hidden[:, resumed:])
+        widths.clear()
+        drafts.append(drafter.propose([seq], [4]).tokens.tolist())
+        assert widths[0] == len(ids) - 1 - resumed and int(drafter.head_from[0]) == resumed
+    assert drafts[0] == drafts[1]

@@ -306,3 +306,48 @@ def test_a_drafter_that_runs_passes_is_priced_per_pass_over_the_rows_drafting():
     steep = controller(has_state=True, relative_cost=0.2)                # CURVE: a row costs ~0.24 of a step
     rows = [steep.new_row(2) for _ in range(4)]
     assert all(s == 0 for s in run(steep, rows, 40, [0.95] * 4, node_cost=0.2)[-1])
+
+
+def test_counted_acceptance_keeps_a_stateless_row_drafting_whatever_the_timings():
+    """Evidence before timings: where the costs say every draft loses (a pass of two rows costing
+    three plain ones: a busy host's measurement), a row whose drafts were accepted goes on drafting,
+    a predicted output's row drafts from its first step, and a row whose drafts stop being accepted
+    goes back to the timings (plain here)."""
+    dear = {1: 1.0, 2: 3.0, 4: 6.0, 8: 12.0, 16: 24.0, 32: 48.0, 64: 96.0}
+    ctrl = controller(dear)
+    plain, predicted = ctrl.new_row(4), ctrl.new_row(4, predicted=True)
+    assert ctrl.plan([plain], [1]) == [0] and ctrl.plan([predicted], [1]) == [4]
+    predicted.observe(4, 4, [0, 1, 2, 3], chains=True)           # all accepted: counted evidence
+    for _ in range(5):
+        assert ctrl.plan([predicted], [1]) == [4]
+        predicted.observe(4, 4, [0, 1], chains=True)             # half of them: still kept
+    for _ in range(3):
+        ctrl.plan([predicted], [1])
+        predicted.observe(4, 4, [], chains=True)                 # none: the timings decide again
+    assert predicted.kept == 0 and ctrl.plan([predicted], [1]) == [0]
+    plain.observe_shadow(4, 4, None)                             # a shadow that came true is evidence too
+    assert ctrl.plan([plain], [1]) == [4]
+
+
+def test_counted_acceptance_does_not_outvote_a_drafter_with_measured_costs():
+    """A drafter with state (a draft model) costs what its passes measure, not noise: its accepted
+    drafts do not keep a row drafting where those costs lose (as in the test above with passes)."""
+    ctrl = controller({1: 1.0, 2: 3.0, 4: 6.0, 8: 12.0}, has_state=True, relative_cost=2.0)
+    row = ctrl.new_row(4, predicted=True)
+    row.observe(4, 4, [0, 1, 2, 3], chains=True)
+    assert row.kept == 4 and ctrl.plan([row], [1]) == [0]
+
+
+def test_a_cost_curve_measured_under_load_goes_stale_and_is_measured_again():
+    """Start-up measured while another process held the cores: every added row looks dear. Once
+    the one-row passes run at half the curve's time, the curve is stale; measured again, the
+    corrections learned against the old one start over."""
+    costs = StepCosts({1: 2.0, 2: 6.0, 4: 12.0})
+    for _ in range(3):
+        costs.observe_pass(1, 1.9)                          # still loaded: not stale
+    assert not costs.stale
+    for _ in range(10):
+        costs.observe_pass(1, 1.0)                          # quiet now
+    assert costs.stale
+    costs.remeasured({1: 1.0, 2: 1.05, 4: 1.2})
+    assert not costs.stale and abs(costs.pass_seconds(4) - 1.2) < 1e-9

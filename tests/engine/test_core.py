@@ -12,7 +12,6 @@ from specdecode.drafters.base import Drafter, DrafterCapabilities, DraftProposal
 from specdecode.engine import offline
 from specdecode.engine.config import EngineConfig
 from specdecode.engine.controller import SpeculationController
-from specdecode.engine.core import EngineCore
 from specdecode.engine.sequence import Finished, Request, Tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,7 +91,7 @@ def test_no_drafts_in_a_batch_larger_than_spec_max_batch_size(tiny_models):
     (a request that asks for speculation, `speculate: true`, drafts anyway)."""
     llm = LLM(model=str(tiny_models["llama"]), dtype="fp32", progress=False, method="ngram")
     config = EngineConfig(max_batch_size=4, max_model_len=128, spec_max_batch_size=1)
-    core = EngineCore(llm.target, llm.drafter, config)
+    core = llm.serve_core(config)
     ids = llm.tokenizer.encode(PROMPTS[0])
     answer = llm.generate([ids], SamplingParams(max_tokens=24, ignore_eos=True), num_speculative_tokens=0)[0]
     predicted = SamplingParams(max_tokens=24, ignore_eos=True, prediction=answer.text)   # drafts from the start
@@ -150,3 +149,38 @@ def test_run_engine_helper_matches_llm_generate(tiny_models):
     ids = [llm.tokenizer.encode(p) for p in PROMPTS[:2]]
     got = run_engine(llm.target, llm.drafter, 5, ids, [params] * 2)
     assert [s.output_ids for s in got] == [o.token_ids for o in llm.generate(ids, params)]
+
+
+def test_one_core_per_llm_the_server_runs_on_it_and_calls_join_its_batch(tiny_models):
+    """`serve` runs on the LLM's own core (a draft model's cache handed over once), a call made
+    while it serves joins its batch, and after it stops the next call runs on a fresh offline core."""
+    from specdecode.serve.server import build_state
+    llm = LLM(model=str(tiny_models["llama"]), draft=str(tiny_models["llama_draft"]), dtype="fp32",
+              progress=False, method="model")
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    alone = llm.generate([ids], params)[0].token_ids
+    state = build_state(llm, EngineConfig(max_batch_size=2, max_model_len=128), check_budget=False)
+    assert state.engine is llm.core and state.engine.runner.draft_cache is llm.drafter.cache
+    state.engine.start()
+    try:
+        assert llm.generate([ids, PROMPTS[1]], params)[0].token_ids == alone
+        assert state.engine.thread.is_alive()
+    finally:
+        state.engine.stop()
+    assert llm.generate([ids], params)[0].token_ids == alone and llm.core is not state.engine
+
+
+def test_a_stale_cost_curve_is_measured_again_between_steps(tiny_models, monkeypatch):
+    """A curve the steps show was measured under load (`StepCosts.stale`) is measured again on a
+    free row, at most every REMEASURE_STEPS steps; the text does not change."""
+    from specdecode.engine import core as core_module
+    llm = LLM(model=str(tiny_models["llama"]), dtype="fp32", progress=False, method="ngram")
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    first = llm.generate([PROMPTS[0], PROMPTS[1]], params)[0].token_ids
+    measured = []
+    monkeypatch.setattr(llm.core.runner, "cost_curve", lambda row, rows: measured.append(rows) or {1: 1.0, 2: 1.1})
+    monkeypatch.setattr(type(llm.core.costs), "stale", property(lambda costs: costs.scale < 10.0))   # always
+    llm.core.curve_age = core_module.REMEASURE_STEPS
+    assert llm.generate([PROMPTS[0], PROMPTS[1]], params)[0].token_ids == first
+    assert measured == [llm.core.curve_rows] and llm.core.curve_age < core_module.REMEASURE_STEPS

@@ -401,3 +401,60 @@ def test_embedded_model_native_weights_stay_close_to_the_fp32_model(smollm2):
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="batchmean")
     assert float(kl) < 0.012, float(kl)
     assert float((got.argmax(-1) == want.argmax(-1)).double().mean()) > 0.9
+
+
+@needs_quant
+def test_a_concatenation_keeps_its_parts_in_place_and_computes_as_one_segment():
+    """QuantWeight.cat (q|k|v, gate|up) copies nothing: each part stays a segment, viewing its own
+    bytes (the memory-mapped file's, for a GGUF file), and QuantLinear repacks a run of one type
+    into one kernel segment: bitwise what the merged copy gave, 16-row aligned or not."""
+    for rows in ((32, 16, 16), (8, 8, 16)):               # the second: a run not repacked (8-row boundary)
+        parts = [random_weight(12, rows[0], 512, seed=5), random_weight(12, rows[1], 512, seed=6),
+                 random_weight(14, rows[2], 512, seed=7)]
+        fused = QuantWeight.cat(parts)
+        assert [d.data_ptr() for _, d in fused.segments] == [p.segments[0][1].data_ptr() for p in parts]
+        assert fused.type_names() == "Q4_K+Q6_K" and [t for t, _ in fused.runs()] == [12, 14]
+        merged = QuantWeight([(12, torch.cat([parts[0].segments[0][1], parts[1].segments[0][1]])),
+                              parts[2].segments[0]], 512)
+        x = torch.randn(5, 512).to(torch.bfloat16)
+        assert torch.equal(QuantLinear(fused)(x), QuantLinear(merged)(x))
+        assert torch.equal(fused.dequantize(torch.bfloat16), merged.dequantize(torch.bfloat16))
+
+
+def test_dequantize_a_chunk_of_rows_at_a_time_is_exact(monkeypatch):
+    """dequantize expands DEQUANT_ROWS rows at a time (a vocabulary-sized embedding never whole in
+    fp32): the same values, in any dtype, as all rows at once."""
+    from specdecode.fast import quant
+    w = random_weight(8, 10, 256, seed=9)
+    whole = {dtype: w.dequantize(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    monkeypatch.setattr(quant, "DEQUANT_ROWS", 3)
+    for dtype, expected in whole.items():
+        assert torch.equal(w.dequantize(dtype), expected)
+
+
+def mapping_rss_kb(path) -> int:
+    """Resident kB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split(" ", 1)[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_release_pages_gives_a_file_views_pages_back(tmp_path):
+    """release_pages drops a file view's pages from this process's resident memory (what
+    QuantLinear does with a GGUF file's blocks once it has repacked them); a later read maps the
+    same bytes again from the file."""
+    from specdecode.fast.quant import release_pages
+    data = np.random.default_rng(0).integers(0, 256, size=256 * 4096, dtype=np.uint8)
+    path = tmp_path / "weights.bin"
+    data.tofile(path)
+    view = torch.as_tensor(np.memmap(path, dtype=np.uint8, mode="c"))
+    assert int(view.sum()) == int(data.sum())            # every page read: resident
+    before = mapping_rss_kb(path)
+    release_pages(view)
+    assert before >= 1000 and mapping_rss_kb(path) <= before // 10, (before, mapping_rss_kb(path))
+    assert torch.equal(view, torch.from_numpy(data))

@@ -99,7 +99,8 @@ def test_unknown_architecture_is_refused(tmp_path, cache):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ModelError, match=r"madeup.gguf: GGUF architecture 'madeup' is not supported "
-                                         r"\(native: llama, qwen2, qwen3, phi3, gemma2, gemma3, qwen35; "
+                                         r"\(native: llama, qwen2, qwen3, phi3, gemma2, gemma3, qwen35, qwen3moe, "
+                                         r"qwen35moe; "
                                          r"through transformers: .*gpt2"):
         LLM(model=str(path), progress=False)
 

@@ -62,14 +62,14 @@ def slow_server(tiny_models):
         yield srv, state
 
 
-def _post_and_leave(url: str, body: bytes, state, after_steps: int) -> int:
+def _post_and_leave(url: str, body: bytes, state, after_steps: int, path: str = "/v1/completions") -> int:
     """POST `body` on a raw connection, close it once the engine ran `after_steps` steps for it;
     returns the engine's step count at the close."""
     totals = state.engine.metrics.totals
     host, port = url.removeprefix("http://").split(":")
     start = totals["steps"]
     with socket.create_connection((host, int(port))) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        conn.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         deadline = time.monotonic() + 30
         while totals["steps"] < start + after_steps:
@@ -80,13 +80,15 @@ def _post_and_leave(url: str, body: bytes, state, after_steps: int) -> int:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_client_that_leaves_stops_its_request_within_a_step(slow_server, stream):
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/responses"])
+def test_a_client_that_leaves_stops_its_request_within_a_step(slow_server, stream, path):
     srv, state = slow_server
     stats = state.engine.metrics.stats
     aborted = stats()["requests"]["aborted"]
-    body = (b'{"prompt": "the quick brown fox", "max_tokens": 200, "ignore_eos": true, "temperature": 0, '
-            b'"stream": ' + (b"true" if stream else b"false") + b"}")
-    closed_at = _post_and_leave(srv.url, body, state, after_steps=5)
+    prompt, limit = ("prompt", "max_tokens") if path == "/v1/completions" else ("input", "max_output_tokens")
+    body = (f'{{"{prompt}": "the quick brown fox", "{limit}": 200, "ignore_eos": true, "temperature": 0, '
+            f'"stream": {"true" if stream else "false"}}}').encode()
+    closed_at = _post_and_leave(srv.url, body, state, after_steps=5, path=path)
     deadline = time.monotonic() + 10
     while stats()["requests"]["aborted"] == aborted:
         assert time.monotonic() < deadline, "the request was not aborted"

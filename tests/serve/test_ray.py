@@ -207,6 +207,11 @@ def test_routing_key_follows_the_conversation():
     assert routing_key({"prompt": long + " more"}).chunks[:2] == routing_key({"prompt": long}).chunks
     assert routing_key({"prompt": "a"}) != routing_key({"prompt": "b"})         # short: one hash of all
     assert routing_key([1, 2]) is None and routing_key({}) is None
+    items = [{"role": "developer", "content": doc}, {"role": "user", "content": "what is it?"}]
+    turn = routing_key({"input": items, "prompt_cache_key": "session-1"})
+    assert turn.user == "session-1" and len(turn.chunks) >= 2
+    later_turn = routing_key({"input": items + [{"type": "function_call_output", "call_id": "c", "output": "x"}]})
+    assert later_turn.chunks[:len(turn.chunks)] == turn.chunks      # a Responses conversation's next turn
 
 
 def test_command_line_checks_and_replica_errors():

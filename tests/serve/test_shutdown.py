@@ -92,16 +92,21 @@ def test_past_the_shutdown_timeout_a_running_request_ends_with_an_error_event():
     assert events[-1] == ("data", "[DONE]")
 
 
-def test_a_port_in_use_is_one_line_and_exit_code_1(tiny_models):
+def test_a_port_in_use_is_said_before_the_model_loads(tmp_path):
+    """A busy port is one line naming the port and the cause, before anything loads: the model named
+    does not exist, and the port's error comes first (it used to load the model, then fail with "could
+    not start the HTTP server" and the cause only in uvicorn's log)."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-c", LAUNCH, "serve", "--model", str(tiny_models["llama"]),
-                               "--dtype", "fp32", "--method", "none", "--port", str(port), "--max-model-len", "256"],
+        proc = subprocess.run([sys.executable, "-c", LAUNCH, "serve", "--model", str(tmp_path / "missing.gguf"),
+                               "--method", "none", "--port", str(port)],
                               capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert f"could not start the HTTP server on 127.0.0.1:{port}" in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specdecode: error:"), proc.stderr
+    assert f"--port {port}" in lines[0] and "127.0.0.1" in lines[0] and "already in use" in lines[0], lines[0]
 
 
 def test_sigterm_drains_the_ray_replicas_and_leaves_no_process_behind():

@@ -12,7 +12,7 @@ from .formats import HERMES, Marker, ToolFormat, detect, takes_tools
 from .parser import ToolParser, extract_calls, openai_deltas
 from .spec import ToolSpec, closed, parse_tools, with_tools
 
-__all__ = ["HERMES", "Marker", "ToolFormat", "ToolParser", "ToolSpec", "closed", "decoder", "detect",
+__all__ = ["HERMES", "Marker", "ToolFormat", "ToolParser", "ToolSpec", "closed", "detect",
            "extract_calls", "format_of", "openai_deltas", "parse_tools", "takes_tools", "with_tools"]
 
 _FORMATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -27,21 +27,3 @@ def format_of(tokenizer, is_special) -> ToolFormat:
         found = _FORMATS[tokenizer] = detect(tokenizer, is_special)
     return found
 
-
-def decoder(tokenizer, fmt: ToolFormat):
-    """`decode(ids)` that skips special tokens but writes the format's marker tokens as their text."""
-    kept = fmt.kept_tokens()
-    if not kept:
-        return tokenizer.decode
-
-    def decode(ids: list[int]) -> str:
-        parts, run = [], []
-        for token in ids:
-            if token in kept:
-                parts += [tokenizer.decode(run) if run else "", kept[token]]
-                run = []
-            else:
-                run.append(token)
-        parts.append(tokenizer.decode(run) if run else "")
-        return "".join(parts)
-    return decode

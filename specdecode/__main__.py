@@ -1,0 +1,6 @@
+"""`python -m specdecode ...`: the `specdecode` command (cli.py)."""
+import sys
+
+from .cli import main
+
+sys.exit(main())
