@@ -28,7 +28,10 @@ from starlette.staticfiles import StaticFiles
 
 from ..engine.sequence import Failed, Finished, QueueFull, Request, ShuttingDown, Tokens
 from ..params import SamplingParams
-from .auth import DEFAULT_MAX_BODY_BYTES, Guard
+from .anthropic import anthropic_error
+from .anthropic import count_tokens as anthropic_count_tokens
+from .anthropic import messages as anthropic_messages
+from .auth import ANTHROPIC_PREFIX, DEFAULT_MAX_BODY_BYTES, Guard
 from .errors import read_json
 from .events import HeldTokens, Mailbox, TextStream, drain, merge_tokens
 from .prompts import echo_logprobs, infill_answer, infill_body, vllm_prompt_logprobs
@@ -41,6 +44,7 @@ log = logging.getLogger("specdecode.serve")
 STATIC = Path(__file__).parent / "static"
 POSTED = ("/v1/completions", "/v1/chat/completions", "/infill", "/tokenize", "/detokenize")   # the rest: GET
 POSTED += ("/v1/responses",)
+POSTED += ("/v1/messages", "/v1/messages/count_tokens")          # Anthropic's Messages API (anthropic.py)
 
 
 def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -523,12 +527,14 @@ async def index(http: HttpRequest) -> Response:
 
 
 async def http_error(http: HttpRequest, exc: HTTPException) -> Response:
-    return error(exc.status_code, f"{exc.detail}: {http.method} {http.url.path}")
+    answer = anthropic_error if http.url.path.startswith(ANTHROPIC_PREFIX) else error
+    return answer(exc.status_code, f"{exc.detail}: {http.method} {http.url.path}")
 
 
 async def internal_error(http: HttpRequest, exc: Exception) -> Response:
     log.error("unhandled %s on %s", type(exc).__name__, http.url.path)
-    return error(500, f"internal server error ({type(exc).__name__})")
+    answer = anthropic_error if http.url.path.startswith(ANTHROPIC_PREFIX) else error
+    return answer(500, f"internal server error ({type(exc).__name__})")
 
 
 def api_app(handlers: dict[str, Callable], api_key: str | None, max_body_bytes: int, lifespan=None) -> Starlette:
@@ -566,7 +572,8 @@ def create_app(state, api_key: str | None = None, max_body_bytes: int = DEFAULT_
                    "/v1/responses": create_response, "/v1/responses/{response_id}": get_response,
                    "/v1/chat/completions": partial(generate, chat=True), "/infill": infill, "/tokenize": tokenize,
                    "/detokenize": detokenize, "/tokenizer_info": tokenizer_info, "/v1/models": models,
-                   "/v1/models/{model:path}": models, "/health": health, "/metrics": metrics, "/api/stats": stats},
+                   "/v1/models/{model:path}": models, "/health": health, "/metrics": metrics, "/api/stats": stats,
+                   "/v1/messages": anthropic_messages, "/v1/messages/count_tokens": anthropic_count_tokens},
                   api_key, max_body_bytes, lifespan)
     app.state.serve = state
     return app

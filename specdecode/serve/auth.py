@@ -2,8 +2,9 @@
 
 * `api_key` (`--api-key`, or env SPECDECODE_API_KEY): every request but `/health` and the
   dashboard's own files (`/`, `/static/...`: the page loads, its API calls need the key) must carry
-  `Authorization: Bearer KEY`, compared in constant time; else 401 in OpenAI's error shape. The
-  key never appears in a response or a log line.
+  `Authorization: Bearer KEY` or `x-api-key: KEY` (Anthropic's clients), compared in constant time;
+  else 401 in OpenAI's error shape (Anthropic's on the Messages API's paths). The key never appears
+  in a response or a log line.
 * `max_body_bytes` (`--max-body-bytes`): a request body over it gets 413, decided from
   Content-Length when given, else while the body is read (the body is buffered, then replayed to
   the app: requests are small JSON documents).
@@ -15,11 +16,13 @@ import ipaddress
 import json
 import sys
 
+from .errors import anthropic_error_body
 from .protocol import error_body
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 OPEN_PATHS = ("/health", "/")
 OPEN_PREFIXES = ("/static/",)
+ANTHROPIC_PREFIX = "/v1/messages"        # paths answered in Anthropic's error shape
 
 
 def exposed_without_key(host: str, api_key: str | None) -> bool:
@@ -57,13 +60,17 @@ class Guard:
         if self.key is not None and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
             given = headers.get(b"authorization", b"")
             token = given[7:].strip() if given[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.key):
-                what = "a wrong API key" if token else "no API key (send Authorization: Bearer KEY)"
+            other = headers.get(b"x-api-key", b"").strip()
+            # both compared, whatever the first gives: the time taken does not tell which was sent
+            good = hmac.compare_digest(token, self.key) | hmac.compare_digest(other, self.key)
+            if not good:
+                what = "a wrong API key" if token or other else \
+                    "no API key (send Authorization: Bearer KEY or x-api-key: KEY)"
                 return await _reply(send, 401, f"{what}: this server requires its API key",
-                                    "invalid_api_key")
+                                    "invalid_api_key", path)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return await _reply(send, 413, _too_big(int(length), self.max_body_bytes), "request_too_large")
+            return await _reply(send, 413, _too_big(int(length), self.max_body_bytes), "request_too_large", path)
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         chunks, size = [], 0
@@ -74,7 +81,7 @@ class Guard:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_body_bytes:
-                return await _reply(send, 413, _too_big(size, self.max_body_bytes), "request_too_large")
+                return await _reply(send, 413, _too_big(size, self.max_body_bytes), "request_too_large", path)
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
@@ -98,8 +105,10 @@ def _replay(messages: list[dict], then=None):
     return receive
 
 
-async def _reply(send, status: int, message: str, code: str) -> None:
-    body = json.dumps(error_body(status, message, None, code)).encode()
+async def _reply(send, status: int, message: str, code: str, path: str = "") -> None:
+    shaped = anthropic_error_body(status, message) if path.startswith(ANTHROPIC_PREFIX) else \
+        error_body(status, message, None, code)
+    body = json.dumps(shaped).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))

@@ -182,7 +182,8 @@ class Ingress:
                         "/infill": self.generate, "/tokenize": self.forward, "/detokenize": self.forward,
                         "/tokenizer_info": self.forward, "/v1/models": self.forward,
                         "/v1/models/{model:path}": self.forward, "/health": self.health,
-                        "/metrics": self.metrics, "/api/stats": self.stats},
+                        "/metrics": self.metrics, "/api/stats": self.stats,
+                        "/v1/messages": self.generate, "/v1/messages/count_tokens": self.forward},
                        self.spec["api_key"], self.spec["max_body_bytes"])
 
     @staticmethod

@@ -108,6 +108,16 @@ def test_two_replicas_survive_a_killed_replica(cluster, reference):
     assert httpx.get(url + "/health", timeout=30).status_code == 200                  # open, as on one server
     denied = httpx.get(url + "/v1/models", timeout=30)
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    # Anthropic's Messages API through the ingress: x-api-key, its error shape, its streamed events
+    refused = httpx.post(url + "/v1/messages", json={}, timeout=30)
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    ask = {"model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    counted = httpx.post(url + "/v1/messages/count_tokens", json=ask, headers={"x-api-key": KEY}, timeout=60)
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0, counted.text
+    streamed = httpx.post(url + "/v1/messages?beta=true", json=dict(ask, stream=True), headers={"x-api-key": KEY},
+                          timeout=120)
+    assert streamed.text.startswith("event: message_start") and streamed.text.rstrip().endswith(
+        'data: {"type": "message_stop"}'), streamed.text
     before = reported(url, 2)
     assert len(before) == 2, before
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
