@@ -212,7 +212,7 @@ def clamped(parsed, asked: int, state):
 async def messages(http: HttpRequest) -> Response:
     """POST /v1/messages: an answer as Anthropic's `message`, or its stream of events."""
     # imported here: app.py imports this module for its routes
-    from .app import Generation
+    from .generation import Generation
     from .protocol import parse
     state = http.app.state.serve
     try:
@@ -277,7 +277,7 @@ async def stream(answer: Answer, queue: asyncio.Queue):
 
 async def whole(answer: Answer, queue: asyncio.Queue, http: HttpRequest) -> Response:
     """The whole message; a client that disconnects aborts its request at once."""
-    from .app import client_gone
+    from .generation import client_gone
     gen = answer.gen
     watcher = asyncio.ensure_future(client_gone(http))
     watcher.add_done_callback(lambda task: task.cancelled() or queue.put_nowait((None, None)))

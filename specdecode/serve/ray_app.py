@@ -31,7 +31,8 @@ from ray.serve.config import RequestRouterConfig
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from .app import api_app, error, sse
+from .app import api_app
+from .generation import error, sse
 from .protocol import stream_error
 from .ray_metrics import cluster_metrics, cluster_stats
 from .ray_router import AffinityRouter, RouteKey, routing_key

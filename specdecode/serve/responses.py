@@ -23,9 +23,9 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.sequence import Finished, QueueFull, ShuttingDown, Tokens
-from .app import Generation, client_gone, error, log
 from .errors import ApiError, read_json
 from .events import Mailbox, drain, merge_tokens
+from .generation import Generation, client_gone, error, log
 from .protocol import ParsedRequest, parse
 from .responses_input import chat_body, check_echoed, echoed, param_of
 
