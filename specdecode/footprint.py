@@ -2,6 +2,8 @@
 server's memory budget; a draft model's cost relative to its target)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def weights_bytes(model) -> int:
     """Bytes of a native model's weights, from its config (an untied LM head counted too)."""
@@ -53,9 +55,32 @@ def gguf_footprint(path) -> dict:
     return {"weights": weights, "kv_per_token": kv, "context": context, "total": weights + kv * context}
 
 
+def available_bytes() -> int | None:
+    """MemAvailable, lowered to the cgroup (container) limit when there is one; None if unknown."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        try:
+            import psutil
+            available = int(psutil.virtual_memory().available)
+        except ImportError:
+            return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        current = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+        if limit != "max" and available is not None:
+            available = min(available, int(limit) - current)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
 def check_fits(path, available: int | None) -> None:
     """ModelError, before anything is loaded, when a GGUF file's weights (gguf_footprint) exceed the
-    memory available (serve/memory.available_bytes: MemAvailable, or the cgroup's limit); None
+    memory available (available_bytes: MemAvailable, or the cgroup's limit); None
     `available` (unknown) passes."""
     from .models.config import ModelError
     if available is None:

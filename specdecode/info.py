@@ -198,8 +198,7 @@ def model_paths(path: Path, kern: dict) -> dict:
         groups[(name, verdict)] = groups.get((name, verdict), 0) + 1
     note = None if arch in NATIVE_ARCHS else (f"architecture {arch!r} has no native decoder: it runs through "
                                               "transformers, dequantized (eager torch)")
-    from .footprint import gguf_footprint
-    from .serve.memory import available_bytes
+    from .footprint import available_bytes, gguf_footprint
     footprint = (dict(gguf_footprint(path), available=available_bytes())
                  if arch in NATIVE_ARCHS and native else None)      # the native load's; the adapter's is dense
     return {"path": str(path), "format": "GGUF", "architecture": arch, "note": note,

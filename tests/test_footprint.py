@@ -33,14 +33,14 @@ def test_the_footprint_is_what_the_loaded_model_holds():
 
 
 def test_a_model_larger_than_the_memory_is_refused_before_loading(monkeypatch, capsys):
+    from specdecode import footprint
     from specdecode.footprint import gguf_footprint
     from specdecode.models import gguf, loader
-    from specdecode.serve import memory
     path = embedded_path()
     if loader.native_weights_reason(path, None, loader.resolve_device("cpu"), True) is not None:
         pytest.skip("the native kernels do not run here")
     need = gguf_footprint(path)["weights"]
-    monkeypatch.setattr(memory, "available_bytes", lambda: need - 1)
+    monkeypatch.setattr(footprint, "available_bytes", lambda: need - 1)
     monkeypatch.setattr(gguf, "native_weights", lambda *a: pytest.fail("the weights were read"))
     with pytest.raises(ModelError, match=r"its weights need 0\.1 GiB of memory loaded, and this machine has 0\.1 GiB "
                                          r"available \(MemAvailable, or the container's limit\)"):

@@ -181,7 +181,7 @@ class FusedDecoder:
             self._gemma(model, m, keep, arr, self.kept)
         self.moe_count = None          # distinct experts each layer's last pass read (MoE models)
         if c.moe is not None:
-            self.moe_count = bind_moe(model, m, keep, arr, kept_layers, Dp)
+            self.moe_count = bind_moe(model, m, keep, arr, kept_layers, Dp, MAX_T, _packed)
         self._m, self._keep = m, keep
         self._mref = ctypes.byref(m)
         rows_fn = self._lib.sd_decoder_rows

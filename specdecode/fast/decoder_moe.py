@@ -8,12 +8,12 @@ import torch
 from .quant import QuantLinear
 
 
-def bind_moe(model, m, keep: list, arr, kept_layers: list, Dp: int) -> torch.Tensor:
+def bind_moe(model, m, keep: list, arr, kept_layers: list, Dp: int, max_rows: int, packed) -> torch.Tensor:
     """Mixture-of-experts layers (models/moe.py, decoder_moe.c): routers, each expert's projections
     (packed or quantized, per layer an array of E), and the scratch of a pass's routed rows, set in the
     fused decoder's sd_model `m` (`arr`: its pointer arrays, kept alive in `keep`). Returns the [layers]
-    int32 tensor where each pass leaves the distinct experts each layer read."""
-    from .decoder import MAX_T, _packed
+    int32 tensor where each pass leaves the distinct experts each layer read. `max_rows`: the rows of one
+    native call (decoder.MAX_T); `packed`: a linear's packed weight or None (decoder._packed)."""
     c, dt = model.config, model.dtype
     moe_layers = [ly for ly in kept_layers if "router" in ly]
     E, K = c.moe["experts"], c.moe["used"]
@@ -26,16 +26,16 @@ def bind_moe(model, m, keep: list, arr, kept_layers: list, Dp: int) -> torch.Ten
         return arr([arr([pick(lin) for lin in ly[key]]).value if "router" in ly else None for ly in kept_layers])
 
     m.E, m.EK, m.EI, m.EIp, m.norm_topk = E, K, EI, EIp, int(bool(c.moe["norm_topk"]))
-    m.router_w = arr([_packed(ly["router"]) if "router" in ly else None for ly in kept_layers])
+    m.router_w = arr([packed(ly["router"]) if "router" in ly else None for ly in kept_layers])
     quant = any(isinstance(lin, QuantLinear) for ly in moe_layers for lin in ly["experts_gate_up"])
     qmat = lambda lin: ctypes.addressof(lin.qmat) if isinstance(lin, QuantLinear) else None  # noqa: E731
     if quant:
         m.egu_q, m.edn_q = per_layer("experts_gate_up", qmat), per_layer("experts_down", qmat)
-    m.egu_w, m.edn_w = per_layer("experts_gate_up", _packed), per_layer("experts_down", _packed)
-    rows = MAX_T * K
+    m.egu_w, m.edn_w = per_layer("experts_gate_up", packed), per_layer("experts_down", packed)
+    rows = max_rows * K
     scratch = dict(ex=torch.zeros(rows, Dp, dtype=dt), egu=torch.zeros(rows, 2 * EI, dtype=dt),
                    eact=torch.zeros(rows, EIp, dtype=dt), ey=torch.zeros(rows, c.hidden_size, dtype=dt),
-                   rlog=torch.zeros(MAX_T, E, dtype=dt))
+                   rlog=torch.zeros(max_rows, E, dtype=dt))
     moe_count = torch.zeros(len(kept_layers), dtype=torch.int32)
     keep += list(scratch.values()) + [moe_count]
     for name, tensor in scratch.items():

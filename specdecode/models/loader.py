@@ -316,8 +316,7 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype | None = None, 
     if torch_dtype is None:
         torch_dtype = torch.bfloat16
     if why_not is None and (weights == "native" or dtype is None):
-        from ..footprint import check_fits
-        from ..serve.memory import available_bytes
+        from ..footprint import available_bytes, check_fits
         check_fits(path, available_bytes())          # a model that cannot fit: one error before loading
         return _load_native(path, name, torch_dtype, torch_device, started)
     if weights == "auto" and dtype is None and why_not is not None and path.suffix.lower() == ".gguf":

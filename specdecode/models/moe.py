@@ -183,14 +183,14 @@ def projections(layer: dict) -> list:
     return [layer["router"]] + layer["experts_gate_up"] + layer["experts_down"] + shared
 
 
-def build_shared(weights: dict, prefix: str, make_linear, dtype: torch.dtype) -> dict:
+def build_shared(weights: dict, prefix: str, make_linear, cat) -> dict:
     """Qwen3.5's shared expert (mlp.shared_expert.{gate,up,down}_proj) and its gate (mlp.shared_expert_gate,
-    [1, D]: the sigmoid weight of its output), where the layer has one."""
+    [1, D]: the sigmoid weight of its output), where the layer has one. `cat`: the model's row-wise
+    concatenation of weights (transformer.cat_rows at its dtype; not imported here: transformer imports this)."""
     s = prefix + "mlp.shared_expert."
     if s + "gate_proj.weight" not in weights:
         return {}
-    from .transformer import cat_rows
-    gate_up = cat_rows([weights[s + "gate_proj.weight"], weights[s + "up_proj.weight"]], dtype)
+    gate_up = cat([weights[s + "gate_proj.weight"], weights[s + "up_proj.weight"]])
     return {"shared_gate_up": make_linear(gate_up, None),
             "shared_down": make_linear(weights[s + "down_proj.weight"], None),
             "shared_gate": make_linear(weights[prefix + "mlp.shared_expert_gate.weight"].reshape(1, -1), None)}

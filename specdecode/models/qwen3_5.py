@@ -117,7 +117,7 @@ class Qwen35Transformer(Transformer):
                  "mlp_norm": self._norm(weights[p + "post_attention_layernorm.weight"]), "index": index}
         if p + "mlp.gate.weight" in weights:          # Qwen3.5-MoE: routed experts and a shared one (models/moe.py)
             layer.update(build_moe(weights, p, self.config, make_linear), moe=self.config.moe,
-                         **build_shared(weights, p, make_linear, self.dtype))
+                         **build_shared(weights, p, make_linear, lambda ws: cat_rows(ws, self.dtype)))
         else:
             layer.update(gate_up=make_linear(cat_rows([weights[p + "mlp.gate_proj.weight"],
                                                        weights[p + "mlp.up_proj.weight"]], self.dtype), None),

@@ -4,7 +4,6 @@ one clear line instead of running out of memory under load."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..footprint import kv_bytes_per_token, weights_bytes
 from ..params import ParamError
@@ -38,29 +37,6 @@ def plan_memory(target, draft, num_blocks: int, block_size: int, max_batch_size:
     return MemoryPlan(weights={"target": weights_bytes(target), "draft": weights_bytes(draft)},
                       kv={"target": tokens * kv_bytes_per_token(target), "draft": tokens * kv_bytes_per_token(draft)},
                       working=step_logits + prefill + attention)
-
-
-def available_bytes() -> int | None:
-    """MemAvailable, lowered to the cgroup (container) limit when there is one; None if unknown."""
-    available = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    except OSError:
-        try:
-            import psutil
-            available = int(psutil.virtual_memory().available)
-        except ImportError:
-            return None
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        current = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
-        if limit != "max" and available is not None:
-            available = min(available, int(limit) - current)
-    except (OSError, ValueError):
-        pass
-    return available
 
 
 def check_memory(plan: MemoryPlan, available: int | None, weights_loaded: bool = True) -> None:

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from ..engine.config import MAX_CHAIN, EngineConfig
 from ..engine.core import EngineCore
-from ..footprint import kv_bytes_per_token
+from ..footprint import available_bytes, kv_bytes_per_token
 from ..models.config import ModelError
-from .memory import available_bytes, check_memory, plan_memory
+from .memory import check_memory, plan_memory
 from .metrics import ServeMetrics
 from .protocol import MAX_K, ServeContext
 
