@@ -28,11 +28,16 @@ nearly the same for every row of a pass over random weights, would decide the ro
 verify pass would share most experts (measured: 8 rows read 15.6 distinct experts per layer of 128);
 so each token's own embedding decides its experts, which spread as under random routing: the worst
 case for the experts a verify pass reads.
---llamacpp-python PY --quantize Q4_K_M then runs llama.cpp's own quantizer (llama_model_quantize,
+--qtype Q4_K_M draws the file directly in the types llama.cpp's Q4_K_M quantization gives each tensor (its
+llama_tensor_get_type: Q6_K for the output matrix and for attn_v and ffn_down_exps on the layers its
+use_more_bits picks, Q4_K for the other matrices, the norms and routers F32), random blocks of valid scales,
+tensor by tensor: a full-depth file (~17.5 GB) without the 32 GB Q8_0 file that llama.cpp's quantizer would read.
+--llamacpp-python PY --quantize Q4_K_M instead runs llama.cpp's own quantizer (llama_model_quantize,
 through llama-cpp-python in that interpreter) on the written file into --quantized-out.
 
 Usage: python scripts/measure/make_random_gguf.py --out qwen35-0.8b-random-q8_0.gguf [--qtype Q8_0] [--layers 24]
        [--mtp]
+       python scripts/measure/make_random_gguf.py --arch qwen3moe --qtype Q4_K_M --out qwen3moe-48l-q4_k_m.gguf
        python scripts/measure/make_random_gguf.py --arch qwen3moe --layers 8 --out qwen3moe-8l-q8_0.gguf
        [--llamacpp-python ~/llama-venv/bin/python --quantize Q4_K_M --quantized-out qwen3moe-8l-q4_k_m.gguf]
 """
@@ -109,8 +114,52 @@ def random_q8_0(rng, rows: int, cols: int, std: float = 0.02):
     return blocks.reshape(rows, cols // 32 * 34)
 
 
-def write_qwen3moe(out: Path, layers: int, seed: int, shape: dict | None = None) -> None:
-    """A random qwen3moe file of `shape` (default Qwen3-30B-A3B's), tensor by tensor (see the module docstring)."""
+# ggml type ids (gguf.GGMLQuantizationType) and the bytes of one block of 256 weights
+Q4_K, Q6_K = 12, 14
+K_BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}
+# the standard deviation of a K block's weights per unit of its fp16 scale d, the block's bytes uniformly random
+# (Q4_K: d * sc * q - dmin * m with sc, m 6-bit, q 4-bit and dmin = 7.5 d, so the mean is 0; Q6_K: d * s * (q - 32)
+# with s int8, q 6-bit); the script's tests check the drawn weights' spread against these
+K_STD_PER_D = {Q4_K: (63 * 127 / 6 * 15 * 31 / 6 - (31.5 * 7.5) ** 2 + 7.5 ** 2 * (64 ** 2 - 1) / 12) ** 0.5,
+               Q6_K: (sum(s * s for s in range(-128, 128)) / 256 * sum((q - 32) ** 2 for q in range(64)) / 64) ** 0.5}
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits (llama-quant.cpp): the layers whose attn_v and ffn_down(_exps) Q4_K_M
+    writes as Q6_K: the first and last eighth, and every third layer between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def q4_k_m_type(name: str, layers: int) -> int:
+    """The type llama.cpp's Q4_K_M quantization gives a qwen3moe matrix (llama_tensor_get_type): Q6_K for the
+    output matrix and, on use_more_bits layers, attn_v and ffn_down_exps; Q4_K for the rest."""
+    if name == "output.weight":
+        return Q6_K
+    parts = name.split(".")
+    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down_exps") and use_more_bits(int(parts[1]), layers):
+        return Q6_K
+    return Q4_K
+
+
+def random_k_blocks(rng, qtype: int, rows: int, cols: int, std: float = 0.02):
+    """[rows, cols] weights as random Q4_K or Q6_K blocks (bytes [rows, cols / 256 * block bytes]): every byte
+    uniformly random (any 6-bit scale and 4- / 6-bit value is a valid one) but the fp16 super-block scales,
+    set so that the weights have mean 0 and standard deviation `std` (finite: no NaN / Inf dequantized)."""
+    import numpy as np
+    size = K_BLOCK_BYTES[qtype]
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    d = np.float16(std / K_STD_PER_D[qtype])
+    if qtype == Q4_K:           # d, dmin first, then 12 bytes of 6-bit scales and mins, then 128 of 4-bit values
+        blocks[:, :, 0:2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
+        blocks[:, :, 2:4] = np.frombuffer(np.float16(float(d) * 7.5).tobytes(), dtype=np.uint8)
+    else:                       # 128 + 64 bytes of 6-bit values, 16 int8 scales, d last
+        blocks[:, :, 208:210] = np.frombuffer(d.tobytes(), dtype=np.uint8)
+    return blocks.reshape(rows, cols // 256 * size)
+
+
+def write_qwen3moe(out: Path, layers: int, seed: int, shape: dict | None = None, qtype: str = "Q8_0") -> None:
+    """A random qwen3moe file of `shape` (default Qwen3-30B-A3B's), tensor by tensor (see the module docstring):
+    `qtype` Q8_0 (every matrix), or Q4_K_M (each matrix in the type llama.cpp's Q4_K_M gives it, q4_k_m_type)."""
     import gguf
     import numpy as np
     sys.path.insert(0, str(ROOT / "tests"))
@@ -133,7 +182,7 @@ def write_qwen3moe(out: Path, layers: int, seed: int, shape: dict | None = None)
     writer.add_expert_count(e)
     writer.add_expert_used_count(c["used"])
     writer.add_expert_feed_forward_length(ff)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "Q8_0" else gguf.LlamaFileType.MOSTLY_Q4_K_M)
     with tempfile.TemporaryDirectory() as tmp:
         spec = json.loads(small_tokenizer(Path(tmp)).read_text())
     size = max(len(spec["model"]["vocab"]), max(t["id"] for t in spec["added_tokens"]) + 1)
@@ -152,20 +201,27 @@ def write_qwen3moe(out: Path, layers: int, seed: int, shape: dict | None = None)
                  (b + "ffn_gate_inp.weight", (e, d), "router"), (b + "ffn_gate_exps.weight", (e, ff, d), "q8"),
                  (b + "ffn_up_exps.weight", (e, ff, d), "q8"), (b + "ffn_down_exps.weight", (e, d, ff), "q8")]
     plan += [("output_norm.weight", (d,), "norm"), ("output.weight", (c["vocab"], d), "q8")]
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    for name, shape, kind in plan:
-        if kind in ("q8", "embed"):
-            byte_shape = (*shape[:-1], shape[-1] // 32 * 34)
-            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=q8)
+    q8 = int(gguf.GGMLQuantizationType.Q8_0)
+    types = {name: q8 if qtype == "Q8_0" else q4_k_m_type(name, layers) for name, _, kind in plan
+             if kind in ("q8", "embed")}
+    for name, shape, _kind in plan:
+        if name in types:
+            row = shape[-1] // 32 * 34 if types[name] == q8 else shape[-1] // 256 * K_BLOCK_BYTES[types[name]]
+            byte_shape = (*shape[:-1], row)
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
+                                   raw_dtype=gguf.GGMLQuantizationType(types[name]))
         else:
             writer.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for _name, shape, kind in plan:     # one tensor in memory at a time
-        if kind in ("q8", "embed"):
+    for name, shape, kind in plan:     # one tensor in memory at a time
+        if name in types:
             rows, std = int(np.prod(shape[:-1])), 1.0 if kind == "embed" else 0.02
-            writer.write_tensor_data(random_q8_0(rng, rows, shape[-1], std).reshape(*shape[:-1], -1))
+            blocks = (random_q8_0(rng, rows, shape[-1], std) if types[name] == q8 else
+                      random_k_blocks(rng, types[name], rows, shape[-1], std))
+            writer.write_tensor_data(blocks.reshape(*shape[:-1], -1))
+            del blocks
         elif kind == "router":
             writer.write_tensor_data(rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02))
         else:
@@ -186,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="the GGUF file to write")
     parser.add_argument("--arch", choices=("qwen35", "qwen3moe"), default="qwen35",
                         help="qwen35: Qwen3.5-0.8B's shape; qwen3moe: Qwen3-30B-A3B's")
-    parser.add_argument("--qtype", choices=("Q8_0", "F32"), default="Q8_0", help="qwen35's matrices (qwen3moe: Q8_0)")
+    parser.add_argument("--qtype", choices=("Q8_0", "F32", "Q4_K_M"), default="Q8_0",
+                        help="the matrices' format (qwen35: Q8_0 or F32; qwen3moe: Q8_0, or Q4_K_M drawn directly in "
+                             "the types llama.cpp's Q4_K_M gives each tensor)")
     parser.add_argument("--layers", type=int, default=None,
                         help="decoder layers (qwen35: a multiple of 4, 24 as 0.8B; qwen3moe: 48 as 30B-A3B)")
     parser.add_argument("--seed", type=int, default=0)
@@ -203,12 +261,16 @@ def main(argv: list[str] | None = None) -> int:
         layers = QWEN3_30B_A3B["layers"] if args.layers is None else args.layers
         if not 1 <= layers <= QWEN3_30B_A3B["layers"]:
             parser.error(f"--layers must be in [1, {QWEN3_30B_A3B['layers']}] for qwen3moe, got {layers}")
-        write_qwen3moe(args.out, layers, args.seed)
-        print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.0f} MiB, Q8_0, {layers} layers)")
+        if args.qtype == "F32":
+            parser.error("--qtype for qwen3moe must be Q8_0 or Q4_K_M, got F32")
+        write_qwen3moe(args.out, layers, args.seed, qtype=args.qtype)
+        print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.0f} MiB, {args.qtype}, {layers} layers)")
         if args.quantize:
             quantize_with_llamacpp(args.llamacpp_python, args.out, args.quantized_out, args.quantize, args.threads)
             print(f"wrote {args.quantized_out} ({args.quantized_out.stat().st_size / 2**20:.0f} MiB, {args.quantize})")
         return 0
+    if args.qtype == "Q4_K_M":
+        parser.error("--qtype Q4_K_M is for --arch qwen3moe (qwen35: Q8_0 or F32, then --quantize)")
     args.layers = 24 if args.layers is None else args.layers
     if args.layers < 4 or args.layers % 4:
         parser.error(f"--layers must be a multiple of 4 (three DeltaNet layers to one attention), got {args.layers}")

@@ -56,3 +56,53 @@ def test_info_counts_the_expert_stacks_as_native(script, tmp_path):
         pytest.skip("no native kernels on this CPU")
     native = sum(n for path, n in groups.items() if path.startswith("native"))
     assert native == 4 + 3 + 1        # attention q/k/v/o, the three expert stacks, the LM head
+
+
+def test_q4_k_m_types_follow_llama_cpp(script):
+    """Q6_K where llama.cpp's Q4_K_M puts it: its 8-layer Qwen3-30B-A3B-shaped file (llama_model_quantize) has
+    attn_v and ffn_down_exps in Q6_K on layers 0, 3, 6 and 7, the output matrix Q6_K, every other matrix Q4_K."""
+    more = [i for i in range(8) if script.q4_k_m_type(f"blk.{i}.ffn_down_exps.weight", 8) == script.Q6_K]
+    assert more == [0, 3, 6, 7]
+    assert [i for i in range(8) if script.q4_k_m_type(f"blk.{i}.attn_v.weight", 8) == script.Q6_K] == more
+    assert script.q4_k_m_type("output.weight", 8) == script.Q6_K
+    for name in ("token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_gate_exps.weight", "blk.7.ffn_up_exps.weight"):
+        assert script.q4_k_m_type(name, 8) == script.Q4_K
+    assert sum(script.use_more_bits(i, 48) for i in range(48)) == 24       # 6 + 6 + every third of the 36 between
+
+
+@pytest.mark.parametrize("qtype", [12, 14])
+def test_random_k_blocks_have_the_asked_spread(script, qtype):
+    import numpy as np
+    from gguf.quants import dequantize
+    rng = np.random.default_rng(0)
+    for std in (0.02, 1.0):
+        blocks = script.random_k_blocks(rng, qtype, 64, 1024, std)
+        assert blocks.shape == (64, 4 * script.K_BLOCK_BYTES[qtype])
+        weights = dequantize(blocks, qtype)
+        assert np.isfinite(weights).all()
+        assert abs(weights.std() / std - 1) < 0.05 and abs(weights.mean()) < 0.05 * std
+
+
+def test_q4_k_m_file_loads_natively_and_decodes(script, tmp_path):
+    """A --qtype Q4_K_M file (a small shape: K blocks need rows of 256 weights) has the types q4_k_m_type gives,
+    F32 norms and routers, and decodes natively on its own blocks."""
+    from specdecode.models.gguf import tensor_table
+    shape = dict(script.QWEN3_30B_A3B, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8, used=2,
+                 expert_ff=256, ff=512, vocab=512)
+    out = tmp_path / "random-qwen3moe-q4km.gguf"
+    script.write_qwen3moe(out, 2, seed=0, shape=shape, qtype="Q4_K_M")
+    _, tensors = tensor_table(out)
+    types = {name: qtype for _, name, qtype, _ in tensors}
+    assert types["blk.1.ffn_down_exps.weight"] == types["blk.1.attn_v.weight"] == types["output.weight"] == script.Q6_K
+    assert types["blk.0.ffn_down_exps.weight"] == types["blk.1.ffn_gate_exps.weight"] == script.Q4_K
+    assert types["token_embd.weight"] == script.Q4_K
+    assert types["blk.0.ffn_gate_inp.weight"] == types["blk.0.attn_norm.weight"] == 0      # F32
+    lm = load_model(str(out), progress=False)
+    logits = lm.model.forward(torch.tensor([[1, 2, 3, 4]]), lm.model.new_cache(1, 8), 0)
+    assert logits.shape == (1, 4, 512) and torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_q4_k_m_is_for_qwen3moe(script, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        script.main(["--qtype", "Q4_K_M", "--out", str(tmp_path / "x.gguf")])
+    assert "--qtype Q4_K_M is for --arch qwen3moe" in capsys.readouterr().err
