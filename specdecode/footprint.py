@@ -34,6 +34,7 @@ def gguf_footprint(path) -> dict:
 
     from .fast.quant import row_bytes
     from .models.gguf import _open, kept_as_stored, read_config, tensor_table
+    from .models.moe import stacked_name
     path = Path(path)
     _, tensors = tensor_table(path)
     config = read_config(_open(path), path)
@@ -45,6 +46,11 @@ def gguf_footprint(path) -> dict:
         for dim in shape:
             elements *= int(dim)
         if hf is None:
+            continue
+        if len(shape) == 3 and stacked_name(hf):              # every expert's matrix [E, out, in], as stored
+            rows = int(shape[0]) * int(shape[1])
+            weights += (rows * row_bytes(qtype, int(shape[2])) if kept_as_stored(hf, qtype, (rows, int(shape[2])))
+                        else elements * bf16)
             continue
         embedding = hf == "model.embed_tokens.weight"        # its rows in bf16 (read one per token) ...
         if len(shape) == 2 and kept_as_stored(hf, qtype, shape) and (tied or not embedding):

@@ -42,11 +42,12 @@ SCRATCH = 0          # block 0: target of padding writes, never owned by a row
 def _pool(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """A zeroed pool tensor, on the CPU on 2 MB pages where the kernel grants them (madvise, as packed
     weights get: fast/linear.weight_empty): a decode step reads each row's blocks, scattered over the
-    pool, and with 4 KB pages every block costs TLB misses."""
+    pool, and with 4 KB pages every block costs TLB misses. Its pages become resident as blocks are first
+    written (fast/linear.zeroed_empty): a pool sized for the whole context costs the memory of its use."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    from ..fast.linear import weight_empty
-    return weight_empty(math.prod(shape), dtype).view(shape).zero_()
+    from ..fast.linear import zeroed_empty
+    return zeroed_empty(math.prod(shape), dtype).view(shape)
 
 
 class CacheFull(RuntimeError):

@@ -246,6 +246,22 @@ def weight_empty(numel: int, dtype: torch.dtype) -> Tensor:
     return buf[off:off + nbytes].view(dtype)                        # the view keeps buf alive
 
 
+def zeroed_empty(numel: int, dtype: torch.dtype) -> Tensor:
+    """torch.zeros(numel) whose pages become resident only when first written: a fresh anonymous mapping
+    (the kernel maps a zero page on first touch), on 2 MB pages as weight_empty asks. A KV pool sized for
+    a whole context then holds memory for the blocks in use, not its capacity. Small sizes (and with
+    SPECDECODE_HUGEPAGES=0 too) a plain torch.zeros."""
+    import mmap
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    libc = _libc()
+    if nbytes < 4 * _HUGE_PAGE or libc is None or os.environ.get("SPECDECODE_HUGEPAGES", "1") == "0":
+        return torch.zeros(numel, dtype=dtype)
+    buf = torch.frombuffer(mmap.mmap(-1, nbytes + _HUGE_PAGE), dtype=torch.uint8)   # keeps the mapping alive
+    off = -buf.data_ptr() % _HUGE_PAGE
+    libc.madvise(buf.data_ptr() + off, (nbytes + _HUGE_PAGE - off) // _HUGE_PAGE * _HUGE_PAGE, _MADV_HUGEPAGE)
+    return buf[off:off + nbytes].view(dtype)
+
+
 def _simde_available() -> bool:
     include = os.environ.get("SPECDECODE_SIMDE_INCLUDE")
     roots = [Path(include)] if include else [Path("/usr/include"), Path("/usr/local/include")]

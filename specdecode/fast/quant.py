@@ -283,10 +283,15 @@ class QuantLinear:
         row_bytes = K * INTERLEAVED[qtype][1] // 256
         packed = _lin.weight_empty((end - start) // 16 * row_bytes, torch.uint8).view((end - start) // 16, row_bytes)
         row = 0
-        for part in parts:
-            n = part.shape[0]
-            self._lib.sd_repack16(qtype, part.data_ptr(), part.shape[1], K, n, packed[row // 16].data_ptr())
-            row += n
+        for part in parts:       # a mapped file's rows in chunks, each chunk's pages given back once repacked
+            step = DEQUANT_ROWS if self.weight_q.mapped else part.shape[0]
+            for first in range(0, part.shape[0], step):
+                chunk = part[first:first + step]
+                self._lib.sd_repack16(qtype, chunk.data_ptr(), part.shape[1], K, chunk.shape[0],
+                                      packed[row // 16].data_ptr())
+                if self.weight_q.mapped:
+                    release_pages(chunk)
+                row += chunk.shape[0]
         self._packed.append(packed)
         return INTERLEAVED[qtype][0], packed
 

@@ -111,9 +111,11 @@ def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
             if name == "model.embed_tokens.weight":
                 if config.tie_word_embeddings:
                     weights["lm_head.weight"] = qw
-                weights[name] = qw.dequantize(dtype).to(device)
-                if not config.tie_word_embeddings:         # read once: its rows live on dequantized
-                    release_pages(qw.segments[0][1])
+                if device.type == "cpu":
+                    weights[name] = mapped_embedding(path, qw, dtype)
+                else:
+                    weights[name] = qw.dequantize(dtype).to(device)
+                    release_pages(qw.segments[0][1])       # read once: its rows live on dequantized
             else:
                 weights[name] = qw
             continue
@@ -121,6 +123,33 @@ def native_weights(path: Path, dtype, device) -> tuple[ModelConfig, dict]:
         weights[name] = torch.from_numpy(_hf_order(name, array, config, grouped=False)).to(device=device,
                                                                                            dtype=dtype)
     return config, weights
+
+
+def mapped_embedding(path: Path, weight, dtype):
+    """A GGUF file's token embedding (a QuantWeight [V, D]) dequantized to `dtype`, as a memory-mapped file
+    under the cache written once (FILE-embed-DTYPE.bin): a pass reads one row per token, so only the rows
+    of the tokens seen become resident, and the page cache can drop them again, as llama.cpp's embedding
+    rows read from its mapped file. Written DEQUANT_ROWS rows at a time, the file's blocks of each chunk
+    given back once read: no whole copy of the embedding in memory, then or later."""
+    import torch
+
+    from ..fast.quant import DEQUANT_ROWS, QuantWeight, release_pages
+    out = cache_root() / "converted" / f"{file_key(path)}-embed-{str(dtype).split('.')[-1]}.bin"
+    rows, cols = weight.shape
+    size = torch.empty(0, dtype=dtype).element_size()
+    if not out.is_file() or out.stat().st_size != rows * cols * size:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            for qtype, data in weight.segments:
+                for first in range(0, data.shape[0], DEQUANT_ROWS):
+                    chunk = data[first:first + DEQUANT_ROWS]
+                    f.write(QuantWeight([(qtype, chunk)], cols).dequantize(dtype).view(torch.uint8).numpy().data)
+                    if weight.mapped:
+                        release_pages(chunk)
+        tmp.replace(out)
+    table = np.memmap(out, dtype=np.uint8, mode="c", shape=(rows, cols * size))   # private: never written back
+    return torch.from_numpy(table).view(dtype)                                        # [V, D]
 
 
 def kept_as_stored(hf_name: str, qtype: int, shape: tuple[int, ...]) -> bool:

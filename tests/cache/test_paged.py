@@ -100,3 +100,17 @@ def test_blocks_follow_the_tokens_held_and_return_on_release(target):
     paged.reserve(1, 32)                              # the whole pool is free again
     with pytest.raises(ValueError, match="row 1 is in use"):
         paged.reserve(1, 4)
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_a_pool_is_resident_as_its_blocks_are_written():
+    """A pool sized for a long context costs the memory of the blocks written, not its capacity: it reads
+    as zeros, and its pages become resident on first write (a fresh anonymous mapping)."""
+    def anon_kb() -> int:
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon:"))
+    before = anon_kb()
+    cache = PagedKVCache(2, 1, 4, 64, 16384, 2049, 16, torch.bfloat16)       # 4 pools of 16 MiB
+    assert anon_kb() - before < 8 * 1024, anon_kb() - before
+    assert cache.keys[0][7].abs().sum() == 0 and cache.values[1][2048].abs().sum() == 0
+    cache.keys[0][1:65] = 1.0                                                   # 64 blocks: 512 KiB
+    assert anon_kb() - before < 16 * 1024 and cache.keys[0][1:65].float().mean() == 1.0

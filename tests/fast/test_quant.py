@@ -458,3 +458,20 @@ def test_release_pages_gives_a_file_views_pages_back(tmp_path):
     release_pages(view)
     assert before >= 1000 and mapping_rss_kb(path) <= before // 10, (before, mapping_rss_kb(path))
     assert torch.equal(view, torch.from_numpy(data))
+
+
+@needs_quant
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_a_mapped_weight_is_repacked_a_chunk_at_a_time_and_its_pages_given_back(tmp_path, monkeypatch):
+    """QuantLinear repacks a file view's rows DEQUANT_ROWS at a time, giving each chunk's pages back once
+    read (a vocabulary-sized head never resident twice): the same products as the weight repacked whole."""
+    from specdecode.fast import quant
+    w = random_weight(12, 96, 512, seed=11)
+    (_, data), = w.segments
+    path = tmp_path / "blocks.bin"
+    data.numpy().tofile(path)
+    mapped = QuantWeight.from_blocks(12, np.memmap(path, dtype=np.uint8, mode="c"), (96, 512), mapped=True)
+    monkeypatch.setattr(quant, "DEQUANT_ROWS", 32)
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    assert torch.equal(QuantLinear(mapped)(x), QuantLinear(w)(x))
+    assert mapping_rss_kb(path) <= 4 * 2, mapping_rss_kb(path)      # at most the pages straddling chunk ends

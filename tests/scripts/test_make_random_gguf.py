@@ -106,3 +106,20 @@ def test_q4_k_m_is_for_qwen3moe(script, tmp_path, capsys):
     with pytest.raises(SystemExit):
         script.main(["--qtype", "Q4_K_M", "--out", str(tmp_path / "x.gguf")])
     assert "--qtype Q4_K_M is for --arch qwen3moe" in capsys.readouterr().err
+
+
+def test_the_footprint_counts_the_expert_stacks_as_stored(script, tmp_path):
+    """gguf_footprint (what `specdecode info` says and check_fits compares with the memory available) takes a
+    qwen3moe file's expert stacks [E, out, in] at their own blocks' bytes, as the native load holds them."""
+    from specdecode.fast.quant import native_reason
+    from specdecode.footprint import gguf_footprint, weights_bytes
+    if native_reason() is not None:
+        pytest.skip(native_reason())
+    shape = dict(script.QWEN3_30B_A3B, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8, used=2,
+                 expert_ff=256, ff=512, vocab=512)
+    out = tmp_path / "random-qwen3moe-q4km.gguf"
+    script.write_qwen3moe(out, 2, seed=0, shape=shape, qtype="Q4_K_M")
+    said = gguf_footprint(out)["weights"]
+    held = weights_bytes(load_model(str(out), progress=False).model)
+    assert held <= said <= held * 1.01, (held, said)
+    assert said < out.stat().st_size * 1.5
