@@ -9,8 +9,14 @@ process of its own Python (--llamacpp-python: a venv where `pip install llama-cp
 loaded once and fed one request per round, so the two never run at the same time and neither needs
 the other's packages.
 
+--prefill N times a prompt's prefill instead: the first N tokens of the repository's README.md (repeated if
+short) to the first token (max_tokens 1), both arms from an empty cache every round (specdecode's prefix
+cache off; llama.cpp reset, its default n_batch 512), reported as prompt tokens/s.
+
 Usage: python scripts/measure/plain_vs_llamacpp.py --model F.gguf --llamacpp-python ~/llama-venv/bin/python
        [--threads 2] [--tokens 128] [--rounds 3] [--json out.json]
+       python scripts/measure/plain_vs_llamacpp.py --model F.gguf --llamacpp-python ~/llama-venv/bin/python
+       --prefill 1024 [--threads 2] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 PROMPT = "Speculative decoding drafts tokens cheaply and verifies them in one pass of the target model, so"
 CHILD = r"""
@@ -51,14 +58,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--prefill", type=int, default=0,
+                        help="time the prefill of a prompt of this many tokens (README.md's) instead of decoding")
     args = parser.parse_args(argv)
     for name in ("threads", "tokens", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.prefill < 0:
+        parser.error(f"--prefill must be >= 0 (0: time decoding), got {args.prefill}")
 
     from specdecode import LLM, SamplingParams
-    llm = LLM(model=args.model, method="none", threads=args.threads, progress=False)
+    llm = LLM(model=args.model, method="none", threads=args.threads, progress=False, prefix_cache=not args.prefill)
     ids = llm.tokenizer.encode(args.prompt)
+    if args.prefill:            # README.md's first tokens; each round's tokens/s counts the prompt's
+        readme = llm.tokenizer.encode((Path(__file__).resolve().parents[2] / "README.md").read_text())
+        ids = (readme * (args.prefill // max(1, len(readme)) + 1))[:args.prefill]
+        args.tokens = 1
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     child = subprocess.Popen([args.llamacpp_python, "-c", CHILD, args.model, str(len(ids) + args.tokens + 16),
                               str(args.threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -73,18 +88,20 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         start = time.perf_counter()
         ours = llm.generate([ids], params)[0].token_ids
-        rates["specdecode"].append(args.tokens / (time.perf_counter() - start))
+        rates["specdecode"].append((args.prefill or args.tokens) / (time.perf_counter() - start))
         child.stdin.write(json.dumps([ids, args.tokens]) + "\n")
         child.stdin.flush()
         theirs = json.loads(child.stdout.readline())
-        rates["llama.cpp"].append(len(theirs["tokens"]) / theirs["seconds"])
+        rates["llama.cpp"].append((args.prefill or len(theirs["tokens"])) / theirs["seconds"])
         same.append(next((i for i, (a, b) in enumerate(zip(ours, theirs["tokens"])) if a != b), len(ours)))
     child.stdin.close()
     child.wait()
     medians = {arm: statistics.median(r) for arm, r in rates.items()}
+    unit = "prompt tok/s" if args.prefill else "tok/s"
     for arm, r in rates.items():
-        print(f"{arm:11s} median {medians[arm]:6.2f} tok/s  (rounds: {', '.join(f'{x:.2f}' for x in r)})")
-    print(f"speed-up    {medians['specdecode'] / medians['llama.cpp']:.2f}x  ({args.tokens} tokens, "
+        print(f"{arm:11s} median {medians[arm]:6.2f} {unit}  (rounds: {', '.join(f'{x:.2f}' for x in r)})")
+    what = f"a {args.prefill}-token prompt to its first token" if args.prefill else f"{args.tokens} tokens"
+    print(f"speed-up    {medians['specdecode'] / medians['llama.cpp']:.2f}x  ({what}, "
           f"{args.threads} threads, prompt {len(ids)} tokens; the first {min(same)} greedy tokens as llama.cpp's)")
     # a round's two arms run back to back, so a slow spell of the host weighs on both of its rates
     ratios = sorted(a / b for a, b in zip(rates["specdecode"], rates["llama.cpp"]))
@@ -92,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rates": rates, "medians": medians, "round_ratios": ratios, "tokens": args.tokens,
+                       "prefill": args.prefill,
                        "threads": args.threads,
                        "prompt_tokens": len(ids), "same_prefix": min(same), "model": args.model}, f, indent=2)
     return 0

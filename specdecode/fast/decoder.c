@@ -21,7 +21,9 @@
  * which changes who computes a value, never how.
  */
 
-#define SD_MAX_T 64
+/* token rows per call: a MoE model's passes (decoder.py MAX_MOE_T: a prefill chunk in one call reads each
+ * routed expert once, however many of its rows route there); a dense model's decoder passes at most 64 */
+#define SD_MAX_T 256
 
 typedef struct {
     int D, H, KVH, HD, I, V, L;     /* hidden, q heads, kv heads, head_dim, intermediate, vocab, layers */

@@ -1,11 +1,12 @@
 """Fused native decoder stack for batch 1 (see decoder.c and README.md).
 
 ``FusedDecoder(model).forward(tokens[1, T], cache, start)`` runs the whole layer stack in one
-ctypes call (one OpenMP parallel region) per block of <= 64 tokens, reusing the ``PackedLinear``
-weights of the model, and returns the hidden states; ``head(hidden, logit_index)`` computes the
-logits of the rows that need them in one more call.  Token rows are computed independently of each other and of
-T (batch invariant): a verify block's logits are bitwise equal to single-token decodes given the
-same cache contents, so greedy speculative decoding in bf16 matches plain decoding exactly.
+ctypes call (one OpenMP parallel region) per block of <= 64 tokens (a MoE model's: 256, MAX_MOE_T),
+reusing the ``PackedLinear`` weights of the model, and returns the hidden states;
+``head(hidden, logit_index)`` computes the logits of the rows that need them in one more call.
+Token rows are computed independently of each other and of T (batch invariant): a verify block's
+logits are bitwise equal to single-token decodes given the same cache contents, so greedy speculative
+decoding in bf16 matches plain decoding exactly.
 
 ``fused_decoder(model)`` returns None when the fused path cannot run (no native kernels, non-CPU
 tensors, head_dim not a multiple of 16, ...); ``why_not(model)`` says why.
@@ -26,7 +27,8 @@ from .quant import QuantLinear
 
 __all__ = ["FusedDecoder", "fused_decoder", "why_not", "MAX_T"]
 
-MAX_T = 64  # rows per native call (SD_MAX_T in decoder.c); longer blocks run in chunks
+MAX_T = 64  # rows per native call of a dense model; longer blocks run in chunks
+MAX_MOE_T = 256  # rows per call of a MoE model (SD_MAX_T in decoder.c): each call reads the routed experts once
 ATT_PAIRS = 8  # attention scratch per thread, in rows of scores (SD_ATT_PAIRS in decoder_attn.c)
 
 P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -144,7 +146,8 @@ class FusedDecoder:
             keep.append(a)
             return ctypes.cast(a, P)
 
-        z = lambda cols: torch.zeros(MAX_T, cols, dtype=dt)  # noqa: E731  (zero pads stay zero)
+        self.max_rows = MAX_MOE_T if c.moe is not None else MAX_T      # token rows per native call
+        z = lambda cols: torch.zeros(self.max_rows, cols, dtype=dt)  # noqa: E731  (zero pads stay zero)
         self._scratch = dict(hid=z(D), xn=z(Dp), qkv=z((H + 2 * KVH) * HD), q=z(H * HD), att=z(Qp),
                              gu=z(2 * Im), act=z(Ip))
         self._embed = model.embed.contiguous()
@@ -181,7 +184,7 @@ class FusedDecoder:
             self._gemma(model, m, keep, arr, self.kept)
         self.moe_count = None          # distinct experts each layer's last pass read (MoE models)
         if c.moe is not None:
-            self.moe_count = bind_moe(model, m, keep, arr, kept_layers, Dp, MAX_T, _packed)
+            self.moe_count = bind_moe(model, m, keep, arr, kept_layers, Dp, self.max_rows, _packed)
         self._m, self._keep = m, keep
         self._mref = ctypes.byref(m)
         rows_fn = self._lib.sd_decoder_rows
@@ -250,8 +253,8 @@ class FusedDecoder:
             tok = tok.to(torch.int64).contiguous()
         hidden = torch.empty(1, T, self.model.config.hidden_size, dtype=self.dtype)
         nt = torch.get_num_threads()
-        for c0 in range(0, T, MAX_T):
-            Tc = min(MAX_T, T - c0)
+        for c0 in range(0, T, self.max_rows):
+            Tc = min(self.max_rows, T - c0)
             rc = self._fn(self._mref, tok.data_ptr() + 8 * c0, Tc, start + c0, self._kc, self._vc,
                           cache.max_len, self._scores.data_ptr(), nt)
             if rc != 0:
@@ -373,8 +376,8 @@ class FusedDecoder:
         score_len = high + 17
         if self._scores.numel() < nt * ATT_PAIRS * score_len:
             self._scores = torch.empty(nt * ATT_PAIRS * score_len, dtype=torch.float32)
-        for c0 in range(0, rows_real, MAX_T):
-            Rc = min(MAX_T, rows_real - c0)
+        for c0 in range(0, rows_real, self.max_rows):
+            Rc = min(self.max_rows, rows_real - c0)
             kv = _KV(kbase, vbase, tables.data_ptr() + 4 * c0 * tables.shape[1],
                      tables.shape[1], lay.block, lay.block_stride, lay.key_stride, lay.head_stride)
             rc = self._rows_fn(self._mref, tok.data_ptr() + 8 * c0, pos.data_ptr() + 4 * c0, slot.data_ptr() + 4 * c0,

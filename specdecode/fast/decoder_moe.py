@@ -13,7 +13,7 @@ def bind_moe(model, m, keep: list, arr, kept_layers: list, Dp: int, max_rows: in
     (packed or quantized, per layer an array of E), and the scratch of a pass's routed rows, set in the
     fused decoder's sd_model `m` (`arr`: its pointer arrays, kept alive in `keep`). Returns the [layers]
     int32 tensor where each pass leaves the distinct experts each layer read. `max_rows`: the rows of one
-    native call (decoder.MAX_T); `packed`: a linear's packed weight or None (decoder._packed)."""
+    native call (decoder.MAX_MOE_T); `packed`: a linear's packed weight or None (decoder._packed)."""
     c, dt = model.config, model.dtype
     moe_layers = [ly for ly in kept_layers if "router" in ly]
     E, K = c.moe["experts"], c.moe["used"]

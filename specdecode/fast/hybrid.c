@@ -3,7 +3,7 @@
  * (specdecode/models/qwen3_5.py, fast/hybrid.py), included by kernels.c after deltanet.c and
  * rowops.c, whose pieces it runs in one OpenMP parallel region with barriers between phases.
  *
- * sd_hybrid_rows takes B rows of T tokens each (B * T <= SD_MAX_T token rows, row-major: token row
+ * sd_hybrid_rows takes B rows of T tokens each (B * T <= SD_HY_MAX_T token rows, row-major: token row
  * r = b * T + t at position starts[b] + t) and runs embedding -> L x (fp32 (1 + w) RMS norm, the
  * token mixer, residual add, RMS norm, gate|up, silu * up, down + residual add), leaving the hidden
  * states before the final norm in `hid` [B * T, D]. The token mixer of a layer is
@@ -18,6 +18,8 @@
  * order of every sum are the per-layer native path's (deltanet.c, rowops.c, QuantLinear), so a
  * pass gives the same bits either way, and a row's bits never depend on the other rows or on T.
  */
+
+#define SD_HY_MAX_T 64            /* token rows per call (hybrid.py MAX_ROWS: its scratch) */
 
 typedef struct {                  /* must match _Hybrid in fast/hybrid.py */
     int D, I, L;                  /* hidden, intermediate, layers */
@@ -34,7 +36,7 @@ typedef struct {                  /* must match _Hybrid in fast/hybrid.py */
     const sd_qmat *const *gu_q, *const *down_q;
     const float *const *q_norm, *const *k_norm;   /* [L] -> [HD] fp32, NULL on DeltaNet layers */
     const sd_dn_layer *const *dn; /* [L] a DeltaNet layer's constants, NULL on attention layers */
-    /* scratch, [SD_MAX_T, ld] bf16 each */
+    /* scratch, [SD_HY_MAX_T, ld] bf16 each */
     void *xn;                     /* ld D */
     void *proj;                   /* ld the widest input projection */
     void *att;                    /* ld max(H * HD, hv * dv): attention or DeltaNet output */
@@ -141,7 +143,7 @@ static void hy_attention(const sd_hybrid *md, const sd_kv *kv, int l, const int6
  * bad arguments. */
 int sd_hybrid_rows(const sd_hybrid *md, const int64_t *tokens, const int64_t *starts, int B, int T, const sd_kv *kv,
                    const sd_recurrent *rc, void *hid, int nthreads) {
-    if (B < 1 || T < 1 || B * T > SD_MAX_T || T > SD_DN_MAX_T || md->HD % 16 || md->HD > 256 || md->H % md->KVH)
+    if (B < 1 || T < 1 || B * T > SD_HY_MAX_T || T > SD_DN_MAX_T || md->HD % 16 || md->HD > 256 || md->H % md->KVH)
         return -1;
     long maxlen = 0;
     for (int b = 0; b < B; b++) {

@@ -23,7 +23,7 @@ from .quant import QuantLinear
 
 __all__ = ["HybridStack", "hybrid_stack", "why_not", "MAX_ROWS"]
 
-MAX_ROWS = 64      # token rows (B * T) per call: SD_MAX_T in decoder.c
+MAX_ROWS = 64      # token rows (B * T) per call: SD_HY_MAX_T in hybrid.c
 
 P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 

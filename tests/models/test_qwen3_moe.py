@@ -94,6 +94,24 @@ def test_verify_and_batched_rows_bitwise_equal_to_single_steps(qwen3_moe):
     assert model.fused.moe_count.tolist()[0] == 2                         # one row: its 2 experts
 
 
+@needs_kernels
+def test_a_long_pass_runs_in_one_call_with_the_rows_of_short_ones(qwen3_moe):
+    """bf16, fused: a MoE model runs up to MAX_MOE_T rows in one native call (a prefill chunk reads each routed
+    expert once), each row bitwise as in passes of at most 64 rows (the dense models' call) and of 1."""
+    from specdecode.fast.decoder import MAX_MOE_T, MAX_T
+    folder, _ = qwen3_moe
+    model = load_model(str(folder), dtype="bf16", progress=False).model
+    assert model.fused.max_rows == MAX_MOE_T > 200 > MAX_T
+    tokens = torch.randint(0, model.vocab_size, (1, 200), generator=torch.Generator().manual_seed(3))
+    whole = model.fused.forward(tokens, model.new_cache(1, 208), 0)
+    assert model.fused.moe_count.tolist() == [8, 8, 0]        # one call: every expert of the MoE layers read
+    cache = model.new_cache(1, 208)
+    short = torch.cat([model.fused.forward(tokens[:, a:a + MAX_T], cache, a) for a in range(0, 200, MAX_T)], 1)
+    assert torch.equal(whole, short)
+    single = model.fused.forward(tokens[:, 199:], cache, 199)
+    assert torch.equal(whole[:, 199:], single)
+
+
 def test_greedy_identical_to_transformers_plain_and_speculative(qwen3_moe):
     folder, hf = qwen3_moe
     llm = LLM(model=str(folder), dtype="fp32", progress=False)
