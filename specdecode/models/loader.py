@@ -399,6 +399,13 @@ def _load_native(path: Path, name: str, dtype: torch.dtype, device: torch.device
         names = {k: v for k, v in weights.items() if not (k == "lm_head.weight" and config.tie_word_embeddings)}
         fingerprint = weights_fingerprint(names)
         fingerprint_file.write_text(json.dumps({"fingerprint": fingerprint}))
+        from ..fast.quant import QuantWeight, release_pages
+        for weight in weights.values():     # the sampled rows' pages of the mapped files, given back
+            if isinstance(weight, QuantWeight) and weight.mapped:
+                for _, data in weight.segments:
+                    release_pages(data)
+        if device.type == "cpu":            # the embedding's rows: a mapped file there (gguf.mapped_embedding)
+            release_pages(weights["model.embed_tokens.weight"])
     if requant:
         quantize_projections(weights, requant, cache_key=f"{fingerprint}-gguf")
     model = build_decoder(config, weights, make_linear)
