@@ -149,13 +149,16 @@ def weights_fingerprint(weights: dict[str, torch.Tensor]) -> str:
     say which target they were trained for."""
     import hashlib
 
-    from ..fast.quant import QuantWeight
+    from ..fast.quant import QuantWeight, release_pages
     digest = hashlib.sha256()
     for name in sorted(weights):
         weight = weights[name]
         if isinstance(weight, QuantWeight):         # the same sample as its dequantized tensor
             stride = max(1, weight.shape[0] * weight.shape[1] // 4096)
             sample = weight.flat_sample(stride, 4096).to(torch.bfloat16)
+            if weight.mapped:      # the file's pages the sample mapped (the kernel maps those around each read too)
+                for _, data in weight.segments:
+                    release_pages(data)
         else:
             tensor = weight.detach().reshape(-1)
             stride = max(1, tensor.numel() // 4096)
@@ -399,12 +402,8 @@ def _load_native(path: Path, name: str, dtype: torch.dtype, device: torch.device
         names = {k: v for k, v in weights.items() if not (k == "lm_head.weight" and config.tie_word_embeddings)}
         fingerprint = weights_fingerprint(names)
         fingerprint_file.write_text(json.dumps({"fingerprint": fingerprint}))
-        from ..fast.quant import QuantWeight, release_pages
-        for weight in weights.values():     # the sampled rows' pages of the mapped files, given back
-            if isinstance(weight, QuantWeight) and weight.mapped:
-                for _, data in weight.segments:
-                    release_pages(data)
-        if device.type == "cpu":            # the embedding's rows: a mapped file there (gguf.mapped_embedding)
+        if device.type == "cpu":    # the embedding rows the sample mapped: a file there (gguf.mapped_embedding)
+            from ..fast.quant import release_pages
             release_pages(weights["model.embed_tokens.weight"])
     if requant:
         quantize_projections(weights, requant, cache_key=f"{fingerprint}-gguf")

@@ -51,3 +51,31 @@ def test_the_embedding_rows_are_a_mapped_file_of_the_exact_values(tmp_path, monk
     assert mapping_of(lm.model.embed.data_ptr()).endswith("-embed-bfloat16.bin")
     assert len(list((tmp_path / "cache" / "converted").glob("*-embed-bfloat16.bin"))) == 1
     assert torch.equal(lm.model.embed, exact)
+
+
+def file_rss_kb(path) -> int:
+    """Resident kB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split(" ", 1)[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_the_fingerprint_gives_back_the_file_pages_it_maps(tmp_path):
+    """weights_fingerprint samples rows all over a mapped weight (and the kernel maps the pages around each
+    read): a first load would hold most of the file resident beside its repacked copy. It gives them back."""
+    import numpy as np
+
+    from specdecode.models.loader import weights_fingerprint
+    blocks = np.random.default_rng(0).integers(0, 256, size=(4096, 8 * 34), dtype=np.uint8)
+    blocks[:, ::34], blocks[:, 1::34] = 0, 0x20                       # Q8_0 scales: small finite fp16
+    path = tmp_path / "blocks.bin"
+    blocks.tofile(path)
+    mapped = QuantWeight.from_blocks(8, np.memmap(path, dtype=np.uint8, mode="c"), (4096, 256), mapped=True)
+    first = weights_fingerprint({"w": mapped})
+    assert file_rss_kb(path) <= 16, file_rss_kb(path)
+    assert weights_fingerprint({"w": QuantWeight.from_blocks(8, blocks, (4096, 256))}) == first
