@@ -37,6 +37,7 @@ from .blocks import BlockPool, chain_hashes
 from .contiguous import CacheLayout, check_committed, per_layer
 
 SCRATCH = 0          # block 0: target of padding writes, never owned by a row
+GROW_BLOCKS = 64     # blocks `grow` copies at a time (a run of zeros, never written, is not copied: not made resident)
 
 
 def _pool(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -96,7 +97,10 @@ class PagedKVCache:
             for pools in (self.keys, self.values):
                 for i, pool in enumerate(pools):
                     bigger = _pool((num_blocks, *pool.shape[1:]), pool.dtype, pool.device)
-                    bigger[:self.num_blocks] = pool
+                    for first in range(0, self.num_blocks, GROW_BLOCKS):   # blocks never written: left unmapped
+                        part = pool[first:first + GROW_BLOCKS]
+                        if part.any():
+                            bigger[first:first + GROW_BLOCKS] = part
                     pools[i] = bigger
             self.pool.grow(num_blocks)
             self.num_blocks = num_blocks

@@ -114,3 +114,17 @@ def test_a_pool_is_resident_as_its_blocks_are_written():
     assert cache.keys[0][7].abs().sum() == 0 and cache.values[1][2048].abs().sum() == 0
     cache.keys[0][1:65] = 1.0                                                   # 64 blocks: 512 KiB
     assert anon_kb() - before < 16 * 1024 and cache.keys[0][1:65].float().mean() == 1.0
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_growing_a_pool_keeps_its_blocks_and_leaves_the_unwritten_ones_unmapped():
+    def anon_kb() -> int:
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon:"))
+    cache = PagedKVCache(1, 1, 4, 64, 16384, 2049, 16, torch.bfloat16)        # 2 pools of 16 MiB
+    cache.keys[0][3] = 2.0
+    cache.values[0][2000] = -1.0
+    before = anon_kb()
+    cache.grow(2, 4097)
+    assert anon_kb() - before < 8 * 1024, anon_kb() - before
+    assert cache.keys[0].shape[0] == 4097 and float(cache.keys[0][3].float().mean()) == 2.0
+    assert float(cache.values[0][2000].float().mean()) == -1.0 and cache.keys[0][4:].abs().sum() == 0
