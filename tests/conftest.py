@@ -671,3 +671,41 @@ def make_qwen35_moe(folder: Path, seed: int = 3, mtp: bool = False):
         cfg = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
     return model
+
+
+# --- gpt-oss (tests/models/test_gpt_oss.py) ---
+def make_gpt_oss(folder: Path, seed: int = 7, window: int = 6):
+    """A tiny random gpt_oss saved in `folder` as transformers saves it (4 layers alternating a `window`-key
+    sliding window and full attention, 8 experts of which 2 routed, YaRN RoPE whose ramp reaches the
+    tiny head, every bias and sink random); returns the transformers model."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "GptOssForCausalLM"):
+        pytest.skip("this transformers has no gpt-oss")
+    make_tokenizer(folder)
+    vocab = json.loads((folder / "tokenizer.json").read_text())
+    base = len(vocab["model"]["vocab"])
+    size = base + len([t for t in vocab["added_tokens"] if t["id"] >= base])
+    config = transformers.GptOssConfig(
+        vocab_size=size, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=window,
+        max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=2,
+        rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(2.5)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 1.0)
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.o_proj):
+                lin.bias.normal_(0, 0.1)
+            layer.self_attn.q_proj.weight.mul_(4.0)                 # peaked attention: positions matter
+            layer.self_attn.k_proj.weight.mul_(4.0)
+            layer.mlp.router.weight.normal_(0, 0.5)
+            layer.mlp.router.bias.normal_(0, 0.5)
+            layer.mlp.experts.gate_up_proj.mul_(40.0)           # some gates and ups past the clamp's limit
+            layer.mlp.experts.gate_up_proj_bias.normal_(0, 0.5)
+            layer.mlp.experts.down_proj.mul_(2.0)
+            layer.mlp.experts.down_proj_bias.normal_(0, 0.05)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return model

@@ -16,8 +16,14 @@ Weights, as the decoder reads them (`build_layer`), under model.layers.N.mlp.:
 - a Hugging Face checkpoint's experts.{e}.{gate,up,down}_proj.weight, one matrix per expert, or
 - llama.cpp's stacks (blk.N.ffn_{gate,up,down}_exps [E, out, in]) as experts.{gate,up,down}_proj.weight:
   a quantized stack stays the file's blocks, each expert a view of its rows (no copy).
-Router variants (gpt-oss's softmax over the top-k, biases) and other activations plug in here by
-new `moe` keys, the layer layout staying the same.
+and, where the checkpoint has them (gpt-oss), their biases: mlp.gate.bias [E] and the stacks'
+experts.{gate,up,down}_proj.bias [E, out] (llama.cpp: ffn_gate_inp.bias, ffn_{gate,up,down}_exps.bias).
+
+Variants, by `moe` keys (absent: Qwen3's):
+- `router`: "softmax" (the softmax over all experts, then top-k) or "topk_softmax" (gpt-oss: the top-k
+  logits, then a softmax over those k, in the model dtype);
+- `activation`: "silu" (SwiGLU) or "swiglu_clamp" (gpt-oss: the gate clamped from above and up on both
+  sides at `limit`, then (up + 1) * gate * sigmoid(`alpha` * gate); models/gpt_oss.py).
 """
 from __future__ import annotations
 
@@ -29,6 +35,8 @@ from .errors import ModelError
 MAX_EXPERTS = 512        # SD_MOE_MAX_E in specdecode/fast/decoder_moe.c
 MAX_USED = 16            # SD_MOE_MAX_K
 STACKED = ("gate_proj", "up_proj", "down_proj")
+ROUTERS = ("softmax", "topk_softmax")
+ACTIVATIONS = ("silu", "swiglu_clamp")
 # llama.cpp's per-layer names of a MoE layer -> the Hugging Face ones under model.layers.N
 GGUF_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
               "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
@@ -44,6 +52,12 @@ def check_config(config) -> None:
         raise ModelError(f"num_experts_per_tok must be in [1, {min(experts, MAX_USED)}], got {used}")
     if width < 1:
         raise ModelError(f"moe_intermediate_size must be >= 1, got {width}")
+    if moe.get("router", "softmax") not in ROUTERS:
+        raise ModelError(f"MoE router must be one of {', '.join(ROUTERS)}, got {moe.get('router')!r}")
+    if moe.get("activation", "silu") not in ACTIVATIONS:
+        raise ModelError(f"MoE activation must be one of {', '.join(ACTIVATIONS)}, got {moe.get('activation')!r}")
+    if moe.get("activation") == "swiglu_clamp" and not (moe.get("limit", 0) > 0 and moe.get("alpha", 0) > 0):
+        raise ModelError(f"swiglu_limit and swiglu_alpha must be > 0, got {moe.get('limit')} and {moe.get('alpha')}")
     layers = config.moe_layers
     if layers is None or len(layers) != config.num_layers:
         raise ModelError(f"MoE layers name {0 if layers is None else len(layers)} layers, "
@@ -106,6 +120,12 @@ def split_stacked(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     return {f"{head}.{e}.{kind}.weight": tensor[e].contiguous() for e in range(tensor.shape[0])}
 
 
+def _expert_bias(weights: dict, prefix: str, kind: str, e: int) -> torch.Tensor | None:
+    """Expert e's `kind` bias [out] from its stack [E, out], or None without biases."""
+    stack = weights.get(f"{prefix}mlp.experts.{kind}.bias")
+    return None if stack is None else stack[e]
+
+
 def _expert(weights: dict, prefix: str, kind: str, e: int, experts: int):
     """Expert e's `kind` matrix [out, in]: its own tensor, or its rows of llama.cpp's stack (a
     QuantWeight [E * out, in] as the file's blocks, or a dense [E, out, in])."""
@@ -136,10 +156,12 @@ def build_layer(weights: dict, prefix: str, config, make_linear) -> dict:
         else:
             fused = torch.cat([w.dequantize(config_dtype(weights)) if isinstance(w, QuantWeight) else w
                                for w in (gate, up)])
-        gate_up.append(make_linear(fused, None))
-        down.append(make_linear(_expert(weights, prefix, "down_proj", e, experts), None))
-    return {"router": make_linear(weights[prefix + "mlp.gate.weight"], None), "experts_gate_up": gate_up,
-            "experts_down": down}
+        biases = [_expert_bias(weights, prefix, k, e) for k in ("gate_proj", "up_proj")]
+        gate_up.append(make_linear(fused, None if biases[0] is None else torch.cat(biases)))
+        down.append(make_linear(_expert(weights, prefix, "down_proj", e, experts),
+                                _expert_bias(weights, prefix, "down_proj", e)))
+    return {"router": make_linear(weights[prefix + "mlp.gate.weight"], weights.get(prefix + "mlp.gate.bias")),
+            "experts_gate_up": gate_up, "experts_down": down}
 
 
 def config_dtype(weights: dict) -> torch.dtype:
@@ -147,8 +169,13 @@ def config_dtype(weights: dict) -> torch.dtype:
 
 
 def route(logits: torch.Tensor,       # [N, E] router logits, model dtype
-          used: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:   # -> [N, k] weights, [N, k] ids
-    """Top-k experts of each row and their weights in the model dtype (transformers' Qwen3MoeTopKRouter)."""
+          used: int, norm_topk: bool, router: str = "softmax",
+          ) -> tuple[torch.Tensor, torch.Tensor]:   # -> [N, k] weights, [N, k] ids
+    """Top-k experts of each row and their weights in the model dtype (transformers' Qwen3MoeTopKRouter;
+    "topk_softmax": GptOssTopKRouter)."""
+    if router == "topk_softmax":
+        top, ids = torch.topk(logits, used, dim=-1)
+        return F.softmax(top, dim=-1, dtype=top.dtype), ids
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
     top, ids = torch.topk(probs, used, dim=-1)
     if norm_topk:
@@ -162,14 +189,19 @@ def moe_mlp(layer: dict, x: torch.Tensor,      # [B, T, D] normed hidden states
     expert id, the weighted outputs added into the rows (index_add_ in the model dtype); then, where
     the layer has one (Qwen3.5), the shared expert's output times sigmoid(its gate) added."""
     flat = x.reshape(-1, x.shape[-1])                                       # [N, D]
-    weights, ids = route(layer["router"](flat), moe["used"], moe["norm_topk"])
+    weights, ids = route(layer["router"](flat), moe["used"], moe["norm_topk"], moe.get("router", "softmax"))
     out = torch.zeros_like(flat)
     for e in sorted(set(ids.reshape(-1).tolist())):
         rows, rank = torch.where(ids == e)
         order = torch.argsort(rows)                                         # rows ascending
         rows, rank = rows[order], rank[order]
         gate, up = layer["experts_gate_up"][e](flat[rows]).chunk(2, dim=-1)
-        y = layer["experts_down"][e](F.silu(gate) * up)                     # [n, D]
+        if moe.get("activation") == "swiglu_clamp":
+            from .gpt_oss import clamped_swiglu
+            act = clamped_swiglu(gate, up, moe)
+        else:
+            act = F.silu(gate) * up
+        y = layer["experts_down"][e](act)                                   # [n, D]
         out.index_add_(0, rows, (y * weights[rows, rank, None]).to(out.dtype))
     if "shared_gate_up" in layer:                                           # Qwen3.5's shared expert
         gate, up = layer["shared_gate_up"](flat).chunk(2, dim=-1)

