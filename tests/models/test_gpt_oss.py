@@ -10,10 +10,12 @@ import dataclasses
 import conftest
 import pytest
 import torch
-from conftest import make_gpt_oss
+from conftest import assert_tree_paths_match_chains, make_gpt_oss
 
 from specdecode import LLM, SamplingParams
+from specdecode.cache.paged import PagedKVCache
 from specdecode.fast import linear as fast_linear
+from specdecode.forward import ForwardBatch
 from specdecode.models.gpt_oss import GptOssTransformer
 from specdecode.models.loader import load_model
 from specdecode.models.transformer import rope_inv_freq
@@ -54,6 +56,8 @@ def test_logits_match_transformers(gpt_oss, fast):
     assert config.sliding_window == 6 and config.attention_sinks and config.rope_scaling["rope_type"] == "yarn"
     assert config.moe == {"experts": 8, "used": 2, "intermediate": 64, "norm_topk": False, "router": "topk_softmax",
                           "activation": "swiglu_clamp", "alpha": 1.702, "limit": 7.0}
+    if fast and fast_linear._load()["lib"] is not None:
+        assert lm.model.fused is not None and lm.model.fused.moe_count is not None
     _check_logits(lm.model, hf, 1e-4)
 
 
@@ -100,3 +104,80 @@ def test_greedy_identical_to_transformers_plain_and_speculative(gpt_oss):
         assert len(ref) == 24 or ref[-1] == 2                     # transformers stops at the eos token
         for k in (0, 4):
             assert llm.generate(prompt, params, num_speculative_tokens=k)[0].token_ids[:len(ref)] == ref, k
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_ragged_batches_and_paged_caches_keep_the_window(gpt_oss, fast):
+    """Two requests at different positions in one pass, in a contiguous cache and in paged caches whose
+    blocks are smaller than, equal to and not dividing the window: each row's logits as transformers'."""
+    folder, hf = gpt_oss
+    model = load_model(str(folder), dtype="fp32", progress=False, fast=fast).model
+    tokens = torch.randint(0, model.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    c = model.config
+    caches = [model.new_cache(3, 64)] + [
+        PagedKVCache(c.num_layers, 3, c.num_kv_heads, c.head_dim, 64, 40, size, model.dtype) for size in (4, 6, 5)]
+    rows = torch.tensor([2, 0])
+    for cache in caches:
+        for r, n in zip(rows.tolist(), (30, 26)):
+            if isinstance(cache, PagedKVCache):
+                cache.reserve(r, 40)
+            model.forward(tokens[:, :n], cache, torch.tensor([0]), rows=torch.tensor([r]))
+        fb = ForwardBatch.chain(torch.cat([tokens[:, 30:36], tokens[:, 26:32]]), torch.tensor([30, 26]), rows)
+        got = model.logits(model.run(fb, cache))
+        torch.testing.assert_close(got[0], expected[0, 30:36], atol=1e-4, rtol=0)
+        torch.testing.assert_close(got[1], expected[0, 26:32], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_tree_pass_windows_each_path(gpt_oss, fast):
+    """A draft tree's nodes each see the last keys of their own path, sinks included."""
+    folder, hf = gpt_oss
+    assert_tree_paths_match_chains(load_model(str(folder), dtype="fp32", progress=False, fast=fast).model, hf)
+
+
+@needs_kernels
+def test_verify_and_batched_rows_bitwise_equal_to_single_steps(gpt_oss):
+    """bf16, fused: a 6-row verify pass past the window gives each row's logits bitwise as 6 single
+    steps, and the distinct experts a pass read are recorded per layer."""
+    folder, _ = gpt_oss
+    model = load_model(str(folder), dtype="bf16", progress=False).model
+    tokens = torch.randint(0, model.vocab_size, (1, 20), generator=torch.Generator().manual_seed(2))
+    cache = model.new_cache(1, 32)
+    model.forward(tokens[:, :14], cache, 0)
+    block = model.forward(tokens[:, 14:20], cache, 14)
+    assert 2 <= max(model.fused.moe_count.tolist()) <= 8
+    steps = [model.forward(tokens[:, p:p + 1], cache, p)[:, 0] for p in range(14, 20)]
+    assert torch.equal(block[0], torch.cat(steps))
+    assert model.fused.moe_count.tolist() == [2] * 4                       # one row: its 2 experts
+
+
+@needs_kernels
+def test_bf16_long_speculative_and_batched_equal_plain(gpt_oss):
+    """bf16 on the fused decoder, paged cache, 96 tokens (sixteen windows), verify passes of k + 1 rows
+    whose rejected rows roll back, several requests in one batch: the tokens of plain decoding one
+    request at a time."""
+    folder, _ = gpt_oss
+    llm = LLM(model=str(folder), dtype="bf16", progress=False, adaptive=False)
+    params = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
+    alone = [llm.generate(p, params, num_speculative_tokens=0)[0].token_ids for p in PROMPTS]
+    for k in (3, 6):
+        batch = llm.generate(PROMPTS, params, num_speculative_tokens=k)
+        assert [o.token_ids for o in batch] == alone, k
+
+
+def test_long_greedy_identical_to_transformers(gpt_oss):
+    """fp32, 64 tokens past a prompt longer than the window, plain and speculative (rollbacks)."""
+    folder, hf = gpt_oss
+    llm = LLM(model=str(folder), dtype="fp32", progress=False, adaptive=False)
+    ids = llm.encode(PROMPTS[0], False)
+    assert len(ids) > 6
+    seq = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(64):
+            seq = torch.cat([seq, hf(seq).logits[:, -1:].argmax(-1)], 1)
+    ref = seq[0, len(ids):].tolist()
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    for k in (0, 5):
+        assert llm.generate(ids, params, num_speculative_tokens=k)[0].token_ids == ref, k
