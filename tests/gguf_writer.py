@@ -288,3 +288,78 @@ def write_qwen3moe_gguf(path: Path, model, tokenizer_json: Path, eos_token: str,
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_gpt_oss_gguf(path: Path, model, tokenizer_json: Path, eos_token: str, rest: str = "Q8_0") -> Path:
+    """A transformers gpt-oss (GptOssForCausalLM) as llama.cpp's converter writes it (its GptOssModel):
+    the interleaved gate_up_proj [E, D, 2I] split into gate (even columns) and up (odd) stacks and every
+    stack transposed to [E, out, in] (blk.N.ffn_{gate,up,down}_exps) in MXFP4 blocks, their biases
+    split alike (F32), the router as blk.N.ffn_gate_inp (F32, weight and bias), the sinks as
+    blk.N.attn_sinks.weight, the post-attention norm as blk.N.post_attention_norm, YaRN and the window
+    in the metadata; the other matrices in `rest` ("Q8_0" as llama.cpp's published files, or "F32")."""
+    import gguf
+    from gguf.quants import quantize
+
+    c = model.config
+    arch, q = "gpt-oss", gguf.GGMLQuantizationType
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny-gpt-oss")
+    write_gpt_oss_metadata(writer, c)
+    write_tokenizer(writer, tokenizer_json, eos_token)
+    state = {k: v.detach().to(torch.float32) for k, v in model.state_dict().items()}
+    tensors = {"token_embd.weight": state["model.embed_tokens.weight"],
+               "output_norm.weight": state["model.norm.weight"], "output.weight": state["lm_head.weight"]}
+    for i in range(c.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        tensors.update({b + "attn_norm.weight": state[p + "input_layernorm.weight"],
+                        b + "post_attention_norm.weight": state[p + "post_attention_layernorm.weight"],
+                        b + "attn_sinks.weight": state[p + "self_attn.sinks"],
+                        b + "ffn_gate_inp.weight": state[p + "mlp.router.weight"],
+                        b + "ffn_gate_inp.bias": state[p + "mlp.router.bias"]})
+        for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
+                             ("attn_output", "o_proj")):
+            for kind in ("weight", "bias"):
+                tensors[f"{b}{ours}.{kind}"] = state[f"{p}self_attn.{theirs}.{kind}"]
+        gate_up, gate_up_bias = state[p + "mlp.experts.gate_up_proj"], state[p + "mlp.experts.gate_up_proj_bias"]
+        tensors.update({b + "ffn_gate_exps.weight": gate_up[..., ::2].transpose(1, 2),
+                        b + "ffn_up_exps.weight": gate_up[..., 1::2].transpose(1, 2),
+                        b + "ffn_down_exps.weight": state[p + "mlp.experts.down_proj"].transpose(1, 2),
+                        b + "ffn_gate_exps.bias": gate_up_bias[:, ::2], b + "ffn_up_exps.bias": gate_up_bias[:, 1::2],
+                        b + "ffn_down_exps.bias": state[p + "mlp.experts.down_proj_bias"]})
+    for name, tensor in tensors.items():
+        array = np.ascontiguousarray(tensor.numpy())
+        if name.endswith("_exps.weight"):
+            writer.add_tensor(name, quantize(array, q.MXFP4), raw_dtype=q.MXFP4)
+        elif rest == "Q8_0" and array.ndim == 2 and "ffn_gate_inp" not in name and array.shape[-1] % 32 == 0:
+            writer.add_tensor(name, quantize(array, q.Q8_0), raw_dtype=q.Q8_0)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_gpt_oss_metadata(writer, c) -> None:
+    """gpt-oss's hyper-parameters as llama.cpp's converter writes them (`c`: a GptOssConfig or one with
+    its fields)."""
+    import gguf
+    rope = c.rope_parameters
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(float(rope["factor"]))
+    writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    writer.add_expert_count(c.num_local_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_sliding_window(c.sliding_window)
+    writer.add_expert_feed_forward_length(c.intermediate_size)

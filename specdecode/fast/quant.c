@@ -22,6 +22,9 @@
  *   Q4_K    256    144   nibble                   d * sc(6 bit)         -dmin * m(6 bit)
  *   Q5_K    256    176   5 bits                   d * sc(6 bit)         -dmin * m(6 bit)
  *   Q6_K    256    210   6 bits                   d * sc(int8) per 16   -32 s
+ *   MXFP4    32     17   e2m1 code -> 2 x value   2^(e - 128) (E8M0 e)  -12 s   (gpt-oss's experts:
+ *                         + 12 (0..24, a table)                                 read in place, never
+ *                                                                               repacked)
  *   I8     (row)  4 + K  int8 + 128               fp32 scale per row    -128 s  (int8 per channel)
  *
  * Batch invariance: every (row, column) dot product is computed by the same instruction sequence
@@ -31,7 +34,7 @@
  */
 
 enum { GQ_Q4_0 = 2, GQ_Q4_1 = 3, GQ_Q5_0 = 6, GQ_Q5_1 = 7, GQ_Q8_0 = 8, GQ_Q4_K = 12, GQ_Q5_K = 13,
-       GQ_Q6_K = 14, GQ_I8 = 1000,
+       GQ_Q6_K = 14, GQ_MXFP4 = 39, GQ_I8 = 1000,
        GQ_Q4_K16 = 1012, GQ_Q6_K16 = 1014,     /* Q4_K / Q6_K repacked 16 columns at a time (below) */
        GQ_Q4_016 = 1002, GQ_Q4_116 = 1003, GQ_Q5_016 = 1006, GQ_Q5_116 = 1007, GQ_Q8_016 = 1008 };
 
@@ -70,6 +73,15 @@ static inline float h2f(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
+}
+
+/* An MXFP4 block's scale byte as the float ggml multiplies its doubled e2m1 values by: 2^(e - 128)
+ * (ggml_e8m0_to_fp32_half; e < 2 are subnormal) */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
 /* 6-bit scale and min j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4) */
@@ -123,6 +135,26 @@ qdecode_chunk(int type, const uint8_t *row, int c, int nb, __m512i *w, float *s1
         _mm512_storeu_ps(s16, s);
         _mm512_storeu_ps(o16, has_m ? _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_load_ps(mv)))
                                     : _mm512_mul_ps(s, _mm512_set1_ps(-center)));
+        break;
+    }
+    case GQ_MXFP4: {         /* a block: E8M0 scale byte, then 16 bytes of codes (element j low, j + 16 high) */
+        float dv[8] __attribute__((aligned(32))) = {0};
+        const __m256i m4 = _mm256_set1_epi8(0x0F);
+        const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24,
+                                                                   12, 11, 10, 9, 8, 6, 4, 0));  /* 2 x e2m1 + 12 */
+        for (int p = 0; p < nb / 2; p++) {
+            const uint8_t *a = row + (size_t)(b0 + 2 * p) * 17, *bb = a + 17;
+            dv[2 * p] = e8m0_half(a[0]);
+            dv[2 * p + 1] = e8m0_half(bb[0]);
+            const __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 1))),
+                                                      _mm_loadu_si128((const __m128i *)(bb + 1)), 1);
+            const __m256i lo = _mm256_and_si256(x, m4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
+            w[p] = _mm512_shuffle_epi8(table, _mm512_shuffle_i64x2(pair(lo, hi), pair(lo, hi), 0xD8));
+        }
+        const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+        const __m512 s = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_load_ps(dv)));
+        _mm512_storeu_ps(s16, s);
+        _mm512_storeu_ps(o16, _mm512_mul_ps(s, _mm512_set1_ps(-12.f)));
         break;
     }
     case GQ_I8: {
@@ -204,7 +236,7 @@ qdecode_chunk(int type, const uint8_t *row, int c, int nb, __m512i *w, float *s1
 static int q_block_ok(int type) {
     switch (type) {
     case GQ_Q4_0: case GQ_Q4_1: case GQ_Q5_0: case GQ_Q5_1: case GQ_Q8_0: case GQ_Q4_K: case GQ_Q5_K:
-    case GQ_Q6_K: case GQ_I8: case GQ_Q4_K16: case GQ_Q6_K16:
+    case GQ_Q6_K: case GQ_MXFP4: case GQ_I8: case GQ_Q4_K16: case GQ_Q6_K16:
     case GQ_Q4_016: case GQ_Q4_116: case GQ_Q5_016: case GQ_Q5_116: case GQ_Q8_016: return 1;
     default: return 0;
     }
@@ -317,6 +349,7 @@ Q_COLUMN_FOR(GQ_Q8_0, q_col_q8_0)
 Q_COLUMN_FOR(GQ_Q4_K, q_col_q4_k)
 Q_COLUMN_FOR(GQ_Q5_K, q_col_q5_k)
 Q_COLUMN_FOR(GQ_Q6_K, q_col_q6_k)
+Q_COLUMN_FOR(GQ_MXFP4, q_col_mxfp4)
 Q_COLUMN_FOR(GQ_I8, q_col_i8)
 
 typedef void (*q_col_fn)(const uint8_t *, long, int, const int8_t *, const float *, const float *, int, float *);
@@ -331,6 +364,7 @@ static q_col_fn q_col_for(int type) {
     case GQ_Q4_K: return q_col_q4_k;
     case GQ_Q5_K: return q_col_q5_k;
     case GQ_Q6_K: return q_col_q6_k;
+    case GQ_MXFP4: return q_col_mxfp4;
     case GQ_I8: return q_col_i8;
     default: return NULL;
     }

@@ -271,6 +271,9 @@ class ModelConfig:
             return hf_config(self)
         if self.arch == "gemma4":
             raise ModelError("a Gemma 4 config is read from its own config.json, not written back")
+        if self.arch == "gpt-oss":
+            from .gpt_oss import hf_config as gpt_oss_config
+            return gpt_oss_config(self)
         if self.moe is not None:
             from .moe import hf_config
             return hf_config(self)

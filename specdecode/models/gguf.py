@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,7 @@ from .moe import GGUF_NAMES as MOE_NAMES
 from .moe import split_stacked, stacked_name
 
 FORMAT_VERSION = 3   # 2: end-of-generation tokens of the vocabulary added to the EOS ids; 3: Qwen3.5's MTP head
-NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen35", "qwen3moe", "qwen35moe")
+NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen35", "qwen3moe", "qwen35moe", "gpt-oss")
 # llama.cpp's names of architectures that transformers files under another (its load_gguf_checkpoint)
 TRANSFORMERS_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
                       "minimax-m2": "minimax_m2", "t5encoder": "t5"}
@@ -273,6 +274,9 @@ def required_tensors(config: ModelConfig) -> list[str]:
     if config.moe is not None and config.arch == "qwen3moe":
         from .moe import required_tensors as moe_tensors
         return moe_tensors(config)
+    if config.arch == "gpt-oss":
+        from .gpt_oss import required_tensors as gpt_oss_tensors
+        return gpt_oss_tensors(config)
     per_layer = ["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
                  "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
     if config.arch == "phi3":      # q|k|v fused in attn_qkv, gate|up in ffn_up
@@ -363,6 +367,11 @@ def _hf_name(name: str, arch: str | None = None, num_layers: int | None = None) 
     from .gemma_config import GGUF_NAMES  # llama.cpp's names of Gemma's four layer norms
     if arch in ("gemma2", "gemma3") and parts[0] == "blk" and parts[2] in GGUF_NAMES:
         return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
+    if arch == "gpt-oss" and parts[0] == "blk":                      # its sinks and post-attention norm
+        from .gpt_oss import gguf_name
+        name = gguf_name(parts)
+        if name is not None:
+            return name
     if arch == "phi3" and parts[0] == "blk" and parts[2] in _PHI3_NAMES:   # llama.cpp's fused phi3 tensors
         return f"model.layers.{parts[1]}.{_PHI3_NAMES[parts[2]]}.{parts[3]}"
     if parts[0] == "blk" and parts[2] in _NAMES:
@@ -431,6 +440,9 @@ def read_config(reader, path: Path | str = "the GGUF file") -> ModelConfig:
     if arch == "qwen3moe":                        # mixture-of-experts MLPs (models/moe.py)
         from .moe import gguf_fields as moe_fields
         fields.update(moe_fields(g))
+    if arch == "gpt-oss":                         # sinks, windows, YaRN, biased experts (models/gpt_oss.py)
+        from .gpt_oss import gguf_fields as gpt_oss_fields
+        fields.update(gpt_oss_fields(g))
     config = ModelConfig(**fields)
     if config.is_gemma:
         from dataclasses import replace
@@ -461,8 +473,11 @@ def convert(path: Path, out: Path) -> None:
         array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
         weights[name] = torch.from_numpy(_hf_order(name, array, config))
-        if stacked_name(name):                   # llama.cpp's expert stack: the checkpoint's one per expert
-            weights.update(split_stacked(name, weights.pop(name)))
+        if stacked_name(name) and name.endswith(".weight") and config.arch != "gpt-oss":
+            weights.update(split_stacked(name, weights.pop(name)))   # a stack: the checkpoint's one per expert
+    if config.arch == "gpt-oss":                 # gpt_oss checkpoints hold stacks of their own layout
+        from .gpt_oss import checkpoint_weights
+        checkpoint_weights(weights, config)
     _write_dir(path, out, config, {}, weights)
 
 
@@ -470,5 +485,30 @@ def _convert_tokenizer(path: Path, out: Path) -> None:
     """transformers' GGUF tokenizer converter produces the tokenizer.json and chat template."""
     from transformers import AutoTokenizer
     _quiet_transformers()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with _rope_scaling_fields_first():
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.save_pretrained(str(out))
+
+
+@contextmanager
+def _rope_scaling_fields_first():
+    """transformers (5.25)'s GGUF reader takes a gpt-oss file's rope.scaling values from the first
+    part of each field, which is the key's length: within this block the gguf package's reader puts a
+    copy of the value (a Python scalar or bytes) first in those fields, so reading them succeeds."""
+    import gguf
+    base = gguf.GGUFReader
+
+    class Reader(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for key, field in list(self.fields.items()):
+                if key.startswith("gpt-oss.rope.scaling.") and len(field.data) == 1:
+                    value = field.parts[field.data[0]]
+                    text = field.types and field.types[0] == gguf.GGUFValueType.STRING
+                    first = bytes(value) if text else value.item()
+                    self.fields[key] = field._replace(parts=[first] + list(field.parts), data=[field.data[0] + 1])
+    gguf.GGUFReader = Reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = base

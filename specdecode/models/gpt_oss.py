@@ -156,3 +156,82 @@ class GptOssTransformer(Transformer):
 
     def attend(self, index: int, q, keys, values, mask):
         return sink_attention(q, keys, values, mask, self.sinks[index], self.config.attention_scale)
+
+
+# llama.cpp's per-layer names of gpt-oss's own tensors (the rest as Llama's and models/moe.py's)
+GGUF_NAMES = {"attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm"}
+
+
+def gguf_name(parts: list[str]) -> str | None:
+    """The Hugging Face name of a gpt-oss block tensor (`parts`: its GGUF name split at dots), or None
+    for one named as in other families. The sinks are a parameter of their own (no `.weight`)."""
+    if parts[2] == "attn_sinks":
+        return f"model.layers.{parts[1]}.self_attn.sinks"
+    if parts[2] in GGUF_NAMES:
+        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def gguf_fields(g) -> dict:
+    """The gpt-oss fields of a llama.cpp file (`g(key, default)`: its metadata under the architecture):
+    llama.cpp windows every even layer (its swa pattern of 2) and fixes the SwiGLU's alpha and limit;
+    YaRN without truncation, as gpt-oss's config.json has it."""
+    layers = int(g("block_count"))
+    window = g("attention.sliding_window")
+    rope = None
+    if g("rope.scaling.type") == "yarn":
+        rope = {"rope_type": "yarn", "factor": float(g("rope.scaling.factor")), "truncate": False,
+                "original_max_position_embeddings": int(g("rope.scaling.original_context_length")),
+                "beta_fast": float(g("rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": float(g("rope.scaling.yarn_beta_slow", 1.0))}
+    return {"rope_scaling": rope, "attention_bias": True, "attention_sinks": True,
+            "sliding_window": int(window) if window else None,
+            "sliding_layers": tuple(i % 2 == 0 for i in range(layers)) if window else None,
+            "intermediate_size": int(g("expert_feed_forward_length")),
+            "moe": {"experts": int(g("expert_count")), "used": int(g("expert_used_count")),
+                    "intermediate": int(g("expert_feed_forward_length")), "norm_topk": False,
+                    "router": "topk_softmax", "activation": "swiglu_clamp", "alpha": 1.702, "limit": 7.0},
+            "moe_layers": (True,) * layers}
+
+
+def required_tensors(config) -> list[str]:
+    """The GGUF tensors of a gpt-oss file (output.weight only when untied)."""
+    per_layer = [f"{n}.{k}" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate_exps",
+                                      "ffn_up_exps", "ffn_down_exps") for k in ("weight", "bias")]
+    per_layer += ["attn_norm.weight", "post_attention_norm.weight", "attn_sinks.weight"]
+    return ["token_embd.weight", "output_norm.weight"] + [f"blk.{i}.{n}" for i in range(config.num_layers)
+                                                        for n in per_layer]
+
+
+def checkpoint_weights(weights: dict, config) -> None:
+    """The inverse of `hf_weights`, in place: llama.cpp's layout back to a gpt_oss checkpoint's (the
+    dense conversion of a GGUF file, which transformers also loads)."""
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}.mlp."
+        for kind in ("weight", "bias"):
+            weights[p + "router." + kind] = weights.pop(p + "gate." + kind)
+        gate, up = (weights.pop(p + f"experts.{k}_proj.weight").transpose(1, 2) for k in ("gate", "up"))   # [E, D, I]
+        weights[p + "experts.gate_up_proj"] = torch.stack([gate, up], dim=-1).flatten(-2).contiguous()  # interleaved
+        gate_b, up_b = (weights.pop(p + f"experts.{k}_proj.bias") for k in ("gate", "up"))
+        weights[p + "experts.gate_up_proj_bias"] = torch.stack([gate_b, up_b], dim=-1).flatten(-2).contiguous()
+        weights[p + "experts.down_proj"] = weights.pop(p + "experts.down_proj.weight").transpose(1, 2).contiguous()
+        weights[p + "experts.down_proj_bias"] = weights.pop(p + "experts.down_proj.bias")
+
+
+def hf_config(config) -> dict:
+    """config.json for transformers' GptOssForCausalLM (the converted-GGUF cache)."""
+    moe = config.moe
+    eos = list(config.eos_token_ids)
+    rope = dict(config.rope_scaling or {"rope_type": "default"}, rope_theta=config.rope_theta)
+    return {"architectures": ["GptOssForCausalLM"], "model_type": MODEL_TYPE, "vocab_size": config.vocab_size,
+            "hidden_size": config.hidden_size, "intermediate_size": moe["intermediate"],
+            "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+            "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+            "rms_norm_eps": config.rms_norm_eps, "rope_parameters": rope,
+            "max_position_embeddings": config.max_position_embeddings,
+            "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": config.attention_bias,
+            "bos_token_id": config.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos,
+            "num_local_experts": moe["experts"], "num_experts_per_tok": moe["used"],
+            "swiglu_alpha": moe["alpha"], "swiglu_limit": moe["limit"], "sliding_window": config.sliding_window,
+            "layer_types": ["sliding_attention" if config.layer_window(i) else "full_attention"
+                            for i in range(config.num_layers)], "torch_dtype": "float32"}

@@ -458,3 +458,23 @@ def test_release_pages_gives_a_file_views_pages_back(tmp_path):
     release_pages(view)
     assert before >= 1000 and mapping_rss_kb(path) <= before // 10, (before, mapping_rss_kb(path))
     assert torch.equal(view, torch.from_numpy(data))
+
+
+@needs_quant
+def test_mxfp4_parts_are_kernel_segments_read_in_place():
+    """MXFP4 (never repacked): a gate|up of two stacks' rows is two kernel segments reading those rows
+    where they lie, bitwise the merged copy's results; every e2m1 code and a subnormal scale decode as
+    the gguf package's values."""
+    gate, up = random_weight(39, 24, 320, seed=8), random_weight(39, 40, 320, seed=9)
+    lin = QuantLinear(QuantWeight.cat([gate, up]))
+    assert lin.qmat.nseg == 2 and [lin.qmat.data[0], lin.qmat.data[1]] == [
+        gate.segments[0][1].data_ptr(), up.segments[0][1].data_ptr()]
+    merged = QuantWeight([(39, torch.cat([gate.segments[0][1], up.segments[0][1]]))], 320)
+    x = torch.randn(6, 320).to(torch.bfloat16)
+    assert torch.equal(lin(x), QuantLinear(merged)(x))
+    raw = np.zeros((2, 2, 17), np.uint8)
+    raw[:, :, 0] = [[1, 127], [130, 0]]                                      # subnormal, 2^-1, 2^2 and 2^-128 scales
+    raw[:, :, 1:] = (np.arange(16, dtype=np.uint8) * 17)[None, None]        # every code, low and high nibble
+    from gguf.quants import dequantize
+    w = QuantWeight.from_blocks(39, raw.reshape(2, -1), (2, 64))
+    assert torch.equal(w.dequantize(), torch.from_numpy(dequantize(raw.reshape(2, -1), 39).reshape(2, 64)))

@@ -100,7 +100,7 @@ def test_unknown_architecture_is_refused(tmp_path, cache):
     writer.close()
     with pytest.raises(ModelError, match=r"madeup.gguf: GGUF architecture 'madeup' is not supported "
                                          r"\(native: llama, qwen2, qwen3, phi3, gemma2, gemma3, qwen35, qwen3moe, "
-                                         r"qwen35moe; "
+                                         r"qwen35moe, gpt-oss; "
                                          r"through transformers: .*gpt2"):
         LLM(model=str(path), progress=False)
 

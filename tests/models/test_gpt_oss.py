@@ -11,6 +11,7 @@ import conftest
 import pytest
 import torch
 from conftest import assert_tree_paths_match_chains, make_gpt_oss
+from gguf_writer import write_gpt_oss_gguf
 
 from specdecode import LLM, SamplingParams
 from specdecode.cache.paged import PagedKVCache
@@ -30,6 +31,21 @@ def gpt_oss(tmp_path_factory):
     """(directory, transformers model) of the tiny gpt-oss (window 6 on layers 0 and 2)."""
     folder = tmp_path_factory.mktemp("gpt_oss")
     return folder, make_gpt_oss(folder)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_gguf(gpt_oss):
+    """The same model as llama.cpp's converter writes it: MXFP4 expert stacks, Q8_0 matrices."""
+    folder, hf = gpt_oss
+    return write_gpt_oss_gguf(folder.parent / "tiny-gpt-oss-mxfp4.gguf", hf, folder / "tokenizer.json", "<|im_end|>")
+
+
+def _dequantized_reference(path):
+    """transformers' gpt-oss on the file's weights dequantized exactly (the dense conversion, which
+    writes gpt_oss's own checkpoint layout back): what the file's rounding leaves of the model."""
+    import transformers
+    lm = load_model(str(path), dtype="fp32", progress=False, weights="dense", fast=False)
+    return lm, transformers.GptOssForCausalLM.from_pretrained(str(lm.path), dtype=torch.float32).eval()
 
 
 def _check_logits(model, hf, atol: float, length: int = 40) -> None:
@@ -181,3 +197,62 @@ def test_long_greedy_identical_to_transformers(gpt_oss):
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     for k in (0, 5):
         assert llm.generate(ids, params, num_speculative_tokens=k)[0].token_ids == ref, k
+
+
+def test_gguf_dense_load_is_transformers_on_the_dequantized_weights(gpt_oss_gguf, gpt_oss):
+    """The file read back (names, expert layout, YaRN, window, sinks) and dequantized exactly: logits and
+    greedy continuations those of transformers on the same dequantized weights (which MXFP4's rounding
+    moved away from the original model's)."""
+    lm, ref = _dequantized_reference(gpt_oss_gguf)
+    assert lm.native and type(lm.model) is GptOssTransformer
+    c = lm.model.config
+    assert c.arch == "gpt-oss" and c.sliding_layers == (True, False, True, False) and c.sliding_window == 6
+    assert c.rope_scaling["factor"] == 8.0 and c.moe["router"] == "topk_softmax" and c.attention_sinks
+    _check_logits(lm.model, ref, 1e-4)
+    tokens = torch.randint(0, c.vocab_size, (1, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        drift = (ref(tokens).logits - gpt_oss[1](tokens).logits).abs().max()
+    assert drift > 0.01
+    llm = LLM(model=str(gpt_oss_gguf), dtype="fp32", weights="dense", progress=False, adaptive=False)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    ids = llm.encode(PROMPTS[0], False)
+    seq = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(32):
+            seq = torch.cat([seq, ref(seq).logits[:, -1:].argmax(-1)], 1)
+    for k in (0, 4):
+        assert llm.generate(ids, params, num_speculative_tokens=k)[0].token_ids == seq[0, len(ids):].tolist()
+
+
+@needs_kernels
+def test_gguf_runs_natively_on_mxfp4_blocks_read_in_place(gpt_oss_gguf):
+    """The native load: each expert's gate, up and down rows views of the mapped file (no copy), logits
+    off the dequantized weights' by at most 3x what bf16 alone costs transformers, verify rows
+    bitwise equal to single steps, and greedy speculation identical to plain decoding."""
+    lm = load_model(str(gpt_oss_gguf), progress=False)
+    assert lm.native and lm.weights_kind == "native MXFP4+Q8_0" and lm.model.fused is not None
+    layer = lm.model.layers[1]
+    gate_up, down = layer["experts_gate_up"][3], layer["experts_down"][3]
+    (_, gate), (_, up) = gate_up.weight_q.segments
+    assert gate_up.weight_q.mapped and down.weight_q.mapped
+    assert [gate_up.qmat.data[0], gate_up.qmat.data[1]] == [gate.data_ptr(), up.data_ptr()]     # read in place
+    assert down.qmat.data[0] == down.weight_q.segments[0][1].data_ptr()
+    assert gate.data_ptr() == layer["experts_gate_up"][2].weight_q.segments[0][1].data_ptr() + gate.numel()
+    _, ref = _dequantized_reference(gpt_oss_gguf)
+    model = lm.model
+    tokens = torch.randint(0, model.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ref(tokens).logits
+        bf16_error = (ref.to(torch.bfloat16)(tokens).logits.float() - expected).abs().mean()
+    native_error = (model.forward(tokens, model.new_cache(1, 64), 0) - expected).abs().mean()
+    assert native_error < 3 * bf16_error            # bf16 and the activations' int8 rounding: the kernels' only errors
+    tokens = torch.randint(0, model.vocab_size, (1, 20), generator=torch.Generator().manual_seed(5))
+    cache = model.new_cache(1, 32)
+    model.forward(tokens[:, :12], cache, 0)
+    block = model.forward(tokens[:, 12:20], cache, 12)
+    assert torch.equal(block[0], torch.cat([model.forward(tokens[:, p:p + 1], cache, p)[:, 0] for p in range(12, 20)]))
+    llm = LLM(model=str(gpt_oss_gguf), progress=False, adaptive=False)
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    plain = llm.generate(PROMPTS, params, num_speculative_tokens=0)
+    spec = llm.generate(PROMPTS, params, num_speculative_tokens=4)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
