@@ -330,7 +330,8 @@ def write_gpt_oss_gguf(path: Path, model, tokenizer_json: Path, eos_token: str, 
         array = np.ascontiguousarray(tensor.numpy())
         if name.endswith("_exps.weight"):
             writer.add_tensor(name, quantize(array, q.MXFP4), raw_dtype=q.MXFP4)
-        elif rest == "Q8_0" and array.ndim == 2 and "ffn_gate_inp" not in name and array.shape[-1] % 32 == 0:
+        elif (rest == "Q8_0" and name.endswith(".weight") and array.ndim == 2 and "ffn_gate_inp" not in name
+              and array.shape[-1] % 32 == 0):
             writer.add_tensor(name, quantize(array, q.Q8_0), raw_dtype=q.Q8_0)
         else:
             writer.add_tensor(name, array)

@@ -1,6 +1,6 @@
 """Write a random model of a published shape as a GGUF file llama.cpp loads, for speed measurements
 without the real weights (their values do not change the work a decode step does): Qwen3.5-0.8B's
-(`--arch qwen35`, the default) or Qwen3-30B-A3B's (`--arch qwen3moe`).
+(`--arch qwen35`, the default), Qwen3-30B-A3B's (`--arch qwen3moe`) or gpt-oss-20b's (`--arch gpt-oss`).
 
 --arch qwen35: a model of llama.cpp's "qwen35" architecture. The shape is Qwen3.5-0.8B's published
 config.json: hidden 1024, 24 layers (three Gated DeltaNet to one gated attention), 8 attention heads
@@ -28,6 +28,16 @@ nearly the same for every row of a pass over random weights, would decide the ro
 verify pass would share most experts (measured: 8 rows read 15.6 distinct experts per layer of 128);
 so each token's own embedding decides its experts, which spread as under random routing: the worst
 case for the experts a verify pass reads.
+--arch gpt-oss: gpt-oss-20b's published config.json (openai/gpt-oss-20b): 24 layers, hidden 2880, 64 q heads
+and 8 kv heads of 64 (q/k/v/o biases, a sink per q head), 32 experts of intermediate_size 2880 with 4 routed
+per token (a biased router, softmax over the top 4, biased experts with the clamped SwiGLU), sliding window
+128 on every other layer, rope_theta 150000 with YaRN factor 32 over an initial context of 4096
+(max_position_embeddings 131072), rms_norm_eps 1e-5, vocabulary 201088, untied embeddings. As llama.cpp's
+converter (GptOssModel) writes it and as its published gpt-oss-20b file holds it (about 12 GB at 24
+layers): the expert stacks blk.N.ffn_{gate,up,down}_exps [32, out, in] in MXFP4 (random codes under the
+scale 2^-8), their biases, the router, sinks, norms and attention biases in F32, the embedding, attention
+and output matrices in Q8_0; written block by block as for qwen3moe. The o200k vocabulary is not here: the
+small BPE padded to 201088 rows (the LM head's cost is the real one's).
 --llamacpp-python PY --quantize Q4_K_M then runs llama.cpp's own quantizer (llama_model_quantize,
 through llama-cpp-python in that interpreter) on the written file into --quantized-out.
 
@@ -35,6 +45,7 @@ Usage: python scripts/measure/make_random_gguf.py --out qwen35-0.8b-random-q8_0.
        [--mtp]
        python scripts/measure/make_random_gguf.py --arch qwen3moe --layers 8 --out qwen3moe-8l-q8_0.gguf
        [--llamacpp-python ~/llama-venv/bin/python --quantize Q4_K_M --quantized-out qwen3moe-8l-q4_k_m.gguf]
+       python scripts/measure/make_random_gguf.py --arch gpt-oss --layers 8 --out gpt-oss-8l-mxfp4.gguf
 """
 from __future__ import annotations
 
@@ -134,11 +145,7 @@ def write_qwen3moe(out: Path, layers: int, seed: int, shape: dict | None = None)
     writer.add_expert_used_count(c["used"])
     writer.add_expert_feed_forward_length(ff)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = json.loads(small_tokenizer(Path(tmp)).read_text())
-    size = max(len(spec["model"]["vocab"]), max(t["id"] for t in spec["added_tokens"]) + 1)
-    spec["model"]["vocab"].update({f"<|unused_{i}|>": i for i in range(size, c["vocab"])})
-    write_tokenizer(writer, spec, "<|im_end|>")
+    write_tokenizer(writer, padded_vocabulary(c["vocab"]), "<|im_end|>")
     # (name, shape [.., rows, cols], kind): "q8" random Q8_0 blocks ("embed": of standard deviation 1), "router"
     # random F32, "norm" ones in F32
     plan = [("token_embd.weight", (c["vocab"], d), "embed")]
@@ -152,25 +159,101 @@ def write_qwen3moe(out: Path, layers: int, seed: int, shape: dict | None = None)
                  (b + "ffn_gate_inp.weight", (e, d), "router"), (b + "ffn_gate_exps.weight", (e, ff, d), "q8"),
                  (b + "ffn_up_exps.weight", (e, ff, d), "q8"), (b + "ffn_down_exps.weight", (e, d, ff), "q8")]
     plan += [("output_norm.weight", (d,), "norm"), ("output.weight", (c["vocab"], d), "q8")]
-    q8 = gguf.GGMLQuantizationType.Q8_0
+    write_plan(writer, plan, rng)
+
+
+def write_plan(writer, plan: list, rng) -> None:
+    """The tensors of `plan` ((name, shape [.., rows, cols], kind) in file order), one in memory at a time:
+    "q8" random Q8_0 blocks ("embed": of standard deviation 1), "mxfp4" random MXFP4 blocks, "router" and
+    "bias" random F32 (standard deviation 0.02), "norm" ones, "zero" zeros in F32."""
+    import gguf
+    import numpy as np
+    quant = {"q8": (gguf.GGMLQuantizationType.Q8_0, 34), "embed": (gguf.GGMLQuantizationType.Q8_0, 34),
+             "mxfp4": (gguf.GGMLQuantizationType.MXFP4, 17)}
     for name, shape, kind in plan:
-        if kind in ("q8", "embed"):
-            byte_shape = (*shape[:-1], shape[-1] // 32 * 34)
-            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=q8)
+        if kind in quant:
+            byte_shape = (*shape[:-1], shape[-1] // 32 * quant[kind][1])
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
+                                   raw_dtype=quant[kind][0])
         else:
             writer.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for _name, shape, kind in plan:     # one tensor in memory at a time
+    for _name, shape, kind in plan:
+        rows = int(np.prod(shape[:-1]))
         if kind in ("q8", "embed"):
-            rows, std = int(np.prod(shape[:-1])), 1.0 if kind == "embed" else 0.02
+            std = 1.0 if kind == "embed" else 0.02
             writer.write_tensor_data(random_q8_0(rng, rows, shape[-1], std).reshape(*shape[:-1], -1))
-        elif kind == "router":
+        elif kind == "mxfp4":
+            writer.write_tensor_data(random_mxfp4(rng, rows, shape[-1]).reshape(*shape[:-1], -1))
+        elif kind in ("router", "bias"):
             writer.write_tensor_data(rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02))
         else:
-            writer.write_tensor_data(np.ones(shape, dtype=np.float32))
+            writer.write_tensor_data((np.ones if kind == "norm" else np.zeros)(shape, dtype=np.float32))
     writer.close()
+
+
+def random_mxfp4(rng, rows: int, cols: int):
+    """[rows, cols] weights as random MXFP4 blocks (bytes [rows, cols / 32 * 17]): every e2m1 code equally
+    likely under the scale 2^-8 (E8M0 byte 120), so the weights have standard deviation about 0.023."""
+    import numpy as np
+    blocks = np.empty((rows, cols // 32, 17), dtype=np.uint8)
+    blocks[:, :, 0] = 120
+    blocks[:, :, 1:] = rng.integers(0, 256, size=(rows, cols // 32, 16), dtype=np.uint8)
+    return blocks.reshape(rows, cols // 32 * 17)
+
+
+# gpt-oss-20b's config.json (openai/gpt-oss-20b)
+GPT_OSS_20B = dict(hidden=2880, layers=24, heads=64, kv_heads=8, head_dim=64, experts=32, used=4, expert_ff=2880,
+                   vocab=201088, window=128, rope_theta=150000.0, yarn_factor=32.0, yarn_context=4096, eps=1e-5,
+                   context=131072)
+
+
+def write_gpt_oss(out: Path, layers: int, seed: int, shape: dict | None = None) -> None:
+    """A random gpt-oss file of `shape` (default gpt-oss-20b's), tensor by tensor (see the module docstring)."""
+    import gguf
+    import numpy as np
+    sys.path.insert(0, str(ROOT / "tests"))
+    from gguf_writer import write_gpt_oss_metadata, write_tokenizer
+
+    c, rng = shape or GPT_OSS_20B, np.random.default_rng(seed)
+    d, hd, ff, e = c["hidden"], c["head_dim"], c["expert_ff"], c["experts"]
+    writer = gguf.GGUFWriter(str(out), "gpt-oss")
+    writer.add_name("random-gpt-oss-20b-shape")
+    write_gpt_oss_metadata(writer, argparse.Namespace(
+        num_hidden_layers=layers, max_position_embeddings=c["context"], hidden_size=d, intermediate_size=ff,
+        num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"], head_dim=hd, rms_norm_eps=c["eps"],
+        rope_parameters={"rope_theta": c["rope_theta"], "factor": c["yarn_factor"],
+                         "original_max_position_embeddings": c["yarn_context"]},
+        num_local_experts=e, num_experts_per_tok=c["used"], sliding_window=c["window"]))
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
+    write_tokenizer(writer, padded_vocabulary(c["vocab"]), "<|im_end|>")
+    q, kv = c["heads"] * hd, c["kv_heads"] * hd
+    plan = [("token_embd.weight", (c["vocab"], d), "embed")]
+    for i in range(layers):
+        b = f"blk.{i}."
+        plan += [(b + "attn_norm.weight", (d,), "norm"),
+                 (b + "attn_q.weight", (q, d), "q8"), (b + "attn_q.bias", (q,), "bias"),
+                 (b + "attn_k.weight", (kv, d), "q8"), (b + "attn_k.bias", (kv,), "bias"),
+                 (b + "attn_v.weight", (kv, d), "q8"), (b + "attn_v.bias", (kv,), "bias"),
+                 (b + "attn_output.weight", (d, q), "q8"), (b + "attn_output.bias", (d,), "bias"),
+                 (b + "attn_sinks.weight", (c["heads"],), "zero"), (b + "post_attention_norm.weight", (d,), "norm"),
+                 (b + "ffn_gate_inp.weight", (e, d), "router"), (b + "ffn_gate_inp.bias", (e,), "bias"),
+                 (b + "ffn_gate_exps.weight", (e, ff, d), "mxfp4"), (b + "ffn_gate_exps.bias", (e, ff), "bias"),
+                 (b + "ffn_up_exps.weight", (e, ff, d), "mxfp4"), (b + "ffn_up_exps.bias", (e, ff), "bias"),
+                 (b + "ffn_down_exps.weight", (e, d, ff), "mxfp4"), (b + "ffn_down_exps.bias", (e, d), "bias")]
+    plan += [("output_norm.weight", (d,), "norm"), ("output.weight", (c["vocab"], d), "q8")]
+    write_plan(writer, plan, rng)
+
+
+def padded_vocabulary(size: int) -> dict:
+    """The small byte-level BPE of `small_tokenizer`, padded with unused tokens to `size` rows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = json.loads(small_tokenizer(Path(tmp)).read_text())
+    first = max(len(spec["model"]["vocab"]), max(t["id"] for t in spec["added_tokens"]) + 1)
+    spec["model"]["vocab"].update({f"<|unused_{i}|>": i for i in range(first, size)})
+    return spec
 
 
 def quantize_with_llamacpp(python: str, source: Path, out: Path, qtype: str, threads: int) -> None:
@@ -184,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="the GGUF file to write")
-    parser.add_argument("--arch", choices=("qwen35", "qwen3moe"), default="qwen35",
-                        help="qwen35: Qwen3.5-0.8B's shape; qwen3moe: Qwen3-30B-A3B's")
+    parser.add_argument("--arch", choices=("qwen35", "qwen3moe", "gpt-oss"), default="qwen35",
+                        help="qwen35: Qwen3.5-0.8B's shape; qwen3moe: Qwen3-30B-A3B's; gpt-oss: gpt-oss-20b's")
     parser.add_argument("--qtype", choices=("Q8_0", "F32"), default="Q8_0", help="qwen35's matrices (qwen3moe: Q8_0)")
     parser.add_argument("--layers", type=int, default=None,
                         help="decoder layers (qwen35: a multiple of 4, 24 as 0.8B; qwen3moe: 48 as 30B-A3B)")
@@ -199,12 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quantize and not (args.llamacpp_python and args.quantized_out):
         parser.error("--quantize needs --llamacpp-python and --quantized-out")
-    if args.arch == "qwen3moe":
-        layers = QWEN3_30B_A3B["layers"] if args.layers is None else args.layers
-        if not 1 <= layers <= QWEN3_30B_A3B["layers"]:
-            parser.error(f"--layers must be in [1, {QWEN3_30B_A3B['layers']}] for qwen3moe, got {layers}")
-        write_qwen3moe(args.out, layers, args.seed)
-        print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.0f} MiB, Q8_0, {layers} layers)")
+    if args.arch in ("qwen3moe", "gpt-oss"):
+        shape, write = (QWEN3_30B_A3B, write_qwen3moe) if args.arch == "qwen3moe" else (GPT_OSS_20B, write_gpt_oss)
+        layers = shape["layers"] if args.layers is None else args.layers
+        if not 1 <= layers <= shape["layers"]:
+            parser.error(f"--layers must be in [1, {shape['layers']}] for {args.arch}, got {layers}")
+        write(args.out, layers, args.seed)
+        kind = "Q8_0" if args.arch == "qwen3moe" else "MXFP4 experts, Q8_0 matrices"
+        print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.0f} MiB, {kind}, {layers} layers)")
         if args.quantize:
             quantize_with_llamacpp(args.llamacpp_python, args.out, args.quantized_out, args.quantize, args.threads)
             print(f"wrote {args.quantized_out} ({args.quantized_out.stat().st_size / 2**20:.0f} MiB, {args.quantize})")

@@ -56,3 +56,25 @@ def test_info_counts_the_expert_stacks_as_native(script, tmp_path):
         pytest.skip("no native kernels on this CPU")
     native = sum(n for path, n in groups.items() if path.startswith("native"))
     assert native == 4 + 3 + 1        # attention q/k/v/o, the three expert stacks, the LM head
+
+
+def test_gpt_oss_file_loads_natively_with_its_experts_in_place(script, tmp_path):
+    """--arch gpt-oss (a small shape): llama.cpp's layout read back (window, YaRN, sinks, biases), each
+    expert's MXFP4 rows a view of the mapped file, a finite forward pass; --layers past 24 is one error."""
+    shape = dict(script.GPT_OSS_20B, hidden=128, heads=4, kv_heads=2, head_dim=32, experts=8, used=2, expert_ff=64,
+                 vocab=512, window=4, context=256, yarn_context=64)
+    out = tmp_path / "random-gpt-oss.gguf"
+    script.write_gpt_oss(out, 2, seed=0, shape=shape)
+    lm = load_model(str(out), progress=False)
+    config = lm.model.config
+    assert (config.arch, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
+        "gpt-oss", 2, 128, 4, 2)
+    assert config.sliding_layers == (True, False) and config.sliding_window == 4 and config.attention_sinks
+    assert config.rope_scaling["factor"] == 32.0 and config.rope_scaling["original_max_position_embeddings"] == 64
+    assert config.moe["experts"] == 8 and config.moe["used"] == 2 and config.vocab_size == 512
+    if lm.model.quantized:                      # native kernels here: the file's MXFP4 rows, read in place
+        assert "MXFP4" in lm.weights_kind and lm.model.layers[0]["experts_down"][5].weight_q.mapped
+    logits = lm.model.forward(torch.tensor([[1, 2, 3, 4, 5, 6]]), lm.model.new_cache(1, 8), 0)
+    assert logits.shape == (1, 6, 512) and torch.isfinite(logits).all() and logits.std() > 0
+    with pytest.raises(SystemExit):
+        script.main(["--arch", "gpt-oss", "--layers", "25", "--out", str(tmp_path / "x.gguf")])
