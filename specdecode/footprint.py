@@ -34,6 +34,7 @@ def gguf_footprint(path) -> dict:
 
     from .fast.quant import row_bytes
     from .models.gguf import _open, kept_as_stored, read_config, tensor_table
+    from .models.moe import stacked_name
     path = Path(path)
     _, tensors = tensor_table(path)
     config = read_config(_open(path), path)
@@ -47,9 +48,12 @@ def gguf_footprint(path) -> dict:
         if hf is None:
             continue
         embedding = hf == "model.embed_tokens.weight"        # its rows in bf16 (read one per token) ...
-        if len(shape) == 2 and kept_as_stored(hf, qtype, shape) and (tied or not embedding):
-            weights += int(shape[0]) * row_bytes(qtype, int(shape[1]))   # ... and its blocks as the tied LM head
-        weights += elements * bf16 if embedding or not (len(shape) == 2 and kept_as_stored(hf, qtype, shape)) else 0
+        rows = elements // int(shape[-1]) if shape else 0     # an expert stack [E, out, in]: E * out rows
+        stored = (len(shape) == 2 or (len(shape) == 3 and stacked_name(hf))) and kept_as_stored(
+            hf, qtype, (rows, int(shape[-1])))
+        if stored and (tied or not embedding):
+            weights += rows * row_bytes(qtype, int(shape[-1]))   # ... and its blocks as the tied LM head
+        weights += elements * bf16 if embedding or not stored else 0
     kv = config.kv_elements_per_token() * bf16
     context = config.max_position_embeddings
     return {"weights": weights, "kv_per_token": kv, "context": context, "total": weights + kv * context}
