@@ -372,6 +372,81 @@ static q_col_fn q_col_for(int type) {
 
 #include "quant16.c"    /* the 16-column interleaved layouts and kernels */
 
+/* MXFP4 16 columns at a time, read in place: col[c] is column c's row in the file (16 rows anywhere),
+ * out[16 r + c] its dot product with activation row r (R <= SD_QROWS).  Per block of 32 k the 16
+ * columns' codes are loaded from their rows, mapped through the table (u = 2 x e2m1 + 12) and
+ * transposed so that lane c of vector G holds column c's u of k 4G..4G+3, as the interleaved layouts
+ * hold theirs: one VPDPBUSD per 4 k for all 16 columns, the offset -12 * sum(xq) added to the exact
+ * integer sum, then times the block's scale and the activation's.  Every column's result is the same
+ * whatever R and whichever other columns share the call (batch invariant). */
+static void mx16_rows(const uint8_t *const *col, int K, const int8_t *xq, const float *dq, const float *sums, int R,
+                      float *out) {
+    const int QS = QS_STRIDE(K), KB = K / 32;
+    const sd_i32a *c8 = (const sd_i32a *)(sums + QS_C32(K, 0));          /* -8 * sum(xq) per 32 k */
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24,
+                                                               12, 11, 10, 9, 8, 6, 4, 0));
+    __m512i idx[4];                   /* dword c < 8 of vector G: column c's dword G (4 columns a source) */
+    for (int G = 0; G < 4; G++) {
+        int32_t v[16] = {0};
+        for (int c = 0; c < 8; c++) v[c] = 4 * (c % 4) + G + (c >= 4 ? 16 : 0);
+        idx[G] = _mm512_loadu_si512(v);
+    }
+    __m512 acc[SD_QROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < KB; b++) {
+        uint8_t e[16];
+        __m512i lo[4], hi[4], u[8];
+        for (int v = 0; v < 4; v++) {
+            const uint8_t *p0 = col[4 * v] + (size_t)b * 17, *p1 = col[4 * v + 1] + (size_t)b * 17;
+            const uint8_t *p2 = col[4 * v + 2] + (size_t)b * 17, *p3 = col[4 * v + 3] + (size_t)b * 17;
+            e[4 * v] = p0[0], e[4 * v + 1] = p1[0], e[4 * v + 2] = p2[0], e[4 * v + 3] = p3[0];
+            __m512i x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p0 + 1)));
+            x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(p1 + 1)), 1);
+            x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(p2 + 1)), 2);
+            x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(p3 + 1)), 3);
+            lo[v] = _mm512_shuffle_epi8(table, _mm512_and_si512(x, m4));                      /* k 0..15 */
+            hi[v] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(x, 4), m4)); /* k 16..31 */
+        }
+        for (int G = 0; G < 4; G++) {
+            u[G] = _mm512_inserti64x4(_mm512_permutex2var_epi32(lo[0], idx[G], lo[1]),
+                                      _mm512_castsi512_si256(_mm512_permutex2var_epi32(lo[2], idx[G], lo[3])), 1);
+            u[G + 4] = _mm512_inserti64x4(_mm512_permutex2var_epi32(hi[0], idx[G], hi[1]),
+                                          _mm512_castsi512_si256(_mm512_permutex2var_epi32(hi[2], idx[G], hi[3])), 1);
+        }
+        const __m512i ev = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)e));     /* 2^(e - 128) */
+        const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(ev, _mm512_set1_epi32(1)), 23);
+        const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), ev);
+        const __m512 dv = _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(ev, _mm512_set1_epi32(2)),
+                                                                      normal, tiny));
+        for (int r = 0; r < R; r++) {
+            const int8_t *xr = xq + (size_t)r * K + 32 * b;
+            __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();   /* two chains (exact ints) */
+            for (int G = 0; G < 8; G += 2) {
+                ia = _mm512_dpbusd_epi32(ia, u[G], bcast4(xr + 4 * G));
+                ib = _mm512_dpbusd_epi32(ib, u[G + 1], bcast4(xr + 4 * G + 4));
+            }
+            ia = _mm512_add_epi32(_mm512_add_epi32(ia, ib), _mm512_set1_epi32(c8[(size_t)r * QS + b] / 2 * 3));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(dv, _mm512_set1_ps(dq[(size_t)r * KB + b])),
+                                     acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+/* Whether the 16 columns of group g are all MXFP4 rows (of any segments); col[c]: column c's row (the last
+ * column's past N, whose results store_block drops). */
+static int mx16_columns(const sd_qmat *W, int g, const uint8_t **col) {
+    int sc = 0;
+    for (int c = 0; c < 16; c++) {
+        const int n = g * 16 + c < W->N ? g * 16 + c : W->N - 1;
+        while (n >= W->n_end[sc]) sc++;
+        if (W->type[sc] != GQ_MXFP4) return 0;
+        col[c] = W->data[sc] + (size_t)(n - (sc ? W->n_end[sc - 1] : 0)) * W->row_bytes[sc];
+    }
+    return 1;
+}
+
 /* One thread's share (t of nt) of y[M, N] (op) x[M, K] @ W^T: columns split in groups of 16.
  * Each thread quantizes all M activation rows itself (no barrier needed; the same result). */
 static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias, void *y, int ldy, int M,
@@ -397,6 +472,7 @@ static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias
     split((W->N + 15) / 16, t, nt, &g0, &g1);
     float acc[16 * 16] __attribute__((aligned(64)));
     float res[SD_QROWS];
+    const uint8_t *col[16];
     /* AMX tiles for blocks of QAMX_MIN_ROWS..16 rows of the interleaved layouts (the same results as the
      * VNNI kernels: quant16_amx.c) */
     const int amx = SD_QAMX && q_amx_on && M >= QAMX_MIN_ROWS;
@@ -428,6 +504,8 @@ static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias
 #endif
             } else if (grp) {
                 q16_rows(W->type[s], grp, K, xm, dm, sm, R, acc);
+            } else if (mx16_columns(W, g, col)) {
+                mx16_rows(col, K, xm, dm, sm, R, acc);
             } else {
                 for (int c = 0; c < 16 && g * 16 + c < W->N; c++) {
                     const int n = g * 16 + c;
