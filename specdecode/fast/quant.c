@@ -379,6 +379,9 @@ static q_col_fn q_col_for(int type) {
  * hold theirs: one VPDPBUSD per 4 k for all 16 columns, the offset -12 * sum(xq) added to the exact
  * integer sum, then times the block's scale and the activation's.  Every column's result is the same
  * whatever R and whichever other columns share the call (batch invariant). */
+typedef int32_t sd_i32mx __attribute__((may_alias, aligned(1)));
+static inline __m512i mx_bcast4(const int8_t *p) { return _mm512_set1_epi32(*(const sd_i32mx *)p); }
+
 static void mx16_rows(const uint8_t *const *col, int K, const int8_t *xq, const float *dq, const float *sums, int R,
                       float *out) {
     const int QS = QS_STRIDE(K), KB = K / 32;
@@ -414,17 +417,15 @@ static void mx16_rows(const uint8_t *const *col, int K, const int8_t *xq, const 
             u[G + 4] = _mm512_inserti64x4(_mm512_permutex2var_epi32(hi[0], idx[G], hi[1]),
                                           _mm512_castsi512_si256(_mm512_permutex2var_epi32(hi[2], idx[G], hi[3])), 1);
         }
-        const __m512i ev = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)e));     /* 2^(e - 128) */
-        const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(ev, _mm512_set1_epi32(1)), 23);
-        const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), ev);
-        const __m512 dv = _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(ev, _mm512_set1_epi32(2)),
-                                                                      normal, tiny));
+        float scale[16] __attribute__((aligned(64)));
+        for (int c = 0; c < 16; c++) scale[c] = e8m0_half(e[c]);
+        const __m512 dv = _mm512_load_ps(scale);
         for (int r = 0; r < R; r++) {
             const int8_t *xr = xq + (size_t)r * K + 32 * b;
             __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();   /* two chains (exact ints) */
             for (int G = 0; G < 8; G += 2) {
-                ia = _mm512_dpbusd_epi32(ia, u[G], bcast4(xr + 4 * G));
-                ib = _mm512_dpbusd_epi32(ib, u[G + 1], bcast4(xr + 4 * G + 4));
+                ia = _mm512_dpbusd_epi32(ia, u[G], mx_bcast4(xr + 4 * G));
+                ib = _mm512_dpbusd_epi32(ib, u[G + 1], mx_bcast4(xr + 4 * G + 4));
             }
             ia = _mm512_add_epi32(_mm512_add_epi32(ia, ib), _mm512_set1_epi32(c8[(size_t)r * QS + b] / 2 * 3));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(dv, _mm512_set1_ps(dq[(size_t)r * KB + b])),
