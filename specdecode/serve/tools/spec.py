@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from ...params import ParamError
 from ...structured import JSON_STYLE, Structured, check_grammar
 from .formats import HERMES, ToolFormat, renders_tool_turns, takes_tools
+from .schema import supported
 
 # a template that reads tool definitions from the system message's own `tools` field (Phi-4-mini)
 MESSAGE_TOOLS = re.compile(r"""message\s*(\[\s*['"]tools['"]\s*\]|\.tools\b)""")
@@ -82,7 +83,7 @@ def parse_tools(body: dict, fmt: ToolFormat | None = None) -> ToolSpec | None:
         return None
     if not isinstance(tools, list) or not tools:
         raise ParamError("tools must be a non-empty list of {'type': 'function', 'function': {...}}")
-    names = []
+    names, kept = [], []
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
@@ -90,12 +91,15 @@ def parse_tools(body: dict, fmt: ToolFormat | None = None) -> ToolSpec | None:
         if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
             raise ParamError(f"tools[{i}].function.parameters must be a JSON schema object")
         if f.get("parameters"):
+            f = dict(f, parameters=supported(f["parameters"]))      # keywords the grammar cannot compile: out
+            t = dict(t, function=f)
             try:
                 check_grammar(Structured("json_schema", f["parameters"]))
             except ParamError as exc:
                 raise ParamError(f"tools[{i}].function.parameters is not a valid JSON schema: "
                                  f"{str(exc).removeprefix('invalid json_schema: ')}") from None
         names.append(f["name"])
+        kept.append(t)
     if choice is None:
         choice = "auto"
     elif isinstance(choice, dict):
@@ -108,7 +112,7 @@ def parse_tools(body: dict, fmt: ToolFormat | None = None) -> ToolSpec | None:
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise ParamError(f"parallel_tool_calls must be true or false, got {parallel!r:.80}")
-    return ToolSpec(tools, choice, fmt if fmt is not None else HERMES, parallel is not False)
+    return ToolSpec(kept, choice, fmt if fmt is not None else HERMES, parallel is not False)
 
 
 def with_tools(messages: list[dict], tools: ToolSpec | None, tokenizer,
