@@ -21,7 +21,7 @@ from ..params import SamplingParams
 from .events import HeldTokens, Mailbox, TextStream
 from .protocol import ParsedRequest, error_body
 from .reasoning import marker_decoder, reasoned_params, reasoning_parser, reasoning_tokens
-from .tools import ToolParser, openai_deltas
+from .tools import call_parser, openai_deltas
 
 log = logging.getLogger("specdecode.serve")
 
@@ -50,8 +50,7 @@ class Generation:
                                parsed.speculate, parsed.num_speculative_tokens,
                                after=first.request.id if first is not None else None)
         tools = parsed.tools             # tools/: the calls are parsed out of the text as it comes
-        self.tools = ToolParser(tools.fmt, [f["name"] for f in tools.functions()],
-                                None if tools.parallel else 1) if tools is not None else None
+        self.tools = call_parser(tools) if tools is not None else None
         kept = (tools.fmt.kept_tokens() if tools is not None else {}) | (self.reasoning.kept if self.reasoning else {})
         self.text = TextStream(state.tokenizer, params, marker_decoder(state.tokenizer, kept) if kept else None)
         self.done = False

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from ...params import ParamError
 from ...structured import JSON_STYLE, Structured, check_grammar
 from .formats import HERMES, ToolFormat, renders_tool_turns, takes_tools
+from .markup_grammar import call_grammar
 from .schema import supported
 
 # a template that reads tool definitions from the system message's own `tools` field (Phi-4-mini)
@@ -49,6 +50,8 @@ class ToolSpec:
             return None
         key = self.fmt.args_key
         chosen = [f for f in self.functions() if self.choice == "required" or f["name"] == self.choice]
+        if self.fmt.markup:                              # Qwen3-Coder's XML, Gemma 4's notation
+            return Structured("grammar", call_grammar(self.fmt, chosen))
         schemas = [{"type": "object", "properties": {"name": {"const": f["name"]},
                                                      key: closed(f.get("parameters") or {"type": "object"})},
                     "required": ["name", key], "additionalProperties": False} for f in chosen]
