@@ -41,6 +41,7 @@ class MessagesRequest:
     stop_sequences: list[str] = field(default_factory=list)
     skipped_tools: list[str] = field(default_factory=list)    # server tool types left out
     tool_index: list[int] = field(default_factory=list)       # each function tool's index in `tools`
+    thinking_budget: int | None = None                        # thinking.budget_tokens (type enabled)
 
     def param(self, message: str) -> str:
         """An error from the chat checks of the tools (`tools[j].function.parameters`, j counting
@@ -225,18 +226,20 @@ def _tools(body: dict, chat: dict) -> tuple[list[str], list[int]]:
     return skipped, where
 
 
-def _thinking(body: dict, chat: dict) -> None:
+def _thinking(body: dict, chat: dict) -> int | None:
     """`thinking`: enabled / adaptive turn the template's thinking on, disabled off (a model that does
-    not think ignores it); absent leaves the model's default."""
+    not think ignores it); absent leaves the model's default. Returns enabled's budget_tokens, the most
+    tokens the reasoning may take (generation.with_budget)."""
     thinking = body.get("thinking")
     if thinking is None:
-        return
+        return None
     if not isinstance(thinking, dict) or thinking.get("type") not in THINKING_TYPES:
         raise _bad("thinking", f"must be {{'type': one of {', '.join(THINKING_TYPES)}}}, got {_short(thinking)}")
     budget = thinking.get("budget_tokens")
     if thinking["type"] == "enabled" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise _bad("thinking.budget_tokens", f"must be an integer >= 1 with type enabled, got {_short(budget)}")
     chat["chat_template_kwargs"] = {"enable_thinking": thinking["type"] != "disabled"}
+    return budget if thinking["type"] == "enabled" else None
 
 
 def translate(body, count_only: bool = False) -> MessagesRequest:
@@ -265,5 +268,5 @@ def translate(body, count_only: bool = False) -> MessagesRequest:
         if body.get(name) is not None:
             chat[name] = body[name]
     skipped, where = _tools(body, chat)
-    _thinking(body, chat)
-    return MessagesRequest(chat, max_tokens, list(stops or []) if not count_only else [], skipped, where)
+    budget = _thinking(body, chat)
+    return MessagesRequest(chat, max_tokens, list(stops or []) if not count_only else [], skipped, where, budget)

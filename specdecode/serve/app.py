@@ -41,7 +41,8 @@ from .tokenize import detokenize, tokenize, tokenizer_info
 log = logging.getLogger("specdecode.serve")
 STATIC = Path(__file__).parent / "static"
 POSTED = ("/v1/completions", "/v1/chat/completions", "/infill", "/tokenize", "/detokenize")   # the rest: GET
-POSTED += ("/v1/responses",)
+POSTED += ("/v1/responses", "/v1/responses/{response_id}/cancel")
+METHODS = {"/v1/responses/{response_id}": ["GET", "DELETE"]}     # the paths that take more than one method
 POSTED += ("/v1/messages", "/v1/messages/count_tokens")          # Anthropic's Messages API (anthropic.py)
 
 
@@ -343,7 +344,8 @@ async def internal_error(http: HttpRequest, exc: Exception) -> Response:
 def api_app(handlers: dict[str, Callable], api_key: str | None, max_body_bytes: int, lifespan=None) -> Starlette:
     """The API's routes on `handlers` (path -> handler: POST for the completions, GET for the rest),
     the dashboard's files, `Guard` and OpenAI-shaped errors: one server's app, and the Ray ingress's."""
-    routes = [Route(path, handler, methods=["POST" if path in POSTED else "GET"]) for path, handler in handlers.items()]
+    routes = [Route(path, handler, methods=METHODS.get(path, ["POST" if path in POSTED else "GET"]))
+              for path, handler in handlers.items()]
     routes.append(Route("/", index, methods=["GET"]))
     if STATIC.is_dir():
         routes.append(Mount("/static", app=StaticFiles(directory=STATIC), name="static"))
@@ -370,9 +372,10 @@ def create_app(state, api_key: str | None = None, max_body_bytes: int = DEFAULT_
             if engine_thread:
                 state.engine.stop()
 
-    from .responses import create_response, get_response  # (it builds on this module's Generation)
+    from .responses import cancel_response, create_response, response_by_id  # (they build on Generation)
     app = api_app({"/v1/completions": partial(generate, chat=False),
-                   "/v1/responses": create_response, "/v1/responses/{response_id}": get_response,
+                   "/v1/responses": create_response, "/v1/responses/{response_id}": response_by_id,
+                   "/v1/responses/{response_id}/cancel": cancel_response,
                    "/v1/chat/completions": partial(generate, chat=True), "/infill": infill, "/tokenize": tokenize,
                    "/detokenize": detokenize, "/tokenizer_info": tokenizer_info, "/v1/models": models,
                    "/v1/models/{model:path}": models, "/health": health, "/metrics": metrics, "/api/stats": stats,

@@ -65,6 +65,7 @@ class ParsedRequest:
     echo: bool = False               # completions: the prompt's text (and logprobs) before the answer's
     echo_only: bool = False          # echo with max_tokens 0: the prompt alone (one token is run, not sent)
     prompt_logprobs: bool = False    # vLLM's `prompt_logprobs` field was asked for
+    thinking_budget: int | None = None   # the most reasoning tokens (Anthropic's thinking.budget_tokens)
 
 
 def _bad(name: str, message: str) -> ApiError:
