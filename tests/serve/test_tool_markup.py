@@ -226,3 +226,34 @@ def test_a_call_after_thinking_in_every_api(family):
         extra_body={"guided_grammar": grammar, "temperature": 0})
     assert [b.type for b in m.content] == ["thinking", "tool_use"] and m.stop_reason == "tool_use", m
     assert m.content[1].input == json.loads(c.message.tool_calls[0].function.arguments)
+
+
+def test_results_go_in_the_calling_turn_where_the_template_takes_tool_responses(family):
+    """Gemma 4's first template writes results only as a message's `tool_responses` (a `tool` message
+    would be a turn of role "tool"): the results of a call become its turn's tool_responses, a JSON
+    object's content as the object."""
+    name, state, _ = family
+    if name != "gemma4":
+        pytest.skip("Gemma 4's templates")
+    from specdecode.serve.tools import with_tools
+    tok = state.tokenizer
+    original = tok.chat_template
+    tok.chat_template, tok._template = (
+        "{% for m in messages %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+        "{% for c in m.tool_calls or [] %}<|tool_call>call:{{ c.function.name }}{}<tool_call|>{% endfor %}"
+        "{% for r in m.tool_responses or [] %}<|tool_response>response:{{ r.name }}{{ r.response | tojson }}"
+        "<tool_response|>{% endfor %}{{ m.content }}<turn|>\n{% endfor %}"), None
+    try:
+        history = ASK + [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Oslo"}'}},
+            {"id": "b", "type": "function", "function": {"name": "Person", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "b", "content": '{"ok": true}'},
+            {"role": "tool", "tool_call_id": "a", "content": "12:00"}]
+        messages, _ = with_tools(history, ToolSpec(TOOLS, "auto", state.ctx.tool_format()), tok)
+        assert [m["role"] for m in messages] == ["user", "assistant"]
+        assert messages[1]["tool_responses"] == [{"name": "Person", "response": {"ok": True}},
+                                                 {"name": "get_time", "response": "12:00"}]
+        text = tok.apply_chat_template(messages)
+        assert '<|tool_response>response:get_time"12:00"' in text and "<|turn>tool" not in text
+    finally:
+        tok.chat_template, tok._template = original, None

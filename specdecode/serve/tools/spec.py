@@ -128,6 +128,8 @@ def with_tools(messages: list[dict], tools: ToolSpec | None, tokenizer,
     tool results that the template would drop are written into the turns' text (`as_text`).
     `tool_format()`: the model's call format, asked for only when a turn needs it."""
     messages = [_arguments_as_objects(m) for m in messages]
+    if "tool_responses" in (tokenizer.chat_template or "") and any(m["role"] == "tool" for m in messages):
+        messages = in_calling_turn(messages)
     if any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         messages = as_text(messages, tools.fmt if tools is not None else tool_format(), tokenizer)
     if tools is None or not tools.active:
@@ -148,6 +150,29 @@ def with_tools(messages: list[dict], tools: ToolSpec | None, tokenizer,
         return messages[:first_user] + [dict(m, content=tools.system_prompt() + "\n\n" + m["content"])] + \
             messages[first_user + 1:], None
     return [{"role": "system", "content": tools.system_prompt()}] + messages, None
+
+
+def in_calling_turn(messages: list[dict]) -> list[dict]:
+    """Tool results as the calling turn's `tool_responses` ({"name", "response"}: a JSON object's
+    content as the object, else the text), as Gemma 4's templates write them (`<|tool_response>` blocks
+    inside the model's turn; its first template writes a `tool` message as a turn of role "tool",
+    which the model never saw in training). A result without a calling turn before it is left as it is."""
+    out: list[dict] = []
+    for m in messages:
+        calls = out[-1].get("tool_calls") if out and out[-1]["role"] == "assistant" else None
+        if m["role"] != "tool" or not calls:
+            out.append(m)
+            continue
+        name = next((c["function"]["name"] for c in calls if isinstance(c, dict) and isinstance(c.get("function"), dict)
+                     and c.get("id") == m.get("tool_call_id")), m.get("name") or "unknown")
+        try:
+            response = json.loads(m["content"])
+        except ValueError:
+            response = None
+        response = response if isinstance(response, dict) else m["content"]
+        out[-1] = dict(out[-1], tool_responses=out[-1].get("tool_responses", []) + [{"name": name,
+                                                                                     "response": response}])
+    return out
 
 
 def takes_system(tokenizer) -> bool:
