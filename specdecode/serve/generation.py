@@ -209,9 +209,11 @@ def with_budget(parser, budget: int | None, params: SamplingParams) -> SamplingP
     bounded = parser.before_answer(budget)
     if bounded is None:
         return params
-    if params.structured is None:
-        close = next(token for token, text in parser.kept.items() if text == parser.close)
-        return dataclasses.replace(params, structured=Structured("grammar", f"start: {bounded} <[^{close}]>*\n"))
+    if params.structured is None:        # then any token but the markers (a second block would be unbounded)
+        markers = sorted(token for token, text in parser.kept.items() if text in (parser.close, parser.open)
+                         or parser.open.startswith(text))
+        rest = ",".join(map(str, markers))
+        return dataclasses.replace(params, structured=Structured("grammar", f"start: {bounded} <[^{rest}]>*\n"))
     if params.structured.after is not None:
         return dataclasses.replace(params, structured=dataclasses.replace(params.structured, after=bounded))
     return params

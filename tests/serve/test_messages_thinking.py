@@ -117,4 +117,7 @@ def test_budget_tokens_ends_the_thinking(thinker):
         constraint.consume([word])
     allowed = constraint.allowed()
     assert bool(allowed[close]) and int(allowed.sum()) == 1
+    constraint.consume([close])
+    opener = state.tokenizer.token_id(parser.open) or state.tokenizer.token_id("<|channel>")
+    assert not constraint.allowed()[opener] and constraint.allowed()[word]      # no second, unbounded block
     assert with_budget(parser, None, SamplingParams()).structured is None
