@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from ..params import SamplingParams
 from ..structured import JSON_STYLE, Structured
 from .tools.formats import single_token
-from .tools.spec import closed
+from .tools.schema import closed
 
 WS = " \t\r\n"
 PROMPT_TAIL = 48                  # prompt tokens read for the state the answer starts in

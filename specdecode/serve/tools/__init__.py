@@ -13,7 +13,8 @@ import weakref
 from .formats import HERMES, Marker, ToolFormat, detect, takes_tools
 from .markup import MarkupParser
 from .parser import ToolParser, extract_calls, openai_deltas
-from .spec import ToolSpec, closed, parse_tools, with_tools
+from .schema import closed
+from .spec import ToolSpec, parse_tools, with_tools
 
 __all__ = ["HERMES", "Marker", "MarkupParser", "ToolFormat", "ToolParser", "ToolSpec", "call_parser", "closed",
            "detect", "extract_calls", "format_of", "openai_deltas", "parse_tools", "takes_tools", "with_tools"]

@@ -30,9 +30,8 @@ import uuid
 import weakref
 from dataclasses import dataclass, field, replace
 
-XML, GEMMA = "qwen3_coder", "gemma4"            # the families whose arguments are not JSON (markup.py)
-MARKUP = (XML, GEMMA)
-QUOTE = '<|"|>'                                # Gemma 4's string delimiter (one token)
+from . import notation
+from .notation import GEMMA, MARKUP, QUOTE, XML  # noqa: F401  (XML: the tests name the family)
 
 SENTINEL = "sentinel_fn"
 # an earlier turn's call to SENTINEL, which the probes below render to see what a template writes
@@ -98,16 +97,14 @@ class ToolFormat:
     def example(self) -> str:
         """A call in this format, with placeholders (the system instruction shows it)."""
         if self.markup:
-            from .markup import example
-            return example(self)
+            return notation.example(self)
         return self._marked(['{"name": <function name>, "' + self.args_key + '": <arguments as a JSON object>}'])
 
     def write(self, calls: list[tuple[str, object]]) -> str:
         """Calls (name, arguments) as the model writes them: an earlier turn's calls, for a template
         that does not render `tool_calls` itself."""
         if self.markup:
-            from .markup import write
-            return write(self, calls)
+            return notation.write(self, calls)
         return self._marked([json.dumps({"name": name, self.args_key: args}, ensure_ascii=False)
                              for name, args in calls])
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import re
 
-from .formats import GEMMA, QUOTE
 from .markup import types_of
+from .notation import GEMMA, QUOTE
+from .schema import closed
 
 
 def call_grammar(fmt, functions: list[dict]) -> str:
@@ -74,7 +75,6 @@ def _string_token(schema: dict, name: str, rules: list[str], forbid: str | None)
 
 def _json_rule(schema, name: str, rules: list[str]) -> str:
     from ...structured import JSON_STYLE
-    from .spec import closed
     rule = f"j_{name}"
     rules.append(f"{rule}: %json {json.dumps(dict(closed(schema), **{'x-guidance': dict(JSON_STYLE)}))}")
     return rule

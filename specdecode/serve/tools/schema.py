@@ -54,3 +54,19 @@ def _without(node, keys: set[str], names: bool = False):
     return {k: _without(v, keys, names=not names and k in ("properties", "patternProperties", "$defs",
                                                                       "definitions"))
             for k, v in node.items() if names or k not in keys}
+
+
+def closed(schema):
+    """A copy of `schema` whose object schemas with `properties` and no `additionalProperties` /
+    `patternProperties` get `additionalProperties: false`."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed(value) if key != "properties" and key != "enum" and key != "const" else value
+           for key, value in schema.items()}
+    if isinstance(schema.get("properties"), dict):
+        out["properties"] = {name: closed(sub) for name, sub in schema["properties"].items()}
+        if "additionalProperties" not in schema and "patternProperties" not in schema:
+            out["additionalProperties"] = False
+    return out

@@ -21,7 +21,7 @@ from ...params import ParamError
 from ...structured import JSON_STYLE, Structured, check_grammar
 from .formats import HERMES, ToolFormat, renders_tool_turns, takes_tools
 from .markup_grammar import call_grammar
-from .schema import supported
+from .schema import closed, supported
 
 # a template that reads tool definitions from the system message's own `tools` field (Phi-4-mini)
 MESSAGE_TOOLS = re.compile(r"""message\s*(\[\s*['"]tools['"]\s*\]|\.tools\b)""")
@@ -58,22 +58,6 @@ class ToolSpec:
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         schema["x-guidance"] = dict(JSON_STYLE)          # llguidance's options: compact, one separator style
         return Structured("grammar", self.fmt.grammar(schema))
-
-
-def closed(schema):
-    """A copy of `schema` whose object schemas with `properties` and no `additionalProperties` /
-    `patternProperties` get `additionalProperties: false`."""
-    if isinstance(schema, list):
-        return [closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: closed(value) if key != "properties" and key != "enum" and key != "const" else value
-           for key, value in schema.items()}
-    if isinstance(schema.get("properties"), dict):
-        out["properties"] = {name: closed(sub) for name, sub in schema["properties"].items()}
-        if "additionalProperties" not in schema and "patternProperties" not in schema:
-            out["additionalProperties"] = False
-    return out
 
 
 def parse_tools(body: dict, fmt: ToolFormat | None = None) -> ToolSpec | None:
