@@ -23,6 +23,11 @@ transformers computes it (models/gemma4/modeling_gemma4.py, Gemma4TextModel / Ge
   layer of its own type in the same pass (keys and values are its cache's, written there a few
   layers before), and keeps no cache of its own (the cache has a layer per producing layer only);
 - with `double_wide_mlp` those shared layers' MLPs are twice as wide (read from the weights' shapes);
+- with a MoE block (26B-A4B: `enable_moe_block`, models/moe.py), the MLP's output is normed on its own,
+  the block's output (its router on the residual, its experts on their own pre-norm of it) is normed
+  too, and their sum takes the place of the MLP's output before post_feedforward_norm:
+              m = post_mlp_norm_1(mlp(pre_feedforward_norm(h))) + post_mlp_norm_2(experts(pre_norm_2(h)));
+              h += post_feedforward_norm(m);
 - logits are soft-capped (cap * tanh(logits / cap)) when final_logit_softcapping is set.
 
 It runs eagerly (the fused C decoder does not take it); its projections, the per-layer ones
@@ -42,6 +47,9 @@ from ..cache.contiguous import KVCache
 from ..forward import ForwardBatch
 from .config import ModelConfig
 from .gemma import fp32_rms_norm, softcapped_final
+from .moe import build_gemma4_layer as build_gemma4_moe
+from .moe import gemma4_route, moe_mlp
+from .moe import projections as moe_projections
 from .transformer import Transformer, apply_rope, attention_mask, cat_rows, eager_linear
 
 
@@ -108,6 +116,10 @@ class Gemma4Transformer(Transformer):
                 norms["per_layer_norm"] = "post_per_layer_input_norm"
                 layer["per_layer_gate"] = make_linear(weights[p + "per_layer_input_gate.weight"], None)
                 layer["per_layer_proj"] = make_linear(weights[p + "per_layer_projection.weight"], None)
+            if c.moe is not None and c.moe_layers[i]:
+                layer.update(build_gemma4_moe(weights, p, c, make_linear))
+                norms.update(pre_moe_norm="pre_feedforward_layernorm_2", post_mlp_norm_1="post_feedforward_layernorm_1",
+                             post_moe_norm="post_feedforward_layernorm_2")
             for key, name in norms.items():              # float32, as stored (no 1 +)
                 layer[key] = weights[p + name + ".weight"].float()
             self.layers.append(layer)
@@ -130,13 +142,14 @@ class Gemma4Transformer(Transformer):
         self._skip_decoders: dict = {}
 
     def projections(self) -> list:
-        """Every projection: the LM head, each layer's qkv, o, gate_up and down, then the per-layer
-        input ones."""
+        """Every projection: the LM head, each layer's qkv, o, gate_up and down (and its MoE block's
+        router and experts), then the per-layer input ones."""
         extra = []
         if self.config.per_layer_input_size:
             extra = [self.per_layer_model_proj] + [ly[k] for ly in self.layers
                                                    for k in ("per_layer_gate", "per_layer_proj")]
-        return super().projections() + extra
+        return [self.lm_head] + [lin for ly in self.layers for lin in (
+            [ly["qkv"], ly["o"], ly["gate_up"], ly["down"]] + (moe_projections(ly) if "router" in ly else []))] + extra
 
     def stored_kv_layers(self) -> dict[bool, int]:
         """The cache layer of the last producing layer of each type (windowed? -> cache layer): the
@@ -194,8 +207,13 @@ class Gemma4Transformer(Transformer):
             # 2. MLP: norm, GeGLU with fused gate/up, post-norm
             x = fp32_rms_norm(hidden, layer["mlp_norm"], eps)
             gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-            hidden = hidden + fp32_rms_norm(layer["down"](F.gelu(gate, approximate="tanh") * up),
-                                            layer["post_mlp_norm"], eps)
+            mlp = layer["down"](F.gelu(gate, approximate="tanh") * up)
+            if "router" in layer:        # beside it, the MoE block (models/moe.py), each output normed
+                routing = gemma4_route(layer, hidden.reshape(-1, c.hidden_size), c.moe["used"], eps)
+                experts = moe_mlp(layer, fp32_rms_norm(hidden, layer["pre_moe_norm"], eps), c.moe, routing)
+                mlp = (fp32_rms_norm(mlp, layer["post_mlp_norm_1"], eps)
+                       + fp32_rms_norm(experts, layer["post_moe_norm"], eps))
+            hidden = hidden + fp32_rms_norm(mlp, layer["post_mlp_norm"], eps)
             # 3. the per-layer input, gated by the hidden state; then the layer's scalar
             if per_layer is not None:
                 x = F.gelu(layer["per_layer_gate"](hidden), approximate="tanh") * per_layer[:, :, index]

@@ -142,8 +142,8 @@ def gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise ModelError(f"hidden_activation {act!r} is not supported natively for gemma4 (gelu_pytorch_tanh)")
-    for key, what in (("enable_moe_block", "mixture-of-experts blocks"), ("use_bidirectional_attention",
-                      "bidirectional attention"), ("attention_bias", "biases on q/k/v/o")):
+    for key, what in (("use_bidirectional_attention", "bidirectional attention"),
+                      ("attention_bias", "biases on q/k/v/o")):
         if cfg.get(key):
             raise ModelError(f"{key} ({what}) is not supported natively for gemma4")
     layers = cfg.get("num_hidden_layers", 30)
@@ -187,6 +187,10 @@ def gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     global_dim, global_heads = next(iter(shapes[LAYER_TYPES[1]]))
     eos = cfg.get("eos_token_id", 1)
     window = cfg.get("sliding_window", 512)
+    moe = {}
+    if cfg.get("enable_moe_block"):          # 26B-A4B: a MoE block beside every layer's MLP (models/moe.py)
+        from .moe import gemma4_fields as moe_fields
+        moe = moe_fields(cfg)
     return dict(
         arch="gemma4", vocab_size=cfg.get("vocab_size", 262144), hidden_size=cfg.get("hidden_size", 2304),
         intermediate_size=cfg.get("intermediate_size", 9216), num_layers=layers,
@@ -206,6 +210,7 @@ def gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         per_layer_input_size=cfg.get("hidden_size_per_layer_input", 256) or 0,
         per_layer_vocab_size=cfg.get("vocab_size_per_layer_input", 262144) or 0,
         double_wide_mlp=bool(cfg.get("use_double_wide_mlp", False)),
+        **moe,
     )
 
 
@@ -232,4 +237,6 @@ def gemma4_weight_count(c: ModelConfig) -> int:
         wide = 2 if c.double_wide_mlp and i >= first else 1
         total += d * (2 * c.num_heads * hd + kv_rows) + 3 * d * c.intermediate_size * wide + 4 * d + 2 * hd
         total += 2 * d * p + d if p else 0
+        if c.moe is not None and c.moe_layers[i]:    # the MoE block: router, its scales, 3 norms, routed experts
+            total += c.moe["experts"] * (d + 1) + 4 * d + 3 * d * c.moe["intermediate"] * c.moe["used"]
     return total

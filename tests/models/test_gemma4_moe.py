@@ -1,0 +1,137 @@
+"""Gemma 4 with MoE blocks natively (models/gemma4.py, models/moe.py's "gemma4" router): a tiny random
+gemma4_text with `enable_moe_block` (26B-A4B's layout in small: 8 experts, 2 routed, beside every
+layer's dense MLP; k_eq_v global layers) saved by transformers. Logits against transformers (prefill,
+decode, a verify block, a ragged batch in contiguous and paged caches, a tree pass), greedy
+continuations identical to transformers' plain and with the default drafter, batched and
+speculative rows equal to batch-1 plain decoding, the native decoder (not the adapter) chosen, and
+clear errors for MoE settings it cannot run."""
+import json
+
+import pytest
+import torch
+from conftest import (
+    GEMMA4_BOS,
+    assert_tree_paths_match_chains,
+    hf_reference,
+    make_gemma4_moe,
+)
+
+from specdecode import LLM, SamplingParams
+from specdecode.cache.paged import PagedKVCache
+from specdecode.forward import ForwardBatch
+from specdecode.models.config import ModelConfig, ModelError
+from specdecode.models.gemma4 import Gemma4Transformer
+from specdecode.models.loader import load_model
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick brown fox", "1 2 3 4 5 6 7 8 1 2 3 4 5"]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def gemma4_moe(tmp_path_factory):
+    return make_gemma4_moe(tmp_path_factory.mktemp("gemma4_moe"))
+
+
+def load(path, fast=False, dtype="fp32") -> Gemma4Transformer:
+    lm = load_model(str(path), dtype=dtype, progress=False, fast=fast)
+    assert lm.native and type(lm.model) is Gemma4Transformer          # not the transformers adapter
+    return lm.model
+
+
+def test_config_and_its_errors(gemma4_moe):
+    cfg = json.loads((gemma4_moe / "config.json").read_text())
+    config = ModelConfig.from_hf(cfg)
+    assert config.moe == {"experts": 8, "used": 2, "intermediate": 32, "norm_topk": True, "router": "gemma4",
+                          "act": "gelu_tanh"}
+    assert config.moe_layers == (True,) * 5 and config.intermediate_size == 96 and config.k_eq_v
+    wrapper = {"model_type": "gemma4", "text_config": cfg, "tie_word_embeddings": True}
+    assert ModelConfig.from_hf(wrapper) == config
+    dense = ModelConfig.from_hf(dict(cfg, enable_moe_block=False))
+    # per token: the router, its scales, three norms and 2 of the 8 experts (3 matrices of 64 x 32 each)
+    assert config.weight_count() - dense.weight_count() == 5 * (8 * 65 + 4 * 64 + 2 * 3 * 64 * 32)
+    for bad, match in ((dict(num_experts=None), "num_experts"), (dict(top_k_experts=0), "top_k_experts"),
+                       (dict(top_k_experts=9), "num_experts_per_tok must be in"),
+                       (dict(moe_intermediate_size=None), "moe_intermediate_size")):
+        with pytest.raises(ModelError, match=match):
+            ModelConfig.from_hf(dict(cfg, **bad))
+
+
+def check_logits(model, ref, tokens, tol):
+    """Prefill longer than the window, decode steps, a verify block, then a ragged batch (per-row
+    starts and cache rows) in a contiguous cache and paged caches."""
+    with torch.no_grad():
+        expected = ref(tokens).logits                                          # [1, 36, vocab]
+    cache = model.new_cache(1, 64)
+    torch.testing.assert_close(model.forward(tokens[:, :20], cache, 0), expected[:, :20], atol=tol, rtol=tol)
+    for pos in range(20, 23):
+        torch.testing.assert_close(model.forward(tokens[:, pos:pos + 1], cache, pos)[:, 0], expected[:, pos],
+                                   atol=tol, rtol=tol)
+    torch.testing.assert_close(model.forward(tokens[:, 23:30], cache, 23), expected[:, 23:30], atol=tol, rtol=tol)
+    layers, heads, dims = model.config.kv_geometry()
+    rows = torch.tensor([2, 0])
+    for cache in [model.new_cache(3, 64)] + [PagedKVCache(layers, 3, heads, dims, 64, 40, s, model.dtype)
+                                              for s in (4, 5)]:
+        for r, n in zip(rows.tolist(), (30, 26)):
+            if isinstance(cache, PagedKVCache):
+                cache.reserve(r, 40)
+            model.forward(tokens[:, :n], cache, torch.tensor([0]), rows=torch.tensor([r]))
+        fb = ForwardBatch.chain(torch.cat([tokens[:, 30:36], tokens[:, 26:32]]), torch.tensor([30, 26]), rows)
+        got = model.logits(model.run(fb, cache))
+        torch.testing.assert_close(got[0], expected[0, 30:36], atol=tol, rtol=tol)
+        torch.testing.assert_close(got[1], expected[0, 26:32], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_logits_match_transformers(gemma4_moe, fast):
+    model = load(gemma4_moe, fast)
+    assert all("router" in ly and len(ly["experts_gate_up"]) == 8 for ly in model.layers)
+    tokens = torch.randint(3, model.vocab_size, (1, 36), generator=torch.Generator().manual_seed(0))
+    check_logits(model, hf_reference(gemma4_moe), tokens, 1e-4)
+
+
+def test_tree_pass(gemma4_moe):
+    assert_tree_paths_match_chains(load(gemma4_moe, True), hf_reference(gemma4_moe), low=3)
+
+
+def test_experts_and_their_scales_matter(gemma4_moe):
+    """The test model's MoE blocks decide its logits (so the tests above could fail): routing every row
+    to the same experts, or leaving out the per-expert scales, changes them."""
+    model = load(gemma4_moe)
+    tokens = torch.randint(3, model.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    base = model.forward(tokens, model.new_cache(1, 16), 0)
+    scales = [ly["expert_scale"] for ly in model.layers]
+    for layer in model.layers:
+        layer["expert_scale"] = torch.ones_like(layer["expert_scale"])
+    assert (model.forward(tokens, model.new_cache(1, 16), 0) - base).abs().max() > 0.05
+    for layer, scale in zip(model.layers, scales):
+        layer["expert_scale"] = scale
+        router = layer["router"]
+        layer["router"] = lambda x, router=router: router(x) * 0 + torch.arange(8, dtype=x.dtype)
+    assert (model.forward(tokens, model.new_cache(1, 16), 0) - base).abs().max() > 0.05
+
+
+def test_greedy_identical_to_transformers_plain_and_speculative(gemma4_moe):
+    llm = LLM(model=str(gemma4_moe), dtype="fp32", progress=False)
+    assert llm.method == "ngram" and llm.target.native and type(llm.target.model) is Gemma4Transformer
+    ref = hf_reference(gemma4_moe)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    for prompt in PROMPTS:
+        ids = llm.encode(prompt, False)
+        assert ids[0] == GEMMA4_BOS
+        with torch.no_grad():
+            expected = ref.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
+                                    do_sample=False)[0, len(ids):].tolist()
+        assert llm.generate(prompt, params, num_speculative_tokens=0)[0].token_ids == expected
+        assert llm.generate(prompt, params, num_speculative_tokens=4)[0].token_ids == expected
+
+
+def test_batched_and_speculative_equal_plain(gemma4_moe):
+    """The engine's paged cache, verify passes of k + 1 rows and several requests in one batch (rows
+    routed together, each expert run once on the rows routed to it): the same tokens as plain decoding
+    one request at a time. fp32: Gemma 4 runs eagerly (the fused decoder does not take it), whose
+    attention is not bitwise batch invariant in bf16, dense or MoE."""
+    llm = LLM(model=str(gemma4_moe), dtype="fp32", progress=False, adaptive=False)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    alone = [llm.generate(p, params, num_speculative_tokens=0)[0].token_ids for p in PROMPTS]
+    for k in (0, 3, 6):
+        assert [o.token_ids for o in llm.generate(PROMPTS, params, num_speculative_tokens=k)] == alone, k
