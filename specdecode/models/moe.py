@@ -39,6 +39,7 @@ from .errors import ModelError
 MAX_EXPERTS = 512        # SD_MOE_MAX_E in specdecode/fast/decoder_moe.c
 MAX_USED = 16            # SD_MOE_MAX_K
 STACKED = ("gate_proj", "up_proj", "down_proj")
+GEMMA4_STACKS = (".experts.gate_up_proj", ".experts.down_proj")
 # llama.cpp's per-layer names of a MoE layer -> the Hugging Face ones under model.layers.N
 GGUF_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
               "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
@@ -106,12 +107,16 @@ def required_tensors(config) -> list[str]:
 
 
 def stacked_name(name: str) -> bool:
-    """Whether `name` (a Hugging Face name) is llama.cpp's stack of every expert's matrix."""
-    return ".mlp.experts." in name and name.rsplit(".", 2)[-2] in STACKED
+    """Whether `name` (a Hugging Face name) is llama.cpp's stack of every expert's matrix (Gemma 4's
+    checkpoints hold them stacked too: experts.gate_up_proj, experts.down_proj)."""
+    return (".mlp.experts." in name and name.rsplit(".", 2)[-2] in STACKED) or name.endswith(GEMMA4_STACKS)
 
 
 def split_stacked(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A stack [E, out, in] as the Hugging Face checkpoint's one matrix per expert."""
+    """A stack [E, out, in] as the Hugging Face checkpoint holds it: one matrix per expert (Qwen3-MoE),
+    or the stack itself (Gemma 4)."""
+    if name.endswith(GEMMA4_STACKS):
+        return {name: tensor}
     head, kind = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]
     return {f"{head}.{e}.{kind}.weight": tensor[e].contiguous() for e in range(tensor.shape[0])}
 

@@ -4,7 +4,9 @@ layer's dense MLP; k_eq_v global layers) saved by transformers. Logits against t
 decode, a verify block, a ragged batch in contiguous and paged caches, a tree pass), greedy
 continuations identical to transformers' plain and with the default drafter, batched and
 speculative rows equal to batch-1 plain decoding, the native decoder (not the adapter) chosen, and
-clear errors for MoE settings it cannot run."""
+clear errors for MoE settings it cannot run. The same model as llama.cpp's converter writes it (gemma4
+GGUF, F32 and Q8_0) loads natively: logits and greedy output as the directory's, the expert stacks
+read in place from the file."""
 import json
 
 import pytest
@@ -15,6 +17,7 @@ from conftest import (
     hf_reference,
     make_gemma4_moe,
 )
+from gguf_writer import write_gemma4_gguf
 
 from specdecode import LLM, SamplingParams
 from specdecode.cache.paged import PagedKVCache
@@ -135,3 +138,57 @@ def test_batched_and_speculative_equal_plain(gemma4_moe):
     alone = [llm.generate(p, params, num_speculative_tokens=0)[0].token_ids for p in PROMPTS]
     for k in (0, 3, 6):
         assert [o.token_ids for o in llm.generate(PROMPTS, params, num_speculative_tokens=k)] == alone, k
+
+
+@pytest.fixture(scope="module")
+def moe_gguf(gemma4_moe, tmp_path_factory):
+    """The model as F32 and Q8_0 gemma4 GGUF files, as llama.cpp's converter writes them."""
+    folder, ref = tmp_path_factory.mktemp("gemma4_moe_gguf"), hf_reference(gemma4_moe)
+    return {q: write_gemma4_gguf(folder / f"tiny-gemma4-moe-{q.lower()}.gguf", ref, gemma4_moe / "tokenizer.json",
+                                 "<|im_end|>", "<bos>", qtype=q) for q in ("F32", "Q8_0")}
+
+
+def test_gguf_config_and_logits_match_the_directory(gemma4_moe, moe_gguf):
+    """The file's metadata reads back to the directory's config (head shapes per layer type, k_eq_v from
+    the missing attn_v, proportional RoPE from rope_freqs, the MoE keys); its logits are transformers'."""
+    lm = load_model(str(moe_gguf["F32"]), dtype="fp32", progress=False)
+    assert lm.native and type(lm.model) is Gemma4Transformer
+    expected = ModelConfig.from_hf(json.loads((gemma4_moe / "config.json").read_text()))
+    got = lm.model.config
+    assert got.moe == expected.moe and got.kv_geometry() == expected.kv_geometry()
+    assert (got.k_eq_v, got.rope_scaling, got.sliding_layers, got.final_logit_softcapping) == (
+        expected.k_eq_v, expected.rope_scaling, expected.sliding_layers, expected.final_logit_softcapping)
+    assert ModelConfig.from_hf(got.to_hf()) == got
+    tokens = torch.randint(3, got.vocab_size, (1, 36), generator=torch.Generator().manual_seed(4))
+    check_logits(lm.model, hf_reference(gemma4_moe), tokens, 1e-4)
+
+
+def test_gguf_greedy_identical_to_the_directory(gemma4_moe, moe_gguf):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    directory = LLM(model=str(gemma4_moe), dtype="fp32", progress=False)
+    llm = LLM(model=str(moe_gguf["F32"]), dtype="fp32", progress=False)
+    assert llm.target.native and type(llm.target.model) is Gemma4Transformer
+    for prompt in PROMPTS:
+        ids = directory.encode(prompt, False)
+        expected = directory.generate([ids], params, num_speculative_tokens=0)[0].token_ids
+        assert llm.generate([ids], params, num_speculative_tokens=0)[0].token_ids == expected
+        assert llm.generate([ids], params, num_speculative_tokens=4)[0].token_ids == expected
+
+
+def test_gguf_q8_0_expert_stacks_read_in_place(gemma4_moe, moe_gguf):
+    """Q8_0: each expert's gate|up rows a view of the mapped file's stack (expert 1's rows follow expert
+    0's), as the checkpoint's matrix to Q8_0's rounding; the per-expert and router scales as stored."""
+    lm = load_model(str(moe_gguf["Q8_0"]), progress=False)
+    assert lm.native and lm.weights_kind == "native Q8_0"
+    ref = hf_reference(gemma4_moe).model.layers[1]
+    layer = lm.model.layers[1]
+    first, second = (layer["experts_gate_up"][e].weight_q for e in (0, 1))
+    rows = first.segments[0][1]
+    assert first.mapped and rows.data_ptr() + rows.shape[0] * rows.shape[1] == second.segments[0][1].data_ptr()
+    torch.testing.assert_close(layer["experts_gate_up"][3].weight_q.dequantize(), ref.experts.gate_up_proj[3],
+                               atol=0.002, rtol=0)
+    torch.testing.assert_close(layer["expert_scale"].float(), ref.router.per_expert_scale, atol=0.01, rtol=0.01)
+    torch.testing.assert_close(layer["router_scale"].float(), ref.router.scale, atol=0.02, rtol=0.01)
+    llm = LLM(model=str(moe_gguf["Q8_0"]), progress=False)
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(out[0].token_ids) == 8
