@@ -31,7 +31,9 @@ transformers computes it (models/gemma4/modeling_gemma4.py, Gemma4TextModel / Ge
 - logits are soft-capped (cap * tanh(logits / cap)) when final_logit_softcapping is set.
 
 It runs eagerly (the fused C decoder does not take it); its projections, the per-layer ones
-included, go through `make_linear` (the native linear kernels when loaded fast). RoPE angles are
+included, go through `make_linear` (the native linear kernels when loaded fast, whose rows do not
+depend on the pass), and each query attends alone over the keys it sees (`row_attention`), so a
+row's output is what it would be in any other pass: speculation and batching stay lossless in bf16. RoPE angles are
 computed per pass from the positions, as transformers does, rather than from tables: the global
 heads are wide and the context long, so tables would be large. Layer skipping (self-drafting) skips
 a shared layer whose producing layer was skipped: it would have no keys to read.
@@ -50,7 +52,7 @@ from .gemma import fp32_rms_norm, softcapped_final
 from .moe import build_gemma4_layer as build_gemma4_moe
 from .moe import gemma4_route, moe_mlp
 from .moe import projections as moe_projections
-from .transformer import Transformer, apply_rope, attention_mask, cat_rows, eager_linear
+from .transformer import Transformer, apply_rope, cat_rows, eager_linear
 
 
 def gemma4_inv_freq(theta: float, head_dim: int, proportion: float = 1.0, factor: float = 1.0) -> torch.Tensor:
@@ -72,6 +74,26 @@ def rope_now(inv_freq: torch.Tensor, fb: ForwardBatch, dtype: torch.dtype,
     angles = positions[..., None].float() * inv_freq.to(device)
     angles = torch.cat([angles, angles], dim=-1)[:, None]
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def row_attention(q: torch.Tensor,                   # [B, H, T, HD] normed, roped
+                  keys: torch.Tensor,                # [B, KVH, L, HD] as the cache write returned them
+                  values: torch.Tensor,              # [B, KVH, L, HD]
+                  fb: ForwardBatch, window: int | None) -> torch.Tensor:   # -> [B, H, T, HD]
+    """Attention (scores unscaled) with each query alone over exactly the keys it sees, gathered: the
+    same ops on the same values as when its token is decoded alone, so a row's output does not depend
+    on the pass it is in (one SDPA call over the whole pass blocks its sums by the pass's shape, and
+    Gemma 4 runs eagerly: the fused decoder's batch invariance is not there to lean on)."""
+    batch, heads, num_tokens, _ = q.shape
+    visible = fb.visible(keys.shape[2], window).to(q.device)                 # [B, T, L]
+    out = torch.empty_like(q)
+    for b in range(batch):
+        for t in range(num_tokens if fb.lengths is None else fb.lengths[b]):
+            idx = visible[b, t].nonzero()[:, 0]
+            out[b, :, t:t + 1] = F.scaled_dot_product_attention(q[b, None, :, t:t + 1], keys[b, None, :, idx],
+                                                                values[b, None, :, idx], scale=1.0,
+                                                                enable_gqa=True)[0]
+    return out
 
 
 class Gemma4Transformer(Transformer):
@@ -174,7 +196,6 @@ class Gemma4Transformer(Transformer):
         tokens, start, rows = fb.tokens, fb.start, fb.rows
         batch, num_tokens = tokens.shape
         ropes = {kind: rope_now(f, fb, self.dtype, self.device) for kind, f in self.inv_freq.items()}
-        masks = {w: attention_mask(fb, w, self.device) for w in {ly["window"] for ly in self.layers}}
         eps, heads = c.rms_norm_eps, c.num_heads
 
         hidden = F.embedding(tokens, self.embed) * self.embed_scale                    # [B, T, D]
@@ -200,8 +221,7 @@ class Gemma4Transformer(Transformer):
                 keys, values = cache.write(layer["cache"], rows, start, k, v)
                 if layer["stores"]:
                     shared[sliding] = keys, values
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[layer["window"]], scale=1.0,
-                                                  enable_gqa=True)
+            attn = row_attention(q, keys, values, fb, layer["window"])
             attn = attn.transpose(1, 2).reshape(batch, num_tokens, heads * hd)
             hidden = hidden + fp32_rms_norm(layer["o"](attn), layer["post_attn_norm"], eps)
             # 2. MLP: norm, GeGLU with fused gate/up, post-norm

@@ -2,7 +2,7 @@
 gemma4_text with `enable_moe_block` (26B-A4B's layout in small: 8 experts, 2 routed, beside every
 layer's dense MLP; k_eq_v global layers) saved by transformers. Logits against transformers (prefill,
 decode, a verify block, a ragged batch in contiguous and paged caches, a tree pass), greedy
-continuations identical to transformers' plain and with the default drafter, batched and
+continuations identical to transformers' plain and with the default drafter, bf16 batched and
 speculative rows equal to batch-1 plain decoding, the native decoder (not the adapter) chosen, and
 clear errors for MoE settings it cannot run. The same model as llama.cpp's converter writes it (gemma4
 GGUF, F32 and Q8_0) loads natively: logits and greedy output as the directory's, the expert stacks
@@ -128,12 +128,22 @@ def test_greedy_identical_to_transformers_plain_and_speculative(gemma4_moe):
         assert llm.generate(prompt, params, num_speculative_tokens=4)[0].token_ids == expected
 
 
-def test_batched_and_speculative_equal_plain(gemma4_moe):
-    """The engine's paged cache, verify passes of k + 1 rows and several requests in one batch (rows
-    routed together, each expert run once on the rows routed to it): the same tokens as plain decoding
-    one request at a time. fp32: Gemma 4 runs eagerly (the fused decoder does not take it), whose
-    attention is not bitwise batch invariant in bf16, dense or MoE."""
-    llm = LLM(model=str(gemma4_moe), dtype="fp32", progress=False, adaptive=False)
+@pytest.mark.parametrize("gguf", [False, True])
+def test_bf16_batched_and_speculative_equal_plain(gemma4_moe, moe_gguf, gguf):
+    """bf16 (the default), from the directory and from the Q8_0 file read in place: a verify block's rows
+    bitwise equal to single steps (each query attends alone, each expert runs on the rows routed to it),
+    and through the engine (paged cache, verify passes of k + 1 rows, several requests in one batch)
+    the same tokens as plain decoding one request at a time."""
+    source = str(moe_gguf["Q8_0"] if gguf else gemma4_moe)
+    model = load_model(source, progress=False).model
+    assert model.dtype == torch.bfloat16 and type(model) is Gemma4Transformer
+    tokens = torch.randint(3, model.vocab_size, (1, 20), generator=torch.Generator().manual_seed(2))
+    cache = model.new_cache(1, 32)
+    model.forward(tokens[:, :14], cache, 0)
+    block = model.forward(tokens[:, 14:20], cache, 14)
+    steps = [model.forward(tokens[:, p:p + 1], cache, p)[:, 0] for p in range(14, 20)]
+    assert torch.equal(block[0], torch.cat(steps))
+    llm = LLM(model=source, progress=False, adaptive=False)
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     alone = [llm.generate(p, params, num_speculative_tokens=0)[0].token_ids for p in PROMPTS]
     for k in (0, 3, 6):
