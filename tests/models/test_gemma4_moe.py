@@ -9,13 +9,16 @@ GGUF, F32 and Q8_0) loads natively: logits and greedy output as the directory's,
 read in place from the file."""
 import json
 
+import conftest
 import pytest
 import torch
 from conftest import (
     GEMMA4_BOS,
     assert_tree_paths_match_chains,
+    compare_samples,
     hf_reference,
     make_gemma4_moe,
+    null_tv,
 )
 from gguf_writer import write_gemma4_gguf
 
@@ -25,6 +28,7 @@ from specdecode.forward import ForwardBatch
 from specdecode.models.config import ModelConfig, ModelError
 from specdecode.models.gemma4 import Gemma4Transformer
 from specdecode.models.loader import load_model
+from specdecode.sampling import probs_from_logits, transform_logits
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog. the quick brown fox", "1 2 3 4 5 6 7 8 1 2 3 4 5"]
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -148,6 +152,31 @@ def test_bf16_batched_and_speculative_equal_plain(gemma4_moe, moe_gguf, gguf):
     alone = [llm.generate(p, params, num_speculative_tokens=0)[0].token_ids for p in PROMPTS]
     for k in (0, 3, 6):
         assert [o.token_ids for o in llm.generate(PROMPTS, params, num_speculative_tokens=k)] == alone, k
+
+
+def test_seeded_sampling_keeps_the_target_distribution(gemma4_moe):
+    """Speculative sampling (temperature 0.8, top_k 2, ngram drafts of 2) on the MoE model draws its
+    first three tokens from transformers' exact distribution: chi-square p > 1e-3, total variation
+    within 0.01 * sqrt(10^5 / n)."""
+    ref = hf_reference(gemma4_moe)
+    llm = LLM(model=str(gemma4_moe), dtype="fp32", progress=False, adaptive=False)
+    prompt = llm.encode("1 2 3 1 2 3 1 2", False)
+    params = lambda seed=None: SamplingParams(temperature=0.8, top_k=2, max_tokens=3, ignore_eos=True,  # noqa: E731
+                                              seed=seed)
+
+    @torch.no_grad()
+    def next_probs(prefix):
+        logits = ref(torch.tensor([prompt + prefix])).logits[:, -1:].float()
+        return probs_from_logits(transform_logits(logits, [params()]), [params()])[0, 0].double()
+    exact = conftest.exact_joint(next_probs, 3)
+    n = 4_000
+    bound = 0.01 * (100_000 / n) ** 0.5
+    assert len(exact) == 8 and abs(sum(exact.values()) - 1) < 1e-4
+    assert null_tv(exact, n) < 0.7 * bound
+    counts, _ = conftest.draw_samples(llm, prompt, params, n, 2, seed0=4_000_000)
+    p_value, tv, outside = compare_samples(counts, exact)
+    assert outside == 0
+    assert p_value > 1e-3 and tv < bound, (p_value, tv)
 
 
 @pytest.fixture(scope="module")
