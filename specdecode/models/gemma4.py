@@ -85,13 +85,19 @@ def row_attention(q: torch.Tensor,                   # [B, H, T, HD] normed, rop
     on the pass it is in (one SDPA call over the whole pass blocks its sums by the pass's shape, and
     Gemma 4 runs eagerly: the fused decoder's batch invariance is not there to lean on)."""
     batch, heads, num_tokens, _ = q.shape
-    visible = fb.visible(keys.shape[2], window).to(q.device)                 # [B, T, L]
+    visible = None if fb.is_chain else fb.visible(keys.shape[2], window).to(q.device)     # [B, T, L]: trees
+    starts = fb.starts()
     out = torch.empty_like(q)
     for b in range(batch):
         for t in range(num_tokens if fb.lengths is None else fb.lengths[b]):
-            idx = visible[b, t].nonzero()[:, 0]
-            out[b, :, t:t + 1] = F.scaled_dot_product_attention(q[b, None, :, t:t + 1], keys[b, None, :, idx],
-                                                                values[b, None, :, idx], scale=1.0,
+            if visible is None:                  # a chain: slots lo..own, copied as a gather would be
+                slot = starts[b] + t
+                lo = max(0, slot + 1 - window) if window else 0
+                k, v = keys[b, None, :, lo:slot + 1].contiguous(), values[b, None, :, lo:slot + 1].contiguous()
+            else:
+                idx = visible[b, t].nonzero()[:, 0]
+                k, v = keys[b, None, :, idx], values[b, None, :, idx]
+            out[b, :, t:t + 1] = F.scaled_dot_product_attention(q[b, None, :, t:t + 1], k, v, scale=1.0,
                                                                 enable_gqa=True)[0]
     return out
 
