@@ -291,14 +291,15 @@ def write_qwen3moe_gguf(path: Path, model, tokenizer_json: Path, eos_token: str,
 
 
 def write_gemma4_gguf(path: Path, model, tokenizer_json: Path, eos_token: str, bos_token: str,
-                      qtype: str = "F32") -> Path:
+                      qtype: str = "F32", skip: tuple[str, ...] = ()) -> Path:
     """A transformers Gemma 4 text model (Gemma4ForCausalLM, dense or with MoE blocks) as llama.cpp's
     converter writes it (its Gemma4Model on Gemma3Model): head dims, kv heads and MLP widths per layer
     type, the window pattern, proportional RoPE as the rope_freqs tensor (1 where a frequency turns,
     1e30 where it stays), norms as stored (no + 1), the router's scale as ffn_gate_inp.scale, the
     per-expert scales as ffn_down_exps.scale, the expert stacks as ffn_gate_up_exps / ffn_down_exps,
     layer_scalar as layer_output_scale. qtype "Q8_0": matrices and expert stacks whose rows are a
-    multiple of 32 weights in Q8_0 blocks, the router, norms and scales F32."""
+    multiple of 32 weights in Q8_0 blocks, the router, norms and scales F32. `skip`: GGUF tensor names
+    to leave out."""
     import gguf
     from gguf.quants import quantize
 
@@ -356,6 +357,8 @@ def write_gemma4_gguf(path: Path, model, tokenizer_json: Path, eos_token: str, b
             continue
         if not name.endswith((".weight", ".scale")):
             name += ".weight"
+        if name in skip:
+            continue
         array = np.ascontiguousarray(tensor.detach().to(torch.float32).numpy())
         if (qtype == "Q8_0" and array.ndim >= 2 and array.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name
                 and "rope_freqs" not in name):

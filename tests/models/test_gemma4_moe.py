@@ -231,3 +231,13 @@ def test_gguf_q8_0_expert_stacks_read_in_place(gemma4_moe, moe_gguf):
     llm = LLM(model=str(moe_gguf["Q8_0"]), progress=False)
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
     assert len(out[0].token_ids) == 8
+
+
+def test_gguf_missing_tensor_is_one_error(gemma4_moe, tmp_path):
+    """A gemma4 file without a layer's per-expert scales (or router scale) is refused, naming them."""
+    ref = hf_reference(gemma4_moe)
+    for name in ("blk.1.ffn_down_exps.scale", "blk.3.ffn_gate_inp.scale"):
+        path = write_gemma4_gguf(tmp_path / f"missing-{name}.gguf", ref, gemma4_moe / "tokenizer.json", "<|im_end|>",
+                                 "<bos>", skip=(name,))
+        with pytest.raises(ModelError, match=rf"missing tensors: 1 of the gemma4 model's .*{name}"):
+            load_model(str(path), progress=False)
