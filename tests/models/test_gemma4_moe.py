@@ -241,3 +241,22 @@ def test_gguf_missing_tensor_is_one_error(gemma4_moe, tmp_path):
                                  "<bos>", skip=(name,))
         with pytest.raises(ModelError, match=rf"missing tensors: 1 of the gemma4 model's .*{name}"):
             load_model(str(path), progress=False)
+
+
+def test_the_released_26b_a4b_config():
+    """Gemma 4 26B-A4B's text_config (the values scripts/measure/make_random_gguf.py cites) reads natively,
+    and the parameters it reads per token are the 3.8 B its model card calls active (25.2 B in all)."""
+    types = (["sliding_attention"] * 5 + ["full_attention"]) * 5
+    text = {"model_type": "gemma4_text", "attention_k_eq_v": True, "enable_moe_block": True, "num_experts": 128,
+            "top_k_experts": 8, "moe_intermediate_size": 704, "intermediate_size": 2112, "hidden_size": 2816,
+            "num_hidden_layers": 30, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+            "num_global_key_value_heads": 2, "global_head_dim": 512, "hidden_size_per_layer_input": 0,
+            "num_kv_shared_layers": 0, "layer_types": types, "sliding_window": 1024, "vocab_size": 262144,
+            "final_logit_softcapping": 30.0, "rope_parameters": {
+                "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1e6, "rope_type": "proportional"},
+                "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}}
+    config = ModelConfig.from_hf({"model_type": "gemma4", "text_config": text, "tie_word_embeddings": True})
+    assert config.kv_geometry()[1:] == (((8,) * 5 + (2,)) * 5, ((256,) * 5 + (512,)) * 5)
+    assert round(config.weight_count() / 1e9, 1) == 3.8
+    unrouted = 30 * (128 - 8) * 3 * 2816 * 704                   # the experts a token does not read
+    assert round((config.weight_count() + unrouted) / 1e9, 1) == 25.2
