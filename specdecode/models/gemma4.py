@@ -33,9 +33,9 @@ transformers computes it (models/gemma4/modeling_gemma4.py, Gemma4TextModel / Ge
 It runs eagerly (the fused C decoder does not take it); its projections, the per-layer ones
 included, go through `make_linear` (the native linear kernels when loaded fast, whose rows do not
 depend on the pass), and each query attends alone over the keys it sees (`row_attention`), so a
-row's output is what it would be in any other pass: speculation and batching stay lossless in bf16. RoPE angles are
-computed per pass from the positions, as transformers does, rather than from tables: the global
-heads are wide and the context long, so tables would be large. Layer skipping (self-drafting) skips
+row's output is what it would be in any other pass: speculation and batching stay lossless in
+bf16. RoPE angles are computed per pass from the positions, as transformers does, rather than from
+tables: the global heads are wide and the context long, so tables would be large. Layer skipping (self-drafting) skips
 a shared layer whose producing layer was skipped: it would have no keys to read.
 """
 from __future__ import annotations

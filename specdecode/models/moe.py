@@ -130,12 +130,7 @@ def _expert(weights: dict, prefix: str, kind: str, e: int, experts: int):
     stack = weights.get(f"{prefix}mlp.experts.{kind}.weight")
     if stack is None:
         raise ModelError(f"the checkpoint has no {prefix}mlp.experts.{e}.{kind}.weight (nor llama.cpp's stack)")
-    if isinstance(stack, torch.Tensor):
-        return stack[e]
-    from ..fast.quant import QuantWeight
-    (qtype, data), = stack.segments
-    rows = data.shape[0] // experts
-    return QuantWeight([(qtype, data[e * rows:(e + 1) * rows])], stack.in_features, stack.mapped)
+    return _stack_row(stack, e, experts)
 
 
 def build_layer(weights: dict, prefix: str, config, make_linear) -> dict:
@@ -260,9 +255,10 @@ def build_gemma4_layer(weights: dict, prefix: str, config, make_linear) -> dict:
 
 
 def _stack_row(stack, e: int, experts: int):
-    """Expert e's matrix of a stack: [E, out, in] dense, or a QuantWeight [E * out, in] as the file's blocks."""
+    """Expert e's matrix of a stack: a view of a dense [E, out, in], or of a QuantWeight [E * out, in]'s
+    blocks (the file's, read in place)."""
     if isinstance(stack, torch.Tensor):
-        return stack[e].contiguous()
+        return stack[e]
     from ..fast.quant import QuantWeight
     (qtype, data), = stack.segments
     rows = data.shape[0] // experts
