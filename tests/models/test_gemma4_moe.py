@@ -260,3 +260,14 @@ def test_the_released_26b_a4b_config():
     assert round(config.weight_count() / 1e9, 1) == 3.8
     unrouted = 30 * (128 - 8) * 3 * 2816 * 704                   # the experts a token does not read
     assert round((config.weight_count() + unrouted) / 1e9, 1) == 25.2
+
+
+def test_layer_skip_drafts_on_the_moe_model(gemma4_moe):
+    """Self-drafting with two layers (and their MoE blocks) left out gives plain decoding's tokens (bf16)."""
+    llm = LLM(model=str(gemma4_moe), method="layer-skip", skip_layers=[1, 3], progress=False, adaptive=False,
+              num_speculative_tokens=4)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    plain = llm.generate(PROMPTS, params, num_speculative_tokens=0)
+    spec = llm.generate(PROMPTS, params)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert sum(s.stats["drafted_tokens"] for s in spec) > 0
