@@ -218,3 +218,21 @@ def test_assistant_on_a_moe_target(tmp_path_factory, dtype):
         spec = llm.generate(PROMPTS, params)
         assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
         assert sum(s.stats[counted] for s in spec) > 0
+
+
+def test_assistant_on_a_gguf_moe_target(tmp_path_factory):
+    """The MoE target as llama.cpp's Q8_0 gemma4 file, read natively: the assistant drafts for it as for
+    the directory, plain decoding's tokens in bf16, drafts accepted."""
+    from conftest import hf_reference, make_gemma4_moe
+    from gguf_writer import write_gemma4_gguf
+    target_path = make_gemma4_moe(tmp_path_factory.mktemp("g4_moe_gguf_target"))
+    assistant = make_assistant(tmp_path_factory.mktemp("g4_moe_gguf_copying"), target_path, copying=True)
+    gguf = write_gemma4_gguf(target_path.parent / "tiny-gemma4-moe-q8_0.gguf", hf_reference(target_path),
+                             target_path / "tokenizer.json", "<|im_end|>", "<bos>", qtype="Q8_0")
+    llm = LLM(model=str(gguf), draft=str(assistant), progress=False, adaptive=False, num_speculative_tokens=4)
+    assert llm.method == "assistant" and llm.target.model.config.moe is not None
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = llm.generate(PROMPTS, params, num_speculative_tokens=0)
+    spec = llm.generate(PROMPTS, params)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert sum(s.stats["accepted_tokens"] for s in spec) > 0
