@@ -718,3 +718,37 @@ def make_marker_model(folder: Path, added: dict[str, bool], eos: list[str], bos:
                                          eos_token_id=ids[0], bos_token_id=None))
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
+
+
+# ---------------------------------------------------------------- Gemma 4 with MoE blocks (26B-A4B's layout)
+def gemma4_moe_text_config(vocab_size: int, layers: int = 5):
+    """Gemma 4 26B-A4B's layout in small: a MoE block (8 experts, 2 routed) beside every layer's MLP,
+    global layers with k_eq_v and one kv head, no per-layer inputs, no kv sharing."""
+    from transformers import Gemma4TextConfig
+    return Gemma4TextConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, global_head_dim=32, sliding_window=GEMMA4_WINDOW, hidden_size_per_layer_input=0,
+        num_hidden_layers=layers, layer_types=(GEMMA4_TYPES * 2)[:layers], num_kv_shared_layers=0,
+        attention_k_eq_v=True, num_global_key_value_heads=1, final_logit_softcapping=10.0,
+        enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32,
+        max_position_embeddings=256, bos_token_id=GEMMA4_BOS, eos_token_id=GEMMA4_EOS, pad_token_id=0)
+
+
+def make_gemma4_moe(folder: Path, layers: int = 5, seed: int = 17) -> Path:
+    """A random gemma4_text checkpoint with MoE blocks saved by transformers, make_tokenizer's tokenizer:
+    norms, router scales and per-expert scales away from 1, sharp routing, experts loud enough to matter."""
+    from transformers import Gemma4ForCausalLM
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(folder, specials=("<bos>", "<turn|>"))
+    vocab_size = len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"])
+    torch.manual_seed(seed)
+    model = Gemma4ForCausalLM(gemma4_moe_text_config(vocab_size, layers))
+    randomize_gemma4(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.router.proj.weight.normal_(0, 2.0)
+            layer.router.scale.normal_(1.0, 0.3)
+            layer.router.per_expert_scale.uniform_(0.5, 2.0)
+            layer.experts.down_proj.mul_(8.0)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
