@@ -3,7 +3,7 @@ output as a predicted output (`--prediction`), corrupted at a chosen rate, verif
 drafts are accepted at that rate. For a model file: tokens/s against acceptance and the break-even.
 
     python scripts/measure/acceptance_curve.py --model FILE [--rates 0.3,0.5,0.7,0.8,0.9,1.0] [--k 1,2,4]
-        [--prompts 3] [--tokens 128] [--rounds 3] [--threads 2] [--lookup] [--json out.json]
+        [--prompts 3] [--tokens 128] [--rounds 3] [--threads 2] [--no-chat] [--lookup] [--json out.json]
 
 Per prompt (the first Spec-Bench prompt of each task, then the next ones) plain greedy decoding gives the
 reference; per rate a, each of its tokens is replaced by another random token with probability 1 - a
@@ -79,6 +79,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-chat", action="store_true", help="the prompts as plain text (no chat template)")
     ap.add_argument("--lookup", action="store_true", help="the prediction as text, aligned by n-gram lookups")
     ap.add_argument("--json", default=None, help="write every run's figures there")
     args = ap.parse_args()
@@ -103,7 +104,7 @@ def main() -> int:
     tasks = list(dict.fromkeys(q.task for q in bench))
     chosen = [next(q for q in bench if q.task == t) for t in tasks]
     chosen += [q for q in bench if q not in chosen]
-    prompts = [llm.encode(q.text, q.chat) for q in chosen[:args.prompts]]
+    prompts = [llm.encode(q.text, q.chat and not args.no_chat) for q in chosen[:args.prompts]]
 
     planted: dict[str, list[int]] = {}                    # prediction text -> the ids read at the answer's position
 

@@ -6,6 +6,7 @@
                                                                   # on MoE the distinct experts its passes read)
     python scripts/measure/method_ab.py --methods cascade ... --drafter-option head_vocab=32768   # (as `generate`)
     python scripts/measure/method_ab.py --methods text-model ... --humaneval 8   # the first 8 HumanEval prompts
+    python scripts/measure/method_ab.py --methods ngram --model random-moe.gguf --no-chat --trace   # no chat template
 
 One generation per cell (what `specdecode bench` runs) moves by +-5-10% on a 2-core host whose
 speed drifts; here every prompt runs each method `--rounds` times between two plain runs, in an
@@ -51,6 +52,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--humaneval", type=int, default=0, metavar="N",
                    help="the first N HumanEval prompts instead of the six kinds (code only)")
+    p.add_argument("--no-chat", action="store_true", help="the prompts as plain text (a model without a chat "
+                                                          "template, e.g. make_random_gguf.py's)")
     p.add_argument("--trace", action="store_true", help="a line per method call: its ratio, steps, drafts, times "
                                                         "and the draft size the controller chose at each step")
     args = p.parse_args()
@@ -71,8 +74,8 @@ def main() -> None:
         if not system.supports(m):
             raise SystemExit(f"method {m!r} cannot run here: {system.skipped.get(m, 'unknown method')}")
     cells = {"plain": Cell("specdecode", "plain", 0), **{m: Cell("specdecode", m, 5) for m in methods}}
-    ids = [llm.encode(p.text, p.chat) for p in prompts]
-    warm_up = llm.encode("Write a haiku about the sea.", True)      # none of the six prompts
+    ids = [llm.encode(p.text, p.chat and not args.no_chat) for p in prompts]
+    warm_up = llm.encode("Write a haiku about the sea.", not args.no_chat)      # none of the six prompts
 
     chosen: list[int] = []                                 # the size planned at each step of the call running
     plan = SpeculationController.plan

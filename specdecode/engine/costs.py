@@ -74,7 +74,8 @@ def measure_pass_costs(model, cache, row: int, rows: list[int], repeats: int = 3
     mixture of experts routes them alike), and with a MoE target's `counter` its `ExpertCosts`:
     passes of the same sizes over distinct random tokens, timed in the same rounds, give the union
     of experts r rows read and what each expert past a one-row pass's costs (least squares over the
-    sizes of the time and union the distinct rows add)."""
+    sizes of the time and union the distinct rows add; at least its share of the weights a one-row
+    pass reads, `ExpertCounter.share`)."""
     import torch
 
     from ..forward import ForwardBatch
@@ -110,7 +111,10 @@ def measure_pass_costs(model, cache, row: int, rows: list[int], repeats: int = 3
         return curve, None
     added = [(union["distinct", r] - union["same", r], best["distinct", r] - best["same", r]) for r in rows if r > 1]
     spread = sum(u * u for u, _ in added)
-    per_expert = max(sum(u * t for u, t in added) / spread, 0.0) if spread > 0 else 0.0
+    per_expert = sum(u * t for u, t in added) / spread if spread > 0 else 0.0
+    # never below what reading its weights costs at a one-row pass's pace (a pass that another process
+    # delayed can hide the difference; a CPU decode step is bound by the bytes it reads)
+    per_expert = max(per_expert, curve[min(rows)] * counter.share)
     used = counter.used
     return curve, ExpertCosts(used, counter.experts, per_expert,
                               {1: float(used), **{r: max(union["distinct", r], used) for r in rows if r > 1}})
@@ -120,8 +124,9 @@ class ExpertCounter:
     """The distinct experts a mixture-of-experts target's last pass read, per MoE layer on average
     (the fused decoder's `moe_count`, which every native pass writes)."""
 
-    def __init__(self, counts, layers: int, used: int, experts: int) -> None:
+    def __init__(self, counts, layers: int, used: int, experts: int, share: float = 0.0) -> None:
         self.counts, self.layers, self.used, self.experts = counts, layers, used, experts
+        self.share = share          # one more expert in every MoE layer, as a share of a token's weights
 
     @staticmethod
     def of(model) -> ExpertCounter | None:
@@ -130,7 +135,9 @@ class ExpertCounter:
         config = getattr(model, "config", None)
         if counts is None or getattr(config, "moe", None) is None or not any(config.moe_layers or ()):
             return None
-        return ExpertCounter(counts, sum(config.moe_layers), config.moe["used"], config.moe["experts"])
+        layers = sum(config.moe_layers)
+        expert = 3 * config.hidden_size * config.moe["intermediate"] * layers
+        return ExpertCounter(counts, layers, config.moe["used"], config.moe["experts"], expert / config.weight_count())
 
     def read(self) -> float:
         """Distinct experts per MoE layer of the last pass (layers without experts count 0)."""

@@ -82,13 +82,41 @@ def test_the_expert_cost_is_what_distinct_rows_add_over_rows_of_one_token(monkey
             return None
 
     cache = SimpleNamespace(truncate=lambda row, n: None)
-    counter = SimpleNamespace(used=USED, experts=EXPERTS, read=lambda: float(seen["union"]))
+    counter = SimpleNamespace(used=USED, experts=EXPERTS, share=0.0, read=lambda: float(seen["union"]))
     curve, moe = measure_pass_costs(Model(), cache, 0, [1, 2, 4, 8], repeats=2, counter=counter)
     assert curve == pytest.approx({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7})
     assert moe.seconds == pytest.approx(0.03) and moe.used == USED
     assert moe.union == {1: USED, 2: 2 * USED, 4: 4 * USED, 8: 8 * USED}
     plain, none = measure_pass_costs(Model(), cache, 0, [1, 2], repeats=1)
     assert none is None and plain == pytest.approx({1: 1.0, 2: 1.1})
+    counter.share = 0.05                                              # one expert more: 5% of the bytes a step reads
+    _, moe = measure_pass_costs(Model(), cache, 0, [1, 2, 4], repeats=1, counter=counter)
+    assert moe.seconds == pytest.approx(0.05)
+
+
+def test_a_measurement_that_shows_no_expert_cost_still_prices_the_bytes_they_read(monkeypatch):
+    """A pass another process delayed can hide what distinct rows add: each expert then costs at least
+    its share of the weights a one-row pass reads."""
+    torch = pytest.importorskip("torch")
+    clock = [0.0]
+    monkeypatch.setattr(costs_module.time, "perf_counter", lambda: clock[0])
+    seen = {}
+
+    class Model:                                   # distinct rows read 8x the experts and take no longer
+        device, vocab_size = torch.device("cpu"), 1000
+
+        def run(self, fb, cache):
+            tokens = fb.tokens[0].tolist()
+            seen["union"] = USED if len(set(tokens)) == 1 else min(USED * len(tokens), EXPERTS)
+            clock[0] += 2.0 + 0.1 * (len(tokens) - 1)
+            return None
+
+        def logits(self, hidden, index):
+            return None
+
+    counter = SimpleNamespace(used=USED, experts=EXPERTS, share=0.04, read=lambda: float(seen["union"]))
+    _, moe = measure_pass_costs(Model(), SimpleNamespace(truncate=lambda row, n: None), 0, [1, 2, 4], 1, counter)
+    assert moe.seconds == pytest.approx(2.0 * 0.04)
 
 
 def lookups(costs: StepCosts, accept: float, seed: int, truth: StepCosts | None = None, steps: int = 300, k: int = 4
