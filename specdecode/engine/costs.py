@@ -130,18 +130,34 @@ class ExpertCounter:
 
     @staticmethod
     def of(model) -> ExpertCounter | None:
-        """The counter of a MoE model run by the fused decoder; None for any other."""
-        counts = getattr(getattr(model, "fused", None), "moe_count", None)
+        """The counter of a MoE model (the fused decoder's count, or the eager MoE MLPs' `distinct`,
+        models/moe.py); None for any other."""
         config = getattr(model, "config", None)
-        if counts is None or getattr(config, "moe", None) is None or not any(config.moe_layers or ()):
+        if getattr(config, "moe", None) is None:
             return None
-        layers = sum(config.moe_layers)
+        counts = getattr(getattr(model, "fused", None), "moe_count", None)
+        if counts is None:
+            layers = getattr(model, "layers", ())
+            counts = _EagerCounts([ly for ly in layers if isinstance(ly, dict) and "router" in ly])
+        layers = len(counts.layers) if isinstance(counts, _EagerCounts) else sum(config.moe_layers or ())
+        if not layers:
+            return None
         expert = 3 * config.hidden_size * config.moe["intermediate"] * layers
         return ExpertCounter(counts, layers, config.moe["used"], config.moe["experts"], expert / config.weight_count())
 
     def read(self) -> float:
         """Distinct experts per MoE layer of the last pass (layers without experts count 0)."""
         return sum(self.counts.tolist()) / self.layers
+
+
+class _EagerCounts:
+    """The distinct experts each eager MoE MLP's last call read (models/moe.py's layer["distinct"])."""
+
+    def __init__(self, layers: list[dict]) -> None:
+        self.layers = layers
+
+    def tolist(self) -> list[int]:
+        return [ly.get("distinct", 0) for ly in self.layers]
 
 
 @dataclass

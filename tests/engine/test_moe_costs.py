@@ -216,3 +216,20 @@ def test_a_climb_on_moe_assumes_the_acceptance_measured_not_every_node():
         row = kept_row(ctrl, 0.7)
         row.size = 2
         assert ctrl._climb_gain(row, 3) == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_qwen35_moe_counts_its_experts_in_the_eager_mlps(tmp_path):
+    """Qwen3.5-MoE's MoE MLPs run eagerly (models/moe.py): each leaves its distinct experts, which the
+    engine reads as a fused decoder's count; its MTP head (the default drafter) plans with that price."""
+    from conftest import make_qwen35_moe
+
+    from specdecode import LLM, SamplingParams
+    make_qwen35_moe(tmp_path, mtp=True)
+    llm = LLM(model=str(tmp_path), dtype="fp32", progress=False)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    plain = llm.generate("one two three", params, num_speculative_tokens=0)[0].token_ids
+    assert llm.generate("one two three", params)[0].token_ids == plain
+    moe = llm.core.costs.moe
+    assert llm.method == "mtp" and moe is not None and moe.used == 2 and moe.passes > 0
+    assert 2 <= moe.experts_seen / moe.passes <= 8 and max(moe.union.values()) > 2
