@@ -233,3 +233,17 @@ def test_qwen35_moe_counts_its_experts_in_the_eager_mlps(tmp_path):
     moe = llm.core.costs.moe
     assert llm.method == "mtp" and moe is not None and moe.used == 2 and moe.passes > 0
     assert 2 <= moe.experts_seen / moe.passes <= 8 and max(moe.union.values()) > 2
+
+
+def test_only_a_moe_model_has_an_expert_counter_and_its_share_is_one_expert_of_a_tokens_weights():
+    from specdecode.engine.costs import ExpertCounter
+    dense = SimpleNamespace(config=SimpleNamespace(moe=None), fused=None, layers=[])
+    assert ExpertCounter.of(dense) is None
+    config = SimpleNamespace(moe={"used": 2, "experts": 8, "intermediate": 4}, moe_layers=(True, True), hidden_size=16,
+                             weight_count=lambda: 3840)
+    layers = [{"router": 0, "distinct": 3}, {"router": 0, "distinct": 5}, {"mlp": 0}]
+    counter = ExpertCounter.of(SimpleNamespace(config=config, fused=None, layers=layers))   # eager MoE MLPs
+    assert counter.read() == 4.0 and counter.used == 2 and counter.experts == 8
+    assert counter.share == pytest.approx(3 * 16 * 4 * 2 / 3840)
+    fused = SimpleNamespace(moe_count=SimpleNamespace(tolist=lambda: [6, 8, 0]))               # the fused decoder's
+    assert ExpertCounter.of(SimpleNamespace(config=config, fused=fused, layers=layers)).read() == 7.0
