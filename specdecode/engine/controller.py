@@ -10,8 +10,9 @@ proposed fewer nodes than S, or whose chain was rejected inside its draft, tells
 already measured too. A stateless drafter's rows at size 0 get shadow drafts, never verified,
 scored against the tokens the row then emits: free measurements of every size.
 
-Costs (costs.StepCosts): the target pass against its rows (every row's pending tokens and drafts)
-and drafting, per drafting row and per node.
+Costs (costs.StepCosts): the target pass against its rows (every row's pending tokens and drafts;
+on a mixture of experts also the distinct experts they are expected to read) and drafting, per
+drafting row and per node.
 
 Choice (`plan`). The sizes that maximise the batch's tokens per second: the sum of the rows' gains
 over the step's predicted seconds. From plain decoding, rows are raised one move at a time, the row
@@ -21,7 +22,8 @@ the model and what it leaves out). A lone row is the same rule: its best size, p
 drafting wins by MARGIN.
 
 Exploration. After a step that accepted every node, the next size above is a candidate (a long copy
-climbs past k, up to the span of a copying drafter); every EXPLORE steps, the next size above the
+climbs past k, up to the span of a copying drafter; on a mixture of experts at the acceptance the
+row's gain shows, `_climb_gain`); every EXPLORE steps, the next size above the
 best, up to k. Their gains are estimates (every node accepted; PRIOR over plain decoding) weighed
 like measured ones. A drafter with state pays for every try: a row it does not draft for is probed
 at a small size after a wait that doubles after each probe that does not pay, and never more often
@@ -35,9 +37,10 @@ Evidence before timings. Timings are noisy on a busy host; counted acceptance is
 drafter's row (lookups, a prediction: drafting costs it nothing but the pass's rows) whose measured
 tokens per step at a size show at least EVIDENT of its drafts accepted (verified drafts or shadows
 that came true) keeps drafting at that size (`RowSpec.kept`); the costs may raise it, never lower
-it, and it ends when the drafts stop being accepted. A predicted output's row drafts PREDICTED
-tokens from its first step. A drafter with state pays real, measured work per draft: its rows stay
-with the costs (and their MARGIN).
+it, and it ends when the drafts stop being accepted. On a mixture of experts, whose verified rows
+each read the experts they add, a kept size must also cover the pass's start-up shape (`_kept_size`).
+A predicted output's row drafts PREDICTED tokens from its first step. A drafter with state pays real,
+measured work per draft: its rows stay with the costs (and their MARGIN).
 
 Pinned rows (seeded sampling with a drafter that samples its drafts: the row's random draws follow
 its sizes) decide alone, from their own tokens and acceptance and fixed costs, never from timings,
@@ -158,7 +161,7 @@ class SpeculationController:
                 sizes[i] = probe
             elif self.shadowed or r.listening:    # a row kept off (not listening) waits for its probe
                 if self.shadowed:                 # drafts being accepted go on; timings may raise the size
-                    sizes[i] = min(r.kept, max(r.k, r.size))
+                    sizes[i] = self._kept_size(r, pending[i])
                 free.append(i)
         if free:
             key = (tuple(id(rows[i]) for i in free), sum(rows[i].version for i in free),
@@ -175,6 +178,18 @@ class SpeculationController:
                 if not held:
                     r.listening = self.listens(r, sizes[i])
         return sizes
+
+    def _kept_size(self, r: RowSpec, pending: int) -> int:
+        """A stateless drafter's row's kept size (`RowSpec.kept`, within its k or climb). On a mixture of
+        experts each verified row reads the experts it adds, so half the drafts accepted may not pay:
+        a measured size is kept there only while its counted tokens per step cover the rows it adds at
+        the pass's start-up shape (`StepCosts.pass_shape`, no step timings); else the costs decide.
+        A prediction's first size (news, not measured) is kept."""
+        s = min(r.kept, max(r.k, r.size))
+        if not s or self.costs.moe is None or s in r.carried:
+            return s
+        gain, nodes = r.gain.get(s, r.gain[r.kept]), r.nodes.get(s, float(s))
+        return s if gain >= self.costs.pass_shape(pending + nodes) / self.costs.pass_shape(pending) else 0
 
     def listens(self, r: RowSpec, size: int) -> bool:
         """Whether the drafter hears of an AUTO row this step (its target features, its commit):
@@ -256,11 +271,24 @@ class SpeculationController:
         if r.all_accepted and r.size > 0:        # a climb: the next size above, every node accepted
             above = [s for s in r.levels if s > r.size]
             if above and not r.untried:
-                out = [o for o in out if o[0] != above[0]] + [(above[0], above[0] + 1.0, float(above[0]))]
+                climb = (above[0], self._climb_gain(r, above[0]), float(above[0]))
+                out = [o for o in out if o[0] != above[0]] + [climb]
         elif r.steps % EXPLORE == 0 and measured < r.k and not r.untried:   # now and then the next size up to k
             s = next(s for s in r.levels if s > measured)
             out.append((s, self.prior(pending, costs)(s), float(s)))
         return out
+
+    def _climb_gain(self, r: RowSpec, above: int) -> float:
+        """A climb's estimate of the next size's tokens per step: every node accepted; on a mixture of
+        experts, where a rejected row costs the experts it added, the acceptance the row's gain at its
+        size shows, per position (one accepted step says little there)."""
+        if self.costs.moe is None:
+            return above + 1.0
+        gain, low, high = r.gain.get(r.size, 1.0), 0.0, 1.0
+        for _ in range(20):                      # expected_tokens(a, size) == gain, by bisection
+            mid = (low + high) / 2
+            low, high = (mid, high) if expected_tokens(mid, r.size) < gain else (low, mid)
+        return expected_tokens(low, above)
 
     def prior(self, pending: int, costs: StepCosts | None = None):
         """The gain of n nodes at a size not yet measured: PRIOR times plain decoding's rate at their
@@ -331,13 +359,15 @@ class SpeculationController:
 
     # ------------------------------------------------------------------ after a step
     def observe(self, rows: list[RowSpec], sizes: list[int], proposed: list[int], paths: list[list[int]],
-                pass_rows: int, verify_seconds: float, draft_seconds: float, depths: list[int] | None = None) -> None:
+                pass_rows: int, verify_seconds: float, draft_seconds: float, depths: list[int] | None = None,
+                experts: float | None = None) -> None:
         """A step: per row its planned size, the nodes it proposed and its accepted path (node
         indices by depth), and its draft's depth (a chain's: its nodes); the pass's rows and the
-        measured seconds of the pass (with verification) and of drafting."""
+        measured seconds of the pass (with verification) and of drafting; on MoE the distinct
+        experts per layer the pass read."""
         depths = proposed if depths is None else depths
         costs = self.costs
-        costs.observe_pass(pass_rows, verify_seconds)
+        costs.observe_pass(pass_rows, verify_seconds, experts)
         drafting = sum(1 for s in sizes if s > 0)
         # a drafter with state drafting after plain steps first catches up on the tokens since (one
         # pass of its model): counted as one more node per such row, not as dearer nodes

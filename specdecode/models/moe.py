@@ -174,12 +174,15 @@ def moe_mlp(layer: dict, x: torch.Tensor,      # [B, T, D] normed hidden states
     routed expert on the rows routed to it, in ascending expert id, the weighted outputs added into
     the rows (index_add_ in the model dtype); then, where the layer has one (Qwen3.5), the shared
     expert's output times sigmoid(its gate) added. The experts' activation: silu, or gelu_tanh where
-    `moe["act"]` says so (Gemma 4)."""
+    `moe["act"]` says so (Gemma 4). The number of distinct experts the rows routed to is left in
+    layer["distinct"] (what the pass read)."""
     flat = x.reshape(-1, x.shape[-1])                                       # [N, D]
     weights, ids = routing or route(layer["router"](flat), moe["used"], moe["norm_topk"])
     act = (lambda g: F.gelu(g, approximate="tanh")) if moe.get("act") == "gelu_tanh" else F.silu
     out = torch.zeros_like(flat)
-    for e in sorted(set(ids.reshape(-1).tolist())):
+    experts = sorted(set(ids.reshape(-1).tolist()))
+    layer["distinct"] = len(experts)                                        # read by engine/costs.ExpertCounter
+    for e in experts:
         rows, rank = torch.where(ids == e)
         order = torch.argsort(rows)                                         # rows ascending
         rows, rank = rows[order], rank[order]
