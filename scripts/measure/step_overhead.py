@@ -39,8 +39,9 @@ def main() -> int:
     from specdecode.bench.systems import Cell, SpecdecodeSystem
     from specdecode.datasets import spec_bench
     from specdecode.engine import runner as runner_module
-    from specdecode.engine.controller import AUTO, MAX_PROBE_EVERY, RowSpec, SpeculationController
+    from specdecode.engine.controller import AUTO, RowSpec, SpeculationController
     from specdecode.engine.drafting import Drafting
+    from specdecode.engine.probes import MAX_PROBE_EVERY
     from specdecode.fast.linear import cpu_label
     spent: collections.Counter = collections.Counter()
 
