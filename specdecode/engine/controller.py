@@ -275,6 +275,8 @@ class SpeculationController:
         depths = proposed if depths is None else depths
         costs = self.costs
         costs.observe_pass(pass_rows, verify_seconds)
+        if not any(sizes):           # a plain step (rows kept off or plain): no drafting, probe or gain to measure
+            return
         drafting = sum(1 for s in sizes if s > 0)
         # a drafter with state drafting after plain steps first catches up on the tokens since (one
         # pass of its model): counted as one more node per such row, not as dearer nodes
