@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..forward import ForwardBatch
 from .base import ContiguousState, Drafter, DrafterCapabilities, DrafterError, DraftProposal, row_state
 from .registry import register
 from .vocab_rank import draft_cost, reduced_head
@@ -220,9 +221,8 @@ class TextModelDrafter(Drafter):
         tokens = torch.tensor([f + [0] * (width - len(f)) for f in feed], dtype=torch.long, device=device)
         starts = [state.cache.lengths[r] for r in rows]
         last = torch.tensor([[len(f) - 1] for f in feed], device=device)
-        logits = self.model.forward(tokens, state.cache, torch.tensor(starts, device=device),
-                                    rows=torch.tensor(rows, device=device), logit_index=last,
-                                    head_rows=self.head_rows)
+        fb = ForwardBatch.chain(tokens, torch.tensor(starts, device=device), torch.tensor(rows, device=device), last)
+        logits = self.model.logits(self.model.run(fb, state.cache), last, self.head_rows)   # [B, 1, head / vocab]
         for r, f, start in zip(rows, feed, starts):
             state.cache.truncate(r, start + len(f))
         if self.head_rows is not None:                  # [B, 1, head rows] -> the draft's vocabulary

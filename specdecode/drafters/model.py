@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..engine.config import SLACK
+from ..forward import ForwardBatch
 from ..models.config import ModelError
 from ..sampling import probs_from_logits, sample_drafts, transform_logits
 from .base import ContiguousState, Drafter, DrafterCapabilities, DrafterError, DrafterState, DraftProposal, row_state
@@ -134,8 +135,8 @@ class ModelDrafter(Drafter):
             starts = [cache.lengths[s.row] for s in seqs]
             tokens = self._padded(feed)
             last = torch.tensor([[len(f) - 1] for f in feed], device=device)
-            logits = self.model.forward(tokens, cache, torch.tensor(starts, device=device), rows=rows,
-                                        logit_index=last, head_rows=self.head_rows)
+            fb = ForwardBatch.chain(tokens, torch.tensor(starts, device=device), rows, last)
+            logits = self.model.logits(self.model.run(fb, cache), last, self.head_rows)   # [B, 1, head / vocab]
             if self.head_rows is not None:                     # [B, 1, head rows] -> the whole vocabulary
                 full = torch.full((batch, 1, self.target_vocab), float("-inf"), device=device)
                 logits = full.index_copy_(2, self.head_rows.ids.to(device), logits)
