@@ -442,12 +442,15 @@ def run_engine(target, drafter, k: int, prompts, params, adaptive: bool = True):
     return offline.run(core, [list(p) for p in prompts], list(params))
 
 
-def make_seq(request_id, prompt_ids, params, eos_token_ids=(), row: int = 0):
-    """A Sequence outside an engine (drafter tests): its request, a row, no speculation state."""
+def make_seq(request_id, prompt_ids, params, eos_token_ids=(), row: int = 0, drafter_state=None):
+    """A Sequence outside an engine (drafter tests): its request, a row, no speculation state;
+    `drafter_state`: what the drafter's prepare returned (an engine sets it at admission)."""
     from specdecode.engine.controller import RowSpec
     from specdecode.engine.sequence import Request, Sequence
     request = Request(list(prompt_ids), params, sink=lambda event: None, id=request_id)
-    return Sequence(request, tuple(eos_token_ids), row, RowSpec(0))
+    s = Sequence(request, tuple(eos_token_ids), row, RowSpec(0))
+    s.drafter_state = drafter_state
+    return s
 
 
 # The speculative loop against plain decoding on the tiny Llama: engine/test_drafts.py, test_stops.py,

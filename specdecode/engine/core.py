@@ -163,6 +163,7 @@ class EngineCore(EngineLoop):
                                            predicted=params.prediction is not None, sampled=not params.greedy)
         s = Sequence(request, self.target.eos_token_ids, row, spec, self.target.model.device)
         s.prefilled = s.stats.cached_tokens = covered
+        s.drafter_state = self.runner.drafter_state   # this core's, whoever else shares the drafter
         if params.prediction is not None:
             from ..drafters.prediction import PredictionIndex
             s.prediction = PredictionIndex(self.target.tokenizer.encode(params.prediction, add_special=False))
