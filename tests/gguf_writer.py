@@ -342,6 +342,89 @@ def write_gpt_oss_gguf(path: Path, model, tokenizer_json: Path, eos_token: str, 
     return path
 
 
+def write_gemma4_gguf(path: Path, model, tokenizer_json: Path, eos_token: str, bos_token: str,
+                      qtype: str = "F32", skip: tuple[str, ...] = ()) -> Path:
+    """A transformers Gemma 4 text model (Gemma4ForCausalLM, dense or with MoE blocks) as llama.cpp's
+    converter writes it (its Gemma4Model on Gemma3Model): head dims, kv heads and MLP widths per layer
+    type, the window pattern, proportional RoPE as the rope_freqs tensor (1 where a frequency turns,
+    1e30 where it stays), norms as stored (no + 1), the router's scale as ffn_gate_inp.scale, the
+    per-expert scales as ffn_down_exps.scale, the expert stacks as ffn_gate_up_exps / ffn_down_exps,
+    layer_scalar as layer_output_scale. qtype "Q8_0": matrices and expert stacks whose rows are a
+    multiple of 32 weights in Q8_0 blocks, the router, norms and scales F32. `skip`: GGUF tensor names
+    to leave out."""
+    import gguf
+    from gguf.quants import quantize
+
+    c = model.config.to_dict()          # per layer type: its head dim and kv heads (per_layer_config)
+    layers, arch = c["num_hidden_layers"], "gemma4"
+    swa = [t == "sliding_attention" for t in c["layer_types"]]
+    shape = [dict({"head_dim": c["head_dim"], "num_key_value_heads": c["num_key_value_heads"]},
+                  **c["per_layer_config"].get(str(i), {})) for i in range(layers)]
+    global_dim = shape[swa.index(False)]["head_dim"]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny-gemma4")
+    writer.add_block_count(layers)
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    shared = c["num_kv_shared_layers"]
+    wide = [2 if c["use_double_wide_mlp"] and i >= layers - shared else 1 for i in range(layers)]
+    ff = c["intermediate_size"]
+    writer.add_feed_forward_length([ff * w for w in wide] if max(wide) > 1 else ff)
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv([s["num_key_value_heads"] for s in shape])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_key_length(global_dim)
+    writer.add_value_length(global_dim)
+    writer.add_key_length_swa(c["head_dim"])
+    writer.add_value_length_swa(c["head_dim"])
+    rope = c["rope_parameters"]
+    writer.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
+    writer.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+    writer.add_rope_dimension_count(global_dim)
+    writer.add_rope_dimension_count_swa(c["head_dim"])
+    if c["final_logit_softcapping"]:
+        writer.add_final_logit_softcapping(float(c["final_logit_softcapping"]))
+    writer.add_sliding_window(c["sliding_window"])
+    writer.add_sliding_window_pattern(swa)
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(c["hidden_size_per_layer_input"] or 0)
+    if c["enable_moe_block"]:
+        writer.add_expert_count(c["num_experts"])
+        writer.add_expert_used_count(c["top_k_experts"])
+        writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    write_tokenizer(writer, tokenizer_json, eos_token, bos_token)
+    turning = int(global_dim * rope["full_attention"].get("partial_rotary_factor", 1.0) / 2)
+    writer.add_tensor("rope_freqs.weight", np.array([1.0] * turning + [1e30] * (global_dim // 2 - turning),
+                                                    dtype=np.float32))
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.GEMMA4, layers)
+    own = {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale",
+           "layer_scalar": "layer_output_scale.weight", "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+           "experts.down_proj": "ffn_down_exps.weight"}
+    tied = bool(c["tie_word_embeddings"])
+    for hf_name, tensor in model.state_dict().items():
+        parts = hf_name.split(".")
+        tail = ".".join(parts[3:]) if parts[:2] == ["model", "layers"] else None
+        name = f"blk.{parts[2]}.{own[tail]}" if tail in own else names.get_name(hf_name, try_suffixes=(".weight",))
+        if name is None or (tied and name == "output.weight"):
+            continue
+        if not name.endswith((".weight", ".scale")):
+            name += ".weight"
+        if name in skip:
+            continue
+        array = np.ascontiguousarray(tensor.detach().to(torch.float32).numpy())
+        if (qtype == "Q8_0" and array.ndim >= 2 and array.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name
+                and "rope_freqs" not in name):
+            writer.add_tensor(name, quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def write_gpt_oss_metadata(writer, c) -> None:
     """gpt-oss's hyper-parameters as llama.cpp's converter writes them (`c`: a GptOssConfig or one with
     its fields)."""

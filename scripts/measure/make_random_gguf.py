@@ -1,6 +1,7 @@
 """Write a random model of a published shape as a GGUF file llama.cpp loads, for speed measurements
 without the real weights (their values do not change the work a decode step does): Qwen3.5-0.8B's
-(`--arch qwen35`, the default), Qwen3-30B-A3B's (`--arch qwen3moe`) or gpt-oss-20b's (`--arch gpt-oss`).
+(`--arch qwen35`, the default), Qwen3-30B-A3B's (`--arch qwen3moe`), gpt-oss-20b's (`--arch gpt-oss`) or
+Gemma 4 26B-A4B's (`--arch gemma4`).
 
 --arch qwen35: a model of llama.cpp's "qwen35" architecture. The shape is Qwen3.5-0.8B's published
 config.json: hidden 1024, 24 layers (three Gated DeltaNet to one gated attention), 8 attention heads
@@ -38,6 +39,20 @@ layers): the expert stacks blk.N.ffn_{gate,up,down}_exps [32, out, in] in MXFP4 
 scale 2^-8), their biases, the router, sinks, norms and attention biases in F32, the embedding, attention
 and output matrices in Q8_0; written block by block as for qwen3moe. The o200k vocabulary is not here: the
 small BPE padded to 201088 rows (the LM head's cost is the real one's).
+--arch gemma4: Gemma 4 26B-A4B's text model (google/gemma-4-26B-A4B's config.json, text_config; the hub
+is not reachable here: the values are those several public repositories quote from it in their tests,
+which agree): 30 layers, hidden 2816, 16 q heads; windowed layers 8 kv heads of 256 (window 1024, RoPE
+base 1e4), every sixth layer global with 2 kv heads of 512 whose values are their keys (attention_k_eq_v:
+no attn_v) and proportional RoPE (base 1e6, partial_rotary_factor 0.25); every layer a dense GeGLU MLP
+of 2112 beside a MoE block of 128 experts of 704, 8 routed; final_logit_softcapping 30, rms_norm_eps
+1e-6, max_position_embeddings 262144, vocabulary 262144, tied embeddings, no per-layer inputs, no kv
+sharing. Tensors and metadata as llama.cpp's converter (Gemma4Model) writes them: head dims per layer
+type (key_length 512, key_length_swa 256), head_count_kv per layer, the window pattern, rope_freqs (1 on
+the global heads' 64 turning frequencies, 1e30 on the rest), the expert stacks ffn_gate_up_exps
+[128, 1408, 2816] and ffn_down_exps [128, 2816, 704], the router (ffn_gate_inp, F32) with its scale
+(ffn_gate_inp.scale) and the per-expert scales (ffn_down_exps.scale), norms and scales 1; block by
+block as for qwen3moe (a full-depth file is about 27 GB as Q8_0). With fewer --layers the last one is
+global (as transformers makes the last layer of any Gemma 4).
 --llamacpp-python PY --quantize Q4_K_M then runs llama.cpp's own quantizer (llama_model_quantize,
 through llama-cpp-python in that interpreter) on the written file into --quantized-out.
 
@@ -46,6 +61,7 @@ Usage: python scripts/measure/make_random_gguf.py --out qwen35-0.8b-random-q8_0.
        python scripts/measure/make_random_gguf.py --arch qwen3moe --layers 8 --out qwen3moe-8l-q8_0.gguf
        [--llamacpp-python ~/llama-venv/bin/python --quantize Q4_K_M --quantized-out qwen3moe-8l-q4_k_m.gguf]
        python scripts/measure/make_random_gguf.py --arch gpt-oss --layers 8 --out gpt-oss-8l-mxfp4.gguf
+       python scripts/measure/make_random_gguf.py --arch gemma4 --layers 6 --out gemma4-26b-a4b-6l-q8_0.gguf
 """
 from __future__ import annotations
 
@@ -85,12 +101,12 @@ def random_mtp_head(config) -> dict:
     return head
 
 
-def small_tokenizer(folder: Path) -> Path:
+def small_tokenizer(folder: Path, specials: tuple[str, ...] = ()) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS + list(specials), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
     tok.save(str(folder / "tokenizer.json"))
@@ -162,10 +178,81 @@ def write_qwen3moe(out: Path, layers: int, seed: int, shape: dict | None = None)
     write_plan(writer, plan, rng)
 
 
-def write_plan(writer, plan: list, rng) -> None:
+# Gemma 4 26B-A4B's text_config (google/gemma-4-26B-A4B; see the module docstring)
+GEMMA4_26B_A4B = dict(hidden=2816, layers=30, heads=16, kv_heads=8, head_dim=256, global_kv_heads=2,
+                      global_head_dim=512, ff=2112, experts=128, used=8, expert_ff=704, vocab=262144, window=1024,
+                      rope_theta=1_000_000.0, rope_local=10_000.0, partial_rotary=0.25, softcap=30.0, eps=1e-6,
+                      context=262144, pattern=6)
+
+
+def write_gemma4(out: Path, layers: int, seed: int, shape: dict | None = None) -> None:
+    """A random gemma4 file of `shape` (default Gemma 4 26B-A4B's), tensor by tensor (see the module docstring)."""
+    import gguf
+    import numpy as np
+    sys.path.insert(0, str(ROOT / "tests"))
+    from gguf_writer import write_tokenizer
+
+    c, rng = shape or GEMMA4_26B_A4B, np.random.default_rng(seed)
+    d, e, eff = c["hidden"], c["experts"], c["expert_ff"]
+    swa = [(i + 1) % c["pattern"] != 0 and i != layers - 1 for i in range(layers)]
+    writer = gguf.GGUFWriter(str(out), "gemma4")
+    writer.add_name("random-gemma-4-26b-a4b-shape")
+    writer.add_block_count(layers)
+    writer.add_context_length(c["context"])
+    writer.add_embedding_length(d)
+    writer.add_feed_forward_length(c["ff"])
+    writer.add_head_count(c["heads"])
+    writer.add_head_count_kv([c["kv_heads"] if s else c["global_kv_heads"] for s in swa])
+    writer.add_key_length(c["global_head_dim"])
+    writer.add_value_length(c["global_head_dim"])
+    writer.add_key_length_swa(c["head_dim"])
+    writer.add_value_length_swa(c["head_dim"])
+    writer.add_layer_norm_rms_eps(c["eps"])
+    writer.add_rope_freq_base(c["rope_theta"])
+    writer.add_rope_freq_base_swa(c["rope_local"])
+    writer.add_rope_dimension_count(c["global_head_dim"])
+    writer.add_rope_dimension_count_swa(c["head_dim"])
+    writer.add_final_logit_softcapping(c["softcap"])
+    writer.add_sliding_window(c["window"])
+    writer.add_sliding_window_pattern(swa)
+    writer.add_shared_kv_layers(0)
+    writer.add_embedding_length_per_layer_input(0)
+    writer.add_expert_count(e)
+    writer.add_expert_used_count(c["used"])
+    writer.add_expert_feed_forward_length(eff)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = json.loads(small_tokenizer(Path(tmp), ("<bos>",)).read_text())
+    size = max(len(spec["model"]["vocab"]), max(t["id"] for t in spec["added_tokens"]) + 1)
+    spec["model"]["vocab"].update({f"<unused{i}>": i for i in range(size, c["vocab"])})
+    write_tokenizer(writer, spec, "<|im_end|>", "<bos>")
+    turning = int(c["global_head_dim"] * c["partial_rotary"] / 2)
+    # (name, shape [.., rows, cols], kind) as in write_qwen3moe; "freqs": the proportional RoPE factors
+    plan = [("rope_freqs.weight", (c["global_head_dim"] // 2,), "freqs"),
+            ("token_embd.weight", (c["vocab"], d), "embed")]
+    for i in range(layers):
+        b, hd = f"blk.{i}.", c["head_dim"] if swa[i] else c["global_head_dim"]
+        kv = (c["kv_heads"] if swa[i] else c["global_kv_heads"]) * hd
+        plan += [(b + "attn_norm.weight", (d,), "norm"), (b + "attn_q.weight", (c["heads"] * hd, d), "q8"),
+                 (b + "attn_k.weight", (kv, d), "q8")] + ([(b + "attn_v.weight", (kv, d), "q8")] if swa[i] else []) + [
+                 (b + "attn_output.weight", (d, c["heads"] * hd), "q8"), (b + "attn_q_norm.weight", (hd,), "norm"),
+                 (b + "attn_k_norm.weight", (hd,), "norm"), (b + "post_attention_norm.weight", (d,), "norm"),
+                 (b + "ffn_norm.weight", (d,), "norm"), (b + "ffn_gate.weight", (c["ff"], d), "q8"),
+                 (b + "ffn_up.weight", (c["ff"], d), "q8"), (b + "ffn_down.weight", (d, c["ff"]), "q8"),
+                 (b + "post_ffw_norm.weight", (d,), "norm"), (b + "ffn_gate_inp.weight", (e, d), "router"),
+                 (b + "ffn_gate_inp.scale", (d,), "norm"), (b + "ffn_gate_up_exps.weight", (e, 2 * eff, d), "q8"),
+                 (b + "ffn_down_exps.weight", (e, d, eff), "q8"), (b + "ffn_down_exps.scale", (e,), "norm"),
+                 (b + "pre_ffw_norm_2.weight", (d,), "norm"), (b + "post_ffw_norm_1.weight", (d,), "norm"),
+                 (b + "post_ffw_norm_2.weight", (d,), "norm"), (b + "layer_output_scale.weight", (1,), "norm")]
+    plan += [("output_norm.weight", (d,), "norm")]
+    write_plan(writer, plan, rng, {"freqs": lambda shape: np.array([1.0] * turning + [1e30] * (shape[0] - turning),
+                                                                     dtype=np.float32)})
+
+
+def write_plan(writer, plan: list, rng, extra: dict | None = None) -> None:
     """The tensors of `plan` ((name, shape [.., rows, cols], kind) in file order), one in memory at a time:
     "q8" random Q8_0 blocks ("embed": of standard deviation 1), "mxfp4" random MXFP4 blocks, "router" and
-    "bias" random F32 (standard deviation 0.02), "norm" ones, "zero" zeros in F32."""
+    "bias" random F32 (standard deviation 0.02), "norm" ones, "zero" zeros in F32, or `extra[kind](shape)`."""
     import gguf
     import numpy as np
     quant = {"q8": (gguf.GGMLQuantizationType.Q8_0, 34), "embed": (gguf.GGMLQuantizationType.Q8_0, 34),
@@ -189,8 +276,12 @@ def write_plan(writer, plan: list, rng) -> None:
             writer.write_tensor_data(random_mxfp4(rng, rows, shape[-1]).reshape(*shape[:-1], -1))
         elif kind in ("router", "bias"):
             writer.write_tensor_data(rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02))
+        elif kind == "norm":
+            writer.write_tensor_data(np.ones(shape, dtype=np.float32))
+        elif kind == "zero":
+            writer.write_tensor_data(np.zeros(shape, dtype=np.float32))
         else:
-            writer.write_tensor_data((np.ones if kind == "norm" else np.zeros)(shape, dtype=np.float32))
+            writer.write_tensor_data(extra[kind](shape))
     writer.close()
 
 
@@ -267,11 +358,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="the GGUF file to write")
-    parser.add_argument("--arch", choices=("qwen35", "qwen3moe", "gpt-oss"), default="qwen35",
-                        help="qwen35: Qwen3.5-0.8B's shape; qwen3moe: Qwen3-30B-A3B's; gpt-oss: gpt-oss-20b's")
+    parser.add_argument("--arch", choices=("qwen35", "qwen3moe", "gpt-oss", "gemma4"), default="qwen35",
+                        help="qwen35: Qwen3.5-0.8B's shape; qwen3moe: Qwen3-30B-A3B's; gpt-oss: gpt-oss-20b's; "
+                             "gemma4: Gemma 4 26B-A4B's")
     parser.add_argument("--qtype", choices=("Q8_0", "F32"), default="Q8_0", help="qwen35's matrices (qwen3moe: Q8_0)")
     parser.add_argument("--layers", type=int, default=None,
-                        help="decoder layers (qwen35: a multiple of 4, 24 as 0.8B; qwen3moe: 48 as 30B-A3B)")
+                        help="decoder layers (qwen35: a multiple of 4, 24 as 0.8B; qwen3moe: 48 as 30B-A3B; "
+                             "gemma4: 30 as 26B-A4B)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mtp", action="store_true", help="add a random MTP head (blk.N.nextn.*; qwen35)")
     parser.add_argument("--llamacpp-python", help="a Python with llama-cpp-python, for --quantize")
@@ -282,13 +375,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quantize and not (args.llamacpp_python and args.quantized_out):
         parser.error("--quantize needs --llamacpp-python and --quantized-out")
-    if args.arch in ("qwen3moe", "gpt-oss"):
-        shape, write = (QWEN3_30B_A3B, write_qwen3moe) if args.arch == "qwen3moe" else (GPT_OSS_20B, write_gpt_oss)
+    if args.arch in ("qwen3moe", "gpt-oss", "gemma4"):
+        shape, write = {"qwen3moe": (QWEN3_30B_A3B, write_qwen3moe), "gpt-oss": (GPT_OSS_20B, write_gpt_oss),
+                        "gemma4": (GEMMA4_26B_A4B, write_gemma4)}[args.arch]
         layers = shape["layers"] if args.layers is None else args.layers
         if not 1 <= layers <= shape["layers"]:
             parser.error(f"--layers must be in [1, {shape['layers']}] for {args.arch}, got {layers}")
         write(args.out, layers, args.seed)
-        kind = "Q8_0" if args.arch == "qwen3moe" else "MXFP4 experts, Q8_0 matrices"
+        kind = {"qwen3moe": "Q8_0", "gpt-oss": "MXFP4 experts, Q8_0 matrices", "gemma4": "Q8_0"}[args.arch]
         print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.0f} MiB, {kind}, {layers} layers)")
         if args.quantize:
             quantize_with_llamacpp(args.llamacpp_python, args.out, args.quantized_out, args.quantize, args.threads)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import ModelError
-from .gemma_config import gemma4_fields, gemma4_weight_count, gemma_fields, gemma_hf_config
+from .gemma_config import gemma4_fields, gemma4_hf_config, gemma4_weight_count, gemma_fields, gemma_hf_config
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma4", "qwen3_5", "qwen3moe",
                   "gpt-oss")
@@ -270,7 +270,7 @@ class ModelConfig:
             from .qwen3_5_gguf import hf_config
             return hf_config(self)
         if self.arch == "gemma4":
-            raise ModelError("a Gemma 4 config is read from its own config.json, not written back")
+            return gemma4_hf_config(self)
         if self.arch == "gpt-oss":
             from .gpt_oss import hf_config as gpt_oss_config
             return gpt_oss_config(self)

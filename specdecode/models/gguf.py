@@ -32,7 +32,8 @@ from .moe import GGUF_NAMES as MOE_NAMES
 from .moe import split_stacked, stacked_name
 
 FORMAT_VERSION = 3   # 2: end-of-generation tokens of the vocabulary added to the EOS ids; 3: Qwen3.5's MTP head
-NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen35", "qwen3moe", "qwen35moe", "gpt-oss")
+NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma4", "qwen35", "qwen3moe", "qwen35moe",
+                "gpt-oss")
 # llama.cpp's names of architectures that transformers files under another (its load_gguf_checkpoint)
 TRANSFORMERS_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
                       "minimax-m2": "minimax_m2", "t5encoder": "t5"}
@@ -129,9 +130,9 @@ def kept_as_stored(hf_name: str, qtype: int, shape: tuple[int, ...]) -> bool:
     kernels: a projection or the output matrix in a format they read (fast.quant.NATIVE_TYPES), rows a
     multiple of 64 weights. Anything else is dequantized at load."""
     from ..fast.quant import NATIVE_TYPES
-    projection = hf_name.endswith(("proj.weight", "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
-                                   "in_proj_a.weight")) or hf_name in ("lm_head.weight", "model.embed_tokens.weight",
-                                                                       "mtp.fc.weight")
+    projection = stacked_name(hf_name) or hf_name.endswith((
+        "proj.weight", "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")) or \
+        hf_name in ("lm_head.weight", "model.embed_tokens.weight", "mtp.fc.weight")
     return projection and len(shape) == 2 and qtype in NATIVE_TYPES and shape[1] % 64 == 0
 
 
@@ -271,6 +272,9 @@ def required_tensors(config: ModelConfig) -> list[str]:
     if config.arch == "qwen3_5":
         from .qwen3_5_gguf import required_tensors as qwen3_5_tensors
         return qwen3_5_tensors(config)
+    if config.arch == "gemma4":
+        from .gemma4_gguf import required_tensors as gemma4_tensors
+        return gemma4_tensors(config)
     if config.moe is not None and config.arch == "qwen3moe":
         from .moe import required_tensors as moe_tensors
         return moe_tensors(config)
@@ -319,7 +323,7 @@ def _write_dir(path: Path, out: Path, config: ModelConfig, files: dict[str, str]
     (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
     for name, text in files.items():
         (tmp / name).write_text(text)
-    _convert_tokenizer(path, tmp)
+    _convert_tokenizer(path, tmp, config.arch)
     (tmp / "DONE").write_text(json.dumps({"source": str(path), "format_version": FORMAT_VERSION}))
     if out.exists():
         shutil.rmtree(out)
@@ -352,6 +356,9 @@ _PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  
 
 def _hf_name(name: str, arch: str | None = None, num_layers: int | None = None) -> str | None:
     """The Hugging Face name of a GGUF tensor (None: not read, e.g. a layer past `num_layers`)."""
+    if arch == "gemma4":                      # its own names (models/gemma4_gguf.py)
+        from .gemma4_gguf import hf_name as gemma4_name
+        return gemma4_name(name, num_layers)
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output_norm.weight":
@@ -421,6 +428,12 @@ def read_config(reader, path: Path | str = "the GGUF file") -> ModelConfig:
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(int(x) for x in (eos, eot) if x is not None) + end_of_generation_ids(reader)
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    if arch == "gemma4":                          # its own metadata (models/gemma4_gguf.py)
+        from .gemma4_gguf import hf_config as gemma4_config
+        config = ModelConfig.from_hf(gemma4_config(g, reader, names, path, int(vocab), bos,
+                                                   tuple(dict.fromkeys(eos_ids))))
+        return _checked(config, names, path, arch)
     fields = dict(
         arch=arch, vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(g("feed_forward_length", 0) or 0), num_layers=int(g("block_count")),
@@ -430,7 +443,7 @@ def read_config(reader, path: Path | str = "the GGUF file") -> ModelConfig:
         rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=rope_scaling,
         max_position_embeddings=int(g("context_length", 2048)),
         tie_word_embeddings="output.weight" not in names, attention_bias=arch == "qwen2",
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+        bos_token_id=bos, eos_token_ids=tuple(dict.fromkeys(eos_ids)),
         qk_norm=arch in ("qwen3", "qwen3moe"), sliding_window=int(window) if window else None,
         partial_rotary_factor=int(g("rope.dimension_count", head_dim)) / head_dim,
     )
@@ -449,6 +462,11 @@ def read_config(reader, path: Path | str = "the GGUF file") -> ModelConfig:
 
         from .gemma_config import gguf_fields
         config = replace(config, **gguf_fields(arch, g, config))
+    return _checked(config, names, path, arch)
+
+
+def _checked(config: ModelConfig, names: set[str], path, arch: str) -> ModelConfig:
+    """`config`, once every tensor its decoder reads is in the file (else one ModelError naming them)."""
     missing = [n for n in required_tensors(config) if n not in names]
     if missing:
         raise ModelError(f"{path} is missing tensors: {len(missing)} of the {arch} model's are not in the file "
@@ -481,12 +499,15 @@ def convert(path: Path, out: Path) -> None:
     _write_dir(path, out, config, {}, weights)
 
 
-def _convert_tokenizer(path: Path, out: Path) -> None:
-    """transformers' GGUF tokenizer converter produces the tokenizer.json and chat template."""
-    from transformers import AutoTokenizer
+def _convert_tokenizer(path: Path, out: Path, arch: str | None = None) -> None:
+    """transformers' GGUF tokenizer converter produces the tokenizer.json and chat template (for
+    gemma4 through the tokenizer class itself: AutoTokenizer first builds the file's config, which
+    transformers' reader gets wrong where kv heads differ per layer)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
     _quiet_transformers()
+    cls = PreTrainedTokenizerFast if arch == "gemma4" else AutoTokenizer
     with _rope_scaling_fields_first():
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = cls.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.save_pretrained(str(out))
 
 
