@@ -198,7 +198,7 @@ class ModelConfig:
                 "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma4_text": "gemma4",
                 "qwen3_5_text": "qwen3_5", "qwen3_moe": "qwen3moe", "qwen3_5_moe_text": "qwen3_5"}.get(model_type)
         if model_type == "gpt_oss":
-            from .gpt_oss import hf_fields as gpt_oss_fields
+            from .gpt_oss_config import hf_fields as gpt_oss_fields
             return cls(**gpt_oss_fields(cfg))
         if arch is None:
             raise ModelError(f"model_type {model_type!r} is not native")
@@ -272,7 +272,7 @@ class ModelConfig:
         if self.arch == "gemma4":
             return gemma4_hf_config(self)
         if self.arch == "gpt-oss":
-            from .gpt_oss import hf_config as gpt_oss_config
+            from .gpt_oss_config import hf_config as gpt_oss_config
             return gpt_oss_config(self)
         if self.moe is not None:
             from .moe import hf_config

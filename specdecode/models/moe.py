@@ -194,6 +194,15 @@ def route(logits: torch.Tensor,       # [N, E] router logits, model dtype
     return top.to(logits.dtype), ids
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, moe: dict) -> torch.Tensor:
+    """gpt-oss's expert activation (transformers' GptOssExperts._apply_gate): the gate clamped from
+    above and up on both sides at `limit`, then (up + 1) * gate * sigmoid(alpha * gate)."""
+    limit = moe["limit"]
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * moe["alpha"]))
+
+
 def moe_mlp(layer: dict, x: torch.Tensor,      # [B, T, D] normed hidden states
             moe: dict,
             routing: tuple[torch.Tensor, torch.Tensor] | None = None,   # [N, k] weights, ids; None: route x
@@ -215,7 +224,6 @@ def moe_mlp(layer: dict, x: torch.Tensor,      # [B, T, D] normed hidden states
         rows, rank = rows[order], rank[order]
         gate, up = layer["experts_gate_up"][e](flat[rows]).chunk(2, dim=-1)
         if moe.get("activation") == "swiglu_clamp":
-            from .gpt_oss import clamped_swiglu
             act = clamped_swiglu(gate, up, moe)
         elif moe.get("activation") == "gelu_tanh":
             act = F.gelu(gate, approximate="tanh") * up

@@ -55,6 +55,36 @@ def cat_rows(weights: list[Weight], dtype: torch.dtype) -> Weight:
     return torch.cat([w.dequantize(dtype) if isinstance(w, QuantWeight) else w for w in weights])
 
 
+def yarn(config, dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies [dim / 2] (float32) and attention factor (cos and sin times it), as
+    transformers' _compute_yarn_parameters computes them from `config.rope_scaling`."""
+    p = config.rope_scaling
+    base, factor = config.rope_theta, float(p["factor"])
+    original = float(p.get("original_max_position_embeddings") or config.max_position_embeddings)
+    attention = p.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
+
+        def get(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        attention = get(factor, mscale) / get(factor, mscale_all) if mscale and mscale_all else get(factor)
+    fast, slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+    low, high = correction(fast), correction(slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
+
+
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] in float32 (as transformers and llama.cpp compute
     them), with linear, llama3 or YaRN scaling applied (YaRN also scales cos and sin: `rope_factor`)."""
@@ -63,7 +93,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "yarn":
-        from .gpt_oss import yarn
         inv_freq = yarn(config, dim)[0]
     elif kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
@@ -84,7 +113,6 @@ def rope_factor(config: ModelConfig) -> float:
     scaling = config.rope_scaling or {}
     if scaling.get("rope_type", scaling.get("type")) != "yarn":
         return 1.0
-    from .gpt_oss import yarn
     return yarn(config, config.rotary_dim)[1]
 
 
