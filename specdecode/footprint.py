@@ -53,9 +53,12 @@ def gguf_footprint(path) -> dict:
                         else elements * bf16)
             continue
         embedding = hf == "model.embed_tokens.weight"        # its rows in bf16 (read one per token) ...
-        if len(shape) == 2 and kept_as_stored(hf, qtype, shape) and (tied or not embedding):
-            weights += int(shape[0]) * row_bytes(qtype, int(shape[1]))   # ... and its blocks as the tied LM head
-        weights += elements * bf16 if embedding or not (len(shape) == 2 and kept_as_stored(hf, qtype, shape)) else 0
+        rows = elements // int(shape[-1]) if shape else 0     # an expert stack [E, out, in]: E * out rows
+        stored = (len(shape) == 2 or (len(shape) == 3 and stacked_name(hf))) and kept_as_stored(
+            hf, qtype, (rows, int(shape[-1])))
+        if stored and (tied or not embedding):
+            weights += rows * row_bytes(qtype, int(shape[-1]))   # ... and its blocks as the tied LM head
+        weights += elements * bf16 if embedding or not stored else 0
     kv = config.kv_elements_per_token() * bf16
     context = config.max_position_embeddings
     return {"weights": weights, "kv_per_token": kv, "context": context, "total": weights + kv * context}

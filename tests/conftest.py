@@ -442,12 +442,15 @@ def run_engine(target, drafter, k: int, prompts, params, adaptive: bool = True):
     return offline.run(core, [list(p) for p in prompts], list(params))
 
 
-def make_seq(request_id, prompt_ids, params, eos_token_ids=(), row: int = 0):
-    """A Sequence outside an engine (drafter tests): its request, a row, no speculation state."""
+def make_seq(request_id, prompt_ids, params, eos_token_ids=(), row: int = 0, drafter_state=None):
+    """A Sequence outside an engine (drafter tests): its request, a row, no speculation state;
+    `drafter_state`: what the drafter's prepare returned (an engine sets it at admission)."""
     from specdecode.engine.controller import RowSpec
     from specdecode.engine.sequence import Request, Sequence
     request = Request(list(prompt_ids), params, sink=lambda event: None, id=request_id)
-    return Sequence(request, tuple(eos_token_ids), row, RowSpec(0))
+    s = Sequence(request, tuple(eos_token_ids), row, RowSpec(0))
+    s.drafter_state = drafter_state
+    return s
 
 
 # The speculative loop against plain decoding on the tiny Llama: engine/test_drafts.py, test_stops.py,
@@ -509,13 +512,52 @@ def check_openai_schema(instance: dict, name: str) -> None:
 # ---------------------------------------------------------------- thinking models (serve/reasoning.py)
 THINKING_CORPUS = ["the quick brown fox jumps over the lazy dog. what is the weather in paris? 1 2 3 4 5",
                    '{"name": "get_time", "arguments": {"city": "Oslo"}} let me think about it first',
-                   "analysis final commentary assistant user system thought model"]
+                   "analysis final commentary assistant user system thought model",
+                   "<function=get_time>\n<parameter=city>\nOslo\n</parameter>\n</function> call:get_time{city:"]
 _TURNS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n")
 _OFF = "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
 _QWEN_TOOLS = ("{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
                "\n</tools>\nReturn each call as <tool_call>\n{\"name\": <function-name>, \"arguments\": <args>}\n"
                "</tool_call><|im_end|>\n{% endif %}")
+NL = "{{ '\\n' }}"                # a line break right after a block tag (the templates trim the first one)
+# Qwen3.5's tools and calls: XML (<function=NAME><parameter=KEY>VALUE</parameter>), results as <tool_response> turns
+_QWEN35_TOOLS = ("{% if tools %}<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>"
+                 "{% for t in tools %}" + NL + "{{ t | tojson }}{% endfor %}" + NL + "</tools>\n\nIf you choose to "
+                 "call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n<function=example_"
+                 "function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call>"
+                 "<|im_end|>" + NL + "{% endif %}")
+_QWEN35_TURNS = ("{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+                 "{% for c in m.tool_calls or [] %}{% if not loop.first or m.content %}" + NL + "{% endif %}<tool_call>"
+                 "\n<function={{ c.function.name }}>" + NL + "{% for k, v in c.function.arguments | items %}<parameter="
+                 "{{ k }}>\n{{ v if v is string else v | tojson }}\n</parameter>" + NL + "{% endfor %}</function>\n"
+                 "</tool_call>{% endfor %}<|im_end|>" + NL + "{% elif m.role == 'tool' %}{% if loop.first or "
+                 "loop.previtem.role != 'tool' %}<|im_start|>user{% endif %}" + NL + "<tool_response>\n{{ m.content }}"
+                 "\n</tool_response>{% if loop.last or loop.nextitem.role != 'tool' %}<|im_end|>" + NL + "{% endif %}"
+                 "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>" + NL + "{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n")
+# Gemma 4's tools and calls: <|tool>declaration:...<tool|>, <|tool_call>call:NAME{key:<|"|>text<|"|>}<tool_call|>,
+# each result after its call as <|tool_response>response:NAME{value:...}<tool_response|> in the model's turn
+_GEMMA4_ARG = ("{% macro arg(v) %}{% if v is string %}<|\"|>{{ v }}<|\"|>{% elif v is boolean %}"
+               "{{ 'true' if v else 'false' }}{% elif v is mapping %}{{ '{' }}{% for k, x in v | dictsort %}"
+               "{% if not loop.first %},{% endif %}{{ k }}:{{ arg(x) }}{% endfor %}{{ '}' }}{% elif v is sequence %}"
+               "[{% for x in v %}{% if not loop.first %},{% endif %}{{ arg(x) }}{% endfor %}]{% else %}{{ v }}"
+               "{% endif %}{% endmacro %}")
+_GEMMA4 = (_GEMMA4_ARG + "{{ bos_token }}{% if enable_thinking or tools %}<|turn>system\n{% if enable_thinking %}"
+           "<|think|>{% endif %}{% for t in tools or [] %}<|tool>declaration:{{ t.function.name }}{description:<|\"|>"
+           "{{ t.function.description }}<|\"|>}<tool|>{% endfor %}<turn|>" + NL + "{% endif %}"
+           "{% set ns = namespace(last='') %}{% for m in messages %}{% if m.role != 'tool' %}"
+           "<|turn>{{ 'model' if m.role == 'assistant' else m.role }}" + NL +
+           "{% for c in m.tool_calls or [] %}<|tool_call>call:{{ c.function.name }}{{ arg(c.function.arguments) }}"
+           "<tool_call|>{% endfor %}{% set ns.last = 'call' if m.tool_calls else '' %}{% if m.tool_calls %}"
+           "{% set scan = namespace(on=true) %}{% for r in messages[loop.index0 + 1:] %}{% if r.role != 'tool' %}"
+           "{% set scan.on = false %}{% elif scan.on %}{% set t = namespace(name='unknown') %}"
+           "{% for c in m.tool_calls %}{% if c.id == r.tool_call_id %}{% set t.name = c.function.name %}{% endif %}"
+           "{% endfor %}<|tool_response>response:{{ t.name }}{value:<|\"|>{{ r.content }}<|\"|>}<tool_response|>"
+           "{% set ns.last = 'response' %}{% endif %}{% endfor %}{% endif %}{{ m.content }}"
+           "{% if ns.last == 'call' %}<|tool_response>{% elif not (ns.last == 'response' and not m.content) %}<turn|>"
+           + NL + "{% endif %}{% endif %}{% endfor %}{% if add_generation_prompt and ns.last == '' %}<|turn>model"
+           + NL + "{% if not enable_thinking %}<|channel>thought" + NL + "<channel|>{% endif %}{% endif %}")
 THINKING_FAMILIES = {   # name: (added tokens (special?), eos tokens, bos, chat template)
     # Qwen3: the model opens <think> itself; enable_thinking false renders an empty block
     "qwen3": ({"<|endoftext|>": True, "<|im_start|>": True, "<|im_end|>": True, "<think>": False,
@@ -524,7 +566,7 @@ THINKING_FAMILIES = {   # name: (added tokens (special?), eos tokens, bos, chat 
     # Qwen3.5 / DeepSeek-R1 distills: the generation prompt opens <think>
     "qwen3.5": ({"<|endoftext|>": True, "<|im_start|>": True, "<|im_end|>": True, "<think>": False,
                  "</think>": False, "<tool_call>": False, "</tool_call>": False}, ["<|im_end|>"], None,
-                _QWEN_TOOLS + _TURNS + _OFF + "{% else %}<think>\n{% endif %}{% endif %}"),
+                _QWEN35_TOOLS + _QWEN35_TURNS + _OFF + "{% else %}<think>\n{% endif %}{% endif %}"),
     # gpt-oss: harmony messages; <|return|> and <|call|> end the answer
     "gpt-oss": ({"<|startoftext|>": True, "<|start|>": True, "<|channel|>": True, "<|message|>": True,
                  "<|end|>": True, "<|constrain|>": True, "<|return|>": True, "<|call|>": True},
@@ -535,41 +577,18 @@ THINKING_FAMILIES = {   # name: (added tokens (special?), eos tokens, bos, chat 
     # Gemma 4: turns, <|think|> in the system turn turns thinking on, and without it the generation
     # prompt closes an empty thought channel (as the larger Gemma 4 templates do)
     "gemma4": ({"<bos>": True, "<eos>": True, "<|turn>": True, "<turn|>": True, "<|think|>": True,
-                "<|channel>": True, "<channel|>": True}, ["<turn|>", "<eos>"], "<bos>",
-               "{{ bos_token }}{% if enable_thinking %}<|turn>system\n<|think|><turn|>\n{% endif %}"
-               "{% for m in messages %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}\n{{ m.content }}"
-               "<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% if not enable_thinking %}"
-               "<|channel>thought\n<channel|>{% endif %}{% endif %}"),
+                "<|channel>": True, "<channel|>": True, "<|tool>": True, "<tool|>": True, "<|tool_call>": True,
+                "<tool_call|>": True, "<|tool_response>": True, "<tool_response|>": True, '<|"|>': True},
+               ["<turn|>", "<eos>", "<|tool_response>"], "<bos>", _GEMMA4),
 }
 
 
 def make_thinking_model(folder: Path, family: str) -> Path:
-    """A 2-layer random Qwen2 model whose byte-level BPE tokenizer holds a thinking family's markers
-    as added tokens (special or not, as the family's own tokenizer has them) and whose chat template
-    lays out turns and thinking the family's way (THINKING_FAMILIES; templates written for the tests)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A 2-layer random Qwen2 model whose tokenizer holds a thinking family's markers and whose chat
+    template lays out turns, thinking and tools the family's way (THINKING_FAMILIES; templates written
+    for the tests)."""
     added, eos, bos, template = THINKING_FAMILIES[family]
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(THINKING_CORPUS * 4, trainer)
-    tok.add_tokens([AddedToken(t, special=special, normalized=False) for t, special in added.items()])
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": bos, "eos_token": eos[0], "add_bos_token": False, "chat_template": template}))
-    ids = [tok.token_to_id(t) for t in eos]
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
-    torch.manual_seed(7)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=2048, tie_word_embeddings=True,
-                                         eos_token_id=ids[0], bos_token_id=None))
-    model.save_pretrained(str(folder), safe_serialization=True)
-    return folder
+    return make_marker_model(folder, added, eos, bos, template, THINKING_CORPUS, seed=7)
 
 
 def thinking_grammar(tokenizer, vocab_size: int, eos_token_ids, *parts: str) -> str:
@@ -671,3 +690,106 @@ def make_qwen35_moe(folder: Path, seed: int = 3, mtp: bool = False):
         cfg = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
     return model
+
+
+# --- gpt-oss (tests/models/test_gpt_oss.py) ---
+def make_gpt_oss(folder: Path, seed: int = 7, window: int = 6):
+    """A tiny random gpt_oss saved in `folder` as transformers saves it (4 layers alternating a `window`-key
+    sliding window and full attention, 8 experts of which 2 routed, YaRN RoPE whose ramp reaches the
+    tiny head, every bias and sink random); returns the transformers model."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "GptOssForCausalLM"):
+        pytest.skip("this transformers has no gpt-oss")
+    make_tokenizer(folder)
+    vocab = json.loads((folder / "tokenizer.json").read_text())
+    base = len(vocab["model"]["vocab"])
+    size = base + len([t for t in vocab["added_tokens"] if t["id"] >= base])
+    config = transformers.GptOssConfig(
+        vocab_size=size, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=window,
+        max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=2,
+        rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(2.5)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 1.0)
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.o_proj):
+                lin.bias.normal_(0, 0.1)
+            layer.self_attn.q_proj.weight.mul_(4.0)                 # peaked attention: positions matter
+            layer.self_attn.k_proj.weight.mul_(4.0)
+            layer.mlp.router.weight.normal_(0, 0.5)
+            layer.mlp.router.bias.normal_(0, 0.5)
+            layer.mlp.experts.gate_up_proj.mul_(40.0)           # some gates and ups past the clamp's limit
+            layer.mlp.experts.gate_up_proj_bias.normal_(0, 0.5)
+            layer.mlp.experts.down_proj.mul_(2.0)
+            layer.mlp.experts.down_proj_bias.normal_(0, 0.05)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return model
+
+
+# ---------------------------------------------------------------- tiny models with a family's markers (agents2)
+def make_marker_model(folder: Path, added: dict[str, bool], eos: list[str], bos: str | None, template: str,
+                      corpus: list[str], seed: int) -> Path:
+    """A 2-layer random Qwen2 model whose byte-level BPE tokenizer (trained on `corpus`) holds a model
+    family's marker tokens (`added`: text -> special?, as the family's own tokenizer has them), with the
+    family's chat template and end tokens (`eos`, the first the tokenizer's): the tool-call and thinking
+    families' models (test_tool_formats.py, THINKING_FAMILIES)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus * 4, trainer)
+    tok.add_tokens([AddedToken(t, special=special, normalized=False) for t, special in added.items()])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": bos, "eos_token": eos[0], "add_bos_token": False, "chat_template": template}))
+    ids = [tok.token_to_id(t) for t in eos]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=2048, tie_word_embeddings=True,
+                                         eos_token_id=ids[0], bos_token_id=None))
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+# ---------------------------------------------------------------- Gemma 4 with MoE blocks (26B-A4B's layout)
+def gemma4_moe_text_config(vocab_size: int, layers: int = 5):
+    """Gemma 4 26B-A4B's layout in small: a MoE block (8 experts, 2 routed) beside every layer's MLP,
+    global layers with k_eq_v and one kv head, no per-layer inputs, no kv sharing."""
+    from transformers import Gemma4TextConfig
+    return Gemma4TextConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, global_head_dim=32, sliding_window=GEMMA4_WINDOW, hidden_size_per_layer_input=0,
+        num_hidden_layers=layers, layer_types=(GEMMA4_TYPES * 2)[:layers], num_kv_shared_layers=0,
+        attention_k_eq_v=True, num_global_key_value_heads=1, final_logit_softcapping=10.0,
+        enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32,
+        max_position_embeddings=256, bos_token_id=GEMMA4_BOS, eos_token_id=GEMMA4_EOS, pad_token_id=0)
+
+
+def make_gemma4_moe(folder: Path, layers: int = 5, seed: int = 17) -> Path:
+    """A random gemma4_text checkpoint with MoE blocks saved by transformers, make_tokenizer's tokenizer:
+    norms, router scales and per-expert scales away from 1, sharp routing, experts loud enough to matter."""
+    from transformers import Gemma4ForCausalLM
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(folder, specials=("<bos>", "<turn|>"))
+    vocab_size = len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"])
+    torch.manual_seed(seed)
+    model = Gemma4ForCausalLM(gemma4_moe_text_config(vocab_size, layers))
+    randomize_gemma4(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.router.proj.weight.normal_(0, 2.0)
+            layer.router.scale.normal_(1.0, 0.3)
+            layer.router.per_expert_scale.uniform_(0.5, 2.0)
+            layer.experts.down_proj.mul_(8.0)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder

@@ -288,3 +288,162 @@ def write_qwen3moe_gguf(path: Path, model, tokenizer_json: Path, eos_token: str,
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_gpt_oss_gguf(path: Path, model, tokenizer_json: Path, eos_token: str, rest: str = "Q8_0") -> Path:
+    """A transformers gpt-oss (GptOssForCausalLM) as llama.cpp's converter writes it (its GptOssModel):
+    the interleaved gate_up_proj [E, D, 2I] split into gate (even columns) and up (odd) stacks and every
+    stack transposed to [E, out, in] (blk.N.ffn_{gate,up,down}_exps) in MXFP4 blocks, their biases
+    split alike (F32), the router as blk.N.ffn_gate_inp (F32, weight and bias), the sinks as
+    blk.N.attn_sinks.weight, the post-attention norm as blk.N.post_attention_norm, YaRN and the window
+    in the metadata; the other matrices in `rest` ("Q8_0" as llama.cpp's published files, or "F32")."""
+    import gguf
+    from gguf.quants import quantize
+
+    c = model.config
+    arch, q = "gpt-oss", gguf.GGMLQuantizationType
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny-gpt-oss")
+    write_gpt_oss_metadata(writer, c)
+    write_tokenizer(writer, tokenizer_json, eos_token)
+    state = {k: v.detach().to(torch.float32) for k, v in model.state_dict().items()}
+    tensors = {"token_embd.weight": state["model.embed_tokens.weight"],
+               "output_norm.weight": state["model.norm.weight"], "output.weight": state["lm_head.weight"]}
+    for i in range(c.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        tensors.update({b + "attn_norm.weight": state[p + "input_layernorm.weight"],
+                        b + "post_attention_norm.weight": state[p + "post_attention_layernorm.weight"],
+                        b + "attn_sinks.weight": state[p + "self_attn.sinks"],
+                        b + "ffn_gate_inp.weight": state[p + "mlp.router.weight"],
+                        b + "ffn_gate_inp.bias": state[p + "mlp.router.bias"]})
+        for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
+                             ("attn_output", "o_proj")):
+            for kind in ("weight", "bias"):
+                tensors[f"{b}{ours}.{kind}"] = state[f"{p}self_attn.{theirs}.{kind}"]
+        gate_up, gate_up_bias = state[p + "mlp.experts.gate_up_proj"], state[p + "mlp.experts.gate_up_proj_bias"]
+        tensors.update({b + "ffn_gate_exps.weight": gate_up[..., ::2].transpose(1, 2),
+                        b + "ffn_up_exps.weight": gate_up[..., 1::2].transpose(1, 2),
+                        b + "ffn_down_exps.weight": state[p + "mlp.experts.down_proj"].transpose(1, 2),
+                        b + "ffn_gate_exps.bias": gate_up_bias[:, ::2], b + "ffn_up_exps.bias": gate_up_bias[:, 1::2],
+                        b + "ffn_down_exps.bias": state[p + "mlp.experts.down_proj_bias"]})
+    for name, tensor in tensors.items():
+        array = np.ascontiguousarray(tensor.numpy())
+        if name.endswith("_exps.weight"):
+            writer.add_tensor(name, quantize(array, q.MXFP4), raw_dtype=q.MXFP4)
+        elif (rest == "Q8_0" and name.endswith(".weight") and array.ndim == 2 and "ffn_gate_inp" not in name
+              and array.shape[-1] % 32 == 0):
+            writer.add_tensor(name, quantize(array, q.Q8_0), raw_dtype=q.Q8_0)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_gemma4_gguf(path: Path, model, tokenizer_json: Path, eos_token: str, bos_token: str,
+                      qtype: str = "F32", skip: tuple[str, ...] = ()) -> Path:
+    """A transformers Gemma 4 text model (Gemma4ForCausalLM, dense or with MoE blocks) as llama.cpp's
+    converter writes it (its Gemma4Model on Gemma3Model): head dims, kv heads and MLP widths per layer
+    type, the window pattern, proportional RoPE as the rope_freqs tensor (1 where a frequency turns,
+    1e30 where it stays), norms as stored (no + 1), the router's scale as ffn_gate_inp.scale, the
+    per-expert scales as ffn_down_exps.scale, the expert stacks as ffn_gate_up_exps / ffn_down_exps,
+    layer_scalar as layer_output_scale. qtype "Q8_0": matrices and expert stacks whose rows are a
+    multiple of 32 weights in Q8_0 blocks, the router, norms and scales F32. `skip`: GGUF tensor names
+    to leave out."""
+    import gguf
+    from gguf.quants import quantize
+
+    c = model.config.to_dict()          # per layer type: its head dim and kv heads (per_layer_config)
+    layers, arch = c["num_hidden_layers"], "gemma4"
+    swa = [t == "sliding_attention" for t in c["layer_types"]]
+    shape = [dict({"head_dim": c["head_dim"], "num_key_value_heads": c["num_key_value_heads"]},
+                  **c["per_layer_config"].get(str(i), {})) for i in range(layers)]
+    global_dim = shape[swa.index(False)]["head_dim"]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny-gemma4")
+    writer.add_block_count(layers)
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    shared = c["num_kv_shared_layers"]
+    wide = [2 if c["use_double_wide_mlp"] and i >= layers - shared else 1 for i in range(layers)]
+    ff = c["intermediate_size"]
+    writer.add_feed_forward_length([ff * w for w in wide] if max(wide) > 1 else ff)
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv([s["num_key_value_heads"] for s in shape])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_key_length(global_dim)
+    writer.add_value_length(global_dim)
+    writer.add_key_length_swa(c["head_dim"])
+    writer.add_value_length_swa(c["head_dim"])
+    rope = c["rope_parameters"]
+    writer.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
+    writer.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+    writer.add_rope_dimension_count(global_dim)
+    writer.add_rope_dimension_count_swa(c["head_dim"])
+    if c["final_logit_softcapping"]:
+        writer.add_final_logit_softcapping(float(c["final_logit_softcapping"]))
+    writer.add_sliding_window(c["sliding_window"])
+    writer.add_sliding_window_pattern(swa)
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(c["hidden_size_per_layer_input"] or 0)
+    if c["enable_moe_block"]:
+        writer.add_expert_count(c["num_experts"])
+        writer.add_expert_used_count(c["top_k_experts"])
+        writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    write_tokenizer(writer, tokenizer_json, eos_token, bos_token)
+    turning = int(global_dim * rope["full_attention"].get("partial_rotary_factor", 1.0) / 2)
+    writer.add_tensor("rope_freqs.weight", np.array([1.0] * turning + [1e30] * (global_dim // 2 - turning),
+                                                    dtype=np.float32))
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.GEMMA4, layers)
+    own = {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale",
+           "layer_scalar": "layer_output_scale.weight", "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+           "experts.down_proj": "ffn_down_exps.weight"}
+    tied = bool(c["tie_word_embeddings"])
+    for hf_name, tensor in model.state_dict().items():
+        parts = hf_name.split(".")
+        tail = ".".join(parts[3:]) if parts[:2] == ["model", "layers"] else None
+        name = f"blk.{parts[2]}.{own[tail]}" if tail in own else names.get_name(hf_name, try_suffixes=(".weight",))
+        if name is None or (tied and name == "output.weight"):
+            continue
+        if not name.endswith((".weight", ".scale")):
+            name += ".weight"
+        if name in skip:
+            continue
+        array = np.ascontiguousarray(tensor.detach().to(torch.float32).numpy())
+        if (qtype == "Q8_0" and array.ndim >= 2 and array.shape[-1] % 32 == 0 and "ffn_gate_inp" not in name
+                and "rope_freqs" not in name):
+            writer.add_tensor(name, quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_gpt_oss_metadata(writer, c) -> None:
+    """gpt-oss's hyper-parameters as llama.cpp's converter writes them (`c`: a GptOssConfig or one with
+    its fields)."""
+    import gguf
+    rope = c.rope_parameters
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(float(rope["factor"]))
+    writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    writer.add_expert_count(c.num_local_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_sliding_window(c.sliding_window)
+    writer.add_expert_feed_forward_length(c.intermediate_size)

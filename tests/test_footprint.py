@@ -49,3 +49,24 @@ def test_a_model_larger_than_the_memory_is_refused_before_loading(monkeypatch, c
     assert main(["info", "--model", str(path)]) == 0
     memory_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  memory"))
     assert "(does not fit: refused)" in memory_line and "KiB per token" in memory_line, memory_line
+
+
+@needs_quant
+def test_the_footprint_counts_expert_stacks_as_stored(tmp_path):
+    """A MoE file's expert stacks [E, out, in] are read in place as stored (gpt-oss's MXFP4 ones here,
+    make_random_gguf.py's small shape): the footprint counts their bytes, not a bf16 expansion."""
+    import importlib.util
+    from pathlib import Path
+
+    from specdecode.footprint import gguf_footprint, weights_bytes
+    from specdecode.models.loader import load_model
+    script = Path(__file__).resolve().parents[1] / "scripts" / "measure" / "make_random_gguf.py"
+    spec = importlib.util.spec_from_file_location("make_random_gguf", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "random-gpt-oss.gguf"
+    module.write_gpt_oss(out, 2, seed=0, shape=dict(module.GPT_OSS_20B, hidden=128, heads=4, kv_heads=2, head_dim=32,
+                                                    experts=8, used=2, expert_ff=64, vocab=512, context=256))
+    held = weights_bytes(load_model(str(out), progress=False).model)
+    said = gguf_footprint(out)["weights"]
+    assert held <= said <= held * 1.05, (held, said)

@@ -130,24 +130,38 @@ def assigned_self_attributes(function: ast.AST) -> set[str]:
 
 
 def test_engine_serve_and_drafters_create_attributes_only_in_init():
-    """A class's instance attributes are all created in its __init__ (or declared on the class):
-    no state appears on an object between two calls, and nothing writes another object's fields."""
-    bad = []
+    """A class's instance attributes are all created in its __init__ (or declared on the class, or
+    created in the __init__ of a base class of these layers): no state appears on an object between
+    two calls, and nothing writes another object's fields."""
+    classes = {}                            # class name -> (its node, attributes its __init__ creates)
     for name, path in modules().items():
-        if not layer(name, ("engine", "serve", "drafters")):
-            continue
-        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
-            methods = [n for n in cls.body if isinstance(n, ast.FunctionDef)]
-            declared = {t.id for n in cls.body if isinstance(n, (ast.Assign, ast.AnnAssign))
-                        for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
-            declared |= {m.name for m in methods}           # properties
-            init = next((m for m in methods if m.name == "__init__"), None)
-            created = assigned_self_attributes(init) if init is not None else set()
-            for method in methods:
-                if method.name == "__init__":
-                    continue
-                for attr in sorted(assigned_self_attributes(method) - created - declared):
-                    bad.append(f"{name}.{cls.name}.{method.name} creates self.{attr}")
+        if layer(name, ("engine", "serve", "drafters")):
+            for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+                init = next((m for m in cls.body if isinstance(m, ast.FunctionDef) and m.name == "__init__"), None)
+                classes[(name, cls.name)] = (cls, assigned_self_attributes(init) if init is not None else set())
+    by_name = {cls_name: entry for (_, cls_name), entry in classes.items()}
+
+    def inherited(cls: ast.ClassDef, seen: frozenset = frozenset()) -> set[str]:
+        out = set()
+        for base in cls.bases:
+            base_name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", None)
+            if base_name in by_name and base_name not in seen:
+                base_cls, base_created = by_name[base_name]
+                out |= base_created | inherited(base_cls, seen | {base_name})
+        return out
+
+    bad = []
+    for (name, _), (cls, created) in classes.items():
+        methods = [n for n in cls.body if isinstance(n, ast.FunctionDef)]
+        declared = {t.id for n in cls.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+        declared |= {m.name for m in methods}           # properties
+        known = created | declared | inherited(cls)
+        for method in methods:
+            if method.name == "__init__":
+                continue
+            for attr in sorted(assigned_self_attributes(method) - known):
+                bad.append(f"{name}.{cls.name}.{method.name} creates self.{attr}")
     assert not bad, "attributes created outside __init__: " + "; ".join(bad)
 
 

@@ -2,9 +2,11 @@
 
     python scripts/measure/method_ab.py --methods eagle,recycle,medusa [--rounds 3] [--model PATH] [--max-tokens 128]
     python scripts/measure/method_ab.py --methods cascade --model TARGET.gguf --draft DRAFT.gguf   # a pair
-    python scripts/measure/method_ab.py --methods eagle --trace   # + a line per call (sizes chosen per step: 0 = plain)
+    python scripts/measure/method_ab.py --methods eagle --trace   # + a line per call (sizes chosen per step: 0 = plain;
+                                                                  # on MoE the distinct experts its passes read)
     python scripts/measure/method_ab.py --methods cascade ... --drafter-option head_vocab=32768   # (as `generate`)
     python scripts/measure/method_ab.py --methods text-model ... --humaneval 8   # the first 8 HumanEval prompts
+    python scripts/measure/method_ab.py --methods ngram --model random-moe.gguf --no-chat --trace   # no chat template
 
 One generation per cell (what `specdecode bench` runs) moves by +-5-10% on a 2-core host whose
 speed drifts; here every prompt runs each method `--rounds` times between two plain runs, in an
@@ -50,6 +52,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--humaneval", type=int, default=0, metavar="N",
                    help="the first N HumanEval prompts instead of the six kinds (code only)")
+    p.add_argument("--no-chat", action="store_true", help="the prompts as plain text (a model without a chat "
+                                                          "template, e.g. make_random_gguf.py's)")
     p.add_argument("--trace", action="store_true", help="a line per method call: its ratio, steps, drafts, times "
                                                         "and the draft size the controller chose at each step")
     args = p.parse_args()
@@ -70,8 +74,8 @@ def main() -> None:
         if not system.supports(m):
             raise SystemExit(f"method {m!r} cannot run here: {system.skipped.get(m, 'unknown method')}")
     cells = {"plain": Cell("specdecode", "plain", 0), **{m: Cell("specdecode", m, 5) for m in methods}}
-    ids = [llm.encode(p.text, p.chat) for p in prompts]
-    warm_up = llm.encode("Write a haiku about the sea.", True)      # none of the six prompts
+    ids = [llm.encode(p.text, p.chat and not args.no_chat) for p in prompts]
+    warm_up = llm.encode("Write a haiku about the sea.", not args.no_chat)      # none of the six prompts
 
     chosen: list[int] = []                                 # the size planned at each step of the call running
     plan = SpeculationController.plan
@@ -82,19 +86,31 @@ def main() -> None:
         return sizes
     SpeculationController.plan = recording
 
+    def moe_totals(m: str) -> tuple[int, int, float] | None:
+        """A MoE target's passes, rows and distinct experts per layer so far in method m's core."""
+        core = system.cores.get((m, cells[m].k))
+        moe = core.costs.moe if core is not None else None
+        return (moe.passes, moe.rows_seen, moe.experts_seen) if moe is not None else None
+
     def run(m: str, prompt_ids: list[int]) -> dict:
         if memory.get(m) is not None:                      # what the drafter knew before the rounds
             system.drafter(m, cells[m].k).restore(memory[m])
         chosen.clear()
+        before = moe_totals(m)
         got = system.run(cells[m], prompt_ids, args.max_tokens, 0.0, 0)
         got["sizes"] = list(chosen)
+        after = moe_totals(m)
+        if after is not None and after[0] > (before or (0,))[0]:
+            passes, rows, experts = (a - b for a, b in zip(after, before or (0, 0, 0.0)))
+            got["moe"] = f" | MoE passes {passes}: {rows / passes:.2f} rows, {experts / passes:.1f} experts / layer"
         return got
 
     def trace(r: int, task: str, m: str, got: dict, baseline: float) -> None:
         sizes = "".join(str(min(x, 9)) for x in got["sizes"]) or "-"
         print(f"r{r} {task:13s} {m} x{baseline / got['seconds']:.2f} steps {got['steps']} drafted {got['drafted']} "
               f"accepted {got['accepted']} ms: draft {got['draft_s'] * 1e3:.0f} verify {got['verify_s'] * 1e3:.0f} "
-              f"prefill {got['prefill_s'] * 1e3:.0f} plain {baseline * 1e3:.0f} | sizes {sizes}", flush=True)
+              f"prefill {got['prefill_s'] * 1e3:.0f} plain {baseline * 1e3:.0f}{got.get('moe', '')} | sizes {sizes}",
+              flush=True)
 
     memory: dict[str, object] = {}
     for m in cells:                                        # first-call costs (cost curve, kernels)
@@ -105,6 +121,11 @@ def main() -> None:
         for m in methods:
             curve = system.cores[m, cells[m].k].costs.curve
             print(f"{m} cost curve (rows: ms):", {r: round(t * 1e3, 2) for r, t in sorted(curve.items())}, flush=True)
+            moe = system.cores[m, cells[m].k].costs.moe
+            if moe is not None:                            # random tokens route nearly at random: the worst case
+                print(f"{m} MoE: {moe.seconds * 1e3:.3f} ms per distinct expert per layer past {moe.used}; distinct "
+                      f"experts per layer of distinct random tokens (rows: experts):",
+                      {r: round(u, 1) for r, u in sorted(moe.union.items())}, flush=True)
     times: dict[tuple[str, int], list[float]] = {(m, i): [] for m in cells for i in range(len(prompts))}
     ratios: dict[tuple[str, int], list[float]] = {(m, i): [] for m in methods for i in range(len(prompts))}
     outputs: dict[tuple[str, int], list[int]] = {}

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdecode.forward import ForwardBatch
 from specdecode.models.loader import load_model
 
 QUESTIONS = Path(__file__).resolve().parents[2] / "specdecode/data/spec_bench/question.jsonl"
@@ -41,7 +42,9 @@ def main() -> None:
 
     def logits(lm, row):
         cache = lm.model.new_cache(1, len(row) + 4)
-        return lm.model.forward(torch.tensor([row]), cache, 0, logit_index=torch.arange(len(row))[None]).float()[0]
+        index = torch.arange(len(row))[None]
+        return lm.model.logits(lm.model.run(ForwardBatch.chain(torch.tensor([row]), 0, logit_index=index), cache),
+                               index).float()[0]
 
     want = [logits(reference, row) for row in ids]
     candidates = [load_model(args.model, progress=False)]

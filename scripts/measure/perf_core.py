@@ -20,6 +20,7 @@ import time
 import torch
 
 from specdecode.bench.runner import read_bandwidth_gbs
+from specdecode.forward import ForwardBatch
 
 
 def time_plain_native(llm, ids, tokens: int) -> float:
@@ -40,14 +41,14 @@ def time_plain_hf(hf, ids, tokens: int) -> float:
 def verify_costs(model, prompt_len: int = 64, repeats: int = 20) -> dict[int, float]:
     """Median time of one forward of k+1 tokens at the same position / one of 1 token."""
     cache = model.new_cache(1, prompt_len + 16)
-    model.forward(torch.zeros(1, prompt_len, dtype=torch.long), cache, 0)
+    model.run(ForwardBatch.chain(torch.zeros(1, prompt_len, dtype=torch.long), 0), cache)
 
     def timed(width: int) -> float:
         tokens = torch.zeros(1, width, dtype=torch.long)
         runs = []
         for _ in range(repeats):
             t = time.perf_counter()
-            model.forward(tokens, cache, prompt_len)
+            model.logits(model.run(ForwardBatch.chain(tokens, prompt_len), cache))
             runs.append(time.perf_counter() - t)
         return statistics.median(runs)
 

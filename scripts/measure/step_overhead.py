@@ -39,8 +39,9 @@ def main() -> int:
     from specdecode.bench.systems import Cell, SpecdecodeSystem
     from specdecode.datasets import spec_bench
     from specdecode.engine import runner as runner_module
-    from specdecode.engine.controller import AUTO, MAX_PROBE_EVERY, RowSpec, SpeculationController
+    from specdecode.engine.controller import AUTO, RowSpec, SpeculationController
     from specdecode.engine.drafting import Drafting
+    from specdecode.engine.probes import MAX_PROBE_EVERY
     from specdecode.fast.linear import cpu_label
     spent: collections.Counter = collections.Counter()
 
@@ -66,7 +67,7 @@ def main() -> int:
                     r.probe_wait = r.probe_interval
                 r.size, r.probing, r.probed = 0, False, False
                 if r.mode == AUTO:                       # kept off: its drafter hears of it only before a probe
-                    r.listening = self.listens(r, 0)
+                    r.listening = self.probes.listens(r, 0)
             return [0] * len(sizes)
         SpeculationController.plan = held_plain
     llm = LLM(None, method="none", num_speculative_tokens=0, progress=False, prefix_cache=False)

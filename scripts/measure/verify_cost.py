@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from specdecode.forward import ForwardBatch
 from specdecode.models.loader import load_model
 
 
@@ -37,7 +38,7 @@ def main() -> None:
     cache = model.new_cache(1, args.context + 80)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, min(model.vocab_size, 1000), (1, args.context), generator=gen)
-    model.forward(prompt, cache, 0, logit_index=torch.zeros(1, 0, dtype=torch.long))
+    model.run(ForwardBatch.chain(prompt, 0), cache)                     # the prompt's keys, no logits
     print(f"{lm.name} ({lm.weights_kind}), context {args.context}, {args.threads} threads")
     row_counts = [int(r) for r in args.rows.split(",")]
     if not row_counts or not all(1 <= r <= 64 for r in row_counts) or args.rounds < 1:
@@ -53,7 +54,7 @@ def main() -> None:
             times = []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
-                model.forward(tokens, cache, args.context, logit_index=index)
+                model.logits(model.run(ForwardBatch.chain(tokens, args.context, logit_index=index), cache), index)
                 times.append(time.perf_counter() - t0)
             if moe_layers:
                 experts[rows] = int(counts.sum()) / moe_layers

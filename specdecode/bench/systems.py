@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..forward import ForwardBatch
+
 
 @dataclass(frozen=True)
 class Cell:
@@ -146,7 +148,8 @@ class SpecdecodeSystem(System):
         ids = list(prompt_ids) + list(prefix)
         cache = model.new_cache(1, len(ids) + 4)
         index = torch.tensor([[len(ids) - 1]], device=model.device)
-        logits = model.forward(torch.tensor([ids], device=model.device), cache, 0, logit_index=index)
+        fb = ForwardBatch.chain(torch.tensor([ids], device=model.device), 0, logit_index=index)
+        logits = model.logits(model.run(fb, cache), index)                            # [1, 1, vocab]
         row = logits.reshape(-1, logits.shape[-1])[-1].float()
         top2 = torch.topk(row, 2).values.tolist()
         return {"logit_a": round(row[token_a].item(), 4), "logit_b": round(row[token_b].item(), 4),

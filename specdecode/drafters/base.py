@@ -219,6 +219,18 @@ class DrafterState(Protocol):
         """Compact a row: keep its first `length` positions, drop (or free) the rest."""
 
 
+def row_state(seqs: list[Sequence]):
+    """The drafter state of the engine these rows run in (`Sequence.drafter_state`, set at admission
+    to what the drafter's `prepare` / `use_draft_cache` returned to that engine): a drafter with
+    state reads and writes its rows' state there, never on itself, so two engines (or two calls)
+    sharing one drafter never see each other's rows."""
+    state = seqs[0].drafter_state if seqs else None
+    if state is None:
+        raise DrafterError("these rows carry no drafter state: a drafter with state runs on rows an engine "
+                           "admitted (Sequence.drafter_state, from the drafter's prepare or use_draft_cache)")
+    return state
+
+
 class ContiguousState:
     """`DrafterState` of a position-addressed cache (`lengths`, `batch_size`, `max_len`, `nbytes()`,
     `truncate()`: a `KVCache`) plus preallocated per-row tensors shaped [rows, max_len, ...]

@@ -43,7 +43,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .base import ContiguousState, Drafter, DrafterCapabilities, DrafterError, DraftProposal
+from ..forward import ForwardBatch
+from .base import ContiguousState, Drafter, DrafterCapabilities, DrafterError, DraftProposal, row_state
 from .registry import register
 from .vocab_rank import draft_cost, reduced_head
 
@@ -109,7 +110,6 @@ class TextModelDrafter(Drafter):
         self.draft, self.model = draft, draft.model
         self.tok, self.dtok = target.tokenizer, draft.tokenizer
         self.draft_eos = set(draft.eos_token_ids)
-        self.state: TextState | None = None
         # head_vocab: the draft's LM head over that many of ITS token ids only (0 = all), the ones its
         # tokenizer uses most (drafters/vocab_rank.py); a draft with a large vocabulary (Gemma 3's
         # 262,144) reads more head than layers per token. Greedy drafts from fewer ids: still lossless.
@@ -121,24 +121,16 @@ class TextModelDrafter(Drafter):
 
     def prepare(self, batch_size: int, max_len: int) -> TextState:
         capacity = min(self.model.max_len, int(max_len * CONTEXT_RATIO) + SLACK)
-        self.state = TextState(self.model.new_cache(batch_size, capacity), [RowText() for _ in range(batch_size)])
-        return self.state
-
-    def close(self) -> None:
-        self.state = None
-
-    @property
-    def cache(self):
-        return self.state.cache
+        return TextState(self.model.new_cache(batch_size, capacity), [RowText() for _ in range(batch_size)])
 
     # ------------------------------------------------------------------ text
-    def _row(self, s) -> RowText:
+    def _row(self, state: TextState, s) -> RowText:
         """The row's state (made anew for another request), its text synced to s.token_ids: whole
         characters only, so `read` stays short of the tokens while one ends inside a character."""
-        st = self.state.rows[s.row]
+        st = state.rows[s.row]
         if st.request is not s.request or st.read > len(s.token_ids):
-            self.cache.truncate(s.row, 0)
-            st = self.state.rows[s.row] = RowText(request=s.request)
+            state.cache.truncate(s.row, 0)
+            st = state.rows[s.row] = RowText(request=s.request)
         ids, n = s.token_ids, len(s.token_ids)
         if st.read == n:
             return st
@@ -157,22 +149,22 @@ class TextModelDrafter(Drafter):
         st.read = end
         return st
 
-    def _cut(self, row: int, st: RowText, keep: int) -> None:
+    def _cut(self, state: TextState, row: int, st: RowText, keep: int) -> None:
         """Keep the first `keep` cached draft tokens (the last of them ending on a character)."""
         del st.ids[keep:], st.ends[keep:]
         st.dtext = st.dtext[:st.ends[-1]] if st.ends else ""
-        self.cache.truncate(row, keep)
+        state.cache.truncate(row, keep)
 
-    def _rollback(self, row: int, st: RowText) -> None:
+    def _rollback(self, state: TextState, row: int, st: RowText) -> None:
         """Keep the cached draft tokens whose text lies wholly inside the committed text."""
         common = len(os.path.commonprefix([st.dtext, st.text]))
         keep = len(st.ids)
         while keep and not 0 <= st.ends[keep - 1] <= common:
             keep -= 1
         if keep < len(st.ids) or len(st.dtext) > common:
-            self._cut(row, st, keep)
+            self._cut(state, row, st, keep)
 
-    def _catch_up(self, row: int, st: RowText) -> list[int]:
+    def _catch_up(self, state: TextState, row: int, st: RowText) -> list[int]:
         """The draft tokens of the committed text past the cached ones (appended to st.ids, the cache
         still without them); when there are none, the last cached token, cut from the cache to be fed
         again (its logits draft the next)."""
@@ -197,7 +189,7 @@ class TextModelDrafter(Drafter):
             st.dtext = st.text
         st.ids += new
         if not new and st.ids:
-            self.cache.truncate(row, len(st.ids) - 1)
+            state.cache.truncate(row, len(st.ids) - 1)
             return [st.ids[-1]]
         return new
 
@@ -221,62 +213,66 @@ class TextModelDrafter(Drafter):
         return []
 
     # ------------------------------------------------------------------ passes
-    def _pass(self, rows: list[int], feed: list[list[int]]) -> torch.Tensor:   # -> [B, draft vocab] float32
+    def _pass(self, state: TextState, rows: list[int], feed: list[list[int]],
+              ) -> torch.Tensor:      # -> [B, draft vocab] float32
         """Write each row's `feed` at its cache end; the logits after its last token."""
         device = self.model.device
         width = max(len(f) for f in feed)
         tokens = torch.tensor([f + [0] * (width - len(f)) for f in feed], dtype=torch.long, device=device)
-        starts = [self.cache.lengths[r] for r in rows]
+        starts = [state.cache.lengths[r] for r in rows]
         last = torch.tensor([[len(f) - 1] for f in feed], device=device)
-        logits = self.model.forward(tokens, self.cache, torch.tensor(starts, device=device),
-                                    rows=torch.tensor(rows, device=device), logit_index=last,
-                                    head_rows=self.head_rows)
+        fb = ForwardBatch.chain(tokens, torch.tensor(starts, device=device), torch.tensor(rows, device=device), last)
+        logits = self.model.logits(self.model.run(fb, state.cache), last, self.head_rows)   # [B, 1, head / vocab]
         for r, f, start in zip(rows, feed, starts):
-            self.cache.truncate(r, start + len(f))
+            state.cache.truncate(r, start + len(f))
         if self.head_rows is not None:                  # [B, 1, head rows] -> the draft's vocabulary
             full = torch.full((len(rows), 1, self.dtok.vocab_size), float("-inf"), device=device)
             logits = full.index_copy_(2, self.head_rows.ids.to(device), logits.float())
         return logits[:, 0].float()
 
-    def _fits(self, row: int, st: RowText, more: int) -> bool:
+    def _fits(self, state: TextState, row: int, st: RowText, more: int) -> bool:
         """Whether `more` draft tokens fit the row's cache; a row that outgrew it drafts no more."""
-        st.full = st.full or len(st.ids) + more > self.cache.max_len
+        st.full = st.full or len(st.ids) + more > state.cache.max_len
         return not st.full
 
     @torch.inference_mode()
     def prefill(self, seqs) -> None:
         """Feed each row's prompt text into the draft cache (the engine has prefilled the target's)."""
+        if not seqs:
+            return
+        state = row_state(seqs)
         for s in seqs:
-            st = self._row(s)
-            self._rollback(s.row, st)
+            st = self._row(state, s)
+            self._rollback(state, s.row, st)
             if st.read < len(s.token_ids) or st.full:
                 continue
             start = len(st.ids)
-            feed = self._catch_up(s.row, st)
-            if not self._fits(s.row, st, SLACK):
-                self._cut(s.row, st, start)
+            feed = self._catch_up(state, s.row, st)
+            if not self._fits(state, s.row, st, SLACK):
+                self._cut(state, s.row, st, start)
                 continue
             for i in range(0, len(feed), PREFILL_CHUNK):
-                self._pass([s.row], [feed[i:i + PREFILL_CHUNK]])
+                self._pass(state, [s.row], [feed[i:i + PREFILL_CHUNK]])
 
     @torch.inference_mode()
     def propose(self, seqs, sizes):
+        state = row_state(seqs)
         drafts: list[list[int]] = [[] for _ in seqs]
         active, feed = [], []                # batch indices still drafting, and what each feeds next
         for b, s in enumerate(seqs):
-            st = self._row(s)
-            self._rollback(s.row, st)
+            st = self._row(state, s)
+            self._rollback(state, s.row, st)
             if sizes[b] <= 0 or st.read < len(s.token_ids) or st.full:
                 continue
             start = len(st.ids)
-            new = self._catch_up(s.row, st)
-            if new and self._fits(s.row, st, 2 * sizes[b] + 4):
+            new = self._catch_up(state, s.row, st)
+            if new and self._fits(state, s.row, st, 2 * sizes[b] + 4):
                 active.append(b)
                 feed.append(new)
             else:                            # back to what the cache holds
-                self._cut(s.row, st, start)
-        base = {b: len(self.state.rows[seqs[b].row].ids) for b in active}   # cached tokens before the drafts
-        anchor = {b: self.state.rows[seqs[b].row].ids[-ANCHOR:] for b in active}
+                self._cut(state, s.row, st, start)
+        base = {b: len(state.rows[seqs[b].row].ids) for b in active}   # cached tokens before the drafts
+        anchor = {b: state.rows[seqs[b].row].ids[-ANCHOR:] for b in active}
         before = {b: self.dtok.decode(anchor[b], skip_special=False) for b in active}
         gen: dict[int, list[int]] = {b: [] for b in active}
         ends: dict[int, list[int]] = {b: [] for b in active}
@@ -284,7 +280,7 @@ class TextModelDrafter(Drafter):
         unsure = dict.fromkeys(active, False)
         steps = {b: sizes[b] + 2 + sizes[b] // 2 for b in active}       # draft tokens a row may generate
         while active:
-            logits = self._pass([seqs[b].row for b in active], feed)[:, :self.dtok.vocab_size]
+            logits = self._pass(state, [seqs[b].row for b in active], feed)[:, :self.dtok.vocab_size]
             probs = logits.softmax(-1)                   # (rows past the tokenizer's: embedding padding)
             best = probs.max(-1)
             still, next_feed = [], []
@@ -296,7 +292,7 @@ class TextModelDrafter(Drafter):
                     text[b] = now[len(before[b]):]
                 ends[b].append(len(text[b]) if clean else -1)
                 final = token in self.draft_eos
-                drafts[b] = self._targets(seqs[b], self.state.rows[seqs[b].row], text[b], ends[b], final)[:sizes[b]]
+                drafts[b] = self._targets(seqs[b], state.rows[seqs[b].row], text[b], ends[b], final)[:sizes[b]]
                 if not (final or unsure[b] or len(drafts[b]) >= sizes[b] or len(gen[b]) >= steps[b]):
                     unsure[b] = confidence < self.draft_confidence    # then one more token, as look-ahead
                     still.append(b)
@@ -304,7 +300,7 @@ class TextModelDrafter(Drafter):
             active, feed = still, next_feed
         for b in gen:                        # every draft token but the last was fed: the cache holds them
             row = seqs[b].row
-            st = self.state.rows[row]
+            st = state.rows[row]
             fed = len(gen[b]) - 1
             st.ids += gen[b][:fed]
             st.ends += [-1 if e < 0 else len(st.dtext) + e for e in ends[b][:fed]]
@@ -312,12 +308,13 @@ class TextModelDrafter(Drafter):
             keep = len(st.ids)
             while keep > base[b] and st.ends[keep - 1] < 0:
                 keep -= 1
-            self._cut(row, st, keep)
+            self._cut(state, row, st, keep)
         return DraftProposal.from_lists(drafts)
 
     def commit(self, seqs, proposal, num_accepted):
         """Rollback by characters: each row's cache keeps the draft tokens inside its committed text."""
-        if self.state is None:
+        if not seqs:
             return
+        state = row_state(seqs)
         for s in seqs:
-            self._rollback(s.row, self._row(s))
+            self._rollback(state, s.row, self._row(state, s))

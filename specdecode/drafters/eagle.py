@@ -2,7 +2,8 @@
 `HeadDrafter` is the machinery below, whatever the head; `EagleDrafter` loads a trained EAGLE
 head, drafters/mtp.py the multi-token-prediction head of a Qwen3.5 checkpoint.
 
-State per batch row (both position-addressed, so rollback is a length change):
+State per batch row (`HeadState`, kept by the engine with its rows; both position-addressed, so
+rollback is a length change):
   * `features[row, p]`: the target's feature at position p, written by `observe` after every
     target pass (prefill and verification). Valid for p < the target cache length.
   * the head's one-layer KV cache: slot j holds keys/values computed from feature j and token j+1.
@@ -31,7 +32,7 @@ from ..footprint import weights_bytes
 from ..forward import ForwardBatch
 from ..sampling import probs_from_logits, sample_drafts, transform_logits
 from ..tree import walk_path
-from .base import ContiguousState, Drafter, DrafterCapabilities, DrafterError, DrafterState, DraftProposal
+from .base import ContiguousState, Drafter, DrafterCapabilities, DrafterError, DraftProposal, row_state
 from .dynamic_tree import Candidates, expand, select_nodes
 from .features import PendingFeatures
 from .head import Head, HeadConfig, head_block, rope_tables
@@ -40,6 +41,20 @@ from .registry import register
 MAX_TREE_TOPK = 16     # children per expanded node (and frontier width) of a dynamic tree
 MAX_TREE_DEPTH = 16    # head passes per tree (its depth); the head-cache tree mask also needs (depth-1)*topk < 64
 CATCH_UP_WINDOW = 64   # a catch-up of more slots computes only the last this many (see `catch_up_window`)
+
+
+class HeadState(ContiguousState):
+    """A head's per-row state, kept by the engine with its rows (`Sequence.drafter_state`): the
+    head's KV cache, the target's features, the first slot each row's catch-up computed, the
+    features not yet written, and each row's [first, end) of features observed without a gap."""
+
+    def __init__(self, cache: KVCache, features: torch.Tensor, keep: int) -> None:   # features: [rows, max_len, D]
+        super().__init__(cache, features)
+        rows = features.shape[0]
+        self.features = features
+        self.head_from = torch.zeros(rows, dtype=torch.long)     # [rows]
+        self.pending = PendingFeatures(features, keep)
+        self.seen = [[0, 0] for _ in range(rows)]
 
 
 class HeadDrafter(Drafter):
@@ -71,11 +86,6 @@ class HeadDrafter(Drafter):
         self.cos, self.sin = head.cos, head.sin
         self.capabilities = replace(self.capabilities, relative_cost=head.relative_cost,
                                     prior_acceptance=head.prior_acceptance)
-        self.cache = None
-        self.features = None
-        self.head_from: torch.Tensor | None = None      # [rows] first head slot a catch-up computed
-        self.pending: PendingFeatures | None = None     # features not yet written into `features`
-        self.seen: list[list[int]] = []                 # per row [first, end) of the features observed without a gap
 
     def _load_head(self, target, link) -> Head:
         """The head; `link(weight, bias)` makes a projection (the fast kernels' where they run)."""
@@ -86,59 +96,53 @@ class HeadDrafter(Drafter):
         return features
 
     # ------------------------------------------------------------------ state
-    def prepare(self, batch_size: int, max_len: int) -> DrafterState:
+    def prepare(self, batch_size: int, max_len: int) -> HeadState:
         c = self.config
         room = 64 if self.tree_topk > 1 else 0       # a tree's head slots past the row's end (< 64 bits)
         # keys and values in float32: on a CPU attention over bfloat16 keys is several times slower and a
         # large share of a head pass at a long context (docs/drafters.md, "Trained drafters"); the cache
         # is one layer, so the bytes are few
-        self.cache = KVCache(1, batch_size, c.num_kv_heads, c.head_dim, max_len + room, torch.float32, self.device)
-        self.features = torch.zeros(batch_size, max_len, c.hidden_size, dtype=self.dtype, device=self.device)
-        self.head_from = torch.zeros(batch_size, dtype=torch.long)
-        self.pending = PendingFeatures(self.features, self.catch_up_window + MAX_TREE_DEPTH + 2)
-        self.seen = [[0, 0] for _ in range(batch_size)]
-        return ContiguousState(self.cache, self.features)
-
-    def close(self) -> None:
-        self.cache = self.features = self.head_from = self.pending = None
-        self.seen = []
+        cache = KVCache(1, batch_size, c.num_kv_heads, c.head_dim, max_len + room, torch.float32, self.device)
+        features = torch.zeros(batch_size, max_len, c.hidden_size, dtype=self.dtype, device=self.device)
+        return HeadState(cache, features, self.catch_up_window + MAX_TREE_DEPTH + 2)
 
     def observe(self, seqs, starts, hidden):
-        width, max_len = hidden.shape[1], self.features.shape[1]
+        st = row_state(seqs)
+        width, max_len = hidden.shape[1], st.features.shape[1]
         for b, s in enumerate(seqs):
             n = min(width, max_len - starts[b])
             if n > 0:
-                self.pending.add(s.row, starts[b], hidden[b, :n])
-                seen = self.seen[s.row]   # the engine skips a row while its speculation is kept off:
+                st.pending.add(s.row, starts[b], hidden[b, :n])
+                seen = st.seen[s.row]     # the engine skips a row while its speculation is kept off:
                 if not seen[0] <= starts[b] <= seen[1]:     # the features before such a gap are stale
                     seen[0] = starts[b]
                 seen[1] = starts[b] + n
 
     # ------------------------------------------------------------------ one head pass
-    def _pass(self, rows: torch.Tensor, starts: list[int],
+    def _pass(self, st: HeadState, rows: torch.Tensor, starts: list[int],
               tokens: torch.Tensor,        # [B, T] token j+1 of each slot j
               features: torch.Tensor,      # [B, T, D]
               fb: ForwardBatch | None = None,   # the pass's positions / visibility; None = a chain
               ) -> torch.Tensor:           # -> [B, T, D] predicted features
         if fb is None:
             if len(starts) == 1:
-                return self._pass_one(int(rows[0]), starts[0], tokens, features)
+                return self._pass_one(st, int(rows[0]), starts[0], tokens, features)
             fb = ForwardBatch.chain(tokens, torch.tensor(starts), rows)      # the pass, described once
         positions = fb.rope_positions().to(self.device)                   # [B, T]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         key_len = max(starts) + tokens.shape[1]
-        computed = torch.arange(key_len)[None] >= self.head_from[rows.cpu()][:, None]   # [B, L] slots a catch-up filled
+        computed = torch.arange(key_len)[None] >= st.head_from[rows.cpu()][:, None]   # [B, L] slots a catch-up filled
         mask = (fb.visible(key_len) & computed[:, None]).to(self.device)[:, None]        # [B, 1, T, L]
         start_t = torch.tensor(starts, device=self.device)
         c = self.config
 
         def attend(q, k, v):
-            keys, values = self.cache.write(0, rows, start_t, k.float(), v.float())
+            keys, values = st.cache.write(0, rows, start_t, k.float(), v.float())
             out = F.scaled_dot_product_attention(q.float(), keys, values, attn_mask=mask, enable_gqa=True)
             return out.to(q.dtype)
         return self.block(self.params, c, F.embedding(tokens, self.embed), features, cos, sin, attend)
 
-    def _pass_one(self, row: int, start: int,
+    def _pass_one(self, st: HeadState, row: int, start: int,
                   tokens: torch.Tensor,        # [1, T]
                   features: torch.Tensor,      # [1, T, D]
                   ) -> torch.Tensor:           # -> [1, T, D]
@@ -147,13 +151,13 @@ class HeadDrafter(Drafter):
         slot and a causal one (T x slots) at a catch-up, where the general pass copies the row's
         cache and masks every slot before it (at a long context, a good share of a head pass)."""
         num = tokens.shape[1]
-        end, first = start + num, int(self.head_from[row])
+        end, first = start + num, int(st.head_from[row])
         cos, sin = self.cos[start:end][None, None], self.sin[start:end][None, None]
         mask = (None if num == 1
                 else torch.ones(num, end - first, dtype=torch.bool, device=self.device).tril(start - first))
 
         def attend(q, k, v):
-            cache_k, cache_v = self.cache.keys[0], self.cache.values[0]
+            cache_k, cache_v = st.cache.keys[0], st.cache.values[0]
             cache_k[row, :, start:end] = k[0]
             cache_v[row, :, start:end] = v[0]
             out = F.scaled_dot_product_attention(q.float(), cache_k[row:row + 1, :, first:end],
@@ -176,6 +180,7 @@ class HeadDrafter(Drafter):
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
     def propose(self, seqs, sizes):
+        st = row_state(seqs)
         k = max(sizes)
         batch = len(seqs)
         params = [s.params for s in seqs]
@@ -185,9 +190,9 @@ class HeadDrafter(Drafter):
         draft_tokens = torch.zeros(batch, k, dtype=torch.long)
         draft_probs = None
         # 1. catch up: slots head_len .. n-1 from true features (n = positions the target has seen)
-        self.pending.flush()
+        st.pending.flush()
         ends = [len(s.token_ids) - 1 for s in seqs]
-        starts = [self._catch_up_start(s.row, e) for s, e in zip(seqs, ends)]
+        starts = [self._catch_up_start(st, s.row, e) for s, e in zip(seqs, ends)]
         width = max(e - st for st, e in zip(starts, ends))
         if min(ends) == 0:       # a one-token prompt: no target feature yet, so nothing to draft from
             sizes = [0 if e == 0 else m for e, m in zip(ends, sizes)]
@@ -198,14 +203,14 @@ class HeadDrafter(Drafter):
         for b, s in enumerate(seqs):
             n = ends[b] - starts[b]
             tokens[b, :n] = torch.tensor(s.token_ids[starts[b] + 1:ends[b] + 1])
-            features[b, :n] = self.features[s.row, starts[b]:ends[b]]
-        predicted = self._pass(rows, starts, tokens.to(self.device), self._head_input(features))
+            features[b, :n] = st.features[s.row, starts[b]:ends[b]]
+        predicted = self._pass(st, rows, starts, tokens.to(self.device), self._head_input(features))
         last = torch.tensor([max(0, e - st - 1) for st, e in zip(starts, ends)], device=self.device)
         feature = predicted[torch.arange(batch, device=self.device), last]               # [B, D]
         for b, s in enumerate(seqs):
-            self.cache.truncate(s.row, ends[b])
+            st.cache.truncate(s.row, ends[b])
         if self.tree_topk > 1:
-            return self._propose_tree(rows, ends, feature, sizes)
+            return self._propose_tree(st, rows, ends, feature, sizes)
         # 2. chain: each draft comes from the feature the previous slot predicted. Greedy rows with
         # no logit bias or penalties only need the argmax (a point-mass proposal: verify then
         # accepts a draft iff it is the target's argmax), so the full-vocabulary work is skipped.
@@ -239,35 +244,35 @@ class HeadDrafter(Drafter):
             if step + 1 == k or max(num_drafts) <= step + 1:
                 break
             slot = [e + step for e in ends]
-            predicted = self._pass(rows, slot, draft_tokens[:, step:step + 1].to(self.device), feature[:, None])
+            predicted = self._pass(st, rows, slot, draft_tokens[:, step:step + 1].to(self.device), feature[:, None])
             feature = predicted[:, 0]
             for b, s in enumerate(seqs):
-                self.cache.truncate(s.row, slot[b] + 1)
+                st.cache.truncate(s.row, slot[b] + 1)
         # step state: head slots computed from true features, per row (what commit keeps)
         return DraftProposal(draft_tokens, torch.tensor(num_drafts, dtype=torch.long),
                              None if argmax_only else draft_probs, step_state=ends)
 
-    def _catch_up_start(self, row: int, end: int) -> int:
+    def _catch_up_start(self, st: HeadState, row: int, end: int) -> int:
         """The first head slot the catch-up to `end` computes: where the head's cache ends, but
         no more than `catch_up_window` slots back. Slots skipped stay out of every later pass's
         attention (`head_from`): a head that has not drafted for a whole prompt (the prefill, or
         plain steps while the budget did not draft) would otherwise run over all of it, costing
         several plain steps for a probe of a few drafts (docs/drafters.md, "Trained drafters");
         the head reads mostly the feature before it, little of the context far back."""
-        start = self.cache.lengths[row]
-        if start < int(self.head_from[row]):     # cut back below what it had computed (a new sequence)
+        start = st.cache.lengths[row]
+        if start < int(st.head_from[row]):     # cut back below what it had computed (a new sequence)
             start = 0
         if end - start > self.catch_up_window:
             start = end - self.catch_up_window
-        first = self.seen[row][0]                # no slot from a feature the engine did not observe
+        first = st.seen[row][0]                  # no slot from a feature the engine did not observe
         if start < first <= end:
             start = first
-        if start != self.cache.lengths[row] or start == 0:
-            self.head_from[row] = start
-            self.cache.truncate(row, start)
+        if start != st.cache.lengths[row] or start == 0:
+            st.head_from[row] = start
+            st.cache.truncate(row, start)
         return start
 
-    def _propose_tree(self, rows: torch.Tensor, ends: list[int],
+    def _propose_tree(self, st: HeadState, rows: torch.Tensor, ends: list[int],
                       root_feature: torch.Tensor,      # [B, D] predicted feature of each row's root
                       budgets: list[int]) -> DraftProposal:
         """2'. an EAGLE-2 dynamic tree (dynamic_tree.py): one head pass per depth over the K best
@@ -300,7 +305,7 @@ class HeadDrafter(Drafter):
             fb = ForwardBatch(head_tokens, torch.tensor(starts), rows,
                               positions=(ends_t + d - 1)[:, None].expand(batch, width),
                               tree_base=ends_t[:, None].expand(batch, width), tree_mask=frontier_masks)
-            predicted = self._pass(rows, starts, head_tokens, frontier_features, fb)        # [B, F, D]
+            predicted = self._pass(st, rows, starts, head_tokens, frontier_features, fb)        # [B, F, D]
             log_probs = F.log_softmax(self._draft_logits(predicted.reshape(batch * width, dim)), dim=-1)
             tokens, scores = expand(log_probs.reshape(batch, width, -1).cpu(), frontier_scores.cpu(), topk)
             children = tokens.shape[1] // width
@@ -310,7 +315,7 @@ class HeadDrafter(Drafter):
             features = predicted[:, parent_slot.to(self.device)]                              # [B, F*K, D]
             parent_masks = frontier_masks[:, parent_slot]
         for b, row in enumerate(rows.tolist()):
-            self.cache.truncate(row, ends[b])
+            st.cache.truncate(row, ends[b])
         node_tokens, node_parents, num_nodes = select_nodes(candidates, budgets)
         return DraftProposal(self.draft_vocab.cpu()[node_tokens], num_nodes, None, step_state=ends,
                              parents=node_parents)
@@ -318,18 +323,19 @@ class HeadDrafter(Drafter):
     def commit(self, seqs, proposal, num_accepted):
         if proposal.step_state is None:
             return
+        st = row_state(seqs)
         if proposal.is_tree:      # the verify pass wrote node i's feature at slot root+1+i: move the
             parents, tokens = proposal.tree_parents().tolist(), proposal.tokens.tolist()   # accepted path's
-            self.pending.flush()                                                         # to root+depth
+            st.pending.flush()                                                           # to root+depth
             for b, (s, root) in enumerate(zip(seqs, proposal.step_state)):
                 accepted = num_accepted[b]
                 path = s.token_ids[root + 1:root + 1 + accepted]
                 nodes = walk_path(parents[b][:int(proposal.num_tokens[b])], tokens[b], path) if accepted else []
                 for depth, node in enumerate(nodes or [], start=1):
-                    if node != depth - 1 and root + 1 + node < self.features.shape[1]:
-                        self.features[s.row, root + depth] = self.features[s.row, root + 1 + node]
+                    if node != depth - 1 and root + 1 + node < st.features.shape[1]:
+                        st.features[s.row, root + depth] = st.features[s.row, root + 1 + node]
         for s, true_len in zip(seqs, proposal.step_state):    # keep only slots computed from true features
-            self.cache.truncate(s.row, min(self.cache.lengths[s.row], true_len))
+            st.cache.truncate(s.row, min(st.cache.lengths[s.row], true_len))
 
 
 @register("eagle")

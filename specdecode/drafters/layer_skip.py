@@ -125,7 +125,6 @@ class LayerSkipDrafter(ModelDrafter):
         self.skip_ratio, self.min_agreement, self.calibration_tokens = skip_ratio, min_agreement, calibration_tokens
         self.target = target
         self.agreement: float | None = None          # measured top-1 agreement of the chosen set
-        self.cache = None
         self.draft_vocab = self.target_vocab = target.model.vocab_size
         self.skip: frozenset[int] | None = None      # the skipped layers (None: chosen at the first request)
         self.model = self.draft = None                # the SkipView and its LoadedModel (set by _use)
@@ -143,8 +142,7 @@ class LayerSkipDrafter(ModelDrafter):
         return None           # its cache is per-row state from `prepare` (the view shares the target's weights)
 
     def prepare(self, batch_size: int, max_len: int) -> DrafterState:
-        self.cache = self.model.new_cache(batch_size, max_len)
-        return ContiguousState(self.cache)
+        return ContiguousState(self.model.new_cache(batch_size, max_len))
 
     def summary(self) -> dict:
         return {"skip_layers": sorted(self.skip) if self.skip is not None else None,

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..tree import walk_path
-from .base import Drafter, DrafterCapabilities, DrafterError, DraftProposal
+from .base import Drafter, DrafterCapabilities, DrafterError, DraftProposal, row_state
 from .dynamic_tree import Candidates, select_nodes
 from .features import PendingFeatures
 from .registry import register
@@ -91,11 +91,13 @@ class MedusaHeads(nn.Module):
 
 
 class FeatureState:
-    """`DrafterState` of the per-row features ([rows, max_len, D]) and their `known` lengths."""
+    """`DrafterState` of the per-row features ([rows, max_len, D]), their `known` lengths and the
+    features not yet written into them, kept by the engine with its rows (`Sequence.drafter_state`)."""
 
     def __init__(self, features: torch.Tensor) -> None:
         self.features = features
         self.known = [0] * features.shape[0]
+        self.pending = PendingFeatures(features, MAX_HEADS + 2)     # the newest feature, and a tree's slots
 
     def nbytes(self) -> int:
         return self.features.numel() * self.features.element_size()
@@ -164,29 +166,23 @@ class MedusaDrafter(Drafter):
         self.draft_vocab = weights["draft_vocab"].long().to(self.device)              # [V_draft]
         self.final_norm, self.eps = model.final_norm, model.config.rms_norm_eps
         self.lm_head = link(model.lm_head_weight.index_select(0, self.draft_vocab).contiguous(), None)
-        self.state: FeatureState | None = None
-        self.pending: PendingFeatures | None = None     # features not yet written into state.features
 
     # ------------------------------------------------------------------ state
     def prepare(self, batch_size: int, max_len: int) -> FeatureState:
         features = torch.zeros(batch_size, max_len, self.config.hidden_size, dtype=self.dtype, device=self.device)
-        self.state = FeatureState(features)
-        self.pending = PendingFeatures(features, MAX_HEADS + 2)     # the newest feature, and a tree's slots
-        return self.state
-
-    def close(self) -> None:
-        self.state = self.pending = None
+        return FeatureState(features)
 
     def observe(self, seqs, starts, hidden):
         """Positions below len(token_ids) of the pass are true features (the pending tokens; the
         drafts after them wait for commit). A prefill pass stops one short of that, but its last
         claimed position is rewritten by the row's first step before any propose reads it."""
-        width, max_len = hidden.shape[1], self.state.features.shape[1]
+        st = row_state(seqs)
+        width, max_len = hidden.shape[1], st.features.shape[1]
         for b, s in enumerate(seqs):
             n = max(0, min(width, max_len - starts[b]))
             if n:
-                self.pending.add(s.row, starts[b], hidden[b, :n])
-            self.state.known[s.row] = min(starts[b] + n, len(s.token_ids))
+                st.pending.add(s.row, starts[b], hidden[b, :n])
+            st.known[s.row] = min(starts[b] + n, len(s.token_ids))
 
     # ------------------------------------------------------------------ drafting
     def head_log_probs(self, features: torch.Tensor) -> torch.Tensor:   # [B, D] -> [B, depth, V_draft] float32
@@ -196,15 +192,16 @@ class MedusaDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, seqs, sizes):
+        st = row_state(seqs)
         batch = len(seqs)
         positions = [len(s.token_ids) - 2 for s in seqs]          # p: the newest target feature
-        budgets = [m if 0 <= p < self.state.known[s.row] else 0 for s, p, m in zip(seqs, positions, sizes)]
+        budgets = [m if 0 <= p < st.known[s.row] else 0 for s, p, m in zip(seqs, positions, sizes)]
         depth = min(self.tree_depth, max(budgets))
         if depth <= 0:
             return DraftProposal.empty(batch)
         rows = torch.tensor([s.row for s in seqs], device=self.device)
-        self.pending.flush()
-        features = self.state.features[rows, torch.tensor(positions, device=self.device).clamp(min=0)]   # [B, D]
+        st.pending.flush()
+        features = st.features[rows, torch.tensor(positions, device=self.device).clamp(min=0)]   # [B, D]
         log_probs = self.head_log_probs(features)[:, :depth].cpu()                           # [B, depth, V_draft]
         topk = min(self.tree_topk, log_probs.shape[-1])
         head_scores, head_tokens = log_probs.topk(topk, dim=-1)                              # [B, depth, topk]
@@ -226,8 +223,9 @@ class MedusaDrafter(Drafter):
         """Move each row's last accepted node's feature from its tree slot to its path position."""
         if proposal.step_state is None:
             return
-        features, known = self.state.features, self.state.known
-        self.pending.flush()
+        st = row_state(seqs)
+        features, known = st.features, st.known
+        st.pending.flush()
         parents = proposal.tree_parents().tolist()
         tokens = proposal.tokens.tolist()
         for b, (s, old_len) in enumerate(zip(seqs, proposal.step_state)):

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 from ..engine.config import SLACK
+from ..forward import ForwardBatch
 from ..models.config import ModelError
 from ..sampling import probs_from_logits, sample_drafts, transform_logits
-from .base import ContiguousState, Drafter, DrafterCapabilities, DrafterError, DrafterState, DraftProposal
+from .base import ContiguousState, Drafter, DrafterCapabilities, DrafterError, DrafterState, DraftProposal, row_state
 from .registry import register
 from .vocab_rank import draft_cost, reduced_head
 
@@ -68,7 +69,6 @@ class ModelDrafter(Drafter):
             check_target(read_meta(Path(draft.path), "draft-lm"), target, Path(draft.path))
         self.draft = draft                    # LoadedModel
         self.model = draft.model
-        self.cache = None                     # the draft KV cache (the engine's, `use_draft_cache`)
         # Same tokenizer, but the embedding tables may be padded to different sizes (e.g.
         # Qwen2.5-0.5B: 151936 rows, Qwen2.5-7B: 152064): draft logits are cut / padded with
         # -inf to the target's size so draft and target distributions share one vocabulary.
@@ -94,12 +94,17 @@ class ModelDrafter(Drafter):
         if max_len > self.model.max_len + SLACK:
             raise ModelError(f"draft {self.draft.name} has a context of {self.model.max_len} tokens, "
                              f"fewer than the {max_len} this batch needs")
-        self.cache = self.model.new_cache(batch_size, max_len)
-        return ContiguousState(self.cache)
+        return ContiguousState(self.model.new_cache(batch_size, max_len))
 
     def use_draft_cache(self, cache) -> DrafterState:
-        self.cache = cache            # the engine's paged cache: the same interface as KVCache
-        return cache
+        return cache                  # the engine's paged cache: the same interface as KVCache
+
+    @staticmethod
+    def draft_cache(seqs):
+        """The draft KV cache of the engine these rows run in (their `drafter_state`: the engine's
+        paged cache, or the contiguous one `prepare` made)."""
+        state = row_state(seqs)
+        return state.cache if isinstance(state, ContiguousState) else state
 
     def _padded(self, feed: list[list[int]]) -> torch.Tensor:     # -> [B, longest] int64
         """Each row's tokens, zero-padded to the longest; an id the draft cannot embed (the target's
@@ -110,6 +115,7 @@ class ModelDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, seqs, sizes):
+        cache = self.draft_cache(seqs)
         k = max(sizes)
         batch = len(seqs)
         device = self.model.device
@@ -120,17 +126,17 @@ class ModelDrafter(Drafter):
         generators = [s.generator for s in seqs]
         rows = torch.tensor([s.row for s in seqs], device=device)
         # feed: tokens this row's draft cache has not seen yet (catch-up), then one draft at a time
-        feed = [s.token_ids[self.cache.lengths[s.row]:] for s in seqs]
+        feed = [s.token_ids[cache.lengths[s.row]:] for s in seqs]
         base_len = [len(s.token_ids) for s in seqs]          # step state: the text before the drafts
         limit = list(sizes)                             # per row: drafts kept (early stop lowers it)
         for step in range(k):
             if all(step >= n for n in limit):
                 break
-            starts = [self.cache.lengths[s.row] for s in seqs]
+            starts = [cache.lengths[s.row] for s in seqs]
             tokens = self._padded(feed)
             last = torch.tensor([[len(f) - 1] for f in feed], device=device)
-            logits = self.model.forward(tokens, self.cache, torch.tensor(starts, device=device), rows=rows,
-                                        logit_index=last, head_rows=self.head_rows)
+            fb = ForwardBatch.chain(tokens, torch.tensor(starts, device=device), rows, last)
+            logits = self.model.logits(self.model.run(fb, cache), last, self.head_rows)   # [B, 1, head / vocab]
             if self.head_rows is not None:                     # [B, 1, head rows] -> the whole vocabulary
                 full = torch.full((batch, 1, self.target_vocab), float("-inf"), device=device)
                 logits = full.index_copy_(2, self.head_rows.ids.to(device), logits)
@@ -152,7 +158,7 @@ class ModelDrafter(Drafter):
                 confidence = softmax.gather(1, draft_tokens[:, step:step + 1].to(probs.device))[:, 0].tolist()
                 limit = [min(n, step + 1) if c < self.draft_confidence else n for n, c in zip(limit, confidence)]
             for b, s in enumerate(seqs):
-                self.cache.truncate(s.row, starts[b] + len(feed[b]))
+                cache.truncate(s.row, starts[b] + len(feed[b]))
             feed = [[t] for t in draft_tokens[:, step].tolist()]
         used = max(1, min(k, max(limit)))
         num_tokens = torch.tensor([min(n, used) for n in limit], dtype=torch.long)
@@ -164,6 +170,6 @@ class ModelDrafter(Drafter):
         # accepted drafts, bounded by what was actually written (the last draft never is).
         if proposal.step_state is None:     # the engine skipped propose (no room for drafts): nothing to keep
             return
+        cache = self.draft_cache(seqs)
         for s, base_len, accepted in zip(seqs, proposal.step_state, num_accepted):
-            keep = min(self.cache.lengths[s.row], base_len + accepted)
-            self.cache.truncate(s.row, keep)
+            cache.truncate(s.row, min(cache.lengths[s.row], base_len + accepted))

@@ -9,7 +9,9 @@ from ..tree import MAX_TREE_NODES
 MAX_CHAIN = 32          # draft tokens per step of a chain drafter (tree drafters: MAX_TREE_NODES nodes)
 SPAN = 32               # the longest draft of a copying drafter's row (a long copy: an edit, a quote)
 SLACK = 66              # cache positions past a row's context that a padded pass may write (a tree of 64 + 2)
-STREAM_INTERVAL_MS = 20.0   # a streamed choice's tokens go out at most this often (its first at once)
+STREAM_INTERVAL_MS = 20.0   # a streamed choice's tokens go out at most this often, merged (its first at once): on
+                            # few cores each chunk's server and client work takes the engine's core, so a chunk
+                            # per step slows the stream (docs/serving.md, "What was tried")
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:

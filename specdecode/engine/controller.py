@@ -10,8 +10,9 @@ proposed fewer nodes than S, or whose chain was rejected inside its draft, tells
 already measured too. A stateless drafter's rows at size 0 get shadow drafts, never verified,
 scored against the tokens the row then emits: free measurements of every size.
 
-Costs (costs.StepCosts): the target pass against its rows (every row's pending tokens and drafts)
-and drafting, per drafting row and per node.
+Costs (costs.StepCosts): the target pass against its rows (every row's pending tokens and drafts;
+on a mixture of experts also the distinct experts they are expected to read) and drafting, per
+drafting row and per node.
 
 Choice (`plan`). The sizes that maximise the batch's tokens per second: the sum of the rows' gains
 over the step's predicted seconds. From plain decoding, rows are raised one move at a time, the row
@@ -21,13 +22,12 @@ the model and what it leaves out). A lone row is the same rule: its best size, p
 drafting wins by MARGIN.
 
 Exploration. After a step that accepted every node, the next size above is a candidate (a long copy
-climbs past k, up to the span of a copying drafter); every EXPLORE steps, the next size above the
+climbs past k, up to the span of a copying drafter; on a mixture of experts at the acceptance the
+row's gain shows, `_climb_gain`); every EXPLORE steps, the next size above the
 best, up to k. Their gains are estimates (every node accepted; PRIOR over plain decoding) weighed
 like measured ones. A drafter with state pays for every try: a row it does not draft for is probed
-at a small size after a wait that doubles after each probe that does not pay, and never more often
-than PROBE_SHARE of the time allows; a probe is one step at `probe_size`. While such a row is kept
-off, its drafter hears nothing of it (`RowSpec.listening`: no target features, no commit), except in
-the LISTEN steps before a probe, whose catch-up reads their features. New rows of such a drafter
+now and then (probes.py: waits that double, bounded by the share of time failed probes may take),
+and its drafter hears nothing of it meanwhile. New rows of such a drafter
 start from what the last long row measured (`template`, weak evidence: another request's
 acceptance), drafting at most a probe's size until one of their drafts is accepted.
 
@@ -35,9 +35,10 @@ Evidence before timings. Timings are noisy on a busy host; counted acceptance is
 drafter's row (lookups, a prediction: drafting costs it nothing but the pass's rows) whose measured
 tokens per step at a size show at least EVIDENT of its drafts accepted (verified drafts or shadows
 that came true) keeps drafting at that size (`RowSpec.kept`); the costs may raise it, never lower
-it, and it ends when the drafts stop being accepted. A predicted output's row drafts PREDICTED
-tokens from its first step. A drafter with state pays real, measured work per draft: its rows stay
-with the costs (and their MARGIN).
+it, and it ends when the drafts stop being accepted. On a mixture of experts, whose verified rows
+each read the experts they add, a kept size must also cover the pass's start-up shape (`_kept_size`).
+A predicted output's row drafts PREDICTED tokens from its first step. A drafter with state pays real,
+measured work per draft: its rows stay with the costs (and their MARGIN).
 
 Pinned rows (seeded sampling with a drafter that samples its drafts: the row's random draws follow
 its sizes) decide alone, from their own tokens and acceptance and fixed costs, never from timings,
@@ -52,6 +53,7 @@ import heapq
 import math
 
 from .costs import StepCosts, fixed_costs
+from .probes import Probes
 from .rowspec import AUTO, DECAY, OFF, ON, PROBE_EVERY, RowSpec, expected_tokens
 
 __all__ = ["AUTO", "OFF", "ON", "PROBE_EVERY", "RowSpec", "SpeculationController", "expected_tokens"]
@@ -59,9 +61,6 @@ __all__ = ["AUTO", "OFF", "ON", "PROBE_EVERY", "RowSpec", "SpeculationController
 LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PRIOR = 1.2             # an explored size is assumed to decode this much faster than plain decoding
 PRIOR_ACCEPTANCE = 0.7  # per position: what a drafter with state is assumed to reach before any step
-PROBE_ACCEPTANCE = 0.9  # a row is probed only at sizes where drafts accepted this often would pay
-PROBE_SHARE = 0.01      # failed probes take at most this share of plain decoding's time
-MAX_PROBE_EVERY = 256   # the wait between probes (PROBE_EVERY first) doubles after each that does not pay, up to this
 EXPLORE = 8             # steps between explorations of the next larger size
 MARGIN = 1.05           # drafting must be predicted this much faster than plain decoding
 CARRY_MIN_STEPS = 32    # a finished row becomes the template of new rows only after this many steps
@@ -69,7 +68,6 @@ SHADOW_SHARE = 0.01     # shadow drafts (drafting and scoring) take at most this
 YOUNG = 16              # a row's first steps, drafting shadows at every step
 PLAIN_RECHECK = 8       # steps a plain choice is kept while no row's gains changed (choosing is Python every step)
 PREDICTED = 4           # a predicted output's row drafts this many from its first step (at most its k)
-LISTEN = 16             # plain steps before a probe in which a drafter with state hears of the row again
 
 
 class SpeculationController:
@@ -85,7 +83,7 @@ class SpeculationController:
         self.prior_acceptance = PRIOR_ACCEPTANCE if acceptance is None else acceptance
         self.fixed = fixed_costs(caps.relative_cost if caps is not None else 0.0, costs.passes)   # pinned rows' costs
         self.template: RowSpec | None = None      # the last long row of a drafter with state (new rows start there)
-        self.probe_seconds: float | None = None   # what a probe costs over the plain steps it saves (measured)
+        self.probes = Probes(costs, self.shadowed, MARGIN)   # when rows kept plain try drafting again
         self.shadow_seconds = 0.0                 # seconds of one step's shadow drafts (drafting + scoring)
         self.shadow_steps = 0
         self.plain_key: tuple | None = None       # the free rows and their gains' versions when all chose plain
@@ -114,7 +112,7 @@ class SpeculationController:
             row.untried = True
             row.probe_interval = template.probe_interval
             cap = 2 * PROBE_EVERY                 # where probes keep failing, the wait goes on (across rows)
-            row.probe_wait = (min(template.probe_wait, max(cap, self.probe_floor(self.costs, 1)))
+            row.probe_wait = (min(template.probe_wait, max(cap, self.probes.floor(self.costs, 1)))
                               if template.probe_interval > cap else max(PROBE_EVERY, min(template.probe_wait, cap)))
             return row
         if self.shadowed and sampled and not predicted:
@@ -153,12 +151,12 @@ class SpeculationController:
             elif held:
                 r.probing = False
             elif r.pinned:
-                sizes[i] = self._probe(r, self.fixed) or self._alone(r, self.fixed, pending[i])
-            elif (probe := self._probe(r, self.costs)):
+                sizes[i] = self.probes.due(r, self.fixed) or self._alone(r, self.fixed, pending[i])
+            elif (probe := self.probes.due(r, self.costs)):
                 sizes[i] = probe
             elif self.shadowed or r.listening:    # a row kept off (not listening) waits for its probe
                 if self.shadowed:                 # drafts being accepted go on; timings may raise the size
-                    sizes[i] = min(r.kept, max(r.k, r.size))
+                    sizes[i] = self._kept_size(r, pending[i])
                 free.append(i)
         if free:
             key = (tuple(id(rows[i]) for i in free), sum(rows[i].version for i in free),
@@ -171,18 +169,22 @@ class SpeculationController:
                 self.plain_key, self.plain_steps = (key if plain else None), 0
         for i, r in enumerate(rows):
             if r.mode == AUTO:
-                self._after_plan(r, sizes[i])
+                self.probes.after_plan(r, sizes[i], self.fixed if r.pinned else self.costs)
                 if not held:
-                    r.listening = self.listens(r, sizes[i])
+                    r.listening = self.probes.listens(r, sizes[i])
         return sizes
 
-    def listens(self, r: RowSpec, size: int) -> bool:
-        """Whether the drafter hears of an AUTO row this step (its target features, its commit):
-        a stateless drafter's rows always (their shadows and lookups cost nothing to keep); a drafter
-        with state's while the row drafts, is pinned, or is within LISTEN plain steps of its next
-        probe. A row kept off costs its drafter nothing per step; only a listening row may be raised
-        from plain (`plan`), so a draft always reads the features of the step before it."""
-        return self.shadowed or size > 0 or r.pinned or r.probe_wait <= LISTEN
+    def _kept_size(self, r: RowSpec, pending: int) -> int:
+        """A stateless drafter's row's kept size (`RowSpec.kept`, within its k or climb). On a mixture of
+        experts each verified row reads the experts it adds, so half the drafts accepted may not pay:
+        a measured size is kept there only while its counted tokens per step cover the rows it adds at
+        the pass's start-up shape (`StepCosts.pass_shape`, no step timings); else the costs decide.
+        A prediction's first size (news, not measured) is kept."""
+        s = min(r.kept, max(r.k, r.size))
+        if not s or self.costs.moe is None or s in r.carried:
+            return s
+        gain, nodes = r.gain.get(s, r.gain[r.kept]), r.nodes.get(s, float(s))
+        return s if gain >= self.costs.pass_shape(pending + nodes) / self.costs.pass_shape(pending) else 0
 
     def _choose(self, rows: list[RowSpec], pending: list[int], sizes: list[int], free: list[int]) -> None:
         """Raise the free rows' sizes while the batch's tokens per second grows (module docstring)."""
@@ -250,17 +252,30 @@ class SpeculationController:
         costs = costs or self.costs
         cap = max(r.k, r.size)                   # sizes past k only as far as a climb has reached
         if r.untried:
-            cap = min(cap, self.probe_size(r))
+            cap = min(cap, self.probes.size(r))
         out = [(0, r.gain[0], 0.0)] + [(s, r.gain[s], r.nodes[s]) for s in r.levels[1:] if s <= cap and s in r.gain]
         measured = max(s for s, _, _ in out)
         if r.all_accepted and r.size > 0:        # a climb: the next size above, every node accepted
             above = [s for s in r.levels if s > r.size]
             if above and not r.untried:
-                out = [o for o in out if o[0] != above[0]] + [(above[0], above[0] + 1.0, float(above[0]))]
+                climb = (above[0], self._climb_gain(r, above[0]), float(above[0]))
+                out = [o for o in out if o[0] != above[0]] + [climb]
         elif r.steps % EXPLORE == 0 and measured < r.k and not r.untried:   # now and then the next size up to k
             s = next(s for s in r.levels if s > measured)
             out.append((s, self.prior(pending, costs)(s), float(s)))
         return out
+
+    def _climb_gain(self, r: RowSpec, above: int) -> float:
+        """A climb's estimate of the next size's tokens per step: every node accepted; on a mixture of
+        experts, where a rejected row costs the experts it added, the acceptance the row's gain at its
+        size shows, per position (one accepted step says little there)."""
+        if self.costs.moe is None:
+            return above + 1.0
+        gain, low, high = r.gain.get(r.size, 1.0), 0.0, 1.0
+        for _ in range(20):                      # expected_tokens(a, size) == gain, by bisection
+            mid = (low + high) / 2
+            low, high = (mid, high) if expected_tokens(mid, r.size) < gain else (low, mid)
+        return expected_tokens(low, above)
 
     def prior(self, pending: int, costs: StepCosts | None = None):
         """The gain of n nodes at a size not yet measured: PRIOR times plain decoding's rate at their
@@ -279,65 +294,19 @@ class SpeculationController:
                 best, best_rate = s, rate
         return best
 
-    # ------------------------------------------------------------------ probes
-    def probe_size(self, r: RowSpec) -> int:
-        """A probe's size: the second level above 0 (or the first)."""
-        return r.levels[min(2, len(r.levels) - 1)]
-
-    def probe_floor(self, costs: StepCosts, pending: int) -> int:
-        """The fewest plain steps between two probes at which failed probes cost at most PROBE_SHARE
-        of plain decoding's time: from their measured cost net of the plain steps their accepted
-        drafts saved, or, before any, what a failed probe is predicted to cost."""
-        plain = costs.step_seconds(pending, 0, 0.0)
-        if self.probe_seconds is not None and costs is self.costs:
-            seconds = self.probe_seconds
-        else:
-            s = 2
-            seconds = costs.step_seconds(pending + s, 1, s) - plain + costs.node_seconds()
-        return math.ceil(max(seconds, 0.0) / (PROBE_SHARE * plain))
-
-    def _probe(self, r: RowSpec, costs: StepCosts) -> int:
-        """A drafter with state: a probe's size if this row's wait after plain steps is over and a
-        probe could pay at PROBE_ACCEPTANCE, else 0."""
-        r.probing = False
-        if self.shadowed or r.size > 0 or len(r.gain) == 1:
-            return 0
-        r.probe_wait -= 1
-        if r.probe_wait > 0:
-            return 0
-        s = self.probe_size(r)
-        plain = 1.0 / costs.step_seconds(1, 0, 0.0)
-        if expected_tokens(PROBE_ACCEPTANCE, s) / costs.step_seconds(1 + s, 1, s) < MARGIN * plain:
-            r.probe_interval = min(2 * r.probe_interval, MAX_PROBE_EVERY)   # as a probe that did not pay
-            r.probe_wait = r.probe_interval
-            return 0
-        r.probing = True
-        return s
-
-    def _after_plan(self, r: RowSpec, size: int) -> None:
-        """A probe that did not make drafting win: probe half as often; one that did: the first pace."""
-        if r.probed:
-            r.probed = False
-            if size == 0:
-                r.probe_interval = min(2 * r.probe_interval, MAX_PROBE_EVERY)
-                costs = self.fixed if r.pinned else self.costs
-                r.probe_wait = max(r.probe_interval, self.probe_floor(costs, 1))
-            else:
-                r.probe_interval = PROBE_EVERY
-        elif size == 0 and r.size > 0 and not self.shadowed:    # drafting stopped paying: the first probe
-            costs = self.fixed if r.pinned else self.costs       # waits for the floor too
-            r.probe_wait = max(r.probe_wait, self.probe_floor(costs, 1))
-        r.probed, r.previous, r.size = r.probing, r.size, size
-
     # ------------------------------------------------------------------ after a step
     def observe(self, rows: list[RowSpec], sizes: list[int], proposed: list[int], paths: list[list[int]],
-                pass_rows: int, verify_seconds: float, draft_seconds: float, depths: list[int] | None = None) -> None:
+                pass_rows: int, verify_seconds: float, draft_seconds: float, depths: list[int] | None = None,
+                experts: float | None = None) -> None:
         """A step: per row its planned size, the nodes it proposed and its accepted path (node
         indices by depth), and its draft's depth (a chain's: its nodes); the pass's rows and the
-        measured seconds of the pass (with verification) and of drafting."""
+        measured seconds of the pass (with verification) and of drafting; on MoE the distinct
+        experts per layer the pass read."""
         depths = proposed if depths is None else depths
         costs = self.costs
-        costs.observe_pass(pass_rows, verify_seconds)
+        costs.observe_pass(pass_rows, verify_seconds, experts)
+        if not any(sizes):           # a plain step (rows kept off or plain): no drafting, probe or gain to measure
+            return
         drafting = sum(1 for s in sizes if s > 0)
         # a drafter with state drafting after plain steps first catches up on the tokens since (one
         # pass of its model): counted as one more node per such row, not as dearer nodes
@@ -346,14 +315,7 @@ class SpeculationController:
         depth_rows = [sum(1 for d in depths if d > level) + (catch_up if level == deepest else 0)
                       for level in range(deepest + 1)]
         costs.observe_drafting(draft_seconds, drafting, sum(proposed) + catch_up, depth_rows)
-        probes = [i for i, r in enumerate(rows) if r.probing]
-        if probes:                   # what the probes cost over the plain steps that would have emitted their tokens
-            plain_rows = pass_rows - sum(proposed[i] for i in probes)
-            plain = costs.pass_seconds(plain_rows)
-            emitted = sum(len(paths[i]) for i in probes)
-            extra = (verify_seconds + draft_seconds - plain) / len(probes) - emitted * plain / max(plain_rows, 1)
-            past = 0.0 if self.probe_seconds is None else DECAY * self.probe_seconds
-            self.probe_seconds = extra if self.probe_seconds is None else past + (1 - DECAY) * extra
+        self.probes.observe(rows, proposed, paths, pass_rows, verify_seconds + draft_seconds)
         for r, s, n, path in zip(rows, sizes, proposed, paths):
             if s > 0 and r.mode != OFF:   # a first observation at a size: shadowed, what smaller sizes emit
                 prior = None if self.shadowed else self.prior(1, self.fixed if r.pinned else costs)

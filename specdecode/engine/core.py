@@ -163,6 +163,7 @@ class EngineCore(EngineLoop):
                                            predicted=params.prediction is not None, sampled=not params.greedy)
         s = Sequence(request, self.target.eos_token_ids, row, spec, self.target.model.device)
         s.prefilled = s.stats.cached_tokens = covered
+        s.drafter_state = self.runner.drafter_state   # this core's, whoever else shares the drafter
         if params.prediction is not None:
             from ..drafters.prediction import PredictionIndex
             s.prediction = PredictionIndex(self.target.tokenizer.encode(params.prediction, add_special=False))
@@ -202,6 +203,7 @@ class EngineCore(EngineLoop):
         drafts = self.drafting.draft(seqs, sizes, pending)
         t1 = time.perf_counter()
         target_probs, target_tokens, logprobs = self.runner.score(seqs, drafts.proposal)
+        experts = self.runner.pass_experts()
         paths, emitted = self.runner.verify(seqs, drafts.proposal, target_probs, target_tokens)
         t2 = time.perf_counter()
         pass_rows = sum(len(s.token_ids) - self.runner.cache.lengths[s.row] for s in seqs) \
@@ -209,7 +211,7 @@ class EngineCore(EngineLoop):
         if self.threads is not None:
             self.threads.after(t2 - t0, pass_rows)
         appended = self._commit(seqs, drafts, paths, emitted, logprobs)
-        self._report(seqs, sizes, drafts, paths, appended, pass_rows, t1 - t0, t2 - t1)
+        self._report(seqs, sizes, drafts, paths, appended, pass_rows, t1 - t0, t2 - t1, experts)
 
     def _plan(self, seqs: list[Sequence], pending: list[int]) -> list[int]:
         """Each row's drafts this step: the controller's size within the row's room."""
@@ -228,7 +230,9 @@ class EngineCore(EngineLoop):
             return
         if self.curve_rows and self.costs.stale and self.curve_age >= REMEASURE_STEPS \
                 and self.runner.can_admit(self.curve_rows + 1, {}):      # its blocks never taken from a request
-            self.costs.remeasured(self.runner.cost_curve(self.scheduler.free_rows[-1], self.curve_rows))
+            curve, experts = self.runner.pass_costs(self.scheduler.free_rows[-1], self.curve_rows)
+            self.costs.remeasured(curve)
+            self.costs.price_experts(experts)
             self.curve_age = 0
             return
         if need <= self.curve_rows:
@@ -236,7 +240,9 @@ class EngineCore(EngineLoop):
         if self.curve_rows and need < 2 * self.curve_rows:
             return
         row = self.scheduler.free_rows[-1]
-        self.costs.extend(self.runner.cost_curve(row, need))
+        curve, experts = self.runner.pass_costs(row, need)
+        self.costs.extend(curve)
+        self.costs.price_experts(experts)
         self.curve_rows, self.curve_age = need, 0
 
     def _commit(self, seqs, drafts: StepDrafts, paths: list[list[int]], emitted: list[list[int]],
@@ -259,8 +265,10 @@ class EngineCore(EngineLoop):
         self.runner.register(seqs)
         return out
 
-    def _report(self, seqs, sizes, drafts: StepDrafts, paths, appended, pass_rows, draft_s, verify_s) -> None:
-        """Stats, the controller's measurements, the shadows' scores, events."""
+    def _report(self, seqs, sizes, drafts: StepDrafts, paths, appended, pass_rows, draft_s, verify_s,
+                experts: float | None = None) -> None:
+        """Stats, the controller's measurements, the shadows' scores, events; `experts`: on MoE, the
+        distinct experts per layer the step's pass read."""
         num = drafts.proposal.num_tokens.tolist()
         depth = drafts.depths()
         now = time.perf_counter()
@@ -282,11 +290,13 @@ class EngineCore(EngineLoop):
                 self.metrics.shadow.inc()
         if self.drafter is not None:
             self.controller.observe([s.spec for s in seqs], sizes, drafts.priced(num), paths, pass_rows, verify_s,
-                                    draft_s, drafts.priced(depth))
+                                    draft_s, drafts.priced(depth), experts)
         if self.metrics is not None:
             self.metrics.record_step(depth, [min(len(p), len(x)) for p, x in zip(paths, appended)],
                                      [len(x) + len(f) for x, f in zip(appended, drafts.forced)], draft_s, verify_s,
                                      nodes=num)
+            if experts is not None:
+                self.metrics.record_experts(pass_rows, experts)
             self.metrics.record_tree_of(seqs, drafts.proposal, paths, appended, self.target.tokenizer.decode)
             if self.threads is not None:
                 self.metrics.record_threads(self.threads)

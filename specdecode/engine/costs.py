@@ -13,7 +13,16 @@ drafter that runs a model pass per draft depth over the rows drafting (a draft m
 head: `passes`) costs per pass what the curve's shape says a pass over that many rows costs (a
 batch's drafts share each pass).
 
-Torch-free except `measure_cost_curve`.
+A mixture-of-experts target (`ExpertCosts`, `StepCosts.moe`): a pass of r rows reads the union of
+the experts its rows route to, so it costs the rows (the curve, measured on rows of one token, which
+route alike: a one-row pass's experts) plus seconds per distinct expert past those. The start-up
+measurement times passes of distinct random tokens beside the curve's (`measure_pass_costs`): what
+the extra experts cost, and how many r such rows read (random tokens route nearly at random: the
+worst case for the union). Each pass's own union (`ExpertCounter`, the fused decoder's count) then
+teaches how much of that worst case the real rows show (`ExpertCosts.spread`), so a row's price is
+the experts it is expected to add.
+
+Torch-free except `measure_cost_curve`, `measure_pass_costs` and `ExpertCounter`.
 """
 from __future__ import annotations
 
@@ -56,27 +65,130 @@ def measure_cost_curve(model, cache, row: int, rows: list[int], repeats: int = 3
     `rows`: the fastest of `repeats` passes taken in rounds over all sizes (a moment when another
     process takes the core slows one pass of every size, not every pass of one); a pass over more
     rows is never taken to cost less than one over fewer. The caller's prefill overwrites the slots."""
+    return measure_pass_costs(model, cache, row, rows, repeats)[0]
+
+
+def measure_pass_costs(model, cache, row: int, rows: list[int], repeats: int = 3,
+                       counter: ExpertCounter | None = None) -> tuple[dict[int, float], ExpertCosts | None]:
+    """`measure_cost_curve`'s curve (rows of token 0: every row computes the same hidden states, so a
+    mixture of experts routes them alike), and with a MoE target's `counter` its `ExpertCosts`:
+    passes of the same sizes over distinct random tokens, timed in the same rounds, give the union
+    of experts r rows read and what each expert past a one-row pass's costs (least squares over the
+    sizes of the time and union the distinct rows add; at least its share of the weights a one-row
+    pass reads, `ExpertCounter.share`)."""
     import torch
 
     from ..forward import ForwardBatch
     device = model.device
+    gen = torch.Generator().manual_seed(0)
+    kinds = ("same", "distinct") if counter is not None else ("same",)
     passes = {}
-    for r in rows:
-        passes[r] = ForwardBatch.chain(torch.zeros(1, r, dtype=torch.long, device=device),
-                                       torch.zeros(1, dtype=torch.long, device=device),
-                                       torch.tensor([row], device=device), torch.arange(r, device=device)[None])
-        model.logits(model.run(passes[r], cache), passes[r].logit_index)        # warm-up
-    best = dict.fromkeys(rows, float("inf"))
+    for kind in kinds:
+        for r in rows:
+            if kind == "distinct" and r == 1:
+                continue
+            tokens = (torch.zeros(1, r, dtype=torch.long) if kind == "same"
+                      else torch.randint(0, model.vocab_size, (1, r), generator=gen)).to(device)
+            passes[kind, r] = ForwardBatch.chain(tokens, torch.zeros(1, dtype=torch.long, device=device),
+                                                 torch.tensor([row], device=device),
+                                                 torch.arange(r, device=device)[None])
+    union = {}
+    for key, fb in passes.items():                                       # warm-up, and each pass's union
+        model.logits(model.run(fb, cache), fb.logit_index)
+        if counter is not None:
+            union[key] = counter.read()
+    best = dict.fromkeys(passes, float("inf"))
     for _ in range(repeats):
-        for r, fb in passes.items():
+        for key, fb in passes.items():
             started = time.perf_counter()
             model.logits(model.run(fb, cache), fb.logit_index)
-            best[r] = min(best[r], time.perf_counter() - started)
+            best[key] = min(best[key], time.perf_counter() - started)
     cache.truncate(row, 0)
     curve, floor = {}, 0.0
     for r in sorted(rows):
-        floor = curve[r] = max(floor, best[r])
-    return curve
+        floor = curve[r] = max(floor, best["same", r])
+    if counter is None:
+        return curve, None
+    added = [(union["distinct", r] - union["same", r], best["distinct", r] - best["same", r]) for r in rows if r > 1]
+    spread = sum(u * u for u, _ in added)
+    per_expert = sum(u * t for u, t in added) / spread if spread > 0 else 0.0
+    # never below what reading its weights costs at a one-row pass's pace (a pass that another process
+    # delayed can hide the difference; a CPU decode step is bound by the bytes it reads)
+    per_expert = max(per_expert, curve[min(rows)] * counter.share)
+    used = counter.used
+    return curve, ExpertCosts(used, counter.experts, per_expert,
+                              {1: float(used), **{r: max(union["distinct", r], used) for r in rows if r > 1}})
+
+
+class ExpertCounter:
+    """The distinct experts a mixture-of-experts target's last pass read, per MoE layer on average
+    (the fused decoder's `moe_count`, which every native pass writes)."""
+
+    def __init__(self, counts, layers: int, used: int, experts: int, share: float = 0.0) -> None:
+        self.counts, self.layers, self.used, self.experts = counts, layers, used, experts
+        self.share = share          # one more expert in every MoE layer, as a share of a token's weights
+
+    @staticmethod
+    def of(model) -> ExpertCounter | None:
+        """The counter of a MoE model (the fused decoder's count, or the eager MoE MLPs' `distinct`,
+        models/moe.py); None for any other."""
+        config = getattr(model, "config", None)
+        if getattr(config, "moe", None) is None:
+            return None
+        counts = getattr(getattr(model, "fused", None), "moe_count", None)
+        if counts is None:
+            layers = getattr(model, "layers", ())
+            counts = _EagerCounts([ly for ly in layers if isinstance(ly, dict) and "router" in ly])
+        layers = len(counts.layers) if isinstance(counts, _EagerCounts) else sum(config.moe_layers or ())
+        if not layers:
+            return None
+        expert = 3 * config.hidden_size * config.moe["intermediate"] * layers
+        return ExpertCounter(counts, layers, config.moe["used"], config.moe["experts"], expert / config.weight_count())
+
+    def read(self) -> float:
+        """Distinct experts per MoE layer of the last pass (layers without experts count 0)."""
+        return sum(self.counts.tolist()) / self.layers
+
+
+class _EagerCounts:
+    """The distinct experts each eager MoE MLP's last call read (models/moe.py's layer["distinct"])."""
+
+    def __init__(self, layers: list[dict]) -> None:
+        self.layers = layers
+
+    def tolist(self) -> list[int]:
+        return [ly.get("distinct", 0) for ly in self.layers]
+
+
+@dataclass
+class ExpertCosts:
+    """What a mixture-of-experts target's pass adds for the distinct experts its rows read."""
+    used: int                       # experts routed per token: what a one-row pass reads per layer
+    experts: int                    # experts per layer: the most any pass reads
+    seconds: float                  # seconds per distinct expert per layer past a one-row pass's (measured)
+    union: dict[int, float]         # rows -> distinct experts per layer of a pass of distinct random tokens
+    spread: float = 1.0             # learned: the share of that union's growth real passes show
+    passes: int = 0                 # passes observed, their rows and distinct experts (totals: for a trace)
+    rows_seen: int = 0
+    experts_seen: float = 0.0
+
+    def distinct(self, rows: float) -> float:
+        """The distinct experts per layer a pass of `rows` rows is expected to read."""
+        worst = min(interpolate(self.union, rows), float(self.experts))
+        return self.used + self.spread * max(worst - self.used, 0.0)
+
+    def added(self, rows: float) -> float:
+        """The experts per layer a pass of `rows` rows reads past a one-row pass's."""
+        return self.distinct(rows) - self.used
+
+    def observe(self, rows: int, distinct: float) -> None:
+        """A pass of `rows` rows read `distinct` experts per layer: the spread moves toward what it showed."""
+        self.passes += 1
+        self.rows_seen += rows
+        self.experts_seen += distinct
+        worst = min(interpolate(self.union, rows), float(self.experts)) - self.used
+        if rows > 1 and worst > 0.5:
+            self.spread = DECAY * self.spread + (1 - DECAY) * min(max((distinct - self.used) / worst, 0.0), 1.5)
 
 
 @dataclass
@@ -91,6 +203,7 @@ class StepCosts:
     per_row: float = 0.0                        # drafting seconds per drafting sequence (looking)
     per_node: float = 0.0                       # drafting seconds per drafted node
     node_measured: bool = False
+    moe: ExpertCosts | None = None              # a mixture-of-experts target: what its passes' experts add
     _at: dict[float, float] = field(default_factory=dict, repr=False)     # rows -> curve seconds
 
     def extend(self, curve: dict[int, float]) -> None:
@@ -104,6 +217,14 @@ class StepCosts:
         another process held the cores (the context only makes passes slower): its shape, which
         prices every added row, is then wrong too, and the curve should be measured again."""
         return self.scale < STALE
+
+    def price_experts(self, moe: ExpertCosts | None) -> None:
+        """A MoE target's expert costs, measured with the curve (`measure_pass_costs`); measured again,
+        they keep the spread learned from the passes and the totals."""
+        if moe is not None and self.moe is not None:
+            moe.spread, moe.passes = self.moe.spread, self.moe.passes
+            moe.rows_seen, moe.experts_seen = self.moe.rows_seen, self.moe.experts_seen
+        self.moe = moe
 
     def remeasured(self, curve: dict[int, float]) -> None:
         """The curve measured again (`stale`): its points replace the old ones, and the corrections
@@ -123,7 +244,16 @@ class StepCosts:
         """A target pass over `rows` rows (every sequence's pending tokens and drafts)."""
         one = self._curve(1.0)
         extra = max(self.row_scale * (self._curve(rows) - one), self.row_floor * (rows - 1.0))
+        if self.moe is not None:
+            extra += self.moe.seconds * self.moe.added(rows)
         return self.scale * (one + extra)
+
+    def pass_shape(self, rows: float) -> float:
+        """A target pass over `rows` rows in one-row passes, as measured at start-up (no timings of
+        the steps): the curve's shape, plus on MoE the experts those rows are expected to add."""
+        one = self._curve(1.0)
+        experts = self.moe.seconds * self.moe.added(rows) if self.moe is not None else 0.0
+        return (self._curve(rows) + experts) / one
 
     def node_seconds(self) -> float:
         """Drafting seconds per node: measured, or the prior times a one-row pass (a draft model's
@@ -149,8 +279,12 @@ class StepCosts:
             return self.pass_seconds(rows)
         return self.pass_seconds(rows) + self.per_row * drafting + self.node_seconds() * self.units(nodes, depth_rows)
 
-    def observe_pass(self, rows: int, seconds: float) -> None:
-        """One measured pass (with verification) of `rows` rows."""
+    def observe_pass(self, rows: int, seconds: float, experts: float | None = None) -> None:
+        """One measured pass (with verification) of `rows` rows; on MoE, `experts`: the distinct
+        experts per layer it read (their seconds are taken out before the curve's corrections)."""
+        if self.moe is not None and experts is not None:
+            self.moe.observe(rows, experts)
+            seconds -= self.scale * self.moe.seconds * max(experts - self.moe.used, 0.0)
         one = self._curve(1.0)
         extra = self._curve(rows) - one
         if rows <= 1:

@@ -9,7 +9,7 @@ AUTO, ON, OFF = "auto", "on", "off"
 DECAY = 0.7             # weight of the past in a size's moving averages (~3 steps)
 SHADOW_DECAY = 0.9      # ... when a shadow draft updates it: shadows cost nothing, ~10 of them are averaged
 CARRIED_WEIGHT = 0.1    # a gain carried from another row (or a prior) against this row's first step at that size
-PROBE_EVERY = 16        # plain steps before a row's first probe (controller.py)
+PROBE_EVERY = 16        # plain steps before a row's first probe (probes.py)
 EVIDENT = 0.5           # a size whose measured tokens per step reach 1 + EVIDENT * size (half its drafts
                         # accepted, on average) is kept whatever the timings say (`RowSpec.kept`)
 
@@ -43,7 +43,7 @@ class RowSpec:
     version: int = 0                             # bumped whenever a gain changes
     kept: int = 0                                # the size the row's counted acceptance keeps it drafting at
     listening: bool = True                       # the drafter hears of this row this step (its target features,
-                                                 # its commit); False while speculation is kept off (controller.py)
+                                                 # its commit); False while speculation is kept off (probes.py)
 
     def update(self, size: int, emitted: float, proposed: float, decay: float = DECAY,
                prior: float | None = None) -> None:

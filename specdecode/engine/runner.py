@@ -28,7 +28,7 @@ from ..structured import allowed_masks, lazy_rows, mask_greedy
 from ..tree import ancestors
 from ..verify_tree import verify_drafts
 from .config import SLACK
-from .costs import curve_rows, measure_cost_curve
+from .costs import ExpertCosts, ExpertCounter, curve_rows, measure_cost_curve, measure_pass_costs
 from .sequence import Sequence
 
 
@@ -62,6 +62,7 @@ class ModelRunner:
         self.state_len = 0                        # positions per row it was prepared for
         self.reprepare(state_len)
         self.prefix_note = ""                     # why prefix caching is off, where it is
+        self.experts = ExpertCounter.of(self.model)   # a MoE target's distinct experts per pass (else None)
 
     def _new_cache(self, model, num_blocks: int, block_size: int):
         if num_blocks and hasattr(model, "new_paged_cache"):     # a model with more than keys and values
@@ -233,6 +234,21 @@ class ModelRunner:
             return measure_cost_curve(self.model, self.cache, row, curve_rows(max_rows))
         finally:
             self.release(row)
+
+    def pass_costs(self, row: int, max_rows: int) -> tuple[dict[int, float], ExpertCosts | None]:
+        """`cost_curve`, and on a MoE target what the distinct experts of a pass add (costs.measure_pass_costs)."""
+        if self.experts is None:
+            return self.cost_curve(row, max_rows), None
+        if self.paged:
+            self.cache.reserve(row, max_rows + 1)
+        try:
+            return measure_pass_costs(self.model, self.cache, row, curve_rows(max_rows), counter=self.experts)
+        finally:
+            self.release(row)
+
+    def pass_experts(self) -> float | None:
+        """The distinct experts per MoE layer the last pass read (None: not a MoE target)."""
+        return self.experts.read() if self.experts is not None else None
 
     def score(self, seqs: list[Sequence], proposal: DraftProposal
               ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:

@@ -172,6 +172,9 @@ class Sequence:
         self.spec = spec                           # speculation state (controller.py)
         self.constraint = None                     # structured output's grammar state (structured.py)
         self.prediction = None                     # drafters/prediction.py PredictionIndex of params.prediction
+        self.drafter_state = None                  # the drafter's per-row state of the engine running this row
+                                                   # (what its prepare / use_draft_cache returned to that engine's
+                                                   # runner): a drafter reads its rows' state here, not on itself
         self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []   # per output token, if asked:
                                                    # (token, its logprob, the top N (token, logprob))
         self.prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []   # prompt tokens 1.., if asked

@@ -75,6 +75,14 @@ typedef struct {
     void *ex, *egu, *eact, *ey;      /* scratch [SD_MAX_T * EK, ld Dp / 2EI / EIp / D] */
     void *rlog;                      /* scratch [SD_MAX_T, E] router logits */
     int32_t *moe_count;              /* [L] out: distinct experts each layer's last pass read, or NULL */
+    /* gpt-oss (specdecode/models/gpt_oss.py); NULL / 0 for the other families */
+    const float *const *o_b;         /* [L] fp32 o-proj bias, or NULL */
+    const float *const *sinks;       /* [L] -> [H] fp32 sink logit of each q head, or NULL */
+    const float *const *router_b;    /* [L] fp32 router bias [E] (NULL entries: none), or NULL */
+    const float *const *const *egu_b, *const *const *edn_b;   /* [L][E] fp32 expert biases, or NULL */
+    int router_kind;                 /* 0: softmax over all experts then top-k; 1: top-k logits then their softmax */
+    int act_kind;                    /* 0: silu (or gelu) * up; 1: clamped SwiGLU (swiglu_alpha, swiglu_limit) */
+    float swiglu_alpha, swiglu_limit;
 } sd_model;
 
 /* Where the cache keeps key/value j of kv head h for one token row (elements from a layer's base):
@@ -119,18 +127,18 @@ static inline void range(int n, int t, int nt, int *a, int *b) {
 
 #include "decoder_moe.c"
 
-/* A sublayer's output projection x[T, K] @ W^T into the residual md->hid, then a barrier: added
+/* A sublayer's output projection x[T, K] @ W^T (+ bias) into the residual md->hid, then a barrier: added
  * directly (rne(hid + rne(out))), or when `post` (Gemma) through an RMSNorm first, via md->xn
  * (free by then: its zero padding past D stays untouched). */
 static void sublayer_out(const sd_model *md, const void *x, int K, const void *Wp, const sd_qmat *Wq,
-                         const void *post, int T, int t, int nt, int *cfg) {
+                         const float *bias, const void *post, int T, int t, int nt, int *cfg) {
     const int bf = md->is_bf16, esz = bf ? 2 : 4, D = md->D;
     if (!post) {
-        mm_part(md, x, K, Wp, Wq, NULL, md->hid, D, T, D, K, bf ? OUT_BF16_ADD : OUT_F32_ADD, t, nt, cfg);
+        mm_part(md, x, K, Wp, Wq, bias, md->hid, D, T, D, K, bf ? OUT_BF16_ADD : OUT_F32_ADD, t, nt, cfg);
 #pragma omp barrier
         return;
     }
-    mm_part(md, x, K, Wp, Wq, NULL, md->xn, md->Dp, T, D, K, bf ? OUT_BF16 : OUT_F32, t, nt, cfg);
+    mm_part(md, x, K, Wp, Wq, bias, md->xn, md->Dp, T, D, K, bf ? OUT_BF16 : OUT_F32, t, nt, cfg);
 #pragma omp barrier
     int a, b;
     range(T, t, nt, &a, &b);
@@ -148,9 +156,10 @@ typedef struct {
     const int32_t *tab;
 } att_batch;
 
-/* The batch starting at unit u (units below ub, at most SD_ATT_PAIRS); returns the unit after it */
+/* The batch starting at unit u (units below ub, at most SD_ATT_PAIRS); returns the unit after it.
+ * sinks: the layer's [H] sink logits, or NULL */
 static int att_next(const sd_model *md, const sd_kv *kv, const int32_t *pos, const int32_t *row_base,
-                    int32_t (*path)[64], int T, int win, int u, int ub, att_batch *bt) {
+                    int32_t (*path)[64], int T, int win, const float *sinks, int u, int ub, att_batch *bt) {
     const int bf = md->is_bf16, esz = bf ? 2 : 4, HD = md->HD, grp = md->H / md->KVH, per = T * grp;
     const int r0 = u % per / grp;
     bt->kvh = u / per;
@@ -165,7 +174,7 @@ static int att_next(const sd_model *md, const sd_kv *kv, const int32_t *pos, con
         if (lo != bt->lo || (tab != bt->tab && memcmp(tab, bt->tab, sizeof(int32_t) * kv->table_width))) break;
         bt->pr[bt->n++] = (att_pair){(const char *)md->q + ((size_t)r * md->H * HD + (size_t)h * HD) * esz,
                                      (char *)md->att + ((size_t)r * md->Qp + (size_t)h * HD) * esz, pos[r] + 1,
-                                     row_base[r], path[r]};
+                                     row_base[r], path[r], sinks ? sinks[h] : 0.f, sinks != NULL};
     }
     return u;
 }
@@ -182,14 +191,15 @@ static int att_next(const sd_model *md, const sd_kv *kv, const int32_t *pos, con
  * the bits do not depend on the schedule. */
 #define SD_SPLIT_MAX 512              /* batches */
 static void attention_split(const sd_model *md, const sd_kv *kv, const int32_t *pos, const int32_t *row_base,
-                            int32_t (*path)[64], int T, int win, int l, const char *kl, const char *vl, int t,
+                            int32_t (*path)[64], int T, int win, const float *sinks, int l, const char *kl,
+                            const char *vl, int t,
                             int nt, float *scores, int score_len, int *ready) {
     const int bf = md->is_bf16, HD = md->HD, units = T * md->H;
     int starts[SD_SPLIT_MAX + 1], G = 0;
     for (int u = 0; u < units && G < SD_SPLIT_MAX; G++) {        /* the batches, as every thread sees them */
         att_batch bt;
         starts[G] = u;
-        u = att_next(md, kv, pos, row_base, path, T, win, u, units, &bt);
+        u = att_next(md, kv, pos, row_base, path, T, win, sinks, u, units, &bt);
     }
     starts[G] = units;
     int i0, i1;
@@ -197,7 +207,7 @@ static void attention_split(const sd_model *md, const sd_kv *kv, const int32_t *
     /* item i: batch i / 2, its scores (i even) or values (i odd) */
 #define SD_ITEM(i) do {                                                                                  \
         att_batch bt;                                                                                   \
-        att_next(md, kv, pos, row_base, path, T, win, starts[(i) / 2], starts[(i) / 2 + 1], &bt);       \
+        att_next(md, kv, pos, row_base, path, T, win, sinks, starts[(i) / 2], starts[(i) / 2 + 1], &bt); \
         float *sc = scores + (size_t)bt.u0 * score_len;                                                 \
         if ((i) % 2 == 0) {                                                                             \
             attend_scores(bt.pr, bt.n, kl, vl, kv, bt.tab, bt.kvh, bt.lo, HD, md->scale, md->attn_softcap, \
@@ -279,6 +289,7 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
         for (int l = 0; l < md->L; l++) {
             char *kl = kv->k[l], *vl = kv->v[l];
             const int win = md->windows ? md->windows[l] : md->window;
+            const float *sinks = md->sinks ? md->sinks[l] : NULL;
             const void *rcos = md->rope_cos_l ? md->rope_cos_l[l] : md->rope_cos;
             const void *rsin = md->rope_sin_l ? md->rope_sin_l[l] : md->rope_sin;
             range(T, t, nt, &a, &b);
@@ -314,18 +325,18 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
             /* (row, q head) pairs in kv-head-major order, in batches that read one kv head through one
              * cache table (decoder_attn.c) */
             if (split) {
-                attention_split(md, kv, pos, row_base, path, T, win, l, kl, vl, t, nt, scores, score_len, ready);
+                attention_split(md, kv, pos, row_base, path, T, win, sinks, l, kl, vl, t, nt, scores, score_len, ready);
             } else {
                 range(T * H, t, nt, &a, &b);              /* split evenly between threads */
                 for (int u = a; u < b;) {
                     att_batch bt;
-                    u = att_next(md, kv, pos, row_base, path, T, win, u, b, &bt);
+                    u = att_next(md, kv, pos, row_base, path, T, win, sinks, u, b, &bt);
                     attend_pairs(bt.pr, bt.n, kl, vl, kv, bt.tab, bt.kvh, bt.lo, HD, md->scale, md->attn_softcap, bf,
                                  sc, score_len);
                 }
             }
 #pragma omp barrier
-            sublayer_out(md, att, md->Qp, md->o_w[l], md->o_q ? md->o_q[l] : NULL,
+            sublayer_out(md, att, md->Qp, md->o_w[l], md->o_q ? md->o_q[l] : NULL, md->o_b ? md->o_b[l] : NULL,
                          md->post_attn_norm ? md->post_attn_norm[l] : NULL, T, t, nt, &cfg);
             range(T, t, nt, &a, &b);
             for (int r = a; r < b; r++)
@@ -340,7 +351,7 @@ int sd_decoder_rows(const sd_model *md, const int64_t *tokens, const int32_t *po
 #pragma omp barrier
             act_rows(md, gu, 2 * I, I, act, md->Ip, T, t, nt);
 #pragma omp barrier
-            sublayer_out(md, act, md->Ip, md->down_w[l], md->down_q ? md->down_q[l] : NULL,
+            sublayer_out(md, act, md->Ip, md->down_w[l], md->down_q ? md->down_q[l] : NULL, NULL,
                          md->post_mlp_norm ? md->post_mlp_norm[l] : NULL, T, t, nt, &cfg);
         }
         if (cfg >= 0) _tile_release();

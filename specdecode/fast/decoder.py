@@ -46,7 +46,9 @@ class _Model(ctypes.Structure):  # must match sd_model in decoder.c
         ("window", I), ("embed_scale", F), ("norm_f32", I), ("post_attn_norm", P), ("post_mlp_norm", P),
         ("windows", P), ("rope_cos_l", P), ("rope_sin_l", P), ("attn_softcap", F), ("final_softcap", F), ("gelu", I),
         ("E", I), ("EK", I), ("EI", I), ("EIp", I), ("norm_topk", I), ("router_w", P), ("egu_w", P), ("edn_w", P),
-        ("egu_q", P), ("edn_q", P), ("ex", P), ("egu", P), ("eact", P), ("ey", P), ("rlog", P), ("moe_count", P)]
+        ("egu_q", P), ("edn_q", P), ("ex", P), ("egu", P), ("eact", P), ("ey", P), ("rlog", P), ("moe_count", P),
+        ("o_b", P), ("sinks", P), ("router_b", P), ("egu_b", P), ("edn_b", P), ("router_kind", I), ("act_kind", I),
+        ("swiglu_alpha", F), ("swiglu_limit", F)]
 
 
 class _KV(ctypes.Structure):  # must match sd_kv in decoder.c
@@ -85,8 +87,8 @@ def why_not(model) -> str | None:
         if not isinstance(lin, (PackedLinear, QuantLinear)) or not lin.fast or lin.dtype != model.dtype:
             return "projections are not native PackedLinear / QuantLinear (eager make_linear?)"
     if model.lm_head.bias32 is not None or any(ly[k] is not None and ly[k].bias32 is not None
-                                               for ly in model.layers for k in ("o", "gate_up", "down")):
-        return "unexpected bias on o/gate_up/down/lm_head"
+                                               for ly in model.layers for k in ("gate_up", "down")):
+        return "unexpected bias on gate_up/down/lm_head"
     return None
 
 
@@ -180,8 +182,14 @@ class FusedDecoder:
             kn = [ly["k_norm"].contiguous() for ly in kept_layers]
             keep += qn + kn
             m.q_norm, m.k_norm = arr(qn), arr(kn)
+        if any(ly["o"].bias32 is not None for ly in kept_layers):
+            m.o_b = arr([ly["o"].bias32 for ly in kept_layers])
         if c.is_gemma:
             self._gemma(model, m, keep, arr, self.kept)
+        elif c.sliding_layers is not None:            # a window on some layers (gpt-oss)
+            keep.append(torch.tensor([c.layer_window(i) or 0 for i in self.kept], dtype=torch.int32))
+            m.windows = keep[-1].data_ptr()
+        m.sinks = arr(self._kept(model.sinks)) if c.attention_sinks else None   # gpt-oss: each q head's
         self.moe_count = None          # distinct experts each layer's last pass read (MoE models)
         if c.moe is not None:
             self.moe_count = bind_moe(model, m, keep, arr, kept_layers, Dp, self.max_rows, _packed)

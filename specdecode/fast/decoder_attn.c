@@ -11,7 +11,8 @@
  *           (dots16x4: q and k are bf16 values, so every product is exact and only the fp32 sums
  *           round), then a fixed 4-lane tree; fp32, one FMA per 16 elements into 16 lanes, then
  *           reduce16's fixed tree; times scale, soft cap;
- *   softmax max, exp512, the sum in 16-lane blocks of keys from lo;
+ *   softmax max, exp512, the sum in 16-lane blocks of keys from lo (a sink, gpt-oss: its logit joins the
+ *           max, and its exp the sum after the keys');
  *   values  in key order, fp32 FMAs of the weights and the widened values (bf16 -> fp32 is exact),
  *           the sums in registers within a chunk and in memory between chunks (exact), times 1 / sum.
  * For head_dim 64, 16 keys and 4 pairs cost 128 VDPBF16PS and a 48-op reduction for the scores (2 and
@@ -32,6 +33,8 @@ typedef struct {
     void *out;                 /* [HD] model dtype */
     int len, tbase;            /* logical keys lo..len-1; keys >= tbase are on the path tslots */
     const int32_t *tslots;
+    float sink;                /* with has_sink: a logit that joins the softmax's max and denominator (gpt-oss) */
+    int has_sink;
 } att_pair;
 
 /* Software prefetch of the keys (values) of kv head h, through the block table: into L1 two chunks
@@ -48,6 +51,9 @@ typedef struct {
 #endif
 
 static const float sd_zero_row[256] __attribute__((aligned(64)));   /* a key / value of zeros */
+
+/* exp(x) of a sink's logit less the max (x <= 0), in fp32: one value per pair, the same on every path */
+static inline float sink_exp(float x) { return expf(x); }
 
 /* Addresses of keys (or values) j0..j0+15: whole chunk in one block -> consecutive rows of the block */
 static inline void chunk_rows(const char *base, const sd_kv *kv, const int32_t *tab, int j0, int h, int esz,
@@ -309,7 +315,9 @@ static inline __attribute__((always_inline)) void att_scores_t(
     /* softmax weights */
     for (int p = 0; p < n; p++) {
         float *sc = scores + (size_t)p * score_len;
-        const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx[p]));
+        float top = _mm512_reduce_max_ps(mx[p]);
+        if (pr[p].has_sink && pr[p].sink > top) top = pr[p].sink;
+        const __m512 mv = _mm512_set1_ps(top);
         __m512 sum = _mm512_setzero_ps();
         for (int j = 0; j < pr[p].len - lo; j += 16) {
             const __mmask16 m = lanes(pr[p].len - lo - j);
@@ -318,7 +326,9 @@ static inline __attribute__((always_inline)) void att_scores_t(
             _mm512_mask_storeu_ps(sc + j, m, e);
             sum = _mm512_add_ps(sum, e);
         }
-        sc[pr[p].len - lo] = 1.0f / _mm512_reduce_add_ps(sum);
+        float total = _mm512_reduce_add_ps(sum);
+        if (pr[p].has_sink) total += sink_exp(pr[p].sink - top);
+        sc[pr[p].len - lo] = 1.0f / total;
     }
 }
 
@@ -448,7 +458,8 @@ static void attend_scores(const att_pair *pr, int n, const char *kbase, const ch
         float *sc = scores + (size_t)p * score_len;
         const int len = pr[p].len - lo;
         for (int j = len; j < ((len + 7) & ~7); j++) sc[j] = -__builtin_inff();   /* pad: exp -> 0 below */
-        const __m256 mv = _mm256_set1_ps(mx[p]), ninf = _mm256_set1_ps(-__builtin_inff());
+        const float top = pr[p].has_sink && pr[p].sink > mx[p] ? pr[p].sink : mx[p];
+        const __m256 mv = _mm256_set1_ps(top), ninf = _mm256_set1_ps(-__builtin_inff());
         __m256 sum = _mm256_setzero_ps();
         for (int j = 0; j < len; j += 8) {
             const __m256 s = _mm256_loadu_ps(sc + j);
@@ -456,7 +467,9 @@ static void attend_scores(const att_pair *pr, int n, const char *kbase, const ch
             _mm256_storeu_ps(sc + j, e);
             sum = _mm256_add_ps(sum, e);
         }
-        sc[len] = 1.0f / hsum8(sum);
+        float total = hsum8(sum);
+        if (pr[p].has_sink) total += sink_exp(pr[p].sink - top);
+        sc[len] = 1.0f / total;
     }
 }
 

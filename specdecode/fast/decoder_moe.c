@@ -2,7 +2,7 @@
  * specdecode/fast/decoder_moe.c -- the gated MLP activation and the mixture-of-experts MLP of the fused
  * decoder (included by decoder.c, after sd_model and mm_part).
  *
- * A MoE layer (Qwen3-MoE: models/moe.py has the eager form it follows) replaces the MLP by
+ * A MoE layer (Qwen3-MoE, gpt-oss: models/moe.py has the eager form it follows) replaces the MLP by
  *   router logits = xn @ router^T (model dtype), top-k of them (ties: the lower expert id), their
  *   softmax probabilities over all experts, renormalised over the k when norm_topk, rounded to the
  *   model dtype; each routed expert's SwiGLU MLP on the rows routed to it; the rows' outputs times
@@ -20,7 +20,8 @@
 #define SD_MOE_MAX_E 512        /* experts per layer */
 #define SD_MOE_MAX_K 16         /* experts routed per token */
 
-/* act[r] = rne(rne(silu(gate)) * up) (or gelu_tanh(gate) * up) for rows 0..rows-1 of gu = [gate | up]
+/* act[r] = rne(rne(silu(gate)) * up) (or gelu_tanh(gate) * up, or gpt-oss's clamped SwiGLU: act_kind 1)
+ * for rows 0..rows-1 of gu = [gate | up]
  * (gate and up I wide each, row stride ldgu), act's row stride ldact; this thread's share. */
 static void act_rows(const sd_model *md, const void *gu, int ldgu, int I, void *act, int ldact, int rows, int t,
                      int nt) {
@@ -31,6 +32,15 @@ static void act_rows(const sd_model *md, const void *gu, int ldgu, int I, void *
         int r = u / CH, i = (u % CH) * 16;
         __mmask16 m = lanes(I - i);
         __m512 g = ld16(gu, (size_t)r * ldgu + i, bf, m), up = ld16(gu, (size_t)r * ldgu + I + i, bf, m);
+        if (md->act_kind == 1) {                 /* gpt-oss: rne((rne(up' + 1)) * rne(g' * rne(sigmoid(rne(g' * alpha))))) */
+            const __m512 lim = _mm512_set1_ps(md->swiglu_limit), one = _mm512_set1_ps(1.f);
+            g = _mm512_min_ps(g, lim);
+            up = _mm512_max_ps(_mm512_min_ps(up, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim));
+            const __m512 ga = rnd(_mm512_mul_ps(g, _mm512_set1_ps(md->swiglu_alpha)), bf);
+            const __m512 sg = rnd(_mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), ga)))), bf);
+            st16(act, (size_t)r * ldact + i, bf, m, _mm512_mul_ps(rnd(_mm512_add_ps(up, one), bf), rnd(_mm512_mul_ps(g, sg), bf)));
+            continue;
+        }
         __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
         if (md->gelu) {
             __m512 inner = _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(0.044715f), _mm512_mul_ps(_mm512_mul_ps(g, g), g)));
@@ -68,7 +78,9 @@ static inline float to_model(float v, int bf) {
     return out[0];
 }
 
-/* Routing of rows 0..T-1 from their router logits (model dtype, row stride E). */
+/* Routing of rows 0..T-1 from their router logits (model dtype, row stride E): router_kind 0, the
+ * softmax over all experts then the top k (renormalised when norm_topk); 1 (gpt-oss), the top k logits
+ * then the softmax over those k. */
 static void moe_route_rows(const sd_model *md, const void *logits, int T, moe_route *rt) {
     const int E = md->E, K = md->EK, bf = md->is_bf16;
     int count[SD_MOE_MAX_E] = {0};
@@ -79,7 +91,8 @@ static void moe_route_rows(const sd_model *md, const void *logits, int T, moe_ro
             l[e] = bf ? bf16_to_f32(((const bf16 *)logits)[(size_t)r * E + e]) : ((const float *)logits)[(size_t)r * E + e];
         float mx = l[0], sum = 0.f;
         for (int e = 1; e < E; e++) mx = l[e] > mx ? l[e] : mx;
-        for (int e = 0; e < E; e++) sum += expf(l[e] - mx);
+        if (md->router_kind == 0)
+            for (int e = 0; e < E; e++) sum += expf(l[e] - mx);
         for (int j = 0; j < K; j++) {           /* the k largest logits, ties to the lower id */
             int best = -1;
             for (int e = 0; e < E; e++) {
@@ -88,7 +101,11 @@ static void moe_route_rows(const sd_model *md, const void *logits, int T, moe_ro
                 if (!taken && (best < 0 || l[e] > l[best])) best = e;
             }
             pick[j] = best;
-            top[j] = expf(l[best] - mx) / sum;
+            top[j] = md->router_kind == 0 ? expf(l[best] - mx) / sum : expf(l[best] - mx);
+        }
+        if (md->router_kind == 1) {              /* the softmax over the k (the first is the max) */
+            for (int j = 0; j < K; j++) sum += top[j];
+            for (int j = 0; j < K; j++) top[j] /= sum;
         }
         float norm = 0.f;
         for (int j = 0; j < K; j++) norm += top[j];
@@ -126,7 +143,8 @@ static void moe_mlp(const sd_model *md, int l, int T, moe_route *rt, int t, int 
     const int bf = md->is_bf16, esz = bf ? 2 : 4, D = md->D, Dp = md->Dp, EI = md->EI, EIp = md->EIp;
     const int mode_out = bf ? OUT_BF16 : OUT_F32;
     char *ex = md->ex, *egu = md->egu, *eact = md->eact, *ey = md->ey;
-    mm_part(md, md->xn, Dp, md->router_w[l], NULL, NULL, md->rlog, md->E, T, md->E, Dp, mode_out, t, nt, cfg);
+    mm_part(md, md->xn, Dp, md->router_w[l], NULL, md->router_b ? md->router_b[l] : NULL, md->rlog, md->E, T, md->E, Dp,
+            mode_out, t, nt, cfg);
 #pragma omp barrier
 #pragma omp single
     {
@@ -142,7 +160,7 @@ static void moe_mlp(const sd_model *md, int l, int T, moe_route *rt, int t, int 
     for (int i = 0; i < rt->n_used; i++) {
         const int e = rt->used[i], s0 = rt->off[e], n = rt->off[e + 1] - s0;
         mm_part(md, ex + (size_t)s0 * Dp * esz, Dp, md->egu_w ? md->egu_w[l][e] : NULL, md->egu_q ? md->egu_q[l][e] : NULL,
-                NULL, egu + (size_t)s0 * 2 * EI * esz, 2 * EI, n, 2 * EI, Dp, mode_out, t, nt, cfg);
+                md->egu_b ? md->egu_b[l][e] : NULL, egu + (size_t)s0 * 2 * EI * esz, 2 * EI, n, 2 * EI, Dp, mode_out, t, nt, cfg);
     }
 #pragma omp barrier
     act_rows(md, egu, 2 * EI, EI, eact, EIp, S, t, nt);
@@ -150,7 +168,7 @@ static void moe_mlp(const sd_model *md, int l, int T, moe_route *rt, int t, int 
     for (int i = 0; i < rt->n_used; i++) {
         const int e = rt->used[i], s0 = rt->off[e], n = rt->off[e + 1] - s0;
         mm_part(md, eact + (size_t)s0 * EIp * esz, EIp, md->edn_w ? md->edn_w[l][e] : NULL,
-                md->edn_q ? md->edn_q[l][e] : NULL, NULL, ey + (size_t)s0 * D * esz, D, n, D, EIp, mode_out, t, nt, cfg);
+                md->edn_q ? md->edn_q[l][e] : NULL, md->edn_b ? md->edn_b[l][e] : NULL, ey + (size_t)s0 * D * esz, D, n, D, EIp, mode_out, t, nt, cfg);
     }
 #pragma omp barrier
     /* hid[r] = rne(hid[r] + sum over its experts, ascending, of rne(y * w)), rounding after each add */

@@ -10,8 +10,9 @@ from .quant import QuantLinear
 
 def bind_moe(model, m, keep: list, arr, kept_layers: list, Dp: int, max_rows: int, packed) -> torch.Tensor:
     """Mixture-of-experts layers (models/moe.py, decoder_moe.c): routers, each expert's projections
-    (packed or quantized, per layer an array of E), and the scratch of a pass's routed rows, set in the
-    fused decoder's sd_model `m` (`arr`: its pointer arrays, kept alive in `keep`). Returns the [layers]
+    (packed or quantized, per layer an array of E) and biases, the router and activation variants, and
+    the scratch of a pass's routed rows, set in the fused decoder's sd_model `m` (`arr`: its pointer
+    arrays, kept alive in `keep`). Returns the [layers]
     int32 tensor where each pass leaves the distinct experts each layer read. `max_rows`: the rows of one
     native call (decoder.MAX_MOE_T); `packed`: a linear's packed weight or None (decoder._packed)."""
     c, dt = model.config, model.dtype
@@ -32,6 +33,14 @@ def bind_moe(model, m, keep: list, arr, kept_layers: list, Dp: int, max_rows: in
     if quant:
         m.egu_q, m.edn_q = per_layer("experts_gate_up", qmat), per_layer("experts_down", qmat)
     m.egu_w, m.edn_w = per_layer("experts_gate_up", packed), per_layer("experts_down", packed)
+    if any(lin.bias32 is not None for ly in moe_layers for lin in [ly["router"]] + ly["experts_gate_up"]
+           + ly["experts_down"]):                                        # gpt-oss's biases
+        m.router_b = arr([ly["router"].bias32 if "router" in ly else None for ly in kept_layers])
+        bias = lambda lin: lin.bias32  # noqa: E731
+        m.egu_b, m.edn_b = per_layer("experts_gate_up", bias), per_layer("experts_down", bias)
+    m.router_kind = int(c.moe.get("router", "softmax") == "topk_softmax")
+    if c.moe.get("activation") == "swiglu_clamp":
+        m.act_kind, m.swiglu_alpha, m.swiglu_limit = 1, c.moe["alpha"], c.moe["limit"]
     rows = max_rows * K
     scratch = dict(ex=torch.zeros(rows, Dp, dtype=dt), egu=torch.zeros(rows, 2 * EI, dtype=dt),
                    eact=torch.zeros(rows, EIp, dtype=dt), ey=torch.zeros(rows, c.hidden_size, dtype=dt),

@@ -22,6 +22,9 @@
  *   Q4_K    256    144   nibble                   d * sc(6 bit)         -dmin * m(6 bit)
  *   Q5_K    256    176   5 bits                   d * sc(6 bit)         -dmin * m(6 bit)
  *   Q6_K    256    210   6 bits                   d * sc(int8) per 16   -32 s
+ *   MXFP4    32     17   e2m1 code -> 2 x value   2^(e - 128) (E8M0 e)  -12 s   (gpt-oss's experts:
+ *                         + 12 (0..24, a table)                                 read in place, never
+ *                                                                               repacked)
  *   I8     (row)  4 + K  int8 + 128               fp32 scale per row    -128 s  (int8 per channel)
  *
  * Batch invariance: every (row, column) dot product is computed by the same instruction sequence
@@ -31,7 +34,7 @@
  */
 
 enum { GQ_Q4_0 = 2, GQ_Q4_1 = 3, GQ_Q5_0 = 6, GQ_Q5_1 = 7, GQ_Q8_0 = 8, GQ_Q4_K = 12, GQ_Q5_K = 13,
-       GQ_Q6_K = 14, GQ_I8 = 1000,
+       GQ_Q6_K = 14, GQ_MXFP4 = 39, GQ_I8 = 1000,
        GQ_Q4_K16 = 1012, GQ_Q6_K16 = 1014,     /* Q4_K / Q6_K repacked 16 columns at a time (below) */
        GQ_Q4_016 = 1002, GQ_Q4_116 = 1003, GQ_Q5_016 = 1006, GQ_Q5_116 = 1007, GQ_Q8_016 = 1008 };
 
@@ -70,6 +73,15 @@ static inline float h2f(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
+}
+
+/* An MXFP4 block's scale byte as the float ggml multiplies its doubled e2m1 values by: 2^(e - 128)
+ * (ggml_e8m0_to_fp32_half; e < 2 are subnormal) */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
 /* 6-bit scale and min j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4) */
@@ -123,6 +135,26 @@ qdecode_chunk(int type, const uint8_t *row, int c, int nb, __m512i *w, float *s1
         _mm512_storeu_ps(s16, s);
         _mm512_storeu_ps(o16, has_m ? _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_load_ps(mv)))
                                     : _mm512_mul_ps(s, _mm512_set1_ps(-center)));
+        break;
+    }
+    case GQ_MXFP4: {         /* a block: E8M0 scale byte, then 16 bytes of codes (element j low, j + 16 high) */
+        float dv[8] __attribute__((aligned(32))) = {0};
+        const __m256i m4 = _mm256_set1_epi8(0x0F);
+        const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24,
+                                                                   12, 11, 10, 9, 8, 6, 4, 0));  /* 2 x e2m1 + 12 */
+        for (int p = 0; p < nb / 2; p++) {
+            const uint8_t *a = row + (size_t)(b0 + 2 * p) * 17, *bb = a + 17;
+            dv[2 * p] = e8m0_half(a[0]);
+            dv[2 * p + 1] = e8m0_half(bb[0]);
+            const __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 1))),
+                                                      _mm_loadu_si128((const __m128i *)(bb + 1)), 1);
+            const __m256i lo = _mm256_and_si256(x, m4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
+            w[p] = _mm512_shuffle_epi8(table, _mm512_shuffle_i64x2(pair(lo, hi), pair(lo, hi), 0xD8));
+        }
+        const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+        const __m512 s = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_load_ps(dv)));
+        _mm512_storeu_ps(s16, s);
+        _mm512_storeu_ps(o16, _mm512_mul_ps(s, _mm512_set1_ps(-12.f)));
         break;
     }
     case GQ_I8: {
@@ -204,7 +236,7 @@ qdecode_chunk(int type, const uint8_t *row, int c, int nb, __m512i *w, float *s1
 static int q_block_ok(int type) {
     switch (type) {
     case GQ_Q4_0: case GQ_Q4_1: case GQ_Q5_0: case GQ_Q5_1: case GQ_Q8_0: case GQ_Q4_K: case GQ_Q5_K:
-    case GQ_Q6_K: case GQ_I8: case GQ_Q4_K16: case GQ_Q6_K16:
+    case GQ_Q6_K: case GQ_MXFP4: case GQ_I8: case GQ_Q4_K16: case GQ_Q6_K16:
     case GQ_Q4_016: case GQ_Q4_116: case GQ_Q5_016: case GQ_Q5_116: case GQ_Q8_016: return 1;
     default: return 0;
     }
@@ -317,6 +349,7 @@ Q_COLUMN_FOR(GQ_Q8_0, q_col_q8_0)
 Q_COLUMN_FOR(GQ_Q4_K, q_col_q4_k)
 Q_COLUMN_FOR(GQ_Q5_K, q_col_q5_k)
 Q_COLUMN_FOR(GQ_Q6_K, q_col_q6_k)
+Q_COLUMN_FOR(GQ_MXFP4, q_col_mxfp4)
 Q_COLUMN_FOR(GQ_I8, q_col_i8)
 
 typedef void (*q_col_fn)(const uint8_t *, long, int, const int8_t *, const float *, const float *, int, float *);
@@ -331,12 +364,89 @@ static q_col_fn q_col_for(int type) {
     case GQ_Q4_K: return q_col_q4_k;
     case GQ_Q5_K: return q_col_q5_k;
     case GQ_Q6_K: return q_col_q6_k;
+    case GQ_MXFP4: return q_col_mxfp4;
     case GQ_I8: return q_col_i8;
     default: return NULL;
     }
 }
 
 #include "quant16.c"    /* the 16-column interleaved layouts and kernels */
+
+/* MXFP4 16 columns at a time, read in place: col[c] is column c's row in the file (16 rows anywhere),
+ * out[16 r + c] its dot product with activation row r (R <= SD_QROWS).  Per block of 32 k the 16
+ * columns' codes are loaded from their rows, mapped through the table (u = 2 x e2m1 + 12) and
+ * transposed so that lane c of vector G holds column c's u of k 4G..4G+3, as the interleaved layouts
+ * hold theirs: one VPDPBUSD per 4 k for all 16 columns, the offset -12 * sum(xq) added to the exact
+ * integer sum, then times the block's scale and the activation's.  Every column's result is the same
+ * whatever R and whichever other columns share the call (batch invariant). */
+typedef int32_t sd_i32mx __attribute__((may_alias, aligned(1)));
+static inline __m512i mx_bcast4(const int8_t *p) { return _mm512_set1_epi32(*(const sd_i32mx *)p); }
+
+static void mx16_rows(const uint8_t *const *col, int K, const int8_t *xq, const float *dq, const float *sums, int R,
+                      float *out) {
+    const int QS = QS_STRIDE(K), KB = K / 32;
+    const sd_i32a *c8 = (const sd_i32a *)(sums + QS_C32(K, 0));          /* -8 * sum(xq) per 32 k */
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24,
+                                                               12, 11, 10, 9, 8, 6, 4, 0));
+    __m512i idx[4];                   /* dword c < 8 of vector G: column c's dword G (4 columns a source) */
+    for (int G = 0; G < 4; G++) {
+        int32_t v[16] = {0};
+        for (int c = 0; c < 8; c++) v[c] = 4 * (c % 4) + G + (c >= 4 ? 16 : 0);
+        idx[G] = _mm512_loadu_si512(v);
+    }
+    __m512 acc[SD_QROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < KB; b++) {
+        uint8_t e[16];
+        __m512i lo[4], hi[4], u[8];
+        for (int v = 0; v < 4; v++) {
+            const uint8_t *p0 = col[4 * v] + (size_t)b * 17, *p1 = col[4 * v + 1] + (size_t)b * 17;
+            const uint8_t *p2 = col[4 * v + 2] + (size_t)b * 17, *p3 = col[4 * v + 3] + (size_t)b * 17;
+            e[4 * v] = p0[0], e[4 * v + 1] = p1[0], e[4 * v + 2] = p2[0], e[4 * v + 3] = p3[0];
+            __m512i x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p0 + 1)));
+            x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(p1 + 1)), 1);
+            x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(p2 + 1)), 2);
+            x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(p3 + 1)), 3);
+            lo[v] = _mm512_shuffle_epi8(table, _mm512_and_si512(x, m4));                      /* k 0..15 */
+            hi[v] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(x, 4), m4)); /* k 16..31 */
+        }
+        for (int G = 0; G < 4; G++) {
+            u[G] = _mm512_inserti64x4(_mm512_permutex2var_epi32(lo[0], idx[G], lo[1]),
+                                      _mm512_castsi512_si256(_mm512_permutex2var_epi32(lo[2], idx[G], lo[3])), 1);
+            u[G + 4] = _mm512_inserti64x4(_mm512_permutex2var_epi32(hi[0], idx[G], hi[1]),
+                                          _mm512_castsi512_si256(_mm512_permutex2var_epi32(hi[2], idx[G], hi[3])), 1);
+        }
+        float scale[16] __attribute__((aligned(64)));
+        for (int c = 0; c < 16; c++) scale[c] = e8m0_half(e[c]);
+        const __m512 dv = _mm512_load_ps(scale);
+        for (int r = 0; r < R; r++) {
+            const int8_t *xr = xq + (size_t)r * K + 32 * b;
+            __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();   /* two chains (exact ints) */
+            for (int G = 0; G < 8; G += 2) {
+                ia = _mm512_dpbusd_epi32(ia, u[G], mx_bcast4(xr + 4 * G));
+                ib = _mm512_dpbusd_epi32(ib, u[G + 1], mx_bcast4(xr + 4 * G + 4));
+            }
+            ia = _mm512_add_epi32(_mm512_add_epi32(ia, ib), _mm512_set1_epi32(c8[(size_t)r * QS + b] / 2 * 3));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(dv, _mm512_set1_ps(dq[(size_t)r * KB + b])),
+                                     acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+/* Whether the 16 columns of group g are all MXFP4 rows (of any segments); col[c]: column c's row (the last
+ * column's past N, whose results store_block drops). */
+static int mx16_columns(const sd_qmat *W, int g, const uint8_t **col) {
+    int sc = 0;
+    for (int c = 0; c < 16; c++) {
+        const int n = g * 16 + c < W->N ? g * 16 + c : W->N - 1;
+        while (n >= W->n_end[sc]) sc++;
+        if (W->type[sc] != GQ_MXFP4) return 0;
+        col[c] = W->data[sc] + (size_t)(n - (sc ? W->n_end[sc - 1] : 0)) * W->row_bytes[sc];
+    }
+    return 1;
+}
 
 /* One thread's share (t of nt) of y[M, N] (op) x[M, K] @ W^T: columns split in groups of 16.
  * Each thread quantizes all M activation rows itself (no barrier needed; the same result). */
@@ -363,6 +473,7 @@ static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias
     split((W->N + 15) / 16, t, nt, &g0, &g1);
     float acc[16 * 16] __attribute__((aligned(64)));
     float res[SD_QROWS];
+    const uint8_t *col[16];
     /* AMX tiles for blocks of QAMX_MIN_ROWS..16 rows of the interleaved layouts (the same results as the
      * VNNI kernels: quant16_amx.c) */
     const int amx = SD_QAMX && q_amx_on && M >= QAMX_MIN_ROWS;
@@ -394,6 +505,8 @@ static void qmm_part(const sd_qmat *W, const bf16 *x, int lda, const float *bias
 #endif
             } else if (grp) {
                 q16_rows(W->type[s], grp, K, xm, dm, sm, R, acc);
+            } else if (mx16_columns(W, g, col)) {
+                mx16_rows(col, K, xm, dm, sm, R, acc);
             } else {
                 for (int c = 0; c < 16 && g * 16 + c < W->N; c++) {
                     const int n = g * 16 + c;

@@ -32,9 +32,9 @@ __all__ = ["QuantWeight", "QuantLinear", "NATIVE_TYPES", "quantize_int8", "type_
 # ggml type ids (gguf.GGMLQuantizationType) the native kernel reads; I8 is our int8 per channel
 I8 = 1000
 NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
-                14: "Q6_K", I8: "I8"}
+                14: "Q6_K", 39: "MXFP4", I8: "I8"}
 _BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144),
-          13: (256, 176), 14: (256, 210)}
+          13: (256, 176), 14: (256, 210), 39: (32, 17)}
 MAX_SEGMENTS = 4  # SD_QSEG in quant.c
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 DEQUANT_ROWS = 4096   # rows QuantWeight.dequantize expands to fp32 at a time (scratch: this x in_features x 4 B)
@@ -248,6 +248,11 @@ class QuantLinear:
         self.Kp = self.in_features
         self.bias32 = None if bias is None else bias.detach().float().contiguous()  # [out] fp32
         runs = weight.runs()
+        # the parts of a run in a format never repacked (MXFP4, Q5_K, I8) stay apart, each a kernel segment
+        # read where it lies (an expert's gate|up: two views of the file) rather than one concatenated copy
+        apart = [run for qtype, parts in runs
+                 for run in ([(qtype, parts)] if qtype in INTERLEAVED else [(qtype, [part]) for part in parts])]
+        runs = apart if len(apart) <= MAX_SEGMENTS else runs
         self.fast = native_reason() is None and len(runs) <= MAX_SEGMENTS
         if not self.fast:
             self.weight = weight.dequantize(torch.bfloat16)

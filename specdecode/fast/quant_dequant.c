@@ -28,6 +28,15 @@ static void q_dequant_row(int type, const uint8_t *row, int K, float *out) {
             for (int i = 0; i < 32; i++) out[32 * b + i] = (float)(int8_t)blk[2 + i] * d;
         }
         break;
+    case GQ_MXFP4: {            /* as gguf's MXFP4.dequantize_blocks: the scale times the doubled e2m1 value */
+        static const int8_t kv[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+        for (int b = 0; b < K / 32; b++) {
+            const uint8_t *blk = row + (size_t)b * 17;
+            const float d = e8m0_half(blk[0]);
+            for (int i = 0; i < 32; i++) out[32 * b + i] = d * (float)kv[i < 16 ? blk[1 + i] & 0xF : blk[1 + i - 16] >> 4];
+        }
+        break;
+    }
     case GQ_I8: {
         float s;
         memcpy(&s, row, 4);

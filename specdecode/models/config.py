@@ -20,11 +20,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import ModelError
-from .gemma_config import gemma4_fields, gemma4_weight_count, gemma_fields, gemma_hf_config
+from .gemma_config import gemma4_fields, gemma4_hf_config, gemma4_weight_count, gemma_fields, gemma_hf_config
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma4", "qwen3_5", "qwen3moe")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma4", "qwen3_5", "qwen3moe",
+                  "gpt-oss")
 GEMMA_ARCHS = ("gemma2", "gemma3")          # (1 + weight) norms, the fused decoder's Gemma path
-SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3", "proportional")
+SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3", "yarn", "proportional")
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,11 @@ class ModelConfig:
     per_layer_vocab_size: int = 0           # rows of the per-layer embedding table
     double_wide_mlp: bool = False           # the kv-shared layers' MLPs are twice intermediate_size
     # mixture of experts (models/moe.py): experts, used (routed per token), intermediate (each expert's),
-    # norm_topk (the k weights renormalised); moe_layers: which layers have them (the rest a dense MLP)
+    # norm_topk (the k weights renormalised), router / activation (gpt-oss's variants, models/moe.py);
+    # moe_layers: which layers have them (the rest a dense MLP)
     moe: dict[str, Any] | None = None
     moe_layers: tuple[bool, ...] | None = None
+    attention_sinks: bool = False           # a learned logit per q head joins each softmax's denominator (gpt-oss)
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -78,7 +81,7 @@ class ModelConfig:
         kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type"))
         if kind not in SUPPORTED_ROPE_SCALING or (kind == "proportional") != (self.arch == "gemma4"):
             raise ModelError(f"rope_scaling type {kind!r} is not supported natively for {self.arch} "
-                             f"(supported: linear, llama3; Gemma 4: proportional)")
+                             f"(supported: linear, llama3, yarn; Gemma 4: proportional)")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ModelError(f"sliding_window must be >= 1 (or null for none), got {self.sliding_window}")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
@@ -194,6 +197,9 @@ class ModelConfig:
         arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "smollm3": "llama",
                 "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma4_text": "gemma4",
                 "qwen3_5_text": "qwen3_5", "qwen3_moe": "qwen3moe", "qwen3_5_moe_text": "qwen3_5"}.get(model_type)
+        if model_type == "gpt_oss":
+            from .gpt_oss_config import hf_fields as gpt_oss_fields
+            return cls(**gpt_oss_fields(cfg))
         if arch is None:
             raise ModelError(f"model_type {model_type!r} is not native")
         if arch == "gemma4":
@@ -264,7 +270,10 @@ class ModelConfig:
             from .qwen3_5_gguf import hf_config
             return hf_config(self)
         if self.arch == "gemma4":
-            raise ModelError("a Gemma 4 config is read from its own config.json, not written back")
+            return gemma4_hf_config(self)
+        if self.arch == "gpt-oss":
+            from .gpt_oss_config import hf_config as gpt_oss_config
+            return gpt_oss_config(self)
         if self.moe is not None:
             from .moe import hf_config
             return hf_config(self)

@@ -23,12 +23,19 @@ transformers computes it (models/gemma4/modeling_gemma4.py, Gemma4TextModel / Ge
   layer of its own type in the same pass (keys and values are its cache's, written there a few
   layers before), and keeps no cache of its own (the cache has a layer per producing layer only);
 - with `double_wide_mlp` those shared layers' MLPs are twice as wide (read from the weights' shapes);
+- with a MoE block (26B-A4B: `enable_moe_block`, models/moe.py), the MLP's output is normed on its own,
+  the block's output (its router on the residual, its experts on their own pre-norm of it) is normed
+  too, and their sum takes the place of the MLP's output before post_feedforward_norm:
+              m = post_mlp_norm_1(mlp(pre_feedforward_norm(h))) + post_mlp_norm_2(experts(pre_norm_2(h)));
+              h += post_feedforward_norm(m);
 - logits are soft-capped (cap * tanh(logits / cap)) when final_logit_softcapping is set.
 
 It runs eagerly (the fused C decoder does not take it); its projections, the per-layer ones
-included, go through `make_linear` (the native linear kernels when loaded fast). RoPE angles are
-computed per pass from the positions, as transformers does, rather than from tables: the global
-heads are wide and the context long, so tables would be large. Layer skipping (self-drafting) skips
+included, go through `make_linear` (the native linear kernels when loaded fast, whose rows do not
+depend on the pass), and each query attends alone over the keys it sees (`row_attention`), so a
+row's output is what it would be in any other pass: speculation and batching stay lossless in
+bf16. RoPE angles are computed per pass from the positions, as transformers does, rather than from
+tables: the global heads are wide and the context long, so tables would be large. Layer skipping (self-drafting) skips
 a shared layer whose producing layer was skipped: it would have no keys to read.
 """
 from __future__ import annotations
@@ -42,7 +49,10 @@ from ..cache.contiguous import KVCache
 from ..forward import ForwardBatch
 from .config import ModelConfig
 from .gemma import fp32_rms_norm, softcapped_final
-from .transformer import Transformer, apply_rope, attention_mask, cat_rows, eager_linear
+from .moe import build_gemma4_layer as build_gemma4_moe
+from .moe import gemma4_route, moe_mlp
+from .moe import projections as moe_projections
+from .transformer import Transformer, apply_rope, cat_rows, eager_linear
 
 
 def gemma4_inv_freq(theta: float, head_dim: int, proportion: float = 1.0, factor: float = 1.0) -> torch.Tensor:
@@ -64,6 +74,32 @@ def rope_now(inv_freq: torch.Tensor, fb: ForwardBatch, dtype: torch.dtype,
     angles = positions[..., None].float() * inv_freq.to(device)
     angles = torch.cat([angles, angles], dim=-1)[:, None]
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def row_attention(q: torch.Tensor,                   # [B, H, T, HD] normed, roped
+                  keys: torch.Tensor,                # [B, KVH, L, HD] as the cache write returned them
+                  values: torch.Tensor,              # [B, KVH, L, HD]
+                  fb: ForwardBatch, window: int | None) -> torch.Tensor:   # -> [B, H, T, HD]
+    """Attention (scores unscaled) with each query alone over exactly the keys it sees, gathered: the
+    same ops on the same values as when its token is decoded alone, so a row's output does not depend
+    on the pass it is in (one SDPA call over the whole pass blocks its sums by the pass's shape, and
+    Gemma 4 runs eagerly: the fused decoder's batch invariance is not there to lean on)."""
+    batch, heads, num_tokens, _ = q.shape
+    visible = None if fb.is_chain else fb.visible(keys.shape[2], window).to(q.device)     # [B, T, L]: trees
+    starts = fb.starts()
+    out = torch.empty_like(q)
+    for b in range(batch):
+        for t in range(num_tokens if fb.lengths is None else fb.lengths[b]):
+            if visible is None:                  # a chain: slots lo..own, copied as a gather would be
+                slot = starts[b] + t
+                lo = max(0, slot + 1 - window) if window else 0
+                k, v = keys[b, None, :, lo:slot + 1].contiguous(), values[b, None, :, lo:slot + 1].contiguous()
+            else:
+                idx = visible[b, t].nonzero()[:, 0]
+                k, v = keys[b, None, :, idx], values[b, None, :, idx]
+            out[b, :, t:t + 1] = F.scaled_dot_product_attention(q[b, None, :, t:t + 1], k, v, scale=1.0,
+                                                                enable_gqa=True)[0]
+    return out
 
 
 class Gemma4Transformer(Transformer):
@@ -108,6 +144,10 @@ class Gemma4Transformer(Transformer):
                 norms["per_layer_norm"] = "post_per_layer_input_norm"
                 layer["per_layer_gate"] = make_linear(weights[p + "per_layer_input_gate.weight"], None)
                 layer["per_layer_proj"] = make_linear(weights[p + "per_layer_projection.weight"], None)
+            if c.moe is not None and c.moe_layers[i]:
+                layer.update(build_gemma4_moe(weights, p, c, make_linear))
+                norms.update(pre_moe_norm="pre_feedforward_layernorm_2", post_mlp_norm_1="post_feedforward_layernorm_1",
+                             post_moe_norm="post_feedforward_layernorm_2")
             for key, name in norms.items():              # float32, as stored (no 1 +)
                 layer[key] = weights[p + name + ".weight"].float()
             self.layers.append(layer)
@@ -130,13 +170,14 @@ class Gemma4Transformer(Transformer):
         self._skip_decoders: dict = {}
 
     def projections(self) -> list:
-        """Every projection: the LM head, each layer's qkv, o, gate_up and down, then the per-layer
-        input ones."""
+        """Every projection: the LM head, each layer's qkv, o, gate_up and down (and its MoE block's
+        router and experts), then the per-layer input ones."""
         extra = []
         if self.config.per_layer_input_size:
             extra = [self.per_layer_model_proj] + [ly[k] for ly in self.layers
                                                    for k in ("per_layer_gate", "per_layer_proj")]
-        return super().projections() + extra
+        return [self.lm_head] + [lin for ly in self.layers for lin in (
+            [ly["qkv"], ly["o"], ly["gate_up"], ly["down"]] + (moe_projections(ly) if "router" in ly else []))] + extra
 
     def stored_kv_layers(self) -> dict[bool, int]:
         """The cache layer of the last producing layer of each type (windowed? -> cache layer): the
@@ -161,7 +202,6 @@ class Gemma4Transformer(Transformer):
         tokens, start, rows = fb.tokens, fb.start, fb.rows
         batch, num_tokens = tokens.shape
         ropes = {kind: rope_now(f, fb, self.dtype, self.device) for kind, f in self.inv_freq.items()}
-        masks = {w: attention_mask(fb, w, self.device) for w in {ly["window"] for ly in self.layers}}
         eps, heads = c.rms_norm_eps, c.num_heads
 
         hidden = F.embedding(tokens, self.embed) * self.embed_scale                    # [B, T, D]
@@ -187,15 +227,19 @@ class Gemma4Transformer(Transformer):
                 keys, values = cache.write(layer["cache"], rows, start, k, v)
                 if layer["stores"]:
                     shared[sliding] = keys, values
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[layer["window"]], scale=1.0,
-                                                  enable_gqa=True)
+            attn = row_attention(q, keys, values, fb, layer["window"])
             attn = attn.transpose(1, 2).reshape(batch, num_tokens, heads * hd)
             hidden = hidden + fp32_rms_norm(layer["o"](attn), layer["post_attn_norm"], eps)
             # 2. MLP: norm, GeGLU with fused gate/up, post-norm
             x = fp32_rms_norm(hidden, layer["mlp_norm"], eps)
             gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-            hidden = hidden + fp32_rms_norm(layer["down"](F.gelu(gate, approximate="tanh") * up),
-                                            layer["post_mlp_norm"], eps)
+            mlp = layer["down"](F.gelu(gate, approximate="tanh") * up)
+            if "router" in layer:        # beside it, the MoE block (models/moe.py), each output normed
+                routing = gemma4_route(layer, hidden.reshape(-1, c.hidden_size), c.moe["used"], eps)
+                experts = moe_mlp(layer, fp32_rms_norm(hidden, layer["pre_moe_norm"], eps), c.moe, routing)
+                mlp = (fp32_rms_norm(mlp, layer["post_mlp_norm_1"], eps)
+                       + fp32_rms_norm(experts, layer["post_moe_norm"], eps))
+            hidden = hidden + fp32_rms_norm(mlp, layer["post_mlp_norm"], eps)
             # 3. the per-layer input, gated by the hidden state; then the layer's scalar
             if per_layer is not None:
                 x = F.gelu(layer["per_layer_gate"](hidden), approximate="tanh") * per_layer[:, :, index]

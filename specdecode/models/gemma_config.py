@@ -142,8 +142,8 @@ def gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise ModelError(f"hidden_activation {act!r} is not supported natively for gemma4 (gelu_pytorch_tanh)")
-    for key, what in (("enable_moe_block", "mixture-of-experts blocks"), ("use_bidirectional_attention",
-                      "bidirectional attention"), ("attention_bias", "biases on q/k/v/o")):
+    for key, what in (("use_bidirectional_attention", "bidirectional attention"),
+                      ("attention_bias", "biases on q/k/v/o")):
         if cfg.get(key):
             raise ModelError(f"{key} ({what}) is not supported natively for gemma4")
     layers = cfg.get("num_hidden_layers", 30)
@@ -187,6 +187,10 @@ def gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     global_dim, global_heads = next(iter(shapes[LAYER_TYPES[1]]))
     eos = cfg.get("eos_token_id", 1)
     window = cfg.get("sliding_window", 512)
+    moe = {}
+    if cfg.get("enable_moe_block"):          # 26B-A4B: a MoE block beside every layer's MLP (models/moe.py)
+        from .moe import gemma4_fields as moe_fields
+        moe = moe_fields(cfg)
     return dict(
         arch="gemma4", vocab_size=cfg.get("vocab_size", 262144), hidden_size=cfg.get("hidden_size", 2304),
         intermediate_size=cfg.get("intermediate_size", 9216), num_layers=layers,
@@ -206,6 +210,7 @@ def gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         per_layer_input_size=cfg.get("hidden_size_per_layer_input", 256) or 0,
         per_layer_vocab_size=cfg.get("vocab_size_per_layer_input", 262144) or 0,
         double_wide_mlp=bool(cfg.get("use_double_wide_mlp", False)),
+        **moe,
     )
 
 
@@ -232,4 +237,38 @@ def gemma4_weight_count(c: ModelConfig) -> int:
         wide = 2 if c.double_wide_mlp and i >= first else 1
         total += d * (2 * c.num_heads * hd + kv_rows) + 3 * d * c.intermediate_size * wide + 4 * d + 2 * hd
         total += 2 * d * p + d if p else 0
+        if c.moe is not None and c.moe_layers[i]:    # the MoE block: router, its scales, 3 norms, routed experts
+            total += c.moe["experts"] * (d + 1) + 4 * d + 3 * d * c.moe["intermediate"] * c.moe["used"]
     return total
+
+
+def gemma4_hf_config(c: ModelConfig) -> dict[str, Any]:
+    """A gemma4_text config.json for `c` that transformers and `gemma4_fields` both read back to `c`
+    (the GGUF cache): the global layers' head shape as per_layer_config, the MoE block's keys where
+    the model has one."""
+    layer_types = [LAYER_TYPES[0] if s else LAYER_TYPES[1] for s in c.sliding_layers]
+    rope = dict(c.rope_scaling or {})
+    full = {"rope_type": "proportional", "partial_rotary_factor": float(rope.get("partial_rotary_factor", 1.0)),
+            "rope_theta": c.rope_theta}
+    if float(rope.get("factor", 1.0)) != 1.0:
+        full["factor"] = float(rope["factor"])
+    eos: Any = list(c.eos_token_ids)
+    moe = {} if c.moe is None else {"enable_moe_block": True, "num_experts": c.moe["experts"],
+                                    "top_k_experts": c.moe["used"], "moe_intermediate_size": c.moe["intermediate"]}
+    return {
+        "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+        "global_head_dim": c.layer_head_dim(layer_types.index(LAYER_TYPES[1])), "attention_k_eq_v": c.k_eq_v,
+        "per_layer_config": {str(i): {"head_dim": c.layer_head_dim(i), "num_key_value_heads": c.layer_kv_heads(i)}
+                             for i, t in enumerate(layer_types) if t == LAYER_TYPES[1]},
+        "rms_norm_eps": c.rms_norm_eps, "max_position_embeddings": c.max_position_embeddings,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": c.rope_local_theta},
+                            "full_attention": full},
+        "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": c.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else eos, "sliding_window": c.sliding_window,
+        "layer_types": layer_types, "final_logit_softcapping": c.final_logit_softcapping,
+        "num_kv_shared_layers": c.kv_shared_layers, "hidden_size_per_layer_input": c.per_layer_input_size,
+        "vocab_size_per_layer_input": c.per_layer_vocab_size, "use_double_wide_mlp": c.double_wide_mlp,
+        "hidden_activation": "gelu_pytorch_tanh", "torch_dtype": "float32", **moe,
+    }

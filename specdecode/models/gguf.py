@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,8 @@ from .moe import GGUF_NAMES as MOE_NAMES
 from .moe import split_stacked, stacked_name
 
 FORMAT_VERSION = 3   # 2: end-of-generation tokens of the vocabulary added to the EOS ids; 3: Qwen3.5's MTP head
-NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen35", "qwen3moe", "qwen35moe")
+NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma4", "qwen35", "qwen3moe", "qwen35moe",
+                "gpt-oss")
 # llama.cpp's names of architectures that transformers files under another (its load_gguf_checkpoint)
 TRANSFORMERS_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
                       "minimax-m2": "minimax_m2", "t5encoder": "t5"}
@@ -157,9 +159,9 @@ def kept_as_stored(hf_name: str, qtype: int, shape: tuple[int, ...]) -> bool:
     kernels: a projection or the output matrix in a format they read (fast.quant.NATIVE_TYPES), rows a
     multiple of 64 weights. Anything else is dequantized at load."""
     from ..fast.quant import NATIVE_TYPES
-    projection = hf_name.endswith(("proj.weight", "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
-                                   "in_proj_a.weight")) or hf_name in ("lm_head.weight", "model.embed_tokens.weight",
-                                                                       "mtp.fc.weight")
+    projection = stacked_name(hf_name) or hf_name.endswith((
+        "proj.weight", "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")) or \
+        hf_name in ("lm_head.weight", "model.embed_tokens.weight", "mtp.fc.weight")
     return projection and len(shape) == 2 and qtype in NATIVE_TYPES and shape[1] % 64 == 0
 
 
@@ -299,9 +301,15 @@ def required_tensors(config: ModelConfig) -> list[str]:
     if config.arch == "qwen3_5":
         from .qwen3_5_gguf import required_tensors as qwen3_5_tensors
         return qwen3_5_tensors(config)
+    if config.arch == "gemma4":
+        from .gemma4_gguf import required_tensors as gemma4_tensors
+        return gemma4_tensors(config)
     if config.moe is not None and config.arch == "qwen3moe":
         from .moe import required_tensors as moe_tensors
         return moe_tensors(config)
+    if config.arch == "gpt-oss":
+        from .gpt_oss import required_tensors as gpt_oss_tensors
+        return gpt_oss_tensors(config)
     per_layer = ["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
                  "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
     if config.arch == "phi3":      # q|k|v fused in attn_qkv, gate|up in ffn_up
@@ -344,7 +352,7 @@ def _write_dir(path: Path, out: Path, config: ModelConfig, files: dict[str, str]
     (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
     for name, text in files.items():
         (tmp / name).write_text(text)
-    _convert_tokenizer(path, tmp)
+    _convert_tokenizer(path, tmp, config.arch)
     (tmp / "DONE").write_text(json.dumps({"source": str(path), "format_version": FORMAT_VERSION}))
     if out.exists():
         shutil.rmtree(out)
@@ -377,6 +385,9 @@ _PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  
 
 def _hf_name(name: str, arch: str | None = None, num_layers: int | None = None) -> str | None:
     """The Hugging Face name of a GGUF tensor (None: not read, e.g. a layer past `num_layers`)."""
+    if arch == "gemma4":                      # its own names (models/gemma4_gguf.py)
+        from .gemma4_gguf import hf_name as gemma4_name
+        return gemma4_name(name, num_layers)
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output_norm.weight":
@@ -392,6 +403,11 @@ def _hf_name(name: str, arch: str | None = None, num_layers: int | None = None) 
     from .gemma_config import GGUF_NAMES  # llama.cpp's names of Gemma's four layer norms
     if arch in ("gemma2", "gemma3") and parts[0] == "blk" and parts[2] in GGUF_NAMES:
         return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
+    if arch == "gpt-oss" and parts[0] == "blk":                      # its sinks and post-attention norm
+        from .gpt_oss import gguf_name
+        name = gguf_name(parts)
+        if name is not None:
+            return name
     if arch == "phi3" and parts[0] == "blk" and parts[2] in _PHI3_NAMES:   # llama.cpp's fused phi3 tensors
         return f"model.layers.{parts[1]}.{_PHI3_NAMES[parts[2]]}.{parts[3]}"
     if parts[0] == "blk" and parts[2] in _NAMES:
@@ -441,6 +457,12 @@ def read_config(reader, path: Path | str = "the GGUF file") -> ModelConfig:
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(int(x) for x in (eos, eot) if x is not None) + end_of_generation_ids(reader)
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    if arch == "gemma4":                          # its own metadata (models/gemma4_gguf.py)
+        from .gemma4_gguf import hf_config as gemma4_config
+        config = ModelConfig.from_hf(gemma4_config(g, reader, names, path, int(vocab), bos,
+                                                   tuple(dict.fromkeys(eos_ids))))
+        return _checked(config, names, path, arch)
     fields = dict(
         arch=arch, vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(g("feed_forward_length", 0) or 0), num_layers=int(g("block_count")),
@@ -450,7 +472,7 @@ def read_config(reader, path: Path | str = "the GGUF file") -> ModelConfig:
         rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=rope_scaling,
         max_position_embeddings=int(g("context_length", 2048)),
         tie_word_embeddings="output.weight" not in names, attention_bias=arch == "qwen2",
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+        bos_token_id=bos, eos_token_ids=tuple(dict.fromkeys(eos_ids)),
         qk_norm=arch in ("qwen3", "qwen3moe"), sliding_window=int(window) if window else None,
         partial_rotary_factor=int(g("rope.dimension_count", head_dim)) / head_dim,
     )
@@ -460,12 +482,20 @@ def read_config(reader, path: Path | str = "the GGUF file") -> ModelConfig:
     if arch == "qwen3moe":                        # mixture-of-experts MLPs (models/moe.py)
         from .moe import gguf_fields as moe_fields
         fields.update(moe_fields(g))
+    if arch == "gpt-oss":                         # sinks, windows, YaRN, biased experts (models/gpt_oss.py)
+        from .gpt_oss import gguf_fields as gpt_oss_fields
+        fields.update(gpt_oss_fields(g))
     config = ModelConfig(**fields)
     if config.is_gemma:
         from dataclasses import replace
 
         from .gemma_config import gguf_fields
         config = replace(config, **gguf_fields(arch, g, config))
+    return _checked(config, names, path, arch)
+
+
+def _checked(config: ModelConfig, names: set[str], path, arch: str) -> ModelConfig:
+    """`config`, once every tensor its decoder reads is in the file (else one ModelError naming them)."""
     missing = [n for n in required_tensors(config) if n not in names]
     if missing:
         raise ModelError(f"{path} is missing tensors: {len(missing)} of the {arch} model's are not in the file "
@@ -490,14 +520,45 @@ def convert(path: Path, out: Path) -> None:
         array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
         weights[name] = torch.from_numpy(_hf_order(name, array, config))
-        if stacked_name(name):                   # llama.cpp's expert stack: the checkpoint's one per expert
-            weights.update(split_stacked(name, weights.pop(name)))
+        if stacked_name(name) and name.endswith(".weight") and config.arch != "gpt-oss":
+            weights.update(split_stacked(name, weights.pop(name)))   # a stack: the checkpoint's one per expert
+    if config.arch == "gpt-oss":                 # gpt_oss checkpoints hold stacks of their own layout
+        from .gpt_oss import checkpoint_weights
+        checkpoint_weights(weights, config)
     _write_dir(path, out, config, {}, weights)
 
 
-def _convert_tokenizer(path: Path, out: Path) -> None:
-    """transformers' GGUF tokenizer converter produces the tokenizer.json and chat template."""
-    from transformers import AutoTokenizer
+def _convert_tokenizer(path: Path, out: Path, arch: str | None = None) -> None:
+    """transformers' GGUF tokenizer converter produces the tokenizer.json and chat template (for
+    gemma4 through the tokenizer class itself: AutoTokenizer first builds the file's config, which
+    transformers' reader gets wrong where kv heads differ per layer)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
     _quiet_transformers()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    cls = PreTrainedTokenizerFast if arch == "gemma4" else AutoTokenizer
+    with _rope_scaling_fields_first():
+        tokenizer = cls.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.save_pretrained(str(out))
+
+
+@contextmanager
+def _rope_scaling_fields_first():
+    """transformers (5.25)'s GGUF reader takes a gpt-oss file's rope.scaling values from the first
+    part of each field, which is the key's length: within this block the gguf package's reader puts a
+    copy of the value (a Python scalar or bytes) first in those fields, so reading them succeeds."""
+    import gguf
+    base = gguf.GGUFReader
+
+    class Reader(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for key, field in list(self.fields.items()):
+                if key.startswith("gpt-oss.rope.scaling.") and len(field.data) == 1:
+                    value = field.parts[field.data[0]]
+                    text = field.types and field.types[0] == gguf.GGUFValueType.STRING
+                    first = bytes(value) if text else value.item()
+                    self.fields[key] = field._replace(parts=[first] + list(field.parts), data=[field.data[0] + 1])
+    gguf.GGUFReader = Reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = base

@@ -31,12 +31,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def build_decoder(config: ModelConfig, weights: dict, make_linear=None):
     """The decoder for `config`: Gemma 2 / Gemma 3 in models/gemma.py, Gemma 4 in models/gemma4.py,
-    Qwen3.5 in models/qwen3_5.py, the rest in models/transformer.py."""
+    Qwen3.5 in models/qwen3_5.py, gpt-oss in models/gpt_oss.py, the rest in models/transformer.py."""
     from .gemma import GemmaTransformer
     from .gemma4 import Gemma4Transformer
+    from .gpt_oss import GptOssTransformer
     from .qwen3_5 import Qwen35Transformer
     from .transformer import Transformer, eager_linear
-    cls = {"gemma4": Gemma4Transformer, "qwen3_5": Qwen35Transformer}.get(
+    cls = {"gemma4": Gemma4Transformer, "qwen3_5": Qwen35Transformer, "gpt-oss": GptOssTransformer}.get(
         config.arch, GemmaTransformer if config.is_gemma else Transformer)
     return cls(config, weights, make_linear or eager_linear)
 

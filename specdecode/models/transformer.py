@@ -55,14 +55,46 @@ def cat_rows(weights: list[Weight], dtype: torch.dtype) -> Weight:
     return torch.cat([w.dequantize(dtype) if isinstance(w, QuantWeight) else w for w in weights])
 
 
+def yarn(config, dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies [dim / 2] (float32) and attention factor (cos and sin times it), as
+    transformers' _compute_yarn_parameters computes them from `config.rope_scaling`."""
+    p = config.rope_scaling
+    base, factor = config.rope_theta, float(p["factor"])
+    original = float(p.get("original_max_position_embeddings") or config.max_position_embeddings)
+    attention = p.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
+
+        def get(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        attention = get(factor, mscale) / get(factor, mscale_all) if mscale and mscale_all else get(factor)
+    fast, slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+    low, high = correction(fast), correction(slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
+
+
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] in float32 (as transformers and llama.cpp compute
-    them), with linear or llama3 scaling applied."""
+    them), with linear, llama3 or YaRN scaling applied (YaRN also scales cos and sin: `rope_factor`)."""
     dim = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
+    if kind == "yarn":
+        inv_freq = yarn(config, dim)[0]
+    elif kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif kind == "llama3":
         factor = float(scaling["factor"])
@@ -74,6 +106,14 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
     return inv_freq
+
+
+def rope_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by (YaRN's attention factor; 1 for the other kinds)."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    return yarn(config, config.rotary_dim)[1]
 
 
 def fused_projections(weights: dict, prefix: str, config: ModelConfig,
@@ -163,7 +203,7 @@ class Transformer:
             self.layers.append({
                 "attn_norm": weights[p + "input_layernorm.weight"],
                 "qkv": make_linear(qkv, qkv_bias),
-                "o": make_linear(weights[p + "self_attn.o_proj.weight"], None),
+                "o": make_linear(weights[p + "self_attn.o_proj.weight"], weights.get(p + "self_attn.o_proj.bias")),
                 "mlp_norm": weights[p + "post_attention_layernorm.weight"],
                 "gate_up": None if moe else make_linear(gate_up, None),
                 "down": None if moe else make_linear(weights[p + "mlp.down_proj.weight"], None),
@@ -177,8 +217,9 @@ class Transformer:
         positions = torch.arange(config.max_position_embeddings + 64, dtype=torch.float32)
         angles = torch.outer(positions, rope_inv_freq(config))
         angles = torch.cat([angles, angles], dim=-1)                     # [max_pos, rotary_dim]
-        self.rope_cos = angles.cos().to(self.dtype).to(self.device)
-        self.rope_sin = angles.sin().to(self.dtype).to(self.device)
+        factor = rope_factor(config)
+        self.rope_cos = (angles.cos() * factor).to(self.dtype).to(self.device)
+        self.rope_sin = (angles.sin() * factor).to(self.dtype).to(self.device)
         # Fused native stack for batch-1 blocks (specdecode.fast.decoder); None = eager only.
         self.fused = None
         self._skip_decoders: dict = {}      # layer-skip drafts: skipped set -> fused decoder of the rest
@@ -312,8 +353,7 @@ class Transformer:
             if self.rope_layers[index]:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             keys, values = cache.write(index, rows, start, k, v)
-            mask = masks[c.layer_window(index)]
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            attn = self.attend(index, q, keys, values, masks[c.layer_window(index)])
             attn = attn.transpose(1, 2).reshape(batch, num_tokens, q_size)
             hidden = hidden + layer["o"](attn)
             # 2. MLP: SwiGLU with fused gate/up, or a mixture of experts
@@ -325,6 +365,15 @@ class Transformer:
             hidden = hidden + layer["down"](F.silu(gate) * up)
 
         return hidden
+
+    def attend(self, index: int,
+               q: torch.Tensor,                   # [B, H, T, HD] roped queries
+               keys: torch.Tensor,                # [B, KVH, L, HD] the cache's keys (values alike)
+               values: torch.Tensor,
+               mask: torch.Tensor | None,         # attention_mask's; None: every key
+               ) -> torch.Tensor:                 # -> [B, H, T, HD]
+        """Layer `index`'s eager attention (a family with its own softmax overrides it: gpt_oss.py)."""
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
     @torch.inference_mode()
     def logits(self,

@@ -221,7 +221,8 @@ async def messages(http: HttpRequest) -> Response:
             parsed = parse(request.chat, state.ctx, chat=True)
         except ApiError as exc:
             raise ApiError(exc.status, request.param(exc.message), exc.param) from None
-        parsed = clamped(parsed, request.max_tokens, state)
+        parsed = dataclasses.replace(clamped(parsed, request.max_tokens, state),
+                                     thinking_budget=request.thinking_budget)
         queue: asyncio.Queue = asyncio.Queue()
         gen = Generation(state, parsed, queue, Mailbox.of(http.app.state))
         try:

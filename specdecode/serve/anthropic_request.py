@@ -16,8 +16,9 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
 
+from .content import Parts
+from .content import short as _short
 from .errors import ApiError
 
 log = logging.getLogger("specdecode.serve")
@@ -30,8 +31,6 @@ PASSED_FIELDS = ("model", "stream", "temperature", "top_p", "top_k",
                  # this server's own fields, as on chat completions (structured output: vLLM's names)
                  "speculate", "num_speculative_tokens", "ignore_eos", "guided_json", "guided_regex",
                  "guided_choice", "guided_grammar")
-UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
-MAX_STRIPS = 8                    # rounds of leaving out unimplemented keywords from one tool schema
 _warned_tool_types: set[str] = set()           # server tool types already warned about (one line each)
 
 
@@ -42,6 +41,7 @@ class MessagesRequest:
     stop_sequences: list[str] = field(default_factory=list)
     skipped_tools: list[str] = field(default_factory=list)    # server tool types left out
     tool_index: list[int] = field(default_factory=list)       # each function tool's index in `tools`
+    thinking_budget: int | None = None                        # thinking.budget_tokens (type enabled)
 
     def param(self, message: str) -> str:
         """An error from the chat checks of the tools (`tools[j].function.parameters`, j counting
@@ -56,31 +56,17 @@ def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param)
 
 
+TEXT_BLOCKS = Parts(("text",), _bad, sep="\n", index=".{}")        # cache_control, citations: ignored
+
+
 def _text_of(blocks, param: str, what: str) -> str:
-    """A string, or the text of a list of text blocks (`cache_control`, `citations` ignored)."""
-    if isinstance(blocks, str):
-        return blocks
-    if not isinstance(blocks, list):
-        raise _bad(param, f"{what} must be a string or a list of text blocks, got {_short(blocks)}")
-    texts = []
-    for j, block in enumerate(blocks):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind in REFUSED_BLOCKS:
-            raise _refused(f"{param}.{j}", kind)
-        if kind != "text" or not isinstance(block.get("text"), str):
-            raise _bad(f"{param}.{j}", f"must be a text block {{'type': 'text', 'text': str}}, got {_short(block)}")
-        texts.append(block["text"])
-    return "\n".join(texts)
+    """A string, or the text of a list of text blocks."""
+    return TEXT_BLOCKS.text(blocks, param, what)
 
 
 def _refused(param: str, kind: str) -> ApiError:
     return _bad(param, f"{kind} blocks need a model that reads {kind}s; this server serves a text model "
                        f"(send the content as text)")
-
-
-def _short(value) -> str:
-    text = json.dumps(value, ensure_ascii=False, default=str) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _user_turns(content, i: int) -> list[dict]:
@@ -210,7 +196,7 @@ def _tools(body: dict, chat: dict) -> tuple[list[str], list[int]]:
         description = tool.get("description")
         if description is not None and not isinstance(description, str):
             raise _bad(f"tools.{i}.description", f"must be a string, got {_short(description)}")
-        function = {"name": name, "parameters": supported(schema)}
+        function = {"name": name, "parameters": schema}
         if description:
             function["description"] = description
         functions.append({"type": "function", "function": function})
@@ -240,56 +226,20 @@ def _tools(body: dict, chat: dict) -> tuple[list[str], list[int]]:
     return skipped, where
 
 
-def supported(schema: dict) -> dict:
-    """`schema` without the keywords the grammar engine does not implement (llguidance's
-    "Unimplemented keys", e.g. `propertyNames` in two of Claude Code's tools): the tool stays usable
-    and the model reads the rest; an otherwise invalid schema is left for the chat checks to name."""
-    text = json.dumps(schema)
-    return json.loads(_supported(text))
-
-
-@lru_cache(maxsize=512)                  # an agent sends the same tools on every request
-def _supported(text: str) -> str:
-    from ..params import ParamError
-    from ..structured import Structured, check_grammar
-    schema = json.loads(text)
-    for _ in range(MAX_STRIPS):
-        try:
-            check_grammar(Structured("json_schema", schema))
-            break
-        except ParamError as exc:
-            found = UNIMPLEMENTED.search(str(exc))
-            keys = set(json.loads(found.group(1))) if found else set()
-            if not keys:
-                break
-            log.debug("Messages API: a tool schema's %s left out (not implemented by the grammar)", sorted(keys))
-            schema = _without(schema, keys)
-    return json.dumps(schema)
-
-
-def _without(node, keys: set[str], names: bool = False):
-    """A copy of a schema without `keys` (`names`: `node` maps property names, which are kept)."""
-    if isinstance(node, list):
-        return [_without(item, keys) for item in node]
-    if not isinstance(node, dict):
-        return node
-    return {k: _without(v, keys, names=not names and k in ("properties", "patternProperties", "$defs",
-                                                                      "definitions"))
-            for k, v in node.items() if names or k not in keys}
-
-
-def _thinking(body: dict, chat: dict) -> None:
+def _thinking(body: dict, chat: dict) -> int | None:
     """`thinking`: enabled / adaptive turn the template's thinking on, disabled off (a model that does
-    not think ignores it); absent leaves the model's default."""
+    not think ignores it); absent leaves the model's default. Returns enabled's budget_tokens, the most
+    tokens the reasoning may take (generation.with_budget)."""
     thinking = body.get("thinking")
     if thinking is None:
-        return
+        return None
     if not isinstance(thinking, dict) or thinking.get("type") not in THINKING_TYPES:
         raise _bad("thinking", f"must be {{'type': one of {', '.join(THINKING_TYPES)}}}, got {_short(thinking)}")
     budget = thinking.get("budget_tokens")
     if thinking["type"] == "enabled" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise _bad("thinking.budget_tokens", f"must be an integer >= 1 with type enabled, got {_short(budget)}")
     chat["chat_template_kwargs"] = {"enable_thinking": thinking["type"] != "disabled"}
+    return budget if thinking["type"] == "enabled" else None
 
 
 def translate(body, count_only: bool = False) -> MessagesRequest:
@@ -318,5 +268,5 @@ def translate(body, count_only: bool = False) -> MessagesRequest:
         if body.get(name) is not None:
             chat[name] = body[name]
     skipped, where = _tools(body, chat)
-    _thinking(body, chat)
-    return MessagesRequest(chat, max_tokens, list(stops or []) if not count_only else [], skipped, where)
+    budget = _thinking(body, chat)
+    return MessagesRequest(chat, max_tokens, list(stops or []) if not count_only else [], skipped, where, budget)

@@ -41,70 +41,86 @@ from .tokenize import detokenize, tokenize, tokenizer_info
 log = logging.getLogger("specdecode.serve")
 STATIC = Path(__file__).parent / "static"
 POSTED = ("/v1/completions", "/v1/chat/completions", "/infill", "/tokenize", "/detokenize")   # the rest: GET
-POSTED += ("/v1/responses",)
+POSTED += ("/v1/responses", "/v1/responses/{response_id}/cancel")
+METHODS = {"/v1/responses/{response_id}": ["GET", "DELETE"]}     # the paths that take more than one method
 POSTED += ("/v1/messages", "/v1/messages/count_tokens")          # Anthropic's Messages API (anthropic.py)
 
 
 async def stream_events(gens: list[Generation], queue: asyncio.Queue):
     """Server-sent events of one request's choices, interleaved as their tokens come; cancelled
-    (client gone) -> every unfinished choice is aborted."""
+    (client gone) -> every unfinished choice is aborted. The events of one wake-up (one or more
+    engine steps: a choice's text, its end, the usage, [DONE]) go out in one write: each write is a
+    socket send and a wake-up of the client, dearer than the chunk it carries."""
     p = gens[0].parsed
     usages: list[tuple[Generation, dict]] = []
     try:
         if p.chat:
-            for g in gens:
-                yield sse(g.envelope([{"index": g.index, "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None}]))
+            yield "".join(sse(g.envelope([{"index": g.index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}])) for g in gens)
         elif p.echo:                                   # the prompt's text first (its logprobs: not streamed)
-            for g in gens:
-                yield sse(g.envelope([g.choice(g.state.tokenizer.decode(g.parsed.prompt_ids), [], [], [], None)]))
+            yield "".join(sse(g.envelope([g.choice(g.state.tokenizer.decode(g.parsed.prompt_ids), [], [], [], None)]))
+                          for g in gens)
         live = len(gens)
         per_step = p.return_token_kinds or p.return_token_ids       # then a chunk is a step
         while live:
             items = drain(await queue.get(), queue)
+            out: list[str] = []
             for gen, event in (items if per_step else merge_tokens(items)):
                 if isinstance(event, Tokens) and p.echo_only:
                     continue                           # the token run to read the prompt is not sent
                 if isinstance(event, Tokens):
-                    delta, texts = gen.text.add(event.ids, p.return_token_kinds or event.logprobs is not None)
-                    lps, at = gen.release_logprobs(event.logprobs, texts)
-                    if gen.tools is not None or gen.reasoning is not None:   # reasoning, content, tool calls
-                        extra = p.return_token_kinds or p.return_token_ids or lps
-                        first = gen.choice("", event.kinds, event.ids, texts, None, lps, at) if extra else None
-                        for chunk in gen.delta_chunks(gen.answer_deltas(delta), first):
-                            yield sse(chunk)
-                    elif p.return_token_kinds or p.return_token_ids or lps:
-                        yield sse(gen.envelope([gen.choice(delta, event.kinds, event.ids, texts, None, lps, at)]))
-                    elif delta:
-                        yield gen.text_chunk(delta)
+                    out += token_events(gen, event)
                 elif isinstance(event, Finished):
                     gen.done = True
                     live -= 1
                     usages.append((gen, event.usage))
-                    delta = "" if p.echo_only else gen.text.finish(event.stop_text_index)
-                    lps, at = gen.release_logprobs(None, [], final=True, end=event.stop_text_index)
-                    reason = "length" if p.echo_only else event.reason
-                    if gen.tools is not None or gen.reasoning is not None:
-                        for chunk in gen.delta_chunks(gen.answer_deltas(delta, final=True)):
-                            yield sse(chunk)
-                        if gen.tools is not None and gen.tools.calls and reason == "stop" \
-                                and gen.tools.calls_complete():
-                            reason = "tool_calls"            # (a stop string inside a call: "stop")
-                        delta = ""
-                    yield sse(gen.envelope([gen.choice(delta, [], [], [], reason, lps, at)],
-                                           speculation=event.speculation))
+                    out += finish_events(gen, event)
                 else:
                     gen.done = True
-                    yield sse(stream_error(event.status, event.message))
-                    yield "data: [DONE]\n\n"
+                    yield "".join(out) + sse(stream_error(event.status, event.message)) + "data: [DONE]\n\n"
                     return
-        if p.include_usage:
-            yield sse(gens[0].envelope([], usage=merged_usage(usages)))
-        yield "data: [DONE]\n\n"
+            if not live:
+                if p.include_usage:
+                    out.append(sse(gens[0].envelope([], usage=merged_usage(usages))))
+                out.append("data: [DONE]\n\n")
+            if out:
+                yield "".join(out)
     finally:
         for g in gens:
             if not g.done:
                 g.state.engine.abort(g.request.id)
+
+
+def token_events(gen: Generation, event: Tokens) -> list[str]:
+    """The SSE events of a choice's new tokens: its text delta (a template's chunk), or, with
+    reasoning, tool calls, token kinds / ids or logprobs, the chunks that carry them."""
+    p = gen.parsed
+    delta, texts = gen.text.add(event.ids, p.return_token_kinds or event.logprobs is not None)
+    lps, at = gen.release_logprobs(event.logprobs, texts)
+    if gen.tools is not None or gen.reasoning is not None:   # reasoning, content, tool calls
+        extra = p.return_token_kinds or p.return_token_ids or lps
+        first = gen.choice("", event.kinds, event.ids, texts, None, lps, at) if extra else None
+        return [sse(chunk) for chunk in gen.delta_chunks(gen.answer_deltas(delta), first)]
+    if p.return_token_kinds or p.return_token_ids or lps:
+        return [sse(gen.envelope([gen.choice(delta, event.kinds, event.ids, texts, None, lps, at)]))]
+    return [gen.text_chunk(delta)] if delta else []
+
+
+def finish_events(gen: Generation, event: Finished) -> list[str]:
+    """The SSE events of a choice's end: the text held back (a possible stop string's start), the
+    finish reason and the speculation summary."""
+    p = gen.parsed
+    out = []
+    delta = "" if p.echo_only else gen.text.finish(event.stop_text_index)
+    lps, at = gen.release_logprobs(None, [], final=True, end=event.stop_text_index)
+    reason = "length" if p.echo_only else event.reason
+    if gen.tools is not None or gen.reasoning is not None:
+        out += [sse(chunk) for chunk in gen.delta_chunks(gen.answer_deltas(delta, final=True))]
+        if gen.tools is not None and gen.tools.calls and reason == "stop" and gen.tools.calls_complete():
+            reason = "tool_calls"            # (a stop string inside a call: "stop")
+        delta = ""
+    out.append(sse(gen.envelope([gen.choice(delta, [], [], [], reason, lps, at)], speculation=event.speculation)))
+    return out
 
 
 def echoed(gen: Generation, choice: dict, seq) -> None:
@@ -244,21 +260,22 @@ async def infill_events(events, prompt_tokens: int):
     """A completions stream as llama.cpp's: each text delta as {"content", "stop": false}, the end
     as the whole answer's fields with "stop": true."""
     last = None                      # the chunk with the finish reason, sent once the usage comes
-    async for event in events:
-        line = event.decode() if isinstance(event, bytes) else event
-        if not line.startswith("data: {"):
-            continue
-        chunk = json.loads(line[6:])
-        if "error" in chunk:
-            yield line
-            return
-        if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is None:
-            yield sse({"content": chunk["choices"][0]["text"], "stop": False})
-        elif chunk.get("choices"):
-            last = chunk
-        elif last is not None:       # the usage chunk
-            yield sse(infill_answer(dict(last, usage=chunk.get("usage")), prompt_tokens))
-            last = None
+    async for data in events:        # (one write may hold several events)
+        text = data.decode() if isinstance(data, bytes) else data
+        for line in text.split("\n\n"):
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                yield line + "\n\n"
+                return
+            if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is None:
+                yield sse({"content": chunk["choices"][0]["text"], "stop": False})
+            elif chunk.get("choices"):
+                last = chunk
+            elif last is not None:       # the usage chunk
+                yield sse(infill_answer(dict(last, usage=chunk.get("usage")), prompt_tokens))
+                last = None
     if last is not None:
         yield sse(infill_answer(last, prompt_tokens))
 
@@ -343,7 +360,8 @@ async def internal_error(http: HttpRequest, exc: Exception) -> Response:
 def api_app(handlers: dict[str, Callable], api_key: str | None, max_body_bytes: int, lifespan=None) -> Starlette:
     """The API's routes on `handlers` (path -> handler: POST for the completions, GET for the rest),
     the dashboard's files, `Guard` and OpenAI-shaped errors: one server's app, and the Ray ingress's."""
-    routes = [Route(path, handler, methods=["POST" if path in POSTED else "GET"]) for path, handler in handlers.items()]
+    routes = [Route(path, handler, methods=METHODS.get(path, ["POST" if path in POSTED else "GET"]))
+              for path, handler in handlers.items()]
     routes.append(Route("/", index, methods=["GET"]))
     if STATIC.is_dir():
         routes.append(Mount("/static", app=StaticFiles(directory=STATIC), name="static"))
@@ -370,9 +388,10 @@ def create_app(state, api_key: str | None = None, max_body_bytes: int = DEFAULT_
             if engine_thread:
                 state.engine.stop()
 
-    from .responses import create_response, get_response  # (it builds on this module's Generation)
+    from .responses import cancel_response, create_response, response_by_id  # (they build on Generation)
     app = api_app({"/v1/completions": partial(generate, chat=False),
-                   "/v1/responses": create_response, "/v1/responses/{response_id}": get_response,
+                   "/v1/responses": create_response, "/v1/responses/{response_id}": response_by_id,
+                   "/v1/responses/{response_id}/cancel": cancel_response,
                    "/v1/chat/completions": partial(generate, chat=True), "/infill": infill, "/tokenize": tokenize,
                    "/detokenize": detokenize, "/tokenizer_info": tokenizer_info, "/v1/models": models,
                    "/v1/models/{model:path}": models, "/health": health, "/metrics": metrics, "/api/stats": stats,

@@ -10,8 +10,8 @@ import sys
 
 def add_serve_parser(sub) -> None:
     from ..cli_common import add_model_options, number, positive_int
+    from ..engine.config import STREAM_INTERVAL_MS
     from .auth import DEFAULT_MAX_BODY_BYTES
-    from .protocol import STREAM_INTERVAL_MS
     p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching, per-request "
                                      "speculation, Prometheus metrics and a live dashboard at /")
     add_model_options(p)

@@ -18,10 +18,11 @@ from starlette.responses import JSONResponse
 
 from ..engine.sequence import Request
 from ..params import SamplingParams
+from ..structured import Structured
 from .events import HeldTokens, Mailbox, TextStream
 from .protocol import ParsedRequest, error_body
-from .reasoning import marker_decoder, reasoned_params, reasoning_parser, reasoning_tokens
-from .tools import ToolParser, openai_deltas
+from .reasoning import HarmonyParser, marker_decoder, reasoned_params, reasoning_parser, reasoning_tokens
+from .tools import call_parser, openai_deltas
 
 log = logging.getLogger("specdecode.serve")
 
@@ -45,13 +46,13 @@ class Generation:
             params = dataclasses.replace(params, seed=(params.seed + choice) % 2**63)
         self.reasoning = reasoning_parser(state, parsed)   # reasoning.py: thinking apart from the answer
         params = reasoned_params(self.reasoning, parsed, params)
+        params = with_budget(self.reasoning, parsed.thinking_budget, params)
         post = lambda event: mailbox.post(queue, (self, event))         # noqa: E731
         self.request = Request(parsed.prompt_ids, params, self._sink(post, state.engine.config.stream_interval_ms),
                                parsed.speculate, parsed.num_speculative_tokens,
                                after=first.request.id if first is not None else None)
         tools = parsed.tools             # tools/: the calls are parsed out of the text as it comes
-        self.tools = ToolParser(tools.fmt, [f["name"] for f in tools.functions()],
-                                None if tools.parallel else 1) if tools is not None else None
+        self.tools = call_parser(tools) if tools is not None else None
         kept = (tools.fmt.kept_tokens() if tools is not None else {}) | (self.reasoning.kept if self.reasoning else {})
         self.text = TextStream(state.tokenizer, params, marker_decoder(state.tokenizer, kept) if kept else None)
         self.done = False
@@ -193,6 +194,29 @@ class Generation:
             extra.setdefault("usage", None)
         return {"id": self.id, "object": kind, "created": self.created, "model": p.model, "choices": choices,
                 **extra}
+
+
+def with_budget(parser, budget: int | None, params: SamplingParams) -> SamplingParams:
+    """`params` whose reasoning ends after at most `budget` tokens (Anthropic's thinking.budget_tokens),
+    as vLLM's thinking_token_budget does it: once the budget is spent the end-of-reasoning marker is
+    the only token allowed, and the answer follows. It is a constraint over the markers' own tokens
+    (reasoning.py's `before_answer` with a bound): unbounded after the reasoning, or the request's
+    own constraint (a forced call, a JSON schema) there. Unchanged when the model does not think,
+    its markers are not one token each, the prompt closed the reasoning, or a constraint writes the
+    answer from its start; gpt-oss's analysis channel is not bounded."""
+    if parser is None or budget is None or isinstance(parser, HarmonyParser):
+        return params
+    bounded = parser.before_answer(budget)
+    if bounded is None:
+        return params
+    if params.structured is None:        # then any token but the markers (a second block would be unbounded)
+        markers = sorted(token for token, text in parser.kept.items() if text in (parser.close, parser.open)
+                         or parser.open.startswith(text))
+        rest = ",".join(map(str, markers))
+        return dataclasses.replace(params, structured=Structured("grammar", f"start: {bounded} <[^{rest}]>*\n"))
+    if params.structured.after is not None:
+        return dataclasses.replace(params, structured=dataclasses.replace(params.structured, after=bounded))
+    return params
 
 
 def sse(data) -> str:

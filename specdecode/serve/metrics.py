@@ -21,6 +21,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 NODE_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+EXPERT_BUCKETS = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 HISTORY_LEN = 120          # one sample per second
 RATE_WINDOW_S = 10.0
 
@@ -85,6 +86,13 @@ class ServeMetrics:
         self.thread_switches = Counter(P + "engine_thread_switches",
                                        "Thread count changes after a trial measured the other count faster",
                                        registry=r)
+        self.moe_passes = Counter(P + "moe_passes", "Target passes of a mixture-of-experts model", registry=r)
+        self.moe_pass_rows = Counter(P + "moe_pass_rows", "Rows of those passes (pending tokens and drafts)",
+                                     registry=r)
+        self.moe_experts = Counter(P + "moe_experts", "Distinct experts those passes read, per MoE layer on average "
+                                   "(a pass of r rows reads the union of the experts they route to)", registry=r)
+        self.moe_experts_per_pass = Histogram(P + "moe_experts_per_pass", "Distinct experts one target pass read, "
+                                              "per MoE layer on average", buckets=EXPERT_BUCKETS, registry=r)
         self.weights = Gauge(P + "memory_weights_bytes", "Bytes of model weights", ["model"], registry=r)
         self.kv_used = Gauge(P + "kv_cache_used_bytes", "KV cache bytes in allocated blocks", ["model"], registry=r)
         self.kv_capacity = Gauge(P + "kv_cache_capacity_bytes", "KV cache pool bytes", ["model"], registry=r)
@@ -167,6 +175,13 @@ class ServeMetrics:
                 "extra_token": out[len(accepted)] if len(out) > len(accepted) else None, "t": round(time.time(), 3)}
         with self.lock:
             self.last_tree = tree
+
+    def record_experts(self, rows: int, experts: float) -> None:
+        """A MoE target's pass of `rows` rows read `experts` distinct experts per MoE layer."""
+        self.moe_passes.inc()
+        self.moe_pass_rows.inc(rows)
+        self.moe_experts.inc(experts)
+        self.moe_experts_per_pass.observe(experts)
 
     def record_threads(self, tuner) -> None:
         """The thread tuner's choice and its switches so far (engine/threads.py)."""

@@ -20,10 +20,6 @@ MAX_K = 64            # draft tree nodes per step (tree drafters); a chain draft
 MAX_N = 16            # choices per request (`n`)
 MAX_CHOICES = 128     # choices per request: prompts (a list) times n
 DEFAULT_MAX_TOKENS = 2048   # max_tokens of a request that gives none (EngineConfig.max_tokens_default)
-STREAM_INTERVAL_MS = 20.0   # a streamed choice's tokens are sent at most every 20 ms (50 chunks a second; its
-                            # first tokens at once): on few cores each chunk's server and client work takes the
-                            # engine's core, so a chunk per step slows the stream (docs/serving.md, "What was
-                            # tried")
 
 
 @dataclass
@@ -65,6 +61,7 @@ class ParsedRequest:
     echo: bool = False               # completions: the prompt's text (and logprobs) before the answer's
     echo_only: bool = False          # echo with max_tokens 0: the prompt alone (one token is run, not sent)
     prompt_logprobs: bool = False    # vLLM's `prompt_logprobs` field was asked for
+    thinking_budget: int | None = None   # the most reasoning tokens (Anthropic's thinking.budget_tokens)
 
 
 def _bad(name: str, message: str) -> ApiError:

@@ -180,6 +180,7 @@ class Ingress:
     def __serve_build_asgi_app__(self):
         return api_app({"/v1/completions": self.generate, "/v1/chat/completions": self.generate,
                         "/v1/responses": self.generate, "/v1/responses/{response_id}": self.forward,
+                        "/v1/responses/{response_id}/cancel": self.forward,
                         "/infill": self.generate, "/tokenize": self.forward, "/detokenize": self.forward,
                         "/tokenizer_info": self.forward, "/v1/models": self.forward,
                         "/v1/models/{model:path}": self.forward, "/health": self.health,

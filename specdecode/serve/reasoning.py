@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from ..params import SamplingParams
 from ..structured import JSON_STYLE, Structured
 from .tools.formats import single_token
-from .tools.spec import closed
+from .tools.schema import closed
 
 WS = " \t\r\n"
 PROMPT_TAIL = 48                  # prompt tokens read for the state the answer starts in
@@ -119,15 +119,17 @@ class ReasoningParser:
         """Is text held that a later delta decides (a marker's first characters)?"""
         return bool(self.pending)
 
-    def before_answer(self) -> str | None:
+    def before_answer(self, limit: int | None = None) -> str | None:
         """A Lark expression of the reasoning the answer may (or, inside an open block, must) start
-        with, in the markers' own tokens, for a constraint that applies after it; None when the
-        markers are not one token each or the prompt closed the reasoning."""
+        with, in the markers' own tokens, for a constraint that applies after it (`limit`: at most
+        that many tokens of reasoning); None when the markers are not one token each or the prompt
+        closed the reasoning."""
         ids = {text: token for token, text in self.kept.items()}
         close = ids.get(self.close)
         if close is None or self.closed_in_prompt:
             return None
-        block = f"<[^{close}]>* <[{close}]> /[ \\t\\r\\n]{{0,4}}/"   # (the line breaks after it, bounded)
+        many = "*" if limit is None else f"{{0,{limit}}}"
+        block = f"<[^{close}]>{many} <[{close}]> /[ \\t\\r\\n]{{0,4}}/"   # (the line breaks after it, bounded)
         if self.in_reasoning:
             return block
         head = max((text for text in ids if self.open.startswith(text)), key=len, default=None)

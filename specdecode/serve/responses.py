@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: POST /v1/responses and GET /v1/responses/{id}, on the engine core.
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id} and its /cancel, on
+the engine core.
 
 A request is translated to the chat request `protocol.parse` takes (responses_input.py) and runs
 as one chat `Generation` (the template, tools, structured output, speculation fields, the tool
@@ -57,6 +58,9 @@ class ResponseStore:
         if entry is not None:
             self.entries.move_to_end(response_id)
         return entry
+
+    def delete(self, response_id: str) -> bool:
+        return self.entries.pop(response_id, None) is not None
 
 
 class Output:
@@ -332,11 +336,32 @@ async def collect(events, out: Output, queue: asyncio.Queue, http: HttpRequest) 
     return JSONResponse(last["response"])
 
 
-async def get_response(http: HttpRequest) -> Response:
-    """GET /v1/responses/{id}: a stored response."""
+def not_stored(response_id: str) -> JSONResponse:
+    return error(404, f"No response with id {response_id!r:.80} is stored here (responses made with store: "
+                      f"false are not kept, and only the last {MAX_STORED} are)", param="response_id")
+
+
+async def response_by_id(http: HttpRequest) -> Response:
+    """GET /v1/responses/{id}: a stored response; DELETE: the response forgotten (OpenAI's answer:
+    its id, `deleted: true`), after which neither GET nor previous_response_id finds it."""
+    response_id = http.path_params["response_id"]
+    store = ResponseStore.of(http.app.state)
+    if http.method == "DELETE":
+        if not store.delete(response_id):
+            return not_stored(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+    entry = store.get(response_id)
+    return not_stored(response_id) if entry is None else JSONResponse(entry[0])
+
+
+async def cancel_response(http: HttpRequest) -> Response:
+    """POST /v1/responses/{id}/cancel. OpenAI cancels only responses made with `background: true`,
+    which this server does not run: every response here was answered in its own request (a stream
+    is cancelled by closing it), so a stored one gets OpenAI's 400 for a foreground response."""
     response_id = http.path_params["response_id"]
     entry = ResponseStore.of(http.app.state).get(response_id)
     if entry is None:
-        return error(404, f"No response with id {response_id!r:.80} is stored here (responses made with store: "
-                          f"false are not kept, and only the last {MAX_STORED} are)", param="response_id")
-    return JSONResponse(entry[0])
+        return not_stored(response_id)
+    return error(400, f"Responses can only be cancelled if they were created with background=true; response "
+                      f"{response_id!r:.80} was answered in its own request (status {entry[0]['status']}): "
+                      f"close a stream to stop it", param="response_id")

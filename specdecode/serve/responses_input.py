@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 
+from .content import Parts
 from .errors import ApiError
 
 log = logging.getLogger("specdecode.serve")
@@ -36,25 +37,12 @@ def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param} {message}", param=param)
 
 
+PARTS = Parts(TEXT_PARTS, _bad)
+
+
 def content_text(content, param: str) -> str:
     """A message's content (a string, or a list of text parts) as one string."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(param, f"must be a string or a list of content parts, got {content!r:.80}")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_image", "input_file", "input_audio", "image_url", "image"):
-            raise _bad(f"{param}[{j}]", f"is an {kind} part: this server serves a text model (text parts only)")
-        text = part.get("text", part.get("refusal")) if kind in TEXT_PARTS else None
-        if not isinstance(text, str):
-            raise _bad(f"{param}[{j}]", f"must be a text part {{'type': 'input_text', 'text': str}}, "
-                                        f"got {part!r:.80}")
-        texts.append(text)
-    return "".join(texts)
+    return PARTS.text(content, param)
 
 
 def input_items(body: dict) -> list[dict]:

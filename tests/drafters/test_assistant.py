@@ -198,3 +198,41 @@ def edited(folder, copy, text=None, **fields):
     cfg.update(fields, text_config=dict(cfg["text_config"], **(text or {})))
     (copy / "config.json").write_text(json.dumps(cfg))
     return copy
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_assistant_on_a_moe_target(tmp_path_factory, dtype):
+    """A Gemma 4 target with MoE blocks (26B-A4B's layout, conftest.make_gemma4_moe): the assistant reads
+    its features and its last windowed and global layers' keys as a dense target's; greedy (drafts
+    accepted) and seeded sampled output are plain decoding's, in bf16 too."""
+    from conftest import make_gemma4_moe
+    target_path = make_gemma4_moe(tmp_path_factory.mktemp("g4_moe_target"))
+    assistant = make_assistant(tmp_path_factory.mktemp("g4_moe_copying"), target_path, copying=True)
+    llm = LLM(model=str(target_path), draft=str(assistant), dtype=dtype, progress=False, adaptive=False,
+              num_speculative_tokens=4)
+    assert llm.method == "assistant" and llm.target.model.config.moe is not None
+    for params, counted in ((SamplingParams(max_tokens=40, ignore_eos=True), "accepted_tokens"),
+                            ([SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True, seed=s) for s in (1, 2)],
+                             "drafted_tokens")):
+        plain = llm.generate(PROMPTS, params, num_speculative_tokens=0)
+        spec = llm.generate(PROMPTS, params)
+        assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+        assert sum(s.stats[counted] for s in spec) > 0
+
+
+def test_assistant_on_a_gguf_moe_target(tmp_path_factory):
+    """The MoE target as llama.cpp's Q8_0 gemma4 file, read natively: the assistant drafts for it as for
+    the directory, plain decoding's tokens in bf16, drafts accepted."""
+    from conftest import hf_reference, make_gemma4_moe
+    from gguf_writer import write_gemma4_gguf
+    target_path = make_gemma4_moe(tmp_path_factory.mktemp("g4_moe_gguf_target"))
+    assistant = make_assistant(tmp_path_factory.mktemp("g4_moe_gguf_copying"), target_path, copying=True)
+    gguf = write_gemma4_gguf(target_path.parent / "tiny-gemma4-moe-q8_0.gguf", hf_reference(target_path),
+                             target_path / "tokenizer.json", "<|im_end|>", "<bos>", qtype="Q8_0")
+    llm = LLM(model=str(gguf), draft=str(assistant), progress=False, adaptive=False, num_speculative_tokens=4)
+    assert llm.method == "assistant" and llm.target.model.config.moe is not None
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = llm.generate(PROMPTS, params, num_speculative_tokens=0)
+    spec = llm.generate(PROMPTS, params)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert sum(s.stats["accepted_tokens"] for s in spec) > 0

@@ -92,7 +92,7 @@ def test_a_reduced_draft_head_drafts_from_its_own_frequent_ids(tiny_models, draf
     assert len(kept) == 128
     seen = []
     real = drafter._pass
-    drafter._pass = lambda rows, feed: seen.append(real(rows, feed)) or seen[-1]
+    drafter._pass = lambda state, rows, feed: seen.append(real(state, rows, feed)) or seen[-1]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     plain = [o.token_ids for o in llm.generate(PROMPTS, params, num_speculative_tokens=0)]
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == plain
@@ -195,10 +195,10 @@ def test_rollback_by_characters(tiny_models, drafts):
     drafter = build_drafter("text-model", target, draft=draft, draft_confidence=0.0)
     state = drafter.prepare(1, 128)
     tok, dtok = target.tokenizer, draft.tokenizer
-    s = make_seq(1, tok.encode("the quick brown fox jumps over"), SamplingParams())
+    s = make_seq(1, tok.encode("the quick brown fox jumps over"), SamplingParams(), drafter_state=state)
     drafter.prefill([s])
     row = state.rows[0]
-    assert row.dtext == row.text == "the quick brown fox jumps over" and drafter.cache.lengths[0] == len(row.ids)
+    assert row.dtext == row.text == "the quick brown fox jumps over" and state.cache.lengths[0] == len(row.ids)
     proposal = drafter.propose([s], [4])
     drafted = proposal.main_path(0)
     assert len(drafted) == 4
@@ -209,16 +209,16 @@ def test_rollback_by_characters(tiny_models, drafts):
     drafter.commit([s], proposal, [1])
     committed = tok.decode(s.token_ids)
     assert row.text == committed and committed.startswith(row.dtext)
-    assert drafter.cache.lengths[0] == len(row.ids) and dtok.decode(row.ids) == row.dtext
+    assert state.cache.lengths[0] == len(row.ids) and dtok.decode(row.ids) == row.dtext
     assert len(row.dtext) >= len("the quick brown fox jumps over")        # the prompt's tokens stay
     kept = len(row.ids)
     nxt = drafter.propose([s], [3])
     assert dtok.decode(row.ids[:kept]) + committed[len(dtok.decode(row.ids[:kept])):] == committed
     assert row.text == committed and (row.dtext.startswith(committed) or committed.startswith(row.dtext))
     assert tok.decode(s.token_ids + nxt.main_path(0)).startswith(committed)
-    assert drafter.cache.lengths[0] == len(row.ids) and dtok.decode(row.ids) == row.dtext
+    assert state.cache.lengths[0] == len(row.ids) and dtok.decode(row.ids) == row.dtext
     state.reset(0)
-    assert state.rows[0].ids == [] and drafter.cache.lengths[0] == 0
+    assert state.rows[0].ids == [] and state.cache.lengths[0] == 0
 
 
 def test_the_draft_reads_a_long_prompt_s_recent_text_only(tiny_models, drafts):
@@ -233,10 +233,10 @@ def test_the_draft_reads_a_long_prompt_s_recent_text_only(tiny_models, drafts):
     state = drafter.prepare(1, 256)
     tok, dtok = target.tokenizer, draft.tokenizer
     prompt = "the quick brown fox jumps over the lazy dog and " * 4
-    s = make_seq(1, tok.encode(prompt), SamplingParams())
+    s = make_seq(1, tok.encode(prompt), SamplingParams(), drafter_state=state)
     drafter.prefill([s])
     row = state.rows[0]
-    assert len(row.ids) == drafter.cache.lengths[0] <= 17                # (a BOS where the draft adds one)
+    assert len(row.ids) == state.cache.lengths[0] <= 17                # (a BOS where the draft adds one)
     assert prompt.endswith(row.text) and row.dtext == row.text and len(row.text) < len(prompt) // 2
     assert dtok.decode(row.ids, skip_special=True) == row.text
     assert tok.decode(s.token_ids + drafter.propose([s], [3]).main_path(0)).startswith(prompt)

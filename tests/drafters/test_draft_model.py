@@ -98,3 +98,27 @@ def test_seeded_sampled_request_same_alone_and_in_a_batch(tiny_models):
     llm = LLM(model=str(tiny_models["llama"]), draft=str(tiny_models["llama_draft"]), method="model", dtype="fp32",
               progress=False, adaptive=False)     # the draft model alone (cascade would mix in lookups)
     check_seeded_alone_as_batched(llm, PROMPTS)
+
+
+def test_two_cores_sharing_a_draft_model_keep_their_own_rows(tiny_models):
+    """The drafter keeps no per-row state of its own: each engine core's rows carry their core's
+    draft cache (Sequence.drafter_state), so a second core built around the same drafter neither
+    redirects the first's drafting nor receives its rows' entries."""
+    from specdecode.engine import offline
+    llm = LLM(model=str(tiny_models["llama"]), draft=str(tiny_models["llama_draft"]), dtype="fp32",
+              progress=False, method="model", adaptive=False)
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+
+    def run(core):
+        return offline.run(core, [ids], [params])[0]
+    first = offline.offline_core(llm.target, llm.drafter, 4, adaptive=False)
+    alone = run(first)
+    second = offline.offline_core(llm.target, llm.drafter, 4, adaptive=False)
+    offline.prepare(second, 1, len(ids) + 16)       # made (and its caches handed out) after the first's
+    again = run(first)
+    counts = lambda out: (out.stats.steps, out.stats.drafted, out.stats.accepted_per_position)   # noqa: E731
+    assert again.token_ids == alone.token_ids and counts(again) == counts(alone)     # drafted the same way
+    assert alone.stats.accepted > 0
+    draft = second.runner.draft_cache
+    assert draft is not first.runner.draft_cache and draft.lengths == [0] * len(draft.lengths)

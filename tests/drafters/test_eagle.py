@@ -226,12 +226,13 @@ def test_eagle2_reads_the_features_of_the_accepted_path(tiny_models, heads):
     original = drafter.propose
 
     def spy(seqs, max_tokens):
-        drafter.pending.flush()          # what propose reads first
+        state = seqs[0].drafter_state    # the engine's, kept with its rows
+        state.pending.flush()            # what propose reads first
         for s in seqs:
             ids = torch.tensor([s.token_ids])
             reference = model.run(ForwardBatch.chain(ids, 0), model.new_cache(1, ids.shape[1]))[0]   # [L, D]
             end = len(s.token_ids) - 1
-            torch.testing.assert_close(drafter.features[s.row, :end], reference[:end], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(state.features[s.row, :end], reference[:end], atol=1e-4, rtol=1e-4)
             checked.append(end)
         return original(seqs, max_tokens)
     drafter.propose = spy
@@ -295,22 +296,22 @@ def test_a_long_catch_up_computes_only_the_window_and_never_reads_before_it(tiny
     drafter, model = llm.drafter, llm.target.model
     widths, original = [], drafter._pass
 
-    def spy(rows, starts, tokens, features, fb=None):
+    def spy(st, rows, starts, tokens, features, fb=None):
         widths.append(tokens.shape[1])
-        return original(rows, starts, tokens, features, fb)
+        return original(st, rows, starts, tokens, features, fb)
     drafter._pass = spy
     ids = llm.encode(PROMPTS[0], False)
     hidden = model.run(ForwardBatch.chain(torch.tensor([ids]), 0), model.new_cache(1, len(ids)))   # [1, L, D]
     drafts = []
     for fill in (0.0, 1e4):      # what the skipped slots hold: zeros, or values that would swamp any output
-        drafter.prepare(1, 128)
-        for cache in (drafter.cache.keys[0], drafter.cache.values[0]):
+        state = drafter.prepare(1, 128)
+        for cache in (state.cache.keys[0], state.cache.values[0]):
             cache.fill_(fill)
-        seq = make_seq(0, ids, params, (), row=0)
+        seq = make_seq(0, ids, params, (), row=0, drafter_state=state)
         drafter.observe([seq], [0], hidden)
         widths.clear()
         drafts.append(drafter.propose([seq], [4]).tokens.tolist())
-        assert widths[0] == 3 < len(ids) - 1 and int(drafter.head_from[0]) == len(ids) - 4
+        assert widths[0] == 3 < len(ids) - 1 and int(state.head_from[0]) == len(ids) - 4
     assert drafts[0] == drafts[1]
     for bad in (0, -3, 2.5, True):
         with pytest.raises(DrafterError, match="catch_up_window"):
@@ -326,18 +327,18 @@ def test_the_one_row_pass_equals_the_general_pass(tiny_models, heads):
     llm = LLM(model=str(tiny_models["llama"]), method="eagle", drafter_path=str(heads["llama"]), dtype="fp32",
               progress=False, adaptive=False)
     drafter = llm.drafter
-    drafter.prepare(2, 64)
+    state = drafter.prepare(2, 64)
     torch.manual_seed(1)
-    drafter.head_from[1] = 3                 # slots 0-2 never computed: both passes must ignore them
-    drafter.cache.keys[0].normal_()
-    drafter.cache.values[0].normal_()
+    state.head_from[1] = 3                   # slots 0-2 never computed: both passes must ignore them
+    state.cache.keys[0].normal_()
+    state.cache.values[0].normal_()
     rows = torch.tensor([1])
     for start, num in ((3, 6), (9, 1), (10, 1)):
         tokens = torch.randint(0, llm.target.model.vocab_size, (1, num))
         features = torch.randn(1, num, llm.target.model.config.hidden_size)
         batch = ForwardBatch.chain(tokens, torch.tensor([start]), rows)
-        general = drafter._pass(rows, [start], tokens, features, batch)
-        one = drafter._pass(rows, [start], tokens, features)
+        general = drafter._pass(state, rows, [start], tokens, features, batch)
+        one = drafter._pass(state, rows, [start], tokens, features)
         torch.testing.assert_close(one, general)
 
 
@@ -387,18 +388,18 @@ def test_a_catch_up_after_a_gap_reads_only_the_features_observed_since(tiny_mode
     cut, resumed = len(ids) // 2, len(ids) - 4          # features of cut .. resumed - 1 never observed
     widths, original = [], drafter._pass
 
-    def spy(rows, starts, tokens, features, fb=None):
+    def spy(st, rows, starts, tokens, features, fb=None):
         widths.append(tokens.shape[1])
-        return original(rows, starts, tokens, features, fb)
+        return original(st, rows, starts, tokens, features, fb)
     drafter._pass = spy
     drafts = []
     for fill in (0.0, 1e4):      # what the unobserved features hold: zeros, or values that would swamp any output
-        drafter.prepare(1, 128)
-        drafter.features.fill_(fill)
-        seq = make_seq(0, ids, SamplingParams(max_tokens=8), (), row=0)
+        state = drafter.prepare(1, 128)
+        state.features.fill_(fill)
+        seq = make_seq(0, ids, SamplingParams(max_tokens=8), (), row=0, drafter_state=state)
         drafter.observe([seq], [0], hidden[:, :cut])
         drafter.observe([seq], [resumed], hidden[:, resumed:])
         widths.clear()
         drafts.append(drafter.propose([seq], [4]).tokens.tolist())
-        assert widths[0] == len(ids) - 1 - resumed and int(drafter.head_from[0]) == resumed
+        assert widths[0] == len(ids) - 1 - resumed and int(state.head_from[0]) == resumed
     assert drafts[0] == drafts[1]

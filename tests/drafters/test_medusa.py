@@ -86,7 +86,7 @@ def test_medusa_trees_and_features(tiny_models, heads):
         for b, s in enumerate(seqs):
             p = len(s.token_ids) - 2
             if p >= 0 and max_tokens[b] > 0:
-                seen.append((list(s.token_ids), drafter.state.features[s.row, p].clone(),
+                seen.append((list(s.token_ids), s.drafter_state.features[s.row, p].clone(),
                              proposal, b, max_tokens[b]))
         return proposal
     drafter.propose = spy

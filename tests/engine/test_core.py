@@ -161,7 +161,7 @@ def test_one_core_per_llm_the_server_runs_on_it_and_calls_join_its_batch(tiny_mo
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     alone = llm.generate([ids], params)[0].token_ids
     state = build_state(llm, EngineConfig(max_batch_size=2, max_model_len=128), check_budget=False)
-    assert state.engine is llm.core and state.engine.runner.draft_cache is llm.drafter.cache
+    assert state.engine is llm.core and state.engine.runner.drafter_state is state.engine.runner.draft_cache
     state.engine.start()
     try:
         assert llm.generate([ids, PROMPTS[1]], params)[0].token_ids == alone

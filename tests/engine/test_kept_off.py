@@ -9,8 +9,8 @@ import pytest
 from specdecode import LLM, SamplingParams
 from specdecode.drafters.base import Drafter, DrafterCapabilities, DraftProposal
 from specdecode.engine import offline
-from specdecode.engine.controller import LISTEN, MAX_PROBE_EVERY, PROBE_EVERY
 from specdecode.engine.core import EngineCore
+from specdecode.engine.probes import LISTEN, MAX_PROBE_EVERY, PROBE_EVERY
 from specdecode.engine.sequence import Request, Tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -69,7 +69,7 @@ class WrongHead(Drafter):
 
 def most_probes(steps: int) -> int:
     """The most probes in a run of `steps` steps after a row's first tries: the waits between two
-    probes double from 2 * PROBE_EVERY up to MAX_PROBE_EVERY (controller.py), at their shortest
+    probes double from 2 * PROBE_EVERY up to MAX_PROBE_EVERY (probes.py), at their shortest
     here; one more where the run starts just before a probe."""
     count, interval, used = 1, 2 * PROBE_EVERY, 0
     while used + interval + 1 <= steps:

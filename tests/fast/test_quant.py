@@ -475,3 +475,23 @@ def test_a_mapped_weight_is_repacked_a_chunk_at_a_time_and_its_pages_given_back(
     x = torch.randn(3, 512).to(torch.bfloat16)
     assert torch.equal(QuantLinear(mapped)(x), QuantLinear(w)(x))
     assert mapping_rss_kb(path) <= 4 * 2, mapping_rss_kb(path)      # at most the pages straddling chunk ends
+
+
+@needs_quant
+def test_mxfp4_parts_are_kernel_segments_read_in_place():
+    """MXFP4 (never repacked): a gate|up of two stacks' rows is two kernel segments reading those rows
+    where they lie, bitwise the merged copy's results; every e2m1 code and a subnormal scale decode as
+    the gguf package's values."""
+    gate, up = random_weight(39, 24, 320, seed=8), random_weight(39, 40, 320, seed=9)
+    lin = QuantLinear(QuantWeight.cat([gate, up]))
+    assert lin.qmat.nseg == 2 and [lin.qmat.data[0], lin.qmat.data[1]] == [
+        gate.segments[0][1].data_ptr(), up.segments[0][1].data_ptr()]
+    merged = QuantWeight([(39, torch.cat([gate.segments[0][1], up.segments[0][1]]))], 320)
+    x = torch.randn(6, 320).to(torch.bfloat16)
+    assert torch.equal(lin(x), QuantLinear(merged)(x))
+    raw = np.zeros((2, 2, 17), np.uint8)
+    raw[:, :, 0] = [[1, 127], [130, 0]]                                      # subnormal, 2^-1, 2^2 and 2^-128 scales
+    raw[:, :, 1:] = (np.arange(16, dtype=np.uint8) * 17)[None, None]        # every code, low and high nibble
+    from gguf.quants import dequantize
+    w = QuantWeight.from_blocks(39, raw.reshape(2, -1), (2, 64))
+    assert torch.equal(w.dequantize(), torch.from_numpy(dequantize(raw.reshape(2, -1), 39).reshape(2, 64)))

@@ -178,3 +178,40 @@ def test_multimodal_wrapper_loads_its_text_model(tmp_path):
     with torch.no_grad():
         expected = text(tokens).logits
     torch.testing.assert_close(model.forward(tokens, model.new_cache(1, 32), 0), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_gguf_as_llama_cpp_writes_it_loads_natively(gemma4, tmp_path):
+    """The model as llama.cpp's converter writes it (gemma4 GGUF: per-layer input tensors, kv-shared
+    layers without k/v, per-layer kv heads and MLP widths in the metadata) loads natively with the
+    directory's config and transformers' logits."""
+    from gguf_writer import write_gemma4_gguf
+    variant, path = gemma4
+    ref = reference(path)
+    gguf = write_gemma4_gguf(tmp_path / f"tiny-gemma4-{variant}.gguf", ref, path / "tokenizer.json", "<|im_end|>",
+                             "<bos>")
+    model = load(gguf)
+    expected = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    assert model.config.kv_geometry() == expected.kv_geometry()
+    for field in ("per_layer_input_size", "per_layer_vocab_size", "kv_shared_layers", "double_wide_mlp", "k_eq_v",
+                  "rope_scaling", "sliding_layers", "intermediate_size"):
+        assert getattr(model.config, field) == getattr(expected, field), field
+    tokens = torch.randint(3, model.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
+    check_logits(model, ref, tokens, 1e-4)
+
+
+def test_bf16_verify_rows_bitwise_and_speculation_lossless(gemma4):
+    """bf16 (the default dtype): each query attends alone over the keys it sees (gemma4.row_attention),
+    so a verify block's rows are bitwise single steps, and speculative and batched decoding give plain
+    decoding's tokens (one SDPA call over the pass did not: its sums depend on the pass's shape)."""
+    _, path = gemma4
+    model = load(path, fast=True, dtype="bf16")
+    tokens = torch.randint(3, model.vocab_size, (1, 20), generator=torch.Generator().manual_seed(2))
+    cache = model.new_cache(1, 32)
+    model.forward(tokens[:, :14], cache, 0)
+    block = model.forward(tokens[:, 14:20], cache, 14)
+    assert torch.equal(block[0], torch.cat([model.forward(tokens[:, p:p + 1], cache, p)[:, 0] for p in range(14, 20)]))
+    llm = LLM(model=str(path), progress=False, adaptive=False)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    alone = [llm.generate(p, params, num_speculative_tokens=0)[0].token_ids for p in PROMPTS]
+    for k in (0, 4):
+        assert [o.token_ids for o in llm.generate(PROMPTS, params, num_speculative_tokens=k)] == alone, k

@@ -1,6 +1,6 @@
-"""scripts/measure/make_random_gguf.py --arch qwen3moe: the file it writes tensor by tensor (a small
-shape here; the script's default is Qwen3-30B-A3B's) loads natively with the metadata and tensors of
-llama.cpp's qwen3moe layout, runs, and a wrong --layers is one error."""
+"""scripts/measure/make_random_gguf.py --arch qwen3moe / gemma4: the file it writes tensor by tensor (a small
+shape here; the script's defaults are Qwen3-30B-A3B's and Gemma 4 26B-A4B's) loads natively with the
+metadata and tensors of llama.cpp's qwen3moe / gemma4 layout, runs, and a wrong --layers is one error."""
 from __future__ import annotations
 
 import importlib.util
@@ -102,6 +102,48 @@ def test_q4_k_m_file_loads_natively_and_decodes(script, tmp_path):
     assert logits.shape == (1, 4, 512) and torch.isfinite(logits).all() and logits.std() > 0
 
 
+def test_gpt_oss_file_loads_natively_with_its_experts_in_place(script, tmp_path):
+    """--arch gpt-oss (a small shape): llama.cpp's layout read back (window, YaRN, sinks, biases), each
+    expert's MXFP4 rows a view of the mapped file, a finite forward pass; --layers past 24 is one error."""
+    shape = dict(script.GPT_OSS_20B, hidden=128, heads=4, kv_heads=2, head_dim=32, experts=8, used=2, expert_ff=64,
+                 vocab=512, window=4, context=256, yarn_context=64)
+    out = tmp_path / "random-gpt-oss.gguf"
+    script.write_gpt_oss(out, 2, seed=0, shape=shape)
+    lm = load_model(str(out), progress=False)
+    config = lm.model.config
+    assert (config.arch, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
+        "gpt-oss", 2, 128, 4, 2)
+    assert config.sliding_layers == (True, False) and config.sliding_window == 4 and config.attention_sinks
+    assert config.rope_scaling["factor"] == 32.0 and config.rope_scaling["original_max_position_embeddings"] == 64
+    assert config.moe["experts"] == 8 and config.moe["used"] == 2 and config.vocab_size == 512
+    if lm.model.quantized:                      # native kernels here: the file's MXFP4 rows, read in place
+        assert "MXFP4" in lm.weights_kind and lm.model.layers[0]["experts_down"][5].weight_q.mapped
+    logits = lm.model.forward(torch.tensor([[1, 2, 3, 4, 5, 6]]), lm.model.new_cache(1, 8), 0)
+    assert logits.shape == (1, 6, 512) and torch.isfinite(logits).all() and logits.std() > 0
+    with pytest.raises(SystemExit):
+        script.main(["--arch", "gpt-oss", "--layers", "25", "--out", str(tmp_path / "x.gguf")])
+
+
+def test_gemma4_file_loads_natively(script, tmp_path):
+    """--arch gemma4 (Gemma 4 26B-A4B's layout in a small shape): windowed and global layers with their own
+    head shapes, k_eq_v global layers, the last layer global, the MoE block beside every MLP, read natively."""
+    shape = dict(script.GEMMA4_26B_A4B, hidden=128, heads=4, kv_heads=2, head_dim=32, global_kv_heads=1,
+                 global_head_dim=64, ff=96, experts=16, used=4, expert_ff=64, vocab=512, window=16)
+    out = tmp_path / "random-gemma4.gguf"
+    script.write_gemma4(out, 7, seed=0, shape=shape)
+    lm = load_model(str(out), progress=False, fast=False, weights="dense", dtype="fp32")
+    config = lm.model.config
+    assert (config.arch, config.num_layers, config.hidden_size, config.num_heads) == ("gemma4", 7, 128, 4)
+    assert config.sliding_layers == (True,) * 5 + (False, False) and config.k_eq_v
+    assert config.kv_geometry() == (7, (2,) * 5 + (1, 1), (32,) * 5 + (64, 64))
+    assert config.moe == {"experts": 16, "used": 4, "intermediate": 64, "norm_topk": True, "router": "gemma4",
+                          "activation": "gelu_tanh"}
+    assert config.rope_scaling["partial_rotary_factor"] == 0.25 and config.final_logit_softcapping == 30.0
+    assert config.vocab_size == 512 and config.tie_word_embeddings and config.sliding_window == 16
+    logits = lm.model.forward(torch.tensor([[1, 2, 3, 4]]), lm.model.new_cache(1, 8), 0)
+    assert logits.shape == (1, 4, 512) and torch.isfinite(logits).all() and logits.std() > 0
+
+
 def test_q4_k_m_is_for_qwen3moe(script, tmp_path, capsys):
     with pytest.raises(SystemExit):
         script.main(["--qtype", "Q4_K_M", "--out", str(tmp_path / "x.gguf")])
@@ -123,3 +165,9 @@ def test_the_footprint_counts_the_expert_stacks_as_stored(script, tmp_path):
     held = weights_bytes(load_model(str(out), progress=False).model)
     assert held <= said <= held * 1.01, (held, said)
     assert said < out.stat().st_size * 1.5
+
+
+def test_gemma4_bad_layers_is_one_error(script, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        script.main(["--arch", "gemma4", "--layers", "31", "--out", str(tmp_path / "x.gguf")])
+    assert "--layers must be in [1, 30] for gemma4" in capsys.readouterr().err

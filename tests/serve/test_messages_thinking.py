@@ -82,3 +82,42 @@ def test_thinking_disabled_gives_text_alone(thinker):
     message = client.messages.create(model="m", max_tokens=20, messages=ASK, thinking={"type": "disabled"},
                                      extra_body={"temperature": 0, "guided_grammar": plain})
     assert [b.type for b in message.content] == ["text"] and message.content[0].text.split()
+
+
+def test_budget_tokens_ends_the_thinking(thinker):
+    """thinking.budget_tokens: after that many tokens of reasoning the end marker is the only token
+    allowed (vLLM's thinking_token_budget), then the answer follows. Where the prompt opens the
+    reasoning (Qwen3.5) the random model would otherwise think until max_tokens."""
+    from specdecode.params import SamplingParams
+    from specdecode.serve.generation import with_budget
+    from specdecode.serve.reasoning import HarmonyParser, thinking_format
+    from specdecode.structured import grammar_tokenizer_for
+    name, client, state, _ = thinker
+    body = dict(model="m", max_tokens=40, messages=ASK, extra_body={"temperature": 0})
+    unbounded = client.messages.create(**body, thinking={"type": "adaptive"})
+    bounded = client.messages.create(**body, thinking={"type": "enabled", "budget_tokens": 4})
+    thought = "".join(b.thinking for b in bounded.content if b.type == "thinking")
+    assert len(state.tokenizer.encode(thought, add_special=False)) <= 4 + 1, bounded    # (its edges trimmed)
+    if name == "qwen3.5":
+        assert "text" not in [b.type for b in unbounded.content] and unbounded.stop_reason == "max_tokens"
+        assert [b.type for b in bounded.content][-1] == "text", bounded
+    # the constraint itself: inside the reasoning, after 4 tokens only the end marker may come
+    parser = thinking_format(state.tokenizer).parser()
+    parser.prime("<think>\n" if name != "gemma4" else "<|channel>thought\n")
+    params = with_budget(parser, 4, SamplingParams())
+    if isinstance(parser, HarmonyParser):
+        assert params.structured is None                          # (gpt-oss: not bounded)
+        return
+    close = state.tokenizer.token_id(parser.close)
+    constraint = grammar_tokenizer_for(state.tokenizer, state.ctx.vocab_size,
+                                       state.ctx.eos_token_ids).constraint(params.structured)
+    word = state.tokenizer.encode("the", add_special=False)[0]
+    for _ in range(4):
+        assert bool(constraint.allowed()[word])
+        constraint.consume([word])
+    allowed = constraint.allowed()
+    assert bool(allowed[close]) and int(allowed.sum()) == 1
+    constraint.consume([close])
+    opener = state.tokenizer.token_id(parser.open) or state.tokenizer.token_id("<|channel>")
+    assert not constraint.allowed()[opener] and constraint.allowed()[word]      # no second, unbounded block
+    assert with_budget(parser, None, SamplingParams()).structured is None

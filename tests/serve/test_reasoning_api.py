@@ -18,6 +18,7 @@ from specdecode.engine.config import EngineConfig
 from specdecode.serve.app import create_app
 from specdecode.serve.reasoning import detect
 from specdecode.serve.server import BackgroundServer, build_state
+from specdecode.serve.tools import ToolSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -158,8 +159,6 @@ def test_thinking_turned_off_and_reasoning_format_none(family):
 
 def test_a_tool_call_after_thinking(family):
     name, client, state, _ = family
-    if name == "gemma4":
-        pytest.skip("Gemma 4's own call format (<|tool_call>call:NAME{...}) is not one the tool parser reads")
     tools = [{"type": "function", "function": {"name": "get_time", "description": "Local time in a city",
                                                "parameters": {"type": "object", "properties": {
                                                    "city": {"type": "string", "maxLength": 8}}}}}]
@@ -168,10 +167,14 @@ def test_a_tool_call_after_thinking(family):
         g = grammar(state, "<|channel|>", "analysis", "<|message|>", words, "<|end|>", "<|start|>", "assistant",
                     "<|channel|>", "commentary to=functions.get_time ", "<|constrain|>", "json", "<|message|>",
                     '{"city": "', "/[a-z]{1,6}/", '"}')
-    else:
-        opened = ("<think>", "\n") if name == "qwen3" else ()
-        g = grammar(state, *opened, words, "\n", "</think>", "\n\n", "<tool_call>",
+    elif name == "qwen3":
+        g = grammar(state, "<think>", "\n", words, "\n", "</think>", "\n\n", "<tool_call>",
                     '\n{"name": "get_time", "arguments": {"city": "', "/[a-z]{1,6}/", '"}}\n', "</tool_call>")
+    else:                                           # Qwen3.5's XML, Gemma 4's notation (tools/markup.py)
+        opened = ("<|channel>", "thought\n", words, "<channel|>") if name == "gemma4" else \
+            (words, "\n", "</think>", "\n\n")
+        call = ToolSpec(tools, "get_time", state.ctx.tool_format()).structured().value.replace("start:", "call:", 1)
+        g = grammar(state, *opened).rstrip("\n") + " call\n" + call
     body = dict(model="m", messages=ASK, tools=tools, max_tokens=60, temperature=0, extra_body={"guided_grammar": g})
     c = client.chat.completions.create(**body).choices[0]
     assert c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name == "get_time", c

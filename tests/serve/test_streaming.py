@@ -88,3 +88,56 @@ def test_bad_stream_interval_is_refused_by_name(bad):
     from specdecode.params import ParamError
     with pytest.raises(ParamError, match=r"stream_interval_ms must be a number of milliseconds in \[0, 10000\]"):
         EngineConfig(stream_interval_ms=bad)
+
+
+def test_the_events_of_one_wake_up_go_out_in_one_write():
+    """stream_events writes once per wake-up: the role chunk alone, then each drained batch of
+    events (here the last text, the finish chunk, the usage and [DONE]) in one string, so a
+    stream's end is one socket send and one wake-up of the client, not four."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from specdecode.engine.sequence import Finished, Tokens
+    from specdecode.params import SamplingParams
+    from specdecode.serve.app import stream_events
+    from specdecode.serve.events import TextStream
+    from specdecode.serve.generation import Generation
+
+    class Choice:                          # the parts of a Generation that stream_events reads
+        envelope, choice, text_chunk = Generation.envelope, Generation.choice, Generation.text_chunk
+        release_logprobs, logprobs = Generation.release_logprobs, Generation.logprobs
+
+        def __init__(self) -> None:
+            self.parsed = SimpleNamespace(chat=True, stream=True, echo=False, echo_only=False, include_usage=True,
+                                          return_token_kinds=False, return_token_ids=False, model="m",
+                                          params=SamplingParams())
+            self.text = TextStream(_CharTokenizer(), SamplingParams())
+            self.tools = self.reasoning = self._text_template = None
+            self.held_logprobs, self.logprobs_at, self.index, self.choice_of_prompt = [], 0, 0, 0
+            self.id, self.created, self.done = "chatcmpl-1", 1, False
+            self.request = SimpleNamespace(id="r")
+            self.state = SimpleNamespace(engine=SimpleNamespace(abort=lambda request_id: None))
+
+    async def run() -> list[str]:
+        gen, queue = Choice(), asyncio.Queue()
+        usage = {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4,
+                 "prompt_tokens_details": {"cached_tokens": 0}}
+        queue.put_nowait((gen, Tokens([ord("a")], ["bonus"])))
+        writes = []
+        events = stream_events([gen], queue)
+        writes.append(await events.__anext__())                        # the role chunk
+        writes.append(await events.__anext__())                        # "a"
+        for item in ((gen, Tokens([ord("b"), ord("c")], ["accepted", "bonus"])),
+                     (gen, Finished("length", None, usage, {}))):
+            queue.put_nowait(item)                                     # one wake-up's events
+        writes += [w async for w in events]
+        return writes
+
+    writes = asyncio.run(run())
+    assert len(writes) == 3 and all(w.endswith("\n\n") for w in writes)
+    last = [e[len("data: "):] for e in writes[2].split("\n\n") if e]
+    assert last[-1] == "[DONE]" and len(last) == 4
+    chunks = [json.loads(e) for e in last[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"content": "bc"}
+    assert chunks[1]["choices"][0]["finish_reason"] == "length" and chunks[2]["usage"]["completion_tokens"] == 3

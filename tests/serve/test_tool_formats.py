@@ -13,7 +13,7 @@ import json
 import jsonschema
 import openai
 import pytest
-import torch
+from conftest import make_marker_model
 from pydantic import BaseModel, Field
 
 from specdecode import LLM
@@ -87,32 +87,11 @@ class Person(BaseModel):
 
 
 def make_family_model(folder, family: str):
-    """A 2-layer random Qwen2 model whose byte-level BPE tokenizer holds the family's added
-    tokens (llguidance treats such <...> / [...] tokens as special) and its chat template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """The family's added tokens (llguidance treats such <...> / [...] tokens as special; Qwen's tool
+    markers are added with special: false, decoded as text), its end tokens and chat template."""
     added, eos, more_eos, bos, template = FAMILIES[family][:5]
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    # Qwen's tool markers are added tokens with special: false (decoded as text), the others special
-    tok.add_tokens([AddedToken(t, special=t not in ("<tool_call>", "</tool_call>"), normalized=False) for t in added])
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": bos, "eos_token": eos, "add_bos_token": False, "chat_template": template}))
-    ids = [tok.token_to_id(t) for t in [eos] + more_eos]
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
-    torch.manual_seed(5)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=2048, tie_word_embeddings=True,
-                                         eos_token_id=ids[0], bos_token_id=None))
-    model.save_pretrained(str(folder), safe_serialization=True)
-    return folder
+    return make_marker_model(folder, {t: t not in ("<tool_call>", "</tool_call>") for t in added}, [eos] + more_eos,
+                             bos, template, CORPUS, seed=5)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -166,3 +166,36 @@ def test_open_schema_forced_call_closes(client):
                                   tools=tools, tool_choice="required", max_tokens=48, temperature=0)
     assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
     assert set(json.loads(r.choices[0].message.tool_calls[0].function.arguments)) <= {"city"}
+
+
+def test_keywords_the_grammar_cannot_compile_are_left_out_once_for_every_api(caplog):
+    """propertyNames (Claude Code's tools send it) is stripped from the tools of chat completions,
+    Responses and Messages alike (they all pass spec.parse_tools), with one warning in the log; the
+    rest of the schema is kept, and a schema invalid for another reason is still a 400 naming it."""
+    import logging
+
+    from specdecode.params import ParamError
+    from specdecode.serve.anthropic_request import translate
+    from specdecode.serve.responses_input import chat_body
+    from specdecode.serve.tools import parse_tools
+    from specdecode.serve.tools import schema as schema_module
+    labels = {"type": "object", "properties": {"labels": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"},
+                                                          "additionalProperties": {"type": "string"}}},
+              "required": ["labels"]}
+    chat = {"tools": [{"type": "function", "function": {"name": "tag", "parameters": labels}}]}
+    responses = chat_body({"input": "hi", "tools": [{"type": "function", "name": "tag", "parameters": labels}]},
+                          [])[0]
+    messages = translate({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                          "tools": [{"name": "tag", "input_schema": labels}]}).chat
+    schema_module._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="specdecode.serve"):
+        for body in (chat, responses, messages):
+            spec = parse_tools(body)
+            kept = spec.tools[0]["function"]["parameters"]
+            assert "propertyNames" not in json.dumps(kept) and kept["required"] == ["labels"]
+            assert kept["properties"]["labels"]["additionalProperties"] == {"type": "string"}
+    warnings = [r for r in caplog.records if "propertyNames" in r.getMessage()]
+    assert len(warnings) == 1
+    assert labels["properties"]["labels"]["propertyNames"]            # the request's own schema is untouched
+    with pytest.raises(ParamError, match=r"tools\[0\]\.function\.parameters"):
+        parse_tools({"tools": [{"type": "function", "function": {"name": "t", "parameters": {"type": "nope"}}}]})

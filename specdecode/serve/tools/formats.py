@@ -8,6 +8,8 @@
   or the vocabulary.
 * `phi4` (Phi-4-mini): `<|tool_call|>[{"name": ..., "arguments": {...}}]<|/tool_call|>`; chosen when the
   vocabulary has `<|tool_call|>` and `<|/tool_call|>`.
+* `qwen3_coder` (Qwen3-Coder, Qwen3.5) and `gemma4` (Gemma 4): arguments in the family's own notation, not
+  JSON (markup.py, which reads and constrains them).
 
 A marker the vocabulary holds as one token (Qwen's `<tool_call>`, Mistral's `[TOOL_CALLS]`) is that
 token: the grammar of a forced call names it by id (`<[id]>` in llguidance's Lark) when llguidance
@@ -27,6 +29,9 @@ import string
 import uuid
 import weakref
 from dataclasses import dataclass, field, replace
+
+from . import notation
+from .notation import GEMMA, MARKUP, QUOTE, XML  # noqa: F401  (XML: the tests name the family)
 
 SENTINEL = "sentinel_fn"
 # an earlier turn's call to SENTINEL, which the probes below render to see what a template writes
@@ -53,15 +58,21 @@ class ToolFormat:
     gap_start: str = ""              # between `start` and the JSON (Qwen: "\n", Mistral v3: " ")
     gap_end: str = ""                # between the JSON and `end`
     also: tuple[Marker, ...] = field(default=())   # other markers that open calls (Llama's <|python_tag|>)
+    inner: tuple[Marker, ...] = field(default=())  # tokens inside a call the decoder keeps (Gemma 4's <|"|>)
 
     def markers(self) -> list[Marker]:
         return [m for m in (self.start, self.end, *self.also) if m is not None]
 
+    @property
+    def markup(self) -> bool:
+        """Are the arguments written in the family's own notation, not JSON (markup.py)?"""
+        return self.name in MARKUP
+
     def kept_tokens(self) -> dict[int, str]:
         """Marker tokens the decoder keeps as their text (special tokens are skipped otherwise)."""
-        return {m.token: m.text for m in self.markers() if m.token is not None}
+        return {m.token: m.text for m in self.markers() + list(self.inner) if m.token is not None}
 
-    def grammar(self, call_schema: dict) -> str:
+    def grammar(self, call_schema: dict) -> str:        # (the JSON formats'; markup.call_grammar the others')
         """Lark for one call whose JSON follows `call_schema`, in this format's exact tokens."""
         parts = []
         if self.start is not None:
@@ -85,11 +96,15 @@ class ToolFormat:
 
     def example(self) -> str:
         """A call in this format, with placeholders (the system instruction shows it)."""
+        if self.markup:
+            return notation.example(self)
         return self._marked(['{"name": <function name>, "' + self.args_key + '": <arguments as a JSON object>}'])
 
     def write(self, calls: list[tuple[str, object]]) -> str:
         """Calls (name, arguments) as the model writes them: an earlier turn's calls, for a template
         that does not render `tool_calls` itself."""
+        if self.markup:
+            return notation.write(self, calls)
         return self._marked([json.dumps({"name": name, self.args_key: args}, ensure_ascii=False)
                              for name, args in calls])
 
@@ -125,6 +140,11 @@ def detect(tokenizer, is_special=lambda token: False) -> ToolFormat:
         return Marker(text, token, token is not None and bool(is_special(token)))
 
     has = lambda text: single_token(tokenizer, text) is not None        # noqa: E731
+    if "<function=" in template and "<parameter=" in template:       # Qwen3-Coder, Qwen3.5: XML (markup.py)
+        return ToolFormat(XML, marker("<tool_call>"), marker("</tool_call>"), gap_start="\n", gap_end="\n",
+                          also=(Marker("<function="),))
+    if "<|tool_call>" in template or (has("<|tool_call>") and has("<tool_call|>")):    # Gemma 4 (markup.py)
+        return ToolFormat(GEMMA, marker("<|tool_call>"), marker("<tool_call|>"), inner=(marker(QUOTE),))
     if "[TOOL_CALLS]" in template or has("[TOOL_CALLS]"):
         fmt = ToolFormat("mistral", marker("[TOOL_CALLS]"), listed=True, gap_start=" ")
     elif "<tool_call>" in template:
@@ -170,7 +190,7 @@ def renders_tool_turns(tokenizer) -> tuple[bool, bool]:
         turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]},
                  {"role": "tool", "content": SENTINEL + "_result", "tool_call_id": "abcdefghi", "name": SENTINEL}]
         found = []
-        for messages, mark in ((turns[:2], '"' + SENTINEL + '"'), (turns, SENTINEL + "_result")):
+        for messages, mark in ((turns[:2], SENTINEL), (turns, SENTINEL + "_result")):
             try:
                 found.append(mark in tokenizer.apply_chat_template(messages, add_generation_prompt=False))
             except Exception:  # noqa: BLE001 -- a template that refuses the turn does not write it

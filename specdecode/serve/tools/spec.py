@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from ...params import ParamError
 from ...structured import JSON_STYLE, Structured, check_grammar
 from .formats import HERMES, ToolFormat, renders_tool_turns, takes_tools
+from .markup_grammar import call_grammar
+from .schema import closed, supported
 
 # a template that reads tool definitions from the system message's own `tools` field (Phi-4-mini)
 MESSAGE_TOOLS = re.compile(r"""message\s*(\[\s*['"]tools['"]\s*\]|\.tools\b)""")
@@ -48,28 +50,14 @@ class ToolSpec:
             return None
         key = self.fmt.args_key
         chosen = [f for f in self.functions() if self.choice == "required" or f["name"] == self.choice]
+        if self.fmt.markup:                              # Qwen3-Coder's XML, Gemma 4's notation
+            return Structured("grammar", call_grammar(self.fmt, chosen))
         schemas = [{"type": "object", "properties": {"name": {"const": f["name"]},
                                                      key: closed(f.get("parameters") or {"type": "object"})},
                     "required": ["name", key], "additionalProperties": False} for f in chosen]
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         schema["x-guidance"] = dict(JSON_STYLE)          # llguidance's options: compact, one separator style
         return Structured("grammar", self.fmt.grammar(schema))
-
-
-def closed(schema):
-    """A copy of `schema` whose object schemas with `properties` and no `additionalProperties` /
-    `patternProperties` get `additionalProperties: false`."""
-    if isinstance(schema, list):
-        return [closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: closed(value) if key != "properties" and key != "enum" and key != "const" else value
-           for key, value in schema.items()}
-    if isinstance(schema.get("properties"), dict):
-        out["properties"] = {name: closed(sub) for name, sub in schema["properties"].items()}
-        if "additionalProperties" not in schema and "patternProperties" not in schema:
-            out["additionalProperties"] = False
-    return out
 
 
 def parse_tools(body: dict, fmt: ToolFormat | None = None) -> ToolSpec | None:
@@ -82,7 +70,7 @@ def parse_tools(body: dict, fmt: ToolFormat | None = None) -> ToolSpec | None:
         return None
     if not isinstance(tools, list) or not tools:
         raise ParamError("tools must be a non-empty list of {'type': 'function', 'function': {...}}")
-    names = []
+    names, kept = [], []
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
@@ -90,12 +78,15 @@ def parse_tools(body: dict, fmt: ToolFormat | None = None) -> ToolSpec | None:
         if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
             raise ParamError(f"tools[{i}].function.parameters must be a JSON schema object")
         if f.get("parameters"):
+            f = dict(f, parameters=supported(f["parameters"]))      # keywords the grammar cannot compile: out
+            t = dict(t, function=f)
             try:
                 check_grammar(Structured("json_schema", f["parameters"]))
             except ParamError as exc:
                 raise ParamError(f"tools[{i}].function.parameters is not a valid JSON schema: "
                                  f"{str(exc).removeprefix('invalid json_schema: ')}") from None
         names.append(f["name"])
+        kept.append(t)
     if choice is None:
         choice = "auto"
     elif isinstance(choice, dict):
@@ -108,7 +99,7 @@ def parse_tools(body: dict, fmt: ToolFormat | None = None) -> ToolSpec | None:
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise ParamError(f"parallel_tool_calls must be true or false, got {parallel!r:.80}")
-    return ToolSpec(tools, choice, fmt if fmt is not None else HERMES, parallel is not False)
+    return ToolSpec(kept, choice, fmt if fmt is not None else HERMES, parallel is not False)
 
 
 def with_tools(messages: list[dict], tools: ToolSpec | None, tokenizer,
@@ -121,6 +112,8 @@ def with_tools(messages: list[dict], tools: ToolSpec | None, tokenizer,
     tool results that the template would drop are written into the turns' text (`as_text`).
     `tool_format()`: the model's call format, asked for only when a turn needs it."""
     messages = [_arguments_as_objects(m) for m in messages]
+    if "tool_responses" in (tokenizer.chat_template or "") and any(m["role"] == "tool" for m in messages):
+        messages = in_calling_turn(messages)
     if any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         messages = as_text(messages, tools.fmt if tools is not None else tool_format(), tokenizer)
     if tools is None or not tools.active:
@@ -141,6 +134,29 @@ def with_tools(messages: list[dict], tools: ToolSpec | None, tokenizer,
         return messages[:first_user] + [dict(m, content=tools.system_prompt() + "\n\n" + m["content"])] + \
             messages[first_user + 1:], None
     return [{"role": "system", "content": tools.system_prompt()}] + messages, None
+
+
+def in_calling_turn(messages: list[dict]) -> list[dict]:
+    """Tool results as the calling turn's `tool_responses` ({"name", "response"}: a JSON object's
+    content as the object, else the text), as Gemma 4's templates write them (`<|tool_response>` blocks
+    inside the model's turn; its first template writes a `tool` message as a turn of role "tool",
+    which the model never saw in training). A result without a calling turn before it is left as it is."""
+    out: list[dict] = []
+    for m in messages:
+        calls = out[-1].get("tool_calls") if out and out[-1]["role"] == "assistant" else None
+        if m["role"] != "tool" or not calls:
+            out.append(m)
+            continue
+        name = next((c["function"]["name"] for c in calls if isinstance(c, dict) and isinstance(c.get("function"), dict)
+                     and c.get("id") == m.get("tool_call_id")), m.get("name") or "unknown")
+        try:
+            response = json.loads(m["content"])
+        except ValueError:
+            response = None
+        response = response if isinstance(response, dict) else m["content"]
+        out[-1] = dict(out[-1], tool_responses=out[-1].get("tool_responses", []) + [{"name": name,
+                                                                                     "response": response}])
+    return out
 
 
 def takes_system(tokenizer) -> bool:
