@@ -100,7 +100,7 @@ class PagedKVCache:
                     for first in range(0, self.num_blocks, GROW_BLOCKS):   # blocks never written: left unmapped
                         part = pool[first:first + GROW_BLOCKS]
                         if part.any():
-                            bigger[first:first + GROW_BLOCKS] = part
+                            bigger[first:first + part.shape[0]] = part
                     pools[i] = bigger
             self.pool.grow(num_blocks)
             self.num_blocks = num_blocks

@@ -123,8 +123,10 @@ def test_growing_a_pool_keeps_its_blocks_and_leaves_the_unwritten_ones_unmapped(
     cache = PagedKVCache(1, 1, 4, 64, 16384, 2049, 16, torch.bfloat16)        # 2 pools of 16 MiB
     cache.keys[0][3] = 2.0
     cache.values[0][2000] = -1.0
+    cache.values[0][2048] = 3.0                                                # the last block, past 32 x 64
     before = anon_kb()
     cache.grow(2, 4097)
     assert anon_kb() - before < 8 * 1024, anon_kb() - before
     assert cache.keys[0].shape[0] == 4097 and float(cache.keys[0][3].float().mean()) == 2.0
     assert float(cache.values[0][2000].float().mean()) == -1.0 and cache.keys[0][4:].abs().sum() == 0
+    assert float(cache.values[0][2048].float().mean()) == 3.0 and cache.values[0][2049:].abs().sum() == 0
