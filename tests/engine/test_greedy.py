@@ -88,27 +88,23 @@ def test_the_draft_model_reads_the_prompt_during_prefill(tiny_models):
     llm = LLM(model=str(tiny_models["llama"]), draft=str(tiny_models["llama_draft"]), dtype="fp32", progress=False,
               adaptive=False, method="model")
     model = llm.drafter.model
-    widths = {"run": [], "forward": []}
-    run_, forward_ = model.run, model.forward
+    widths = []
+    run_ = model.run
 
     def run(fb, cache, **kw):
-        widths["run"].append(fb.tokens.shape[1])
+        widths.append(fb.tokens.shape[1])
         return run_(fb, cache, **kw)
-
-    def forward(tokens, *a, **kw):
-        widths["forward"].append(tokens.shape[1])
-        return forward_(tokens, *a, **kw)
-    model.run, model.forward = run, forward
+    model.run = run
     try:
         plain = llm.generate(PROMPTS, SamplingParams(max_tokens=20, ignore_eos=True), num_speculative_tokens=0)
-        widths["run"].clear(), widths["forward"].clear()
+        widths.clear()
         spec = llm.generate(PROMPTS, SamplingParams(max_tokens=20, ignore_eos=True), num_speculative_tokens=3)
     finally:
-        model.run, model.forward = run_, forward_
+        model.run = run_
     assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
     longest = max(len(llm.tokenizer.encode(p)) for p in PROMPTS)
-    assert widths["run"][0] == longest - 1            # the prefill pass: every prompt but its last token
-    assert max(widths["forward"]) <= 2                 # proposals: the unseen bonus (+ last draft), then drafts
+    assert widths[0] == longest - 1                    # the prefill pass: every prompt but its last token
+    assert max(widths[1:]) <= 2                 # proposals: the unseen bonus (+ last draft), then drafts
 
 
 def test_cascade_suffix_lookup_keeps_greedy_outputs(tiny_models):
