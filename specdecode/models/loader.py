@@ -403,9 +403,8 @@ def _load_native(path: Path, name: str, dtype: torch.dtype, device: torch.device
         names = {k: v for k, v in weights.items() if not (k == "lm_head.weight" and config.tie_word_embeddings)}
         fingerprint = weights_fingerprint(names)
         fingerprint_file.write_text(json.dumps({"fingerprint": fingerprint}))
-        if device.type == "cpu":    # the embedding rows the sample mapped: a file there (gguf.mapped_embedding)
-            from ..fast.quant import release_pages
-            release_pages(weights["model.embed_tokens.weight"])
+        # the embedding is left resident: it is a mapped file only where gguf.mapped_embedding made it,
+        # and given back elsewhere (a table read into memory) its pages would come back as zeros
     if requant:
         quantize_projections(weights, requant, cache_key=f"{fingerprint}-gguf")
     model = build_decoder(config, weights, make_linear)
