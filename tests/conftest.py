@@ -3,6 +3,7 @@ on the fly (no network), and the embedded SmolLM2-135M for the slow tests."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -793,3 +794,39 @@ def make_gemma4_moe(folder: Path, layers: int = 5, seed: int = 17) -> Path:
             layer.experts.down_proj.mul_(8.0)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
+
+
+# ---------------------------------------------------------------- a fuzzed server and its log (the API fuzz tests)
+FUZZ_KEY = "fuzz-key"
+
+
+class LogTracebacks(logging.Handler):
+    """The warnings and errors logged with a traceback (exc_info, or one in the message)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.tracebacks: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info or "Traceback" in record.getMessage():
+            self.tracebacks.append(self.format(record))
+
+
+@pytest.fixture(scope="module")
+def fuzz_served():
+    """(a server on the embedded model behind FUZZ_KEY, its LogTracebacks): test_messages_fuzz.py,
+    test_responses_fuzz.py."""
+    from specdecode import LLM
+    from specdecode.engine.config import EngineConfig
+    from specdecode.serve.app import create_app
+    from specdecode.serve.server import BackgroundServer, build_state
+    llm = LLM(method="ngram", progress=False)
+    state = build_state(llm, EngineConfig(max_batch_size=2, max_model_len=2048, served_model_name="m"))
+    records = LogTracebacks()
+    logging.getLogger().addHandler(records)
+    try:
+        with BackgroundServer(create_app(state, api_key=FUZZ_KEY)) as srv:
+            yield srv, records
+    finally:
+        logging.getLogger().removeHandler(records)
+

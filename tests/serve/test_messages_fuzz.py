@@ -9,22 +9,15 @@ image, document or server tool's result block is a 400 (tested in test_messages.
 the schema few bodies reached the engine."""
 from __future__ import annotations
 
-import logging
-
 import pytest
 import schemathesis
 from anthropic.types.message_count_tokens_params import MessageCountTokensParams
 from anthropic.types.message_create_params import MessageCreateParamsNonStreaming
+from conftest import FUZZ_KEY as KEY
 from hypothesis import HealthCheck, settings
 from pydantic import TypeAdapter
 
-from specdecode import LLM
-from specdecode.engine.config import EngineConfig
-from specdecode.serve.app import create_app
-from specdecode.serve.server import BackgroundServer, build_state
-
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
-KEY = "fuzz-key"
 TAKEN_BLOCKS = ("TextBlockParam", "ToolUseBlockParam", "ToolResultBlockParam", "ThinkingBlockParam",
                 "RedactedThinkingBlockParam")
 EXAMPLES = 50                     # per operation and mode
@@ -58,29 +51,6 @@ def openapi() -> dict:
             "components": {"schemas": defs}}
 
 
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.tracebacks: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.exc_info or "Traceback" in record.getMessage():
-            self.tracebacks.append(self.format(record))
-
-
-@pytest.fixture(scope="module")
-def served():
-    llm = LLM(method="ngram", progress=False)
-    state = build_state(llm, EngineConfig(max_batch_size=2, max_model_len=2048, served_model_name="m"))
-    records = Records()
-    logging.getLogger().addHandler(records)
-    try:
-        with BackgroundServer(create_app(state, api_key=KEY)) as srv:
-            yield srv, records
-    finally:
-        logging.getLogger().removeHandler(records)
-
-
 schema = schemathesis.openapi.from_dict(openapi())
 schema.config.generation.update(modes=["positive", "negative"], max_examples=EXAMPLES, deterministic=True)
 schema.config.phases.update(phases=["fuzzing"])     # the coverage phase's boundary cases: ~15k requests
@@ -88,8 +58,8 @@ schema.config.phases.update(phases=["fuzzing"])     # the coverage phase's bound
 
 @schema.parametrize()
 @settings(deadline=None, suppress_health_check=list(HealthCheck))
-def test_no_5xx_and_no_traceback(case, served):
-    server, records = served
+def test_no_5xx_and_no_traceback(case, fuzz_served):
+    server, records = fuzz_served
     response = case.call(base_url=server.url, headers={"x-api-key": KEY}, timeout=60)
     assert response.status_code < 500, response.text
     if response.status_code >= 400:

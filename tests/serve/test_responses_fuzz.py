@@ -10,20 +10,14 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 from pathlib import Path
 
 import pytest
 import schemathesis
+from conftest import FUZZ_KEY as KEY
 from hypothesis import HealthCheck, settings
 
-from specdecode import LLM
-from specdecode.engine.config import EngineConfig
-from specdecode.serve.app import create_app
-from specdecode.serve.server import BackgroundServer, build_state
-
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
-KEY = "fuzz-key"
 EXAMPLES = 40                     # per operation and mode
 SPEC = Path(__file__).parent / "data" / "openai_responses.openapi.json"
 STATUSES: dict[tuple[str, str], list[int]] = {}     # (method, path) -> the statuses answered
@@ -43,29 +37,6 @@ def openapi() -> dict:
     return doc
 
 
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.tracebacks: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.exc_info or "Traceback" in record.getMessage():
-            self.tracebacks.append(self.format(record))
-
-
-@pytest.fixture(scope="module")
-def served():
-    llm = LLM(method="ngram", progress=False)
-    state = build_state(llm, EngineConfig(max_batch_size=2, max_model_len=2048, served_model_name="m"))
-    records = Records()
-    logging.getLogger().addHandler(records)
-    try:
-        with BackgroundServer(create_app(state, api_key=KEY)) as srv:
-            yield srv, records
-    finally:
-        logging.getLogger().removeHandler(records)
-
-
 schema = schemathesis.openapi.from_dict(openapi())
 schema.config.generation.update(modes=["positive", "negative"], max_examples=EXAMPLES, deterministic=True)
 schema.config.phases.update(phases=["fuzzing"])
@@ -73,8 +44,8 @@ schema.config.phases.update(phases=["fuzzing"])
 
 @schema.parametrize()
 @settings(deadline=None, suppress_health_check=list(HealthCheck))
-def test_no_5xx_and_no_traceback(case, served):
-    server, records = served
+def test_no_5xx_and_no_traceback(case, fuzz_served):
+    server, records = fuzz_served
     response = case.call(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     STATUSES.setdefault((case.method, case.operation.path), []).append(response.status_code)
     assert response.status_code < 500, (case.method, case.path, response.text)
